@@ -1,0 +1,159 @@
+"""Run config: one typed tree (model, depth, optim, data, parallel, train, logging).
+
+``load_config("tiny", ["train.max_steps=20"])`` reads ``megaloop/configs/tiny.yaml`` (or a path),
+applies dotlist overrides and validates every section; errors name the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from megaloop.config_utils import ConfigError, apply_dotlist, from_dict, load_yaml, require, to_dict
+from megaloop.data.config import DataConfig
+from megaloop.depth.config import DepthConfig
+from megaloop.model.config import ModelConfig
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+SCHEDULES = ("wsd", "cosine", "constant")
+NONFINITE = ("skip", "abort")
+WANDB_MODES = ("disabled", "offline", "online")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel degrees; data parallelism is what is left of the world size."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None  # model chunks per pipeline rank (interleaved 1F1B)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.tp >= 1, "parallel.tp", f"must be >= 1, got {self.tp}")
+        require(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
+        require(self.vpp is None or self.vpp >= 1, "parallel.vpp", "must be >= 1 or null")
+        require(self.vpp in (None, 1) or self.pp >= 2, "parallel.vpp", "interleaving needs parallel.pp >= 2")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + LR schedule. ``wsd``: linear warm-up, constant, decay over the final
+    ``decay_fraction`` of ``train.max_steps`` (the horizon)."""
+
+    lr: float = 3e-3
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    schedule: str = "wsd"
+    warmup_steps: int = 10
+    decay_fraction: float = 0.2
+    decay_style: str = "linear"  # WSD decay shape: linear | cosine | exponential | minus_sqrt
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, "optim.min_lr", "must be in [0, optim.lr]")
+        require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        require(self.clip_grad >= 0, "optim.clip_grad", "must be >= 0 (0 disables clipping)")
+        require(self.schedule in SCHEDULES, "optim.schedule", f"one of {SCHEDULES}")
+        require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        require(0 <= self.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
+
+
+@dataclass
+class TrainConfig:
+    """Batch arithmetic, horizon and cadence. ``global_batch_size`` sequences per optimizer step
+    = micro_batch_size × microbatches × data-parallel size."""
+
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    max_steps: int = 100  # schedule horizon
+    stop_after: int | None = None  # stop after this many steps without changing the schedule
+    seed: int = 1234
+    log_interval: int = 1
+    save_interval: int = 50
+    keep_checkpoints: int = 2
+    eval_interval: int = 0  # 0 = only at the end
+    eval_batches: int = 4
+    eval_depth: int = 5
+    nonfinite: str = "skip"  # skip the update (and count it) or abort
+    max_nonfinite: int = 10  # abort after this many consecutive non-finite steps
+    peak_tflops: float = 0.0  # device peak for MFU; 0 = per-device default (H100/H200 bf16: 989)
+
+    def __post_init__(self) -> None:
+        require(self.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")
+        require(self.global_batch_size >= self.micro_batch_size, "train.global_batch_size",
+                "must be >= train.micro_batch_size")
+        require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
+        require(self.max_steps >= 1, "train.max_steps", "must be >= 1")
+        require(self.stop_after is None or self.stop_after >= 1, "train.stop_after", "must be >= 1 or null")
+        require(self.nonfinite in NONFINITE, "train.nonfinite", f"one of {NONFINITE}")
+        require(self.save_interval >= 0, "train.save_interval", "must be >= 0")
+        require(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
+        require(self.eval_depth >= 1, "train.eval_depth", "must be >= 1")
+
+    def num_microbatches(self, dp: int) -> int:
+        per = self.micro_batch_size * dp
+        if self.global_batch_size % per:
+            raise ConfigError(
+                f"train.global_batch_size: {self.global_batch_size} is not divisible by "
+                f"micro_batch_size × data-parallel size = {self.micro_batch_size}×{dp}")
+        return self.global_batch_size // per
+
+
+@dataclass
+class LoggingConfig:
+    wandb: str = "disabled"  # disabled | offline | online
+    project: str = "megaloop"
+    name: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.wandb in WANDB_MODES, "logging.wandb", f"one of {WANDB_MODES}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    depth: DepthConfig = field(default_factory=DepthConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        self.model.validate_parallel(self.parallel.tp, self.parallel.sequence_parallel)
+        if self.model.looped and self.depth.kind == "fixed":
+            require(self.depth.depth >= 1, "depth.depth", "must be >= 1")
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def dump(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return p
+    q = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not q.exists():
+        known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"config {name_or_path!r}: no such file or preset (presets: {', '.join(known)})")
+    return q
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
+    """Preset name or YAML path, plus ``section.key=value`` overrides -> validated RunConfig."""
+    data = load_yaml(resolve_config_path(name_or_path))
+    apply_dotlist(data, overrides or [])
+    return from_dict(RunConfig, data)

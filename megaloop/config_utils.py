@@ -1,0 +1,160 @@
+"""Typed dataclass configs: YAML loading and ``a.b=c`` dotlist overrides.
+
+Every config section is a dataclass validated in ``__post_init__``; errors are ``ConfigError``
+and name the offending field (``model.num_heads``), so bad input fails before any compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is invalid; the message names the field."""
+
+
+def require(cond: bool, field: str, msg: str) -> None:
+    """Raise ``ConfigError("field: msg")`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse a dotlist value with YAML rules (``1e-3`` -> float, ``[1,2]`` -> list, ``null``)."""
+    value = yaml.safe_load(text)
+    # YAML 1.1 reads "1e-3" as a string; accept it as a float like every other CLI does.
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _coerce(value: Any, tp: Any, field: str) -> Any:
+    """Coerce a YAML/dotlist value to the annotated type ``tp`` or raise naming ``field``."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        for a in args:
+            try:
+                return _coerce(value, a, field)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{field}: cannot read {value!r} as {tp}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{field}: expected a mapping, got {value!r}")
+        return from_dict(tp, value, prefix=field)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{field}: expected a list, got {value!r}")
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        items = [_coerce(v, inner, f"{field}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict or tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{field}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{field}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{field}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{field}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in names:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(f"{where}: unknown field (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else key
+        kwargs[key] = _coerce(value, hints[key], where)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if prefix and not str(err).startswith(prefix):
+            raise ConfigError(f"{prefix}.{err}") from None
+        raise
+
+
+def to_dict(cfg: Any) -> dict:
+    """Nested plain-dict view of a dataclass config (YAML-serialisable)."""
+    out = dataclasses.asdict(cfg)
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [fix(x) for x in v]
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [fix(x) for x in v]
+        return v
+
+    return fix(out)
+
+
+def apply_dotlist(data: dict, dotlist: list[str]) -> dict:
+    """Apply ``a.b=c`` overrides to a nested dict (in place) and return it."""
+    for item in dotlist:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value (e.g. train.max_steps=20)")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+        node[parts[-1]] = _parse_scalar(text)
+    return data
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Recursively merge ``over`` into a copy of ``base``."""
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: top level must be a mapping")
+    base = data.pop("base", None)
+    if base:
+        data = merge(load_yaml(path.parent / base), data)
+    return data

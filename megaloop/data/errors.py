@@ -1,0 +1,7 @@
+"""Errors raised by the data pipeline."""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Input or output data is missing, malformed or corrupt; the message names the file."""

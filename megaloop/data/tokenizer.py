@@ -1,0 +1,189 @@
+"""Tokenizer loading (HF ``tokenizer.json`` or SentencePiece ``.model``) and byte-level BPE training.
+
+``load_tokenizer(path)`` accepts a ``tokenizer.json`` file, a SentencePiece ``.model`` file, a
+directory holding either, or ``"default"`` (the embedded corpus' tokenizer). The returned object
+encodes *without* adding special tokens; the packer appends EOS itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from megaloop.data.errors import DataError
+
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
+BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]")
+PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]")
+# Special tokens of tokenizers trained by megaloop (ids 0, 1, 2 in this order).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|pad|>")
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Tokenizer:
+    """Uniform view of an HF ``tokenizers`` or SentencePiece tokenizer.
+
+    Attributes: ``path`` (resolved file), ``kind`` ("hf" | "sentencepiece"), ``sha256`` (of the
+    file), ``vocab_size`` (incl. added tokens), ``eos_id``, ``bos_id`` / ``pad_id`` (or None).
+    """
+
+    def __init__(self, path: str | Path, eos_token: str | None = None) -> None:
+        self.path = _resolve(Path(path))
+        self.sha256 = file_sha256(self.path)
+        if self.path.suffix == ".model":
+            self.kind = "sentencepiece"
+            self._init_sentencepiece(eos_token)
+        else:
+            self.kind = "hf"
+            self._init_hf(eos_token)
+
+    def _init_hf(self, eos_token: str | None) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            self._tok = HFTokenizer.from_file(str(self.path))
+        except Exception as err:  # tokenizers raises plain Exception subclasses
+            raise DataError(f"cannot load tokenizer {self.path}: {err}") from None
+        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
+        cfg = _read_tokenizer_config(self.path.parent)
+        self.eos_id = self._find_id(eos_token or cfg.get("eos_token"), EOS_CANDIDATES, "EOS")
+        self.bos_id = self._find_id(cfg.get("bos_token"), BOS_CANDIDATES, None)
+        self.pad_id = self._find_id(cfg.get("pad_token"), PAD_CANDIDATES, None)
+
+    def _find_id(self, explicit: str | None, candidates: Sequence[str], need: str | None) -> int | None:
+        names = [explicit] if explicit else list(candidates)
+        for name in names:
+            tid = self._tok.token_to_id(name)
+            if tid is not None:
+                return int(tid)
+        if need:
+            raise DataError(f"tokenizer {self.path}: no {need} token found (tried {names}); "
+                            f"pass --eos-token or add eos_token to tokenizer_config.json")
+        return None
+
+    def _init_sentencepiece(self, eos_token: str | None) -> None:
+        try:
+            import sentencepiece as spm
+        except ImportError:
+            raise DataError(f"tokenizer {self.path} is a SentencePiece model but the "
+                            "`sentencepiece` package is not installed (pip install sentencepiece)"
+                            ) from None
+        self._sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        self.vocab_size = int(self._sp.get_piece_size())
+        eos = self._sp.piece_to_id(eos_token) if eos_token else self._sp.eos_id()
+        if eos is None or eos < 0:
+            raise DataError(f"tokenizer {self.path}: SentencePiece model has no EOS id")
+        self.eos_id = int(eos)
+        self.bos_id = int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else None
+        self.pad_id = int(self._sp.pad_id()) if self._sp.pad_id() >= 0 else None
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no BOS/EOS added)."""
+        if self.kind == "sentencepiece":
+            return list(self._sp.encode(text))
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text (no special tokens)."""
+        if self.kind == "sentencepiece":
+            return [list(x) for x in self._sp.encode(list(texts))]
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids`` (special tokens kept, so EOS shows as its string)."""
+        ids = [int(i) for i in ids]
+        if self.kind == "sentencepiece":
+            return self._sp.decode(ids)
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def describe(self) -> dict:
+        """JSON-able summary for manifests."""
+        return {"path": str(self.path), "kind": self.kind, "sha256": self.sha256,
+                "vocab_size": self.vocab_size, "eos_id": self.eos_id, "bos_id": self.bos_id,
+                "pad_id": self.pad_id}
+
+
+def _resolve(path: Path) -> Path:
+    """File behind a tokenizer path (file, or directory with tokenizer.json / tokenizer.model)."""
+    if path.is_dir():
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (path / name).is_file():
+                return path / name
+        models = sorted(path.glob("*.model"))
+        if models:
+            return models[0]
+        raise DataError(f"tokenizer directory {path} holds no tokenizer.json or *.model")
+    if not path.is_file():
+        raise DataError(f"tokenizer {path} does not exist")
+    return path
+
+
+def _read_tokenizer_config(directory: Path) -> dict:
+    """``{eos_token, bos_token, pad_token}`` strings from an HF tokenizer_config.json, if any."""
+    out: dict = {}
+    cfg = directory / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            data = json.loads(cfg.read_text())
+        except json.JSONDecodeError as err:
+            raise DataError(f"{cfg}: invalid JSON ({err})") from None
+        for key in ("eos_token", "bos_token", "pad_token"):
+            val = data.get(key)
+            if isinstance(val, dict):
+                val = val.get("content")
+            if isinstance(val, str):
+                out[key] = val
+    return out
+
+
+def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """Load a tokenizer; ``"default"`` gives the embedded corpus' byte-level BPE tokenizer."""
+    if str(path) == "default":
+        from megaloop.data.default_corpus import ensure_default_tokenizer
+
+        path = ensure_default_tokenizer()
+    return Tokenizer(path, eos_token=eos_token)
+
+
+def train_bytelevel_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 4096,
+                        min_frequency: int = 2) -> Path:
+    """Train a deterministic byte-level BPE on ``texts``; write an HF-loadable tokenizer dir.
+
+    Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` so both
+    ``load_tokenizer`` and ``transformers.PreTrainedTokenizerFast.from_pretrained(out_dir)`` work.
+    Special tokens: ``<|endoftext|>`` (EOS, id 0), ``<|bos|>`` (1), ``<|pad|>`` (2).
+    Returns the path of ``tokenizer.json``.
+    """
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    eos, bos, pad = SPECIAL_TOKENS
+    (out / "special_tokens_map.json").write_text(json.dumps(
+        {"eos_token": eos, "bos_token": bos, "pad_token": pad, "unk_token": eos}, indent=2))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
+        "pad_token": pad, "unk_token": eos, "model_max_length": 1_000_000,
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    return out / "tokenizer.json"

@@ -1,0 +1,70 @@
+"""Config of the training-depth distribution and the learned depth prior (SPEC §4–§5)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.config_utils import require
+
+DEPTH_KINDS = ("fixed", "pln", "learned")
+PRIOR_INITS = ("pln", "uniform", "uniform_1_10")
+REWARD_ARMS = ("exp", "neglog", "negexp", "raw_ce")
+
+
+@dataclass
+class DepthConfig:
+    """How each microbatch's recurrence depth is drawn.
+
+    kind: ``fixed`` (always ``depth``), ``pln`` (Poisson-lognormal, mean ``mean`` exactly after the
+    cap), or ``learned`` (categorical prior over 1..``r_max`` updated from per-microbatch CE).
+    """
+
+    kind: str = "pln"
+    depth: int = 5  # fixed depth
+    mean: float = 5.0  # PLN mean after capping; also the prior's target mean R̄ unless set below
+    sigma: float = 0.5  # PLN log-normal std
+    cap: int = 64  # PLN cap
+    r_max: int = 64  # learned prior support 1..r_max
+    init: str = "pln"  # learned prior init: pln | uniform | uniform_1_10
+    reward: str = "exp"  # exp (= exp(-ℓ), default) | neglog | negexp | raw_ce
+    entropy_coef: float = 0.01  # λ_H
+    mean_coef: float = 1.0  # λ_m
+    target_mean: float = 5.0  # R̄
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_updates: int = 32
+    ema_decay: float = 0.95  # ν
+    frozen: bool = False
+
+    def __post_init__(self) -> None:
+        require(self.kind in DEPTH_KINDS, "depth.kind", f"unknown kind {self.kind!r}; one of {DEPTH_KINDS}")
+        require(self.depth >= 1, "depth.depth", f"must be >= 1, got {self.depth}")
+        require(self.cap >= 1, "depth.cap", f"must be >= 1, got {self.cap}")
+        require(self.sigma > 0, "depth.sigma", f"must be > 0, got {self.sigma}")
+        # PLN needs mean > 1 strictly: mean 1 is a point mass (use kind=fixed), and every mass must be > 0.
+        require(1.0 < self.mean < self.cap or self.kind != "pln", "depth.mean",
+                f"must lie in (1, cap={self.cap}), got {self.mean}")
+        require(self.r_max >= 1, "depth.r_max", f"must be >= 1, got {self.r_max}")
+        require(self.init in PRIOR_INITS, "depth.init", f"unknown init {self.init!r}; one of {PRIOR_INITS}")
+        require(self.reward in REWARD_ARMS, "depth.reward", f"unknown reward {self.reward!r}; one of {REWARD_ARMS}")
+        require(self.lr > 0, "depth.lr", f"must be > 0, got {self.lr}")
+        require(0.0 <= self.ema_decay < 1.0, "depth.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
+        require(self.warmup_updates >= 0, "depth.warmup_updates", "must be >= 0")
+        require(self.entropy_coef >= 0, "depth.entropy_coef", f"must be >= 0, got {self.entropy_coef}")
+        require(self.mean_coef >= 0, "depth.mean_coef", f"must be >= 0, got {self.mean_coef}")
+        require(0.0 <= self.beta1 < 1.0, "depth.beta1", f"must be in [0, 1), got {self.beta1}")
+        require(0.0 <= self.beta2 < 1.0, "depth.beta2", f"must be in [0, 1), got {self.beta2}")
+        if self.kind == "learned":
+            require(self.init != "uniform_1_10" or self.r_max >= 10, "depth.r_max",
+                    f"init=uniform_1_10 needs r_max >= 10, got {self.r_max}")
+            require(self.init != "pln" or 1.0 < self.mean < self.r_max, "depth.mean",
+                    f"init=pln needs a PLN mean in (1, r_max={self.r_max}), got {self.mean}")
+            require(self.init != "pln" or self.r_max >= 2, "depth.r_max", "init=pln needs r_max >= 2")
+            require(1.0 <= self.target_mean <= self.r_max, "depth.target_mean",
+                    f"must lie in [1, r_max={self.r_max}], got {self.target_mean}")
+
+    @property
+    def max_depth(self) -> int:
+        """Largest depth this distribution can draw."""
+        return {"fixed": self.depth, "pln": self.cap, "learned": self.r_max}[self.kind]

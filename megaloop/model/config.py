@@ -1,0 +1,113 @@
+"""Model config: looped (prelude → shared core × R → coda) or untied baseline (SPEC §1–§3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloop.config_utils import require
+
+INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv")
+STATE_INITS = ("normal", "zero")
+ARCHS = ("looped", "untied")
+IMPLS = ("auto", "local", "transformer_engine")
+FP8_FORMATS = ("hybrid", "e4m3")
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and recipe of the model. Widths in channels, lengths in tokens.
+
+    ``arch=looped``: ``n_prelude`` layers, one weight-shared core of ``n_core`` layers applied
+    ``r`` times (``r`` drawn per microbatch), ``n_coda`` layers. ``arch=untied``: a plain
+    ``num_layers``-layer transformer from the same code (``Untied-N`` baselines).
+    """
+
+    arch: str = "looped"
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_query_groups: int | None = None  # GQA groups; None = num_heads (MHA)
+    ffn_hidden_size: int | None = None  # None = SwiGLU width round_up(8/3·d, 64)
+    n_prelude: int = 1
+    n_core: int = 2
+    n_coda: int = 1
+    num_layers: int = 4  # untied only
+    vocab_size: int = 0  # 0 = taken from the data's tokenizer manifest
+    vocab_pad_multiple: int = 128  # padded vocab is a multiple of this (independent of TP)
+    seq_len: int = 256
+    injection: str = "parcae_nonorm"
+    state_init: str = "normal"  # training-time h^0: N(0, state_init_std²) or zeros
+    state_init_std: float = 0.02
+    eval_state_init: str = "normal"
+    eval_seed: int = 0  # fixed seed of the evaluation-time Gaussian state init
+    init_std: float = 0.02  # weight init std
+    deq_std: float = 0.02  # σ of DEQ-QKV injection projections
+    b_max: int = 10  # TBPTT window cap: b = min(r, b_max)
+    rope_base: float = 10000.0
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-5
+    transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
+    fp8: str | None = None  # hybrid | e4m3 (needs TE and an FP8-capable GPU)
+    bf16: bool = False  # bf16 params/compute with fp32 main params in the optimizer
+
+    def __post_init__(self) -> None:
+        require(self.arch in ARCHS, "model.arch", f"unknown arch {self.arch!r}; one of {ARCHS}")
+        require(self.hidden_size > 0, "model.hidden_size", "must be > 0")
+        require(self.num_heads > 0, "model.num_heads", "must be > 0")
+        require(self.hidden_size % self.num_heads == 0, "model.num_heads",
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if self.num_query_groups is not None:
+            require(self.num_query_groups > 0 and self.num_heads % self.num_query_groups == 0,
+                    "model.num_query_groups", f"must divide num_heads {self.num_heads}")
+        require(self.injection in INJECTIONS, "model.injection",
+                f"unknown injection {self.injection!r}; one of {INJECTIONS}")
+        for f in ("state_init", "eval_state_init"):
+            require(getattr(self, f) in STATE_INITS, f"model.{f}", f"one of {STATE_INITS}")
+        require(self.b_max >= 1, "model.b_max", f"must be >= 1, got {self.b_max}")
+        require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
+        require(self.vocab_pad_multiple >= 1, "model.vocab_pad_multiple", "must be >= 1")
+        require(self.transformer_impl in IMPLS, "model.transformer_impl", f"one of {IMPLS}")
+        require(self.fp8 is None or self.fp8 in FP8_FORMATS, "model.fp8", f"null or one of {FP8_FORMATS}")
+        if self.arch == "looped":
+            require(self.n_prelude >= 0, "model.n_prelude", "must be >= 0")
+            require(self.n_core >= 1, "model.n_core", "a looped model needs n_core >= 1")
+            require(self.n_coda >= 0, "model.n_coda", "must be >= 0")
+        else:
+            require(self.num_layers >= 1, "model.num_layers", "must be >= 1")
+
+    @property
+    def looped(self) -> bool:
+        return self.arch == "looped"
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return -(-int(8 * self.hidden_size / 3) // 64) * 64
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def physical_layers(self) -> int:
+        return self.n_prelude + self.n_core + self.n_coda if self.looped else self.num_layers
+
+    def padded_vocab(self, vocab_size: int | None = None) -> int:
+        v = vocab_size or self.vocab_size
+        m = self.vocab_pad_multiple
+        return -(-v // m) * m
+
+    def validate_parallel(self, tp: int, sequence_parallel: bool) -> None:
+        """Check the shapes against a tensor-parallel degree; errors name the field."""
+        require(self.num_heads % tp == 0, "model.num_heads",
+                f"{self.num_heads} heads are not divisible by parallel.tp={tp}")
+        require(self.groups % tp == 0 or tp % self.groups == 0, "model.num_query_groups",
+                f"{self.groups} query groups do not split over parallel.tp={tp}")
+        require(self.ffn_size % tp == 0, "model.ffn_hidden_size",
+                f"{self.ffn_size} is not divisible by parallel.tp={tp}")
+        require(self.vocab_pad_multiple % tp == 0, "model.vocab_pad_multiple",
+                f"{self.vocab_pad_multiple} is not divisible by parallel.tp={tp}")
+        if sequence_parallel:
+            require(self.seq_len % tp == 0, "model.seq_len",
+                    f"{self.seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")

@@ -1,0 +1,132 @@
+"""Input-injection variants ζ = Inject(h, e) (SPEC §2). Tensors are [s, b, d], sequence-first.
+
+Each injection splits its work into :meth:`prepare` (everything that depends only on the
+prelude output ``e``, computed once per forward and reused at every recurrence) and
+:meth:`forward` (the per-recurrence combination with the state ``h``). Parameters are shared
+across recurrences and replicated over TP ranks; under sequence parallelism they are tagged
+``sequence_parallel`` so megatron all-reduces their gradients over the TP group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megaloop.model.specs import rms_norm_noparam
+
+
+def inverse_softplus(y: float) -> float:
+    """x with softplus(x) = y (y > 0)."""
+    return y + math.log(-math.expm1(-y))
+
+
+class Injection(MegatronModule):
+    """Base: ``prepare(e) -> ctx``; ``forward(h, ctx) -> ζ``; ``exit(h) -> h`` after the core."""
+
+    uses_qkv_injection = False
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config=config)
+
+    def _tag(self) -> None:
+        for p in self.parameters():
+            p.sequence_parallel = self.config.sequence_parallel
+
+    def prepare(self, e: torch.Tensor) -> Any:
+        return e
+
+    def exit(self, h: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+class HuginnLinear(Injection):
+    """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm)."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__(config)
+        d = config.hidden_size
+        self.adapter = torch.nn.Linear(2 * d, d, bias=True, dtype=config.params_dtype)
+        self._tag()
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return self.adapter(torch.cat([h, e], dim=-1))
+
+    def exit(self, h: torch.Tensor) -> torch.Tensor:
+        return rms_norm_noparam(h)
+
+
+class ParcaeDiagonal(Injection):
+    """Diagonal injection: Λ = exp(−Δ⊙α), Δ = softplus(Δ_raw), α = exp(α_log), q = Δ⊙(W ẽ).
+
+    ``variant``: ``parcae_decay`` (ẽ = RMSNorm_g(e), Δ₀ = ½ log 5 → retention 1/√5),
+    ``parcae_nonorm`` (ẽ = e, Δ₀ = 1), ``orthoinj`` (ẽ = e, Δ₀ = ½ log 5, carry-over projected
+    orthogonally to q). W starts at I, α at 1. Δ_raw, α_log and W take no weight decay.
+    """
+
+    def __init__(self, config: TransformerConfig, variant: str, ortho_eps: float = 1e-6):
+        super().__init__(config)
+        d = config.hidden_size
+        self.variant = variant
+        self.ortho_eps = ortho_eps
+        delta0 = 0.5 * math.log(5.0) if variant in ("parcae_decay", "orthoinj") else 1.0
+        dt = config.params_dtype
+        self.delta_raw = torch.nn.Parameter(torch.full((d,), inverse_softplus(delta0), dtype=dt))
+        self.alpha_log = torch.nn.Parameter(torch.zeros(d, dtype=dt))
+        self.proj = torch.nn.Parameter(torch.eye(d, dtype=dt))
+        self.norm_weight = (
+            torch.nn.Parameter(torch.ones(d, dtype=dt)) if variant == "parcae_decay" else None
+        )
+        for p in (self.delta_raw, self.alpha_log, self.proj):
+            p.no_weight_decay = True
+        self._tag()
+
+    def delta(self) -> torch.Tensor:
+        return F.softplus(self.delta_raw.float())
+
+    def retention(self) -> torch.Tensor:
+        """Λ ∈ (0, 1)^d, the per-channel carry-over factor."""
+        return torch.exp(-self.delta() * torch.exp(self.alpha_log.float()))
+
+    def prepare(self, e: torch.Tensor) -> dict[str, torch.Tensor]:
+        e_t = F.rms_norm(e, (e.shape[-1],), self.norm_weight, self.config.layernorm_epsilon) \
+            if self.norm_weight is not None else e
+        q = (self.delta() * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
+        return {"q": q, "lam": self.retention().to(e.dtype)}
+
+    def forward(self, h: torch.Tensor, ctx: dict[str, torch.Tensor]) -> torch.Tensor:
+        q, lam = ctx["q"], ctx["lam"]
+        carry = lam * h
+        if self.variant == "orthoinj":
+            carry = project_out(carry, q, self.ortho_eps)
+        return carry + q
+
+
+def project_out(v: torch.Tensor, q: torch.Tensor, eps: float) -> torch.Tensor:
+    """Q_q v = v − q (qᵀv)/(qᵀq + ε) per token, inner products in FP32. [s,b,d] -> [s,b,d]."""
+    qf, vf = q.float(), v.float()
+    coef = (qf * vf).sum(-1, keepdim=True) / ((qf * qf).sum(-1, keepdim=True) + eps)
+    return (vf - coef * qf).to(v.dtype)
+
+
+class DEQQKV(Injection):
+    """No entrance injection (ζ = h); e enters Q/K/V in every core layer (see specs.py)."""
+
+    uses_qkv_injection = True
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return h
+
+
+def build_injection(name: str, config: TransformerConfig) -> Injection:
+    if name == "huginn_linear":
+        return HuginnLinear(config)
+    if name in ("parcae_decay", "parcae_nonorm", "orthoinj"):
+        return ParcaeDiagonal(config, name)
+    if name == "deq_qkv":
+        return DEQQKV(config)
+    raise ValueError(f"model.injection: unknown injection {name!r}")

@@ -1,0 +1,275 @@
+"""LoopedGPT: prelude → weight-shared core applied r times with input injection → coda.
+
+Shapes: token ids [b, s]; hidden states [s, b, d] (sequence-first, megatron convention; under
+sequence parallelism each TP rank holds s/tp positions). Vocab-parallel embedding, head and CE.
+
+Pipeline parallelism (SPEC/DESIGN): the layer graph of a looped model is cyclic, so instead of
+splitting layers we split *recurrences*. With S = pp·vpp virtual stages, stage 0 holds the
+embedding and prelude, stage S−1 the coda, final norm and head, and every stage holds a replica
+of the core (and injection). A microbatch of depth r runs recurrences ``split_recurrences(r)[v]``
+on stage v; stages exchange the packed tensor ``cat([h, e], dim=0)`` of shape [2s, b, d], so
+megatron's linear schedules run unchanged with ``seq_length = 2s``. Core replicas start equal
+(seeded by name) and stay equal because their gradients are summed over the pipeline group
+before the data-parallel reduction (see megaloop.train.grads).
+
+Truncated BPTT (SPEC §3): recurrences ``i < r − b`` run under ``no_grad``; the state is detached
+at ``i = r − b``; ``e`` keeps its graph, so the prelude still gets gradients through every
+backpropagated injection.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from itertools import count
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+from megaloop.model.config import ModelConfig
+from megaloop.model.injection import build_injection
+from megaloop.model.specs import RMSNorm, layer_spec
+from megaloop.runtime.parallel import stable_seed
+
+try:  # TE's FP8 autocast around transformer layers; a null context without TE
+    from megatron.core.fp8_utils import get_fp8_context
+except ImportError:  # pragma: no cover
+    def get_fp8_context(config, layer_no=-1, is_init=False):  # type: ignore[no-redef]
+        return nullcontext()
+
+
+class LayerStack(MegatronModule):
+    """Physical transformer layers with globally unique ``layer_number`` s (1-based)."""
+
+    def __init__(self, config: TransformerConfig, spec, numbers: list[int], vp_stage: int | None,
+                 seed: int, name: str):
+        super().__init__(config=config)
+        offset = get_transformer_layer_offset(
+            config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
+        for i, number in enumerate(numbers):
+            torch.manual_seed(stable_seed(seed, name, i))  # layout-independent init
+            layer = build_module(spec, config=config, layer_number=number - offset, vp_stage=vp_stage)
+            assert layer.layer_number == number
+            self.add_module(str(i), layer)
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        for layer in self:
+            with get_fp8_context(self.config, layer.layer_number - 1):
+                x, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+        return x
+
+
+def split_recurrences(r: int, stages: int, pre: float, core: float, post: float) -> list[tuple[int, int]]:
+    """Assign recurrences 0..r-1 to ``stages`` contiguous slices balancing the per-stage cost
+    (prelude cost ``pre`` on stage 0, ``core`` per recurrence, coda+head ``post`` on the last)."""
+    total = pre + r * core + post
+    bounds, start = [], 0
+    owner = [min(stages - 1, int((pre + (i + 0.5) * core) * stages / total)) for i in range(r)]
+    for v in range(stages):
+        end = start
+        while end < r and owner[end] <= v:
+            end += 1
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+class LoopedGPT(LanguageModule):
+    """Looped (or, with ``arch=untied``, plain) GPT on megatron-core layers.
+
+    ``forward(input_ids [b,s], labels [b,s] | None, depth=r, backprop=b, noise_seed=int)`` returns
+    per-token CE [b, s] when labels are given on the last stage, logits [b, s, V/tp] without
+    labels, and the packed stage output [2s(/tp), b, d] on other pipeline stages.
+    """
+
+    def __init__(self, cfg: ModelConfig, config: TransformerConfig, vocab_size: int, *,
+                 pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None, seed: int = 1234):
+        super().__init__(config=config)
+        self.cfg = cfg
+        self.pre_process, self.post_process = pre_process, post_process
+        self.vp_stage = vp_stage
+        self.vocab_size = cfg.padded_vocab(vocab_size)
+        self.share_embeddings_and_output_weights = cfg.tie_embeddings
+        self.seed = seed
+        self._input_tensor: torch.Tensor | None = None
+        self._noise_counter = count()
+        pp = config.pipeline_model_parallel_size
+        vpp = config.virtual_pipeline_model_parallel_size or 1
+        self.num_stages = pp * vpp
+        self.stage = (vp_stage or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()
+        head_dim = cfg.hidden_size // cfg.num_heads
+
+        self.rotary = RotaryEmbedding(kv_channels=head_dim, rotary_percent=1.0,
+                                      rotary_base=cfg.rope_base, use_cpu_initialization=True)
+        if pre_process:
+            torch.manual_seed(stable_seed(seed, "embedding"))
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=self.vocab_size, max_sequence_length=cfg.seq_len,
+                position_embedding_type="rope")
+        spec = layer_spec(cfg)
+        if cfg.looped:
+            if pre_process and cfg.n_prelude:
+                self.prelude = LayerStack(config, spec, list(range(1, cfg.n_prelude + 1)),
+                                          vp_stage, seed, "prelude")
+            first_core = cfg.n_prelude + 1
+            inject_spec = layer_spec(cfg, deq_inject=cfg.injection == "deq_qkv")
+            self.core = LayerStack(config, inject_spec,
+                                   list(range(first_core, first_core + cfg.n_core)), vp_stage, seed, "core")
+            torch.manual_seed(stable_seed(seed, "injection"))
+            self.injection = build_injection(cfg.injection, config)
+            self._mark_core_replicas()
+            if post_process and cfg.n_coda:
+                first_coda = first_core + cfg.n_core
+                self.coda = LayerStack(config, spec, list(range(first_coda, first_coda + cfg.n_coda)),
+                                       vp_stage, seed, "coda")
+        else:
+            lo, hi = self._untied_layer_range(cfg.num_layers)
+            self.layers = LayerStack(config, spec, list(range(lo + 1, hi + 1)), vp_stage, seed, "layers")
+        if post_process:
+            self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.norm_eps)
+            torch.manual_seed(stable_seed(seed, "output_layer"))
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                cfg.hidden_size, self.vocab_size, config=config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False,
+                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights)
+        if pre_process or post_process:
+            self.setup_embeddings_and_output_layer()
+
+    # ----------------------------------------------------------------- structure
+    def _untied_layer_range(self, n: int) -> tuple[int, int]:
+        if n % self.num_stages:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"model.num_layers: {n} layers do not split over {self.num_stages} pipeline stages")
+        per = n // self.num_stages
+        return self.stage * per, (self.stage + 1) * per
+
+    def _mark_core_replicas(self) -> None:
+        """Tag core/injection params: summed over the pipeline group, counted once in norms."""
+        for p in list(self.core.parameters()) + list(self.injection.parameters()):
+            p.megaloop_core_replica = True
+            if self.stage > 0:
+                p.shared = True  # megatron's grad-norm dedup skips `shared` params
+
+    def core_replica_params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.parameters() if getattr(p, "megaloop_core_replica", False)]
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Called by megatron's pipeline schedules with the tensor received from the previous stage."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self._input_tensor = input_tensor
+
+    def recurrence_slice(self, depth: int) -> tuple[int, int]:
+        cfg = self.cfg
+        bounds = split_recurrences(depth, self.num_stages, cfg.n_prelude + 0.5, cfg.n_core, cfg.n_coda + 1.0)
+        return bounds[self.stage]
+
+    # ----------------------------------------------------------------- pieces
+    def _sp(self) -> tuple[int, int]:
+        if self.config.sequence_parallel:
+            return (parallel_state.get_tensor_model_parallel_rank(),
+                    parallel_state.get_tensor_model_parallel_world_size())
+        return 0, 1
+
+    def init_state(self, e: torch.Tensor, noise_seed: int | None) -> torch.Tensor:
+        """h⁰: N(0, std²) from a generator seeded per microbatch (identical on every TP/PP rank
+        and on resume), or zeros. Eval mode uses ``eval_state_init`` with ``eval_seed``."""
+        cfg = self.cfg
+        mode = cfg.state_init if self.training else cfg.eval_state_init
+        if mode == "zero":
+            return torch.zeros_like(e)
+        if not self.training:
+            noise_seed = cfg.eval_seed
+        elif noise_seed is None:
+            noise_seed = stable_seed(self.seed, "state", next(self._noise_counter))
+        rank, size = self._sp()
+        s, b, d = e.shape
+        gen = torch.Generator(device=e.device).manual_seed(int(noise_seed))
+        full = torch.randn((s * size, b, d), generator=gen, device=e.device, dtype=torch.float32)
+        return (full[rank * s:(rank + 1) * s] * cfg.state_init_std).to(e.dtype)
+
+    def recur(self, h: torch.Tensor, e: torch.Tensor, ctx, rope: torch.Tensor) -> torch.Tensor:
+        """One recurrence h^{r+1} = exit(Γ(Inject(h^r, e)))."""
+        z = self.injection(h, ctx)
+        if self.injection.uses_qkv_injection:
+            for layer in self.core:
+                layer.self_attention.set_injection(e)
+        try:
+            z = self.core(z, rope)
+        finally:
+            if self.injection.uses_qkv_injection:
+                for layer in self.core:
+                    layer.self_attention.set_injection(None)
+        return self.injection.exit(z)
+
+    def run_recurrences(self, h: torch.Tensor, e: torch.Tensor, lo: int, hi: int, depth: int,
+                        window: int, rope: torch.Tensor) -> torch.Tensor:
+        """Recurrences lo..hi-1 of a depth-``depth`` pass with a TBPTT window of ``window``."""
+        ctx = self.injection.prepare(e)
+        first_grad = depth - window
+        for i in range(lo, hi):
+            if i < first_grad or not torch.is_grad_enabled():
+                with torch.no_grad():
+                    h = self.recur(h, e, ctx, rope)
+            else:
+                if i == first_grad:
+                    h = h.detach()
+                h = self.recur(h, e, ctx, rope)
+        return h
+
+    def rope(self, s_local: int) -> torch.Tensor:
+        _, size = self._sp()
+        return self.rotary(s_local * size)
+
+    # ----------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None, *,
+                depth: int = 1, backprop: int | None = None, noise_seed: int | None = None,
+                return_hidden: bool = False) -> torch.Tensor:
+        cfg = self.cfg
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        window = min(depth, backprop if backprop is not None else cfg.b_max)
+        if self.pre_process:
+            x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, d]
+        else:
+            x = self._input_tensor
+        if cfg.looped:
+            if self.pre_process:
+                rope = self.rope(x.shape[0])
+                e = self.prelude(x, rope) if cfg.n_prelude else x
+                h = self.init_state(e, noise_seed)
+            else:
+                h, e = x.chunk(2, dim=0)
+                rope = self.rope(h.shape[0])
+            lo, hi = self.recurrence_slice(depth)
+            h = self.run_recurrences(h, e, lo, hi, depth, window, rope)
+            if not self.post_process:
+                return torch.cat([h, e], dim=0)
+            if cfg.n_coda:
+                h = self.coda(h, rope)
+        else:
+            h = self.layers(x, self.rope(x.shape[0]))
+            if not self.post_process:
+                return h
+        h = self.final_norm(h)
+        if return_hidden:
+            return h
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(h, weight=weight)  # [s, b, V/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)  # [b, s]

@@ -1,0 +1,162 @@
+"""Layer specs and the megatron ``TransformerConfig`` for megaloop models.
+
+``local`` spec (megatron-core modules, any device) or Transformer Engine spec (GPU, FP8 via TE's
+recipe). Both use pre-norm RMSNorm, SwiGLU MLPs, rotary attention and no biases. Checkpoint keys
+are the same for both (the local spec maps its norms onto TE's fused-norm names).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megaloop.config_utils import ConfigError
+from megaloop.model.config import ModelConfig
+
+
+class RMSNorm(MegatronModule):
+    """RMSNorm over the last dim, [..., h] -> [..., h], with learned gains.
+
+    Unlike megatron's torch-norm wrapper it supports sequence parallelism: its weight is tagged
+    ``sequence_parallel`` so megatron all-reduces its gradient over the TP group.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any):
+        super().__init__(config=config)
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rms_norm_noparam(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Parameter-free RMSNorm (Huginn-Linear core-exit norm), computed in FP32."""
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+class DEQInjectedSelfAttention(SelfAttention):
+    """Self-attention whose Q/K/V receive ``W^e e`` (DEQ-QKV injection, SPEC §2).
+
+    ``linear_qkv_inject`` is a bias-free column-parallel projection with the same output layout
+    as ``linear_qkv``, so adding its output to the fused QKV activations adds ``W_Q^e e``,
+    ``W_K^e e`` and ``W_V^e e`` head by head on every TP rank. The injected input is set per
+    forward with :meth:`set_injection` (None disables it).
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int, **kwargs: Any):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        std = getattr(config, "deq_std", config.init_method_std)
+        self.linear_qkv_inject = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size,
+            self.linear_qkv_out_dim,
+            config=config,
+            init_method=lambda w: torch.nn.init.normal_(w, 0.0, std),
+            gather_output=False,
+            bias=False,
+            skip_bias_add=True,
+        )
+        self._inject_e: torch.Tensor | None = None
+        self.linear_qkv.register_forward_hook(self._add_injection)
+
+    def set_injection(self, e: torch.Tensor | None) -> None:
+        self._inject_e = e
+
+    def _add_injection(self, _module: Any, _inputs: Any, output: Any) -> Any:
+        if self._inject_e is None:
+            return output
+        out, bias = output
+        return out + self.linear_qkv_inject(self._inject_e)[0], bias
+
+
+def use_transformer_engine(cfg: ModelConfig) -> bool:
+    """Resolve ``transformer_impl``: TE only with CUDA and an importable TE."""
+    if cfg.transformer_impl == "local":
+        return False
+    has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    if has_te:
+        try:
+            import transformer_engine  # noqa: F401  # binary wheels can raise RuntimeError
+        except Exception:  # pragma: no cover - GPU only
+            has_te = False
+    if cfg.transformer_impl == "transformer_engine" and not has_te:
+        raise ConfigError("model.transformer_impl: transformer_engine requested but TE/CUDA is unavailable")
+    return has_te
+
+
+def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
+    """The transformer-layer spec: TE on GPU when available, megatron-core local otherwise."""
+    if use_transformer_engine(cfg):  # pragma: no cover - GPU only
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
+    else:
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        spec.submodules.input_layernorm = RMSNorm
+        spec.submodules.pre_mlp_layernorm = RMSNorm
+    if deq_inject:
+        spec.submodules.self_attention.module = DEQInjectedSelfAttention
+    return spec
+
+
+def final_norm_module() -> type:
+    return RMSNorm
+
+
+def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
+                       sequence_parallel: bool) -> TransformerConfig:
+    """megatron ``TransformerConfig`` for ``cfg`` under the given parallel layout."""
+    cfg.validate_parallel(tp, sequence_parallel)
+    te = use_transformer_engine(cfg)
+    if cfg.fp8 and not te:
+        raise ConfigError("model.fp8: FP8 needs Transformer Engine on a CUDA device")
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    tc = TransformerConfig(
+        num_layers=max(cfg.physical_layers, pp),
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_query_groups=cfg.groups,
+        ffn_hidden_size=cfg.ffn_size,
+        kv_channels=cfg.hidden_size // cfg.num_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_std,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if (vpp or 1) > 1 else None,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=cfg.bf16,
+        calculate_per_token_loss=True,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=te,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=te,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        deallocate_pipeline_outputs=False,
+        fp8=cfg.fp8,
+        fp8_recipe="delayed" if cfg.fp8 else None,
+    )
+    tc.deq_std = cfg.deq_std  # read by DEQInjectedSelfAttention
+    return tc

@@ -1,0 +1,121 @@
+"""Process groups, validated parallel degrees, and seeding.
+
+``init_distributed`` starts torch.distributed (``nccl`` with CUDA, ``gloo`` without; a
+single process needs no launcher), applies the CPU compatibility layer when CUDA is absent,
+and initialises megatron-core's model-parallel groups from a validated :class:`ParallelDims`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.runtime.cpu_compat import apply_cpu_compat
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Parallel degrees. ``world = tp * pp * dp``; ``vpp`` = model chunks per pipeline rank."""
+
+    world: int
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world", "tp", "pp"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"parallel.{name}: must be a positive integer, got {v!r}")
+        if self.world % (self.tp * self.pp):
+            raise ConfigError(
+                f"parallel: world size {self.world} is not divisible by tp*pp = "
+                f"{self.tp}*{self.pp} = {self.tp * self.pp}"
+            )
+        if self.vpp is not None:
+            if self.vpp < 1:
+                raise ConfigError(f"parallel.vpp: must be >= 1 or null, got {self.vpp}")
+            if self.vpp > 1 and self.pp < 2:
+                raise ConfigError("parallel.vpp: interleaved schedules need parallel.pp >= 2")
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(dims: ParallelDims, seed: int, timeout_s: int = 600) -> None:
+    """Start torch.distributed and megatron-core's groups for ``dims``; seed every RNG.
+
+    Works under torchrun/srun (reads RANK/WORLD_SIZE/MASTER_ADDR) and in a single plain
+    process (sets up a 1-rank group on a free local port).
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        apply_cpu_compat()
+    if not torch.distributed.is_initialized():
+        if "RANK" not in os.environ:
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.distributed.init_process_group(
+            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
+        )
+    world = torch.distributed.get_world_size()
+    if world != dims.world:
+        raise ConfigError(f"parallel: launched with {world} processes but config expects {dims.world}")
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
+        )
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # model_parallel_cuda_manual_seed re-seeds the (redirected) default generator with a
+    # per-stage offset; layouts must not change initial weights, so restore the plain seed.
+    seed_everything(seed)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def stable_seed(*parts: object) -> int:
+    """A 63-bit seed from a tuple of ints/strings, identical on every rank and run."""
+    import hashlib
+
+    h = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
