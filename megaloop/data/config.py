@@ -22,7 +22,25 @@ class DataConfig:
     shuffle_seed: int = 1234
     num_workers: int = 0
     mask_document_boundaries: bool = False  # zero loss on the token after each EOS
+    prefetch_factor: int = 2  # batches prefetched per DataLoader worker (num_workers > 0)
+    # streaming knobs. num_canonical_nodes: None = dp_size; keep it fixed (e.g. a multiple of every
+    # DP size you may resume at) to resume one sample order at another DP size.
+    num_canonical_nodes: int | None = None
+    shuffle_algo: str = "py1e"
+    shuffle_block_size: int | None = None  # None = streaming's default
+    cache_limit: str | None = None  # e.g. "50gb": bound on each process' shard cache slot
+    predownload: int | None = None  # samples downloaded ahead; None = 8 x micro-batch size
+    validate_hash: bool = True  # verify xxh64 of shards as they are copied into the cache
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path", "must not be empty")
         require(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
+        require(self.prefetch_factor >= 1, "data.prefetch_factor",
+                f"must be >= 1, got {self.prefetch_factor}")
+        require(self.shuffle_seed >= 0, "data.shuffle_seed", f"must be >= 0, got {self.shuffle_seed}")
+        require(self.num_canonical_nodes is None or self.num_canonical_nodes >= 1,
+                "data.num_canonical_nodes", f"must be >= 1 or null, got {self.num_canonical_nodes}")
+        require(self.shuffle_algo in ("py1e", "py1b", "py1br", "py1s", "py2s", "naive"),
+                "data.shuffle_algo", f"unknown algorithm {self.shuffle_algo!r}")
+        require(self.shuffle_block_size is None or self.shuffle_block_size >= 1,
+                "data.shuffle_block_size", f"must be >= 1 or null, got {self.shuffle_block_size}")

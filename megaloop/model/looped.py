@@ -185,9 +185,11 @@ class LoopedGPT(LanguageModule):
                     parallel_state.get_tensor_model_parallel_world_size())
         return 0, 1
 
-    def init_state(self, e: torch.Tensor, noise_seed: int | None) -> torch.Tensor:
-        """h⁰: N(0, std²) from a generator seeded per microbatch (identical on every TP/PP rank
-        and on resume), or zeros. Eval mode uses ``eval_state_init`` with ``eval_seed``."""
+    def init_state(self, e: torch.Tensor, noise_seed: int | list[int] | None) -> torch.Tensor:
+        """h⁰: N(0, std²) or zeros. ``noise_seed`` is one seed per microbatch or one per sample
+        (so the draw does not depend on how samples are spread over data-parallel ranks); the
+        full-sequence draw is sliced for sequence parallelism, so every TP/PP layout sees the
+        same state. Eval mode uses ``eval_state_init`` with the fixed ``eval_seed``."""
         cfg = self.cfg
         mode = cfg.state_init if self.training else cfg.eval_state_init
         if mode == "zero":
@@ -198,8 +200,15 @@ class LoopedGPT(LanguageModule):
             noise_seed = stable_seed(self.seed, "state", next(self._noise_counter))
         rank, size = self._sp()
         s, b, d = e.shape
-        gen = torch.Generator(device=e.device).manual_seed(int(noise_seed))
-        full = torch.randn((s * size, b, d), generator=gen, device=e.device, dtype=torch.float32)
+        seeds = noise_seed if isinstance(noise_seed, (list, tuple)) else [noise_seed]
+        if len(seeds) not in (1, b):
+            raise ValueError(f"noise_seed: expected 1 or {b} seeds, got {len(seeds)}")
+        draws = []
+        for seed_i in seeds:
+            gen = torch.Generator(device=e.device).manual_seed(int(seed_i))
+            shape = (s * size, b if len(seeds) == 1 else 1, d)
+            draws.append(torch.randn(shape, generator=gen, device=e.device, dtype=torch.float32))
+        full = torch.cat(draws, dim=1)
         return (full[rank * s:(rank + 1) * s] * cfg.state_init_std).to(e.dtype)
 
     def recur(self, h: torch.Tensor, e: torch.Tensor, ctx, rope: torch.Tensor) -> torch.Tensor:
@@ -237,7 +246,7 @@ class LoopedGPT(LanguageModule):
 
     # ----------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None, *,
-                depth: int = 1, backprop: int | None = None, noise_seed: int | None = None,
+                depth: int = 1, backprop: int | None = None, noise_seed: int | list[int] | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         cfg = self.cfg
         if depth < 1:

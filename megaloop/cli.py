@@ -1,0 +1,68 @@
+"""``megaloop`` command line: train, eval, generate, ...
+
+Config errors, bad checkpoints and bad data exit with status 2 and a one-line message naming
+the field / file at fault (before any compute where possible).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+
+def _quiet() -> None:
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.setdefault("WANDB_SILENT", "true")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from megaloop.config import load_config
+    from megaloop.train.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    return Trainer(cfg, args.run_dir, resume=args.resume).run()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloop", description="Looped-LM pretraining on megatron-core")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="train a model (torchrun for several processes)")
+    t.add_argument("--config", default="tiny", help="preset name (tiny, S, M, L, untied4, ...) or YAML path")
+    t.add_argument("--run-dir", default="runs/default", help="metrics.jsonl, config.yaml, checkpoints/")
+    t.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint in RUN_DIR, or a path")
+    t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=20 model.injection=orthoinj")
+    t.set_defaults(fn=cmd_train)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    _quiet()
+    args = build_parser().parse_args(argv)
+    from megaloop.config_utils import ConfigError
+    from megaloop.train.checkpoint import CheckpointError
+
+    try:
+        from megaloop.data.errors import DataError
+    except ImportError:  # pragma: no cover
+        DataError = ConfigError  # type: ignore[misc,assignment]
+    try:
+        code = args.fn(args)
+    except (ConfigError, CheckpointError, DataError) as err:
+        rank = os.environ.get("RANK")
+        print(f"megaloop: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
+        code = 2
+    finally:
+        from megaloop.runtime.parallel import destroy_distributed
+
+        try:
+            destroy_distributed()
+        except Exception:
+            pass
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Train / eval loaders: the public entry points the trainer calls.
+
+``build_train_loader`` -> infinite, shuffled, resumable stream of micro-batches for one DP rank;
+``build_eval_loader`` -> finite, ordered micro-batches covering every eval sample exactly once
+across DP ranks (padding rows carry ``loss_mask`` 0 so every rank runs the same number of batches).
+Batches: ``tokens`` / ``labels`` LongTensor [b, seq_len], ``loss_mask`` FloatTensor [b, seq_len].
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from megaloop.config_utils import ConfigError, require
+from megaloop.data.config import DataConfig
+from megaloop.data.errors import DataError
+from megaloop.data.streaming import World, _Collate, _release, _Source, samples_per_rank
+
+STATE_VERSION = 1
+
+
+def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
+    """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged."""
+    if path == "default" or path.startswith("default:"):
+        from megaloop.data.default_corpus import ensure_default_dataset
+
+        name = path.split(":", 1)[1] if ":" in path else split
+        require(name in ("train", "val", "screen"), "data.path",
+                f"unknown embedded split {name!r} (train, val, screen)")
+        return str(ensure_default_dataset(cache_dir=cache_dir, seq_len=seq_len) / name)
+    return path
+
+
+def _check_dp(dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
+    require(dp_size >= 1, "dp_size", f"must be >= 1, got {dp_size}")
+    require(0 <= dp_rank < dp_size, "dp_rank", f"must be in [0, {dp_size}), got {dp_rank}")
+    require(micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {micro_batch_size}")
+
+
+class TrainLoader:
+    """Infinite iterator of micro-batches for one data-parallel rank, exactly resumable.
+
+    ``state_dict()`` records the epoch and the global number of samples consumed in it (batches
+    handed out x micro_batch_size x dp_size); ``load_state_dict()`` makes the next iteration
+    yield exactly the batches an uninterrupted run would have yielded next. The state is the same
+    on every rank.
+    """
+
+    def __init__(self, cfg: DataConfig, *, seq_len: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, seed: int) -> None:
+        _check_dp(dp_rank, dp_size, micro_batch_size)
+        self.cfg = cfg
+        self.path = _resolve_path(cfg.path, seq_len, cfg.cache_dir, "train")
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.shuffle_seed = (cfg.shuffle_seed + seed) % (1 << 31)
+        src = _Source(self.path, seq_len, cfg.cache_dir)
+        self.manifest: dict = src.manifest
+        self.num_samples = src.num_samples
+        ncn = cfg.num_canonical_nodes or dp_size
+        require(ncn % dp_size == 0 or dp_size % ncn == 0, "data.num_canonical_nodes",
+                f"{ncn} and dp_size={dp_size}: one must divide the other")
+        require(self.num_samples >= ncn, "data.num_canonical_nodes",
+                f"{ncn} exceeds the {self.num_samples} samples of {self.path}")
+        self.num_canonical_nodes = ncn
+        self.initial_dp_size = dp_size
+        self.batches_per_epoch = samples_per_rank(self.num_samples, ncn, dp_size) // micro_batch_size
+        if self.batches_per_epoch < 1:
+            raise ConfigError(f"data.path: {self.path} has {self.num_samples} sequences, too few "
+                              f"for one micro-batch of {micro_batch_size} on each of {dp_size} "
+                              "data-parallel ranks")
+        self._ds, fd = src.open(shuffle=cfg.shuffle, shuffle_seed=self.shuffle_seed,
+                                batch_size=micro_batch_size, num_canonical_nodes=ncn, cfg=cfg)
+        # This rank's view for partitioning: node dp_rank of dp_size one-rank nodes.
+        self._ds._parallel_rank_world = World(num_nodes=dp_size, ranks_per_node=1,
+                                              workers_per_rank=1, worker=dp_rank)
+        self._ds.length = -(-self._ds.epoch_size // dp_size)
+        self._finalizer = weakref.finalize(self, _release, fd, self._ds._shm_prefix_int)
+        self._collate = _Collate(int(self.manifest["eos_id"]), cfg.mask_document_boundaries)
+        self._epoch = 0
+        self._base_samples = 0  # global samples consumed in this epoch before _batches
+        self._batches = 0  # batches handed out since the last (re)start of this epoch
+        self._generation = 0
+
+    # -- state -------------------------------------------------------------------------------
+    def _samples_in_epoch(self) -> int:
+        return self._base_samples + self._batches * self.micro_batch_size * self.dp_size
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able resume state (identical on every DP rank)."""
+        return {"version": STATE_VERSION, "epoch": self._epoch,
+                "sample_in_epoch": self._samples_in_epoch(),
+                "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
+                "initial_dp_size": self.initial_dp_size,
+                "dataset_fingerprint": self.manifest.get("fingerprint"),
+                "num_samples": self.num_samples}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Resume: the next ``iter(self)`` continues exactly after the saved position."""
+        if sd.get("version") != STATE_VERSION:
+            raise DataError(f"data loader state has version {sd.get('version')}, "
+                            f"expected {STATE_VERSION}")
+        if sd.get("num_samples") != self.num_samples or (
+                sd.get("dataset_fingerprint") != self.manifest.get("fingerprint")):
+            raise DataError(f"data loader state was saved on a different dataset than {self.path} "
+                            f"({sd.get('num_samples')} vs {self.num_samples} samples)")
+        self._epoch = int(sd["epoch"])
+        self._base_samples = int(sd["sample_in_epoch"])
+        self._batches = 0
+        self.num_canonical_nodes = int(sd["num_canonical_nodes"])
+        self.shuffle_seed = int(sd["shuffle_seed"])
+        self.initial_dp_size = int(sd["initial_dp_size"])
+        self._ds.num_canonical_nodes = self.num_canonical_nodes
+        self._ds.shuffle_seed = self.shuffle_seed
+        self._generation += 1  # invalidate running iterators
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch (0-based)."""
+        return self._epoch
+
+    # -- iteration ---------------------------------------------------------------------------
+    def _dataloader(self) -> DataLoader:
+        # Point streaming at exactly our position: its epoch counter and resume record.
+        self._ds.next_epoch = self._epoch
+        self._ds.load_state_dict({
+            "epoch": self._epoch, "sample_in_epoch": self._samples_in_epoch(),
+            "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
+            "initial_physical_nodes": self.initial_dp_size})
+        nw = self.cfg.num_workers
+        return DataLoader(self._ds, batch_size=self.micro_batch_size, num_workers=nw,
+                          collate_fn=self._collate, drop_last=True, persistent_workers=False,
+                          prefetch_factor=self.cfg.prefetch_factor if nw else None)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self._generation += 1
+        gen = self._generation
+        while True:
+            it = iter(self._dataloader())
+            try:
+                for batch in it:
+                    if gen != self._generation:
+                        return
+                    self._batches += 1
+                    yield batch
+            finally:
+                del it  # shuts DataLoader workers down
+            if gen != self._generation:
+                return
+            self._epoch += 1
+            self._base_samples = 0
+            self._batches = 0
+
+    def close(self) -> None:
+        """Release the cache slot and streaming's file locks (also done at garbage collection)."""
+        self._generation += 1
+        self._finalizer()
+
+
+class _EvalItems(Dataset):
+    """Map-style view: item j -> (sample at index[j], is_real)."""
+
+    def __init__(self, ds: Any, indices: list[int], real: list[bool]) -> None:
+        self.ds, self.indices, self.real = ds, indices, real
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, j: int) -> tuple[dict, bool]:
+        return self.ds[self.indices[j]], self.real[j]
+
+
+class EvalLoader:
+    """Finite, ordered micro-batches of an eval set for one DP rank.
+
+    Rank ``r`` reads the contiguous slice ``[r*N//P, (r+1)*N//P)`` of the N samples; every rank
+    yields ``num_batches = ceil(ceil(N/P)/b)`` full batches, padding with masked rows (loss_mask
+    0), so collectives per batch stay in lock-step and each sample counts exactly once.
+    """
+
+    def __init__(self, path: str, *, seq_len: int, micro_batch_size: int, dp_rank: int,
+                 dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
+                 mask_document_boundaries: bool = False, with_source: bool = False) -> None:
+        _check_dp(dp_rank, dp_size, micro_batch_size)
+        self.path = _resolve_path(path, seq_len, cache_dir, "val")
+        src = _Source(self.path, seq_len, cache_dir)
+        self.manifest: dict = src.manifest
+        self.num_samples = n = src.num_samples
+        lo, hi = dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size
+        per_rank = -(-n // dp_size)
+        self.num_batches = -(-per_rank // micro_batch_size)
+        total = self.num_batches * micro_batch_size
+        mine = list(range(lo, hi))
+        self._indices = mine + [mine[0] if mine else 0] * (total - len(mine))
+        self._real = [True] * len(mine) + [False] * (total - len(mine))
+        self._ds, fd = src.open(shuffle=False, shuffle_seed=0, batch_size=micro_batch_size,
+                                num_canonical_nodes=1, cfg=None)
+        self._finalizer = weakref.finalize(self, _release, fd, self._ds._shm_prefix_int)
+        self._collate = _Collate(int(self.manifest["eos_id"]), mask_document_boundaries,
+                                 with_source)
+        self._loader = DataLoader(_EvalItems(self._ds, self._indices, self._real),
+                                  batch_size=micro_batch_size, shuffle=False,
+                                  num_workers=num_workers, collate_fn=self._collate)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return iter(self._loader)
+
+    def close(self) -> None:
+        """Release the cache slot and streaming's file locks."""
+        self._finalizer()
+
+
+def build_train_loader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, dp_rank: int,
+                       dp_size: int, seed: int) -> TrainLoader:
+    """Infinite, shuffled, exactly-resumable loader for DP rank ``dp_rank`` of ``dp_size``.
+
+    ``cfg.path == "default"`` builds/uses the embedded corpus (``default:val`` etc. pick a split).
+    Shuffle seed = ``cfg.shuffle_seed + seed``.
+    """
+    if not isinstance(cfg, DataConfig):
+        raise ConfigError(f"data: expected a DataConfig, got {type(cfg).__name__}")
+    return TrainLoader(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
+                       dp_size=dp_size, seed=seed)
+
+
+def build_eval_loader(path: str | Path, *, seq_len: int, micro_batch_size: int, dp_rank: int,
+                      dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
+                      mask_document_boundaries: bool = False,
+                      with_source: bool = False) -> EvalLoader:
+    """Deterministic, unshuffled, finite loader; ``default`` = embedded validation set,
+    ``default:screen`` = embedded LR-screen set. ``with_source`` adds ``batch["source"]``."""
+    return EvalLoader(str(path), seq_len=seq_len, micro_batch_size=micro_batch_size,
+                      dp_rank=dp_rank, dp_size=dp_size, cache_dir=cache_dir,
+                      num_workers=num_workers, mask_document_boundaries=mask_document_boundaries,
+                      with_source=with_source)

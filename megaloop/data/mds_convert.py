@@ -1,0 +1,321 @@
+"""TxT360 tree -> packed, tokenised MDS shards (the engine behind data_prep/txt360_to_mds.py).
+
+Every input file is one partition, processed independently (in parallel worker processes): read
+records, drop held-out documents, tokenise, append EOS, repeat documents by their mixture
+multiplier, shuffle the document order with a per-partition seed, concatenate, cut into
+``seq_len``-token sequences (the tail shorter than ``seq_len`` is dropped and counted) and write
+MDS shards (columns ``tokens: ndarray:<uint16|uint32>:seq_len``, ``source: str``; zstd).
+
+Crash safety: a partition is written under ``OUT/.tmp/`` and renamed to ``OUT/parts/<name>/``
+only after its ``_done.json`` is in place; ``OUT/index.json`` (all shards) and then
+``OUT/manifest.json`` are written last, atomically. A rerun with the same settings skips finished
+partitions; a dataset without ``manifest.json`` is incomplete and the loader refuses it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
+from megaloop.data.errors import DataError
+from megaloop.data.tokenizer import Tokenizer
+from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, copies_per_doc, discover, \
+    doc_rank_key, read_jsonl
+
+FORMAT = "megaloop-mds-v1"
+DONE = "_done.json"
+_STAT_KEYS = ("files", "docs", "docs_val", "docs_screen", "docs_empty", "raw_tokens",
+              "doc_tokens", "packed_tokens", "dropped_tokens", "num_sequences")
+
+
+def token_dtype(vocab_size: int) -> str:
+    """Smallest unsigned dtype holding every token id."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def mds_columns(seq_len: int, dtype: str) -> dict[str, str]:
+    """MDS column encodings of megaloop token datasets."""
+    return {"tokens": f"ndarray:{dtype}:{seq_len}", "source": "str"}
+
+
+def write_sequences_mds(out_dir: str | Path, tokens: np.ndarray, sources: Sequence[str] | str,
+                        *, compression: str | None = "zstd", size_limit: int = 1 << 26) -> list[dict]:
+    """Write ``tokens`` [n, seq_len] (one row per sample) as MDS into a new ``out_dir``.
+
+    Returns the shard entries of the written ``index.json``.
+    """
+    from megaloop.data._streaming_compat import ensure_streaming_importable
+
+    streaming = ensure_streaming_importable()
+    import json
+
+    out_dir = Path(out_dir)
+    n, seq_len = tokens.shape
+    src = [sources] * n if isinstance(sources, str) else list(sources)
+    cols = mds_columns(seq_len, str(tokens.dtype))
+    with streaming.MDSWriter(out=str(out_dir), columns=cols, compression=compression,
+                             hashes=["xxh64"], size_limit=size_limit) as writer:
+        for row, s in zip(tokens, src):
+            writer.write({"tokens": row, "source": s})
+    return json.loads((out_dir / "index.json").read_text())["shards"]
+
+
+def write_root_index(out: Path, parts: list[tuple[str, list[dict]]]) -> None:
+    """``out/index.json`` listing every part's shards with basenames relative to ``out``."""
+    shards = []
+    for rel, entries in parts:
+        for e in entries:
+            e = dict(e)
+            for key in ("raw_data", "zip_data"):
+                if e.get(key):
+                    e[key] = dict(e[key], basename=f"{rel}/{e[key]['basename']}")
+            shards.append(e)
+    atomic_write_json(out / "index.json", {"version": 2, "shards": shards})
+
+
+@dataclass
+class ConvertConfig:
+    """Settings of one conversion (see data_prep/txt360_to_mds.py for the CLI)."""
+
+    input: Path
+    out: Path
+    tokenizer: str
+    seq_len: int
+    workers: int = 1
+    seed: int = 1234
+    mix: MixSpec = field(default_factory=MixSpec)
+    holdout: HoldoutSpec = field(default_factory=HoldoutSpec)
+    sources: list[str] | None = None
+    eos_token: str | None = None
+    compression: str | None = "zstd"
+    shard_size_limit: int = 1 << 26
+    progress: bool = True
+    command: str | None = None
+
+
+@dataclass
+class _Task:
+    file: InputFile
+    multiplier: float
+    fingerprint: str
+    final_dir: Path
+    tmp_root: Path
+    seq_len: int
+    seed: int
+    holdout: HoldoutSpec
+    dtype: str
+    compression: str | None
+    size_limit: int
+
+
+_WORKER_TOK: Tokenizer | None = None
+
+
+def _init_worker(tok_path: str, eos_token: str | None) -> None:
+    global _WORKER_TOK
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _WORKER_TOK = Tokenizer(tok_path, eos_token=eos_token)
+
+
+def _process_part(task: _Task) -> dict:
+    """Convert one input file into a finished part directory; return its stats."""
+    tok = _WORKER_TOK
+    assert tok is not None
+    f = task.file
+    texts: list[str] = []
+    stats = dict.fromkeys(_STAT_KEYS, 0)
+    stats["files"] = 1
+    for _, text in read_jsonl(f.path):
+        if not text.strip():
+            stats["docs_empty"] += 1
+            continue
+        band = task.holdout.band(text)
+        if band != "train":
+            stats[f"docs_{band}"] += 1
+            continue
+        texts.append(text)
+    stats["docs"] = len(texts)
+    docs: list[np.ndarray] = []
+    for i in range(0, len(texts), 256):
+        for ids in tok.encode_batch(texts[i:i + 256]):
+            ids.append(tok.eos_id)
+            docs.append(np.asarray(ids, dtype=np.uint32))
+    lens = np.array([len(d) for d in docs], dtype=np.int64)
+    keys = np.array([doc_rank_key(t, task.seed) for t in texts], dtype=np.float64)
+    copies = copies_per_doc(keys, task.multiplier)
+    order = np.repeat(np.arange(len(docs)), copies)
+    rng = np.random.default_rng([task.seed, zlib.crc32(f.part.encode())])
+    rng.shuffle(order)
+    flat = np.concatenate([docs[i] for i in order]) if len(order) else np.zeros(0, np.uint32)
+    n_seq = len(flat) // task.seq_len
+    packed = flat[: n_seq * task.seq_len].reshape(n_seq, task.seq_len).astype(task.dtype)
+    stats.update(raw_tokens=int(lens.sum()), doc_tokens=int((lens * copies).sum()),
+                 packed_tokens=int(packed.size), dropped_tokens=int(len(flat) - packed.size),
+                 num_sequences=int(n_seq))
+    tmp = task.tmp_root / uuid.uuid4().hex
+    shards = write_sequences_mds(tmp, packed, f.source, compression=task.compression,
+                                 size_limit=task.size_limit) if n_seq else []
+    tmp.mkdir(parents=True, exist_ok=True)
+    done = {"part": f.part, "source": f.source, "bucket": f.bucket, "input": str(f.path),
+            "multiplier": task.multiplier, "fingerprint": task.fingerprint, "stats": stats,
+            "shards": shards}
+    atomic_write_json(tmp / DONE, done)
+    rmtree_quiet(task.final_dir)
+    os.rename(tmp, task.final_dir)
+    return done
+
+
+def part_dirname(part: str) -> str:
+    """Flat directory name of a partition (``src/1-1/0_1`` -> ``src__1-1__0_1``)."""
+    return part.replace("/", "__")
+
+
+def _load_done(path: Path) -> dict | None:
+    import json
+
+    try:
+        return json.loads((path / DONE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _aggregate(dones: list[dict]) -> dict[str, Any]:
+    sources: dict[str, Any] = {}
+    for d in dones:
+        s = sources.setdefault(d["source"], dict.fromkeys(_STAT_KEYS, 0) | {"buckets": {}})
+        b = s["buckets"].setdefault(d["bucket"], dict.fromkeys(_STAT_KEYS, 0)
+                                    | {"multiplier": d["multiplier"]})
+        for k in _STAT_KEYS:
+            s[k] += d["stats"][k]
+            b[k] += d["stats"][k]
+    return dict(sorted(sources.items()))
+
+
+def convert_txt360(cfg: ConvertConfig) -> dict:
+    """Run (or resume) a conversion; returns the manifest (also written to ``out/manifest.json``).
+
+    The returned dict has an extra ``_run`` entry ``{parts_total, parts_skipped, seconds}``.
+    """
+    t0 = time.time()
+    if cfg.seq_len < 2:
+        raise DataError(f"--seq-len must be >= 2, got {cfg.seq_len}")
+    files = discover(cfg.input, cfg.sources)
+    cfg.mix.check_sources(sorted({f.source for f in files}))
+    tok = Tokenizer(cfg.tokenizer, eos_token=cfg.eos_token)
+    dtype = token_dtype(tok.vocab_size)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = {"format": FORMAT, "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id,
+              "seq_len": cfg.seq_len, "seed": cfg.seed, "holdout": cfg.holdout.to_dict(),
+              "compression": cfg.compression, "dtype": dtype}
+    tasks: list[_Task] = []
+    for f in files:
+        st = f.path.stat()
+        m = cfg.mix.multiplier(f.source, f.bucket)
+        fp = json_sha(common | {"part": f.part, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                "multiplier": m})
+        tasks.append(_Task(f, m, fp, out / "parts" / part_dirname(f.part), out / ".tmp",
+                           cfg.seq_len, cfg.seed, cfg.holdout, dtype, cfg.compression,
+                           cfg.shard_size_limit))
+    fingerprint = json_sha(common | {"parts": [t.fingerprint for t in tasks]})
+    with file_lock(out / ".lock"):
+        manifest_path = out / "manifest.json"
+        old = _load_json(manifest_path)
+        if old and old.get("fingerprint") == fingerprint:
+            return old | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks),
+                                   "seconds": time.time() - t0}}
+        # Unmark completeness before touching anything else.
+        for name in ("manifest.json", "index.json"):
+            (out / name).unlink(missing_ok=True)
+        rmtree_quiet(out / ".tmp")
+        (out / ".tmp").mkdir()
+        (out / "parts").mkdir(exist_ok=True)
+        dones: dict[str, dict] = {}
+        todo: list[_Task] = []
+        for t in tasks:
+            d = _load_done(t.final_dir)
+            if d and d.get("fingerprint") == t.fingerprint:
+                dones[t.file.part] = d
+            else:
+                todo.append(t)
+        keep = {t.final_dir.name for t in tasks}
+        for p in (out / "parts").iterdir():
+            if p.name not in keep:
+                rmtree_quiet(p)
+        try:
+            _run_tasks(todo, cfg, tok, dones, total=len(tasks))
+        finally:
+            rmtree_quiet(out / ".tmp")
+        ordered = [dones[t.file.part] for t in tasks]
+        write_root_index(out, [(f"parts/{t.final_dir.name}", d["shards"])
+                               for t, d in zip(tasks, ordered)])
+        sources = _aggregate(ordered)
+        manifest = {
+            **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
+            "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
+            "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype),
+            "mix": cfg.mix.to_dict(), "sources": sources,
+            "source_tokens": {k: v["packed_tokens"] for k, v in sources.items()},
+            "total_tokens": sum(v["packed_tokens"] for v in sources.values()),
+            "num_sequences": sum(v["num_sequences"] for v in sources.values()),
+            "dropped_tokens": sum(v["dropped_tokens"] for v in sources.values()),
+            "num_parts": len(tasks), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": cfg.command or " ".join(sys.argv),
+        }
+        if manifest["num_sequences"] == 0:
+            raise DataError(f"no sequence of {cfg.seq_len} tokens could be packed from "
+                            f"{cfg.input}: the input is too small for --seq-len")
+        atomic_write_json(manifest_path, manifest)
+    return manifest | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks) - len(todo),
+                                "seconds": time.time() - t0}}
+
+
+def _load_json(path: Path) -> dict | None:
+    import json
+
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _run_tasks(todo: list[_Task], cfg: ConvertConfig, tok: Tokenizer, dones: dict[str, dict],
+               total: int) -> None:
+    """Process ``todo`` inline (1 worker) or in a fork pool, with a progress bar."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, initial=total - len(todo), unit="file", desc="txt360->mds",
+               disable=not cfg.progress, dynamic_ncols=True)
+    tokens = 0
+    try:
+        if cfg.workers <= 1 or len(todo) <= 1:
+            global _WORKER_TOK
+            _WORKER_TOK = tok
+            results = map(_process_part, todo)
+            pool = None
+        else:
+            pool = mp.get_context("fork").Pool(min(cfg.workers, len(todo)), _init_worker,
+                                               (str(tok.path), cfg.eos_token))
+            results = pool.imap_unordered(_process_part, todo)
+        try:
+            for done in results:
+                dones[done["part"]] = done
+                tokens += done["stats"]["packed_tokens"]
+                bar.update(1)
+                bar.set_postfix(tokens=f"{tokens:,}")
+        finally:
+            if pool is not None:
+                pool.terminate()
+                pool.join()
+    finally:
+        bar.close()

@@ -1,0 +1,272 @@
+"""Data-parallel-aware loaders over megaloop MDS datasets (mosaicml-streaming underneath).
+
+Sharding follows the *data-parallel* rank, never the global rank: every process builds its own
+``StreamingDataset`` as a one-process "node" (so TP/PP peers of one DP replica, which must read
+identical batches, never fight over streaming's per-node shared memory), and its sample partition
+is taken from a ``World`` of ``dp_size`` nodes at position ``dp_rank``. streaming's construction
+(shared-memory prefix registration) is serialised per machine with a file lock, and its global
+``torch.distributed`` barriers are bypassed for it; nothing reads ``RANK``/``WORLD_SIZE``.
+
+Data locations: a local directory of uncompressed shards is read in place; compressed (zstd)
+local shards and remote URLs (s3://, gs://, ...) are copied/decompressed by streaming into a
+per-process cache slot ``<cache>/streaming/<key>/slot<i>`` (reused across runs; ``cache_limit``
+bounds it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from megaloop.config_utils import ConfigError, require
+from megaloop.data._fsutil import file_lock, try_lock_fd
+from megaloop.data._streaming_compat import ensure_streaming_importable
+from megaloop.data.config import DataConfig
+from megaloop.data.errors import DataError
+
+ensure_streaming_importable()
+
+import streaming  # noqa: E402
+import streaming.base.dataset as _sd  # noqa: E402
+import streaming.base.shared.prefix as _sp  # noqa: E402
+import streaming.base.world as _sw  # noqa: E402
+from streaming.base.world import World  # noqa: E402
+
+_PATCH_LOCK = threading.Lock()
+
+
+def default_cache_dir() -> Path:
+    """``$MEGALOOP_CACHE`` or ``~/.cache/megaloop``."""
+    return Path(os.environ.get("MEGALOOP_CACHE") or Path.home() / ".cache" / "megaloop")
+
+
+def is_remote(path: str) -> bool:
+    """True for URLs such as ``s3://bucket/x`` (anything with a scheme)."""
+    return "://" in str(path)
+
+
+class _SoloDist:
+    """What streaming sees as torch.distributed while one dataset is constructed."""
+
+    is_available = staticmethod(lambda: True)
+    is_initialized = staticmethod(lambda: False)
+    barrier = staticmethod(lambda: None)
+    get_rank = staticmethod(lambda: 0)
+    get_local_rank = staticmethod(lambda: 0)
+    get_world_size = staticmethod(lambda: 1)
+    get_local_world_size = staticmethod(lambda: 1)
+
+
+@contextlib.contextmanager
+def _solo_construction() -> Iterator[None]:
+    """Build a StreamingDataset as a lone process, one construction per machine at a time."""
+    lock = Path(tempfile.gettempdir()) / "megaloop_streaming_prefix.lock"
+    with _PATCH_LOCK, file_lock(lock):
+        saved = (_sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist)
+        _sd.dist = _sp.dist = _sw.dist = _SoloDist  # type: ignore[assignment]
+        _sd.maybe_init_dist = lambda: False  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            _sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist = saved  # type: ignore[assignment]
+
+
+# ----------------------------------------------------------------------------------- datasets
+
+
+def _read_json(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise DataError(what)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path} is corrupt (invalid JSON: {err.msg})") from None
+
+
+def _fetch_remote(url: str, name: str, cache_root: Path) -> Path:
+    """Download ``url/name`` into the cache (used for manifest.json of remote datasets)."""
+    from streaming.base.storage import CloudDownloader
+
+    key = hashlib.sha256(url.encode()).hexdigest()[:16]
+    local = cache_root / "remote" / key / name
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.unlink(missing_ok=True)
+    try:
+        CloudDownloader.get(url).download(f"{url.rstrip('/')}/{name}", str(local))
+    except Exception as err:
+        raise DataError(f"cannot fetch {url.rstrip('/')}/{name}: {err}") from None
+    return local
+
+
+def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
+    """``manifest.json`` of a dataset directory/URL; errors name the missing/corrupt file."""
+    if is_remote(path):
+        local = _fetch_remote(path, "manifest.json", Path(cache_dir or default_cache_dir()))
+        return _read_json(local, f"{path}/manifest.json is missing")
+    d = Path(path)
+    if not d.is_dir():
+        raise DataError(f"dataset directory {d} does not exist")
+    m = d / "manifest.json"
+    if not m.is_file():
+        hint = (" (index.json exists: the conversion did not finish; rerun it)"
+                if (d / "index.json").is_file() else "")
+        raise DataError(f"{m} is missing: {d} is not a complete megaloop MDS dataset{hint}")
+    return _read_json(m, f"{m} is missing")
+
+
+def validate_local_shards(path: str | Path) -> dict:
+    """Check every shard in ``index.json`` exists with its recorded size; return the index."""
+    d = Path(path)
+    index_path = d / "index.json"
+    index = _read_json(index_path, f"{index_path} is missing (dataset {d} is incomplete)")
+    for shard in index.get("shards", []):
+        infos = [i for i in (shard.get("raw_data"), shard.get("zip_data")) if i]
+        present = []
+        for info in infos:
+            f = d / info["basename"]
+            if f.is_file():
+                size = f.stat().st_size
+                if size == info["bytes"]:
+                    break
+                present.append(f"{f} is truncated or corrupt: {size} bytes on disk, "
+                               f"{index_path} records {info['bytes']}")
+        else:
+            if present:
+                raise DataError(f"MDS shard {present[0]}")
+            raise DataError(f"MDS shard {d / infos[-1]['basename']} listed in {index_path} "
+                            "is missing")
+    return index
+
+
+def check_seq_len(manifest: dict, seq_len: int, where: str) -> None:
+    """Raise ConfigError naming the manifest if its sequence length differs from ``seq_len``."""
+    have = manifest.get("seq_len")
+    if have != seq_len:
+        raise ConfigError(f"data.seq_len: the model uses seq_len={seq_len} but {where} holds "
+                          f"sequences of {have} tokens; rebuild the data or change seq_len")
+
+
+class _Source:
+    """A resolved dataset: manifest plus how streaming should read it."""
+
+    def __init__(self, path: str, seq_len: int, cache_dir: str | Path | None) -> None:
+        self.path = path
+        self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
+        self.manifest = load_manifest(path, self.cache_root)
+        where = f"{path.rstrip('/')}/manifest.json"
+        check_seq_len(self.manifest, seq_len, where)
+        if "tokens" not in self.manifest.get("columns", {"tokens": 1}):
+            raise DataError(f"{where}: dataset has no 'tokens' column")
+        if is_remote(path):
+            self.remote: str | None = path
+            key_src = path + str(self.manifest.get("fingerprint"))
+        else:
+            index = validate_local_shards(path)
+            compressed = any(s.get("compression") for s in index["shards"])
+            self.remote = str(Path(path).resolve()) if compressed else None
+            key_src = str(Path(path).resolve()) + json.dumps(index, sort_keys=True)
+        self.num_samples = int(self.manifest["num_sequences"])
+        self.key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+
+    def open(self, *, shuffle: bool, shuffle_seed: int, batch_size: int,
+             num_canonical_nodes: int, cfg: DataConfig | None) -> tuple[Any, int | None]:
+        """Construct the StreamingDataset (solo world); returns it and the held cache-slot fd."""
+        fd = None
+        if self.remote is None:
+            local = str(Path(self.path).resolve())
+        else:
+            base = self.cache_root / "streaming" / self.key
+            base.mkdir(parents=True, exist_ok=True)
+            for i in range(4096):
+                fd = try_lock_fd(base / f"slot{i}.lock")
+                if fd is not None:
+                    local = str(base / f"slot{i}")
+                    break
+            else:
+                raise DataError(f"no free cache slot under {base}")
+        kwargs: dict[str, Any] = {}
+        if cfg is not None:
+            kwargs = {"cache_limit": cfg.cache_limit, "predownload": cfg.predownload,
+                      "shuffle_algo": cfg.shuffle_algo,
+                      "shuffle_block_size": cfg.shuffle_block_size}
+            if cfg.validate_hash and self.remote is not None:
+                kwargs["validate_hash"] = "xxh64"
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        try:
+            with _solo_construction():
+                ds = streaming.StreamingDataset(
+                    remote=self.remote, local=local, shuffle=shuffle, shuffle_seed=shuffle_seed,
+                    batch_size=batch_size, num_canonical_nodes=num_canonical_nodes, **kwargs)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if ds.num_samples != self.num_samples:
+            raise DataError(f"{self.path}: index.json holds {ds.num_samples} samples but "
+                            f"manifest.json says {self.num_samples}")
+        return ds, fd
+
+
+def _release(fd: int | None, prefix: int | None) -> None:
+    """Free a cache slot and streaming's leftover file locks of one dataset."""
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    if prefix is not None:
+        for name in ("barrier_filelock", "cache_filelock"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
+
+
+def make_batch(tokens: torch.Tensor, eos_id: int, mask_document_boundaries: bool) -> dict:
+    """``tokens`` [b, s] int64 -> dict(tokens, labels [b, s] int64, loss_mask [b, s] float32).
+
+    ``labels[:, i] = tokens[:, i+1]``; the last position has no target (label eos, mask 0). With
+    boundary masking, positions whose *input* is EOS (target = next document's first token) get 0.
+    """
+    labels = torch.empty_like(tokens)
+    labels[:, :-1] = tokens[:, 1:]
+    labels[:, -1] = eos_id
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    loss_mask[:, -1] = 0.0
+    if mask_document_boundaries:
+        loss_mask[tokens == eos_id] = 0.0
+    return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
+
+
+class _Collate:
+    def __init__(self, eos_id: int, mask_doc: bool, with_source: bool = False) -> None:
+        self.eos_id, self.mask_doc, self.with_source = eos_id, mask_doc, with_source
+
+    def __call__(self, samples: list) -> dict:
+        valid = None
+        if isinstance(samples[0], tuple):  # eval items: (sample, is_real)
+            valid = torch.tensor([ok for _, ok in samples], dtype=torch.float32)
+            samples = [s for s, _ in samples]
+        arr = np.stack([np.asarray(s["tokens"]) for s in samples]).astype(np.int64)
+        batch = make_batch(torch.from_numpy(arr), self.eos_id, self.mask_doc)
+        if valid is not None:
+            batch["loss_mask"] *= valid[:, None]
+        if self.with_source:
+            batch["source"] = [s.get("source", "") for s in samples]
+        return batch
+
+
+def samples_per_rank(num_samples: int, num_canonical_nodes: int, dp_size: int) -> int:
+    """Samples one DP rank gets per epoch under streaming's partitioning (incl. its padding)."""
+    spc = -(-num_samples // num_canonical_nodes)
+    if num_canonical_nodes < dp_size:
+        ratio = dp_size // num_canonical_nodes
+        spc += (ratio - spc % ratio) % ratio
+    return num_canonical_nodes * spc // dp_size

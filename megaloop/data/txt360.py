@@ -1,0 +1,236 @@
+"""TxT360 layout: file discovery, mixture weights / bucket upsampling, and content-hash holdout.
+
+Layout: ``ROOT/data/<source>/<dup-bucket>/<i>_<n>.jsonl[.gz]`` (``ROOT`` may also be the ``data``
+directory itself, and extra directory levels such as a CommonCrawl dump name are allowed). The
+bucket is the first path component below ``<source>`` that names a duplicate-count bucket; files
+outside a bucket get bucket ``none``. Each JSONL record holds ``text`` (str) and ``meta`` (object).
+
+Mixing: every document of (source, bucket) is repeated ``m = source_weight * bucket_upsample``
+times on average: ``floor(m)`` copies each, plus one more copy for the ``round(frac(m) * n)``
+documents of its file with the smallest seeded content hash (so ``m < 1`` downsamples). Weights are
+relative repetition factors, not target shares.
+
+Holdout: a document whose salted content hash ``u`` in [0, 1) is below ``val_fraction`` belongs to
+the validation band, below ``val_fraction + screen_fraction`` to the LR-screen band; both bands are
+excluded from training. Hashing the text (not its location) keeps exact duplicates of a held-out
+document, in any bucket or file, out of training too.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+from megaloop.data.errors import DataError
+
+BUCKETS = ("1-1", "2-5", "6-10", "11-100", "101-1000", "1001-inf")
+NO_BUCKET = "none"
+# Default repetition per duplicate-count bucket: about one more copy per bucket step, capped at 5
+# so boilerplate that survives in thousands of crawls does not dominate. Configurable.
+DEFAULT_BUCKET_UPSAMPLE: dict[str, float] = {
+    "1-1": 1.0, "2-5": 2.0, "6-10": 3.0, "11-100": 4.0, "101-1000": 5.0, "1001-inf": 5.0,
+    NO_BUCKET: 1.0,
+}
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """One JSONL file of the tree; ``part`` is its partition name (relative path sans suffix)."""
+
+    path: Path
+    source: str
+    bucket: str
+    part: str
+
+
+def data_root(root: str | Path) -> Path:
+    """``ROOT/data`` if it exists, else ``ROOT``; errors name a missing directory."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(f"input directory {root} does not exist")
+    return root / "data" if (root / "data").is_dir() else root
+
+
+def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFile]:
+    """All ``*.jsonl`` / ``*.jsonl.gz`` files per source, sorted; errors if there are none."""
+    data = data_root(root)
+    found: list[InputFile] = []
+    src_dirs = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
+    known = [p.name for p in src_dirs]
+    for want in sources or []:
+        if want not in known:
+            raise DataError(f"source {want!r} not found under {data} (found: {known})")
+    for sdir in src_dirs:
+        if sources and sdir.name not in sources:
+            continue
+        files = sorted(set(sdir.rglob("*.jsonl")) | set(sdir.rglob("*.jsonl.gz")))
+        for f in files:
+            rel = f.relative_to(sdir).parts
+            bucket = next((p for p in rel[:-1] if p in BUCKETS), NO_BUCKET)
+            stem = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.name[: -len(".jsonl")]
+            part = "/".join((sdir.name, *rel[:-1], stem))
+            found.append(InputFile(path=f, source=sdir.name, bucket=bucket, part=part))
+    if not found:
+        raise DataError(f"no .jsonl or .jsonl.gz files under {data} "
+                        f"(expected data/<source>/<bucket>/<i>_<n>.jsonl[.gz])")
+    return found
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line_number, text)`` of each record; malformed records raise naming ``path:line``."""
+    opener: Any = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+                if not isinstance(rec, dict) or "text" not in rec:
+                    raise DataError(f"{path}:{lineno}: record has no 'text' field")
+                if not isinstance(rec["text"], str):
+                    raise DataError(f"{path}:{lineno}: 'text' is {type(rec['text']).__name__}, "
+                                    "expected a string")
+                yield lineno, rec["text"]
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        raise DataError(f"{path}: cannot read ({err})") from None
+
+
+def _hash01(text: str, key: bytes) -> float:
+    """Keyed 64-bit BLAKE2b of ``text`` mapped to [0, 1)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), key=key, digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+@dataclass(frozen=True)
+class HoldoutSpec:
+    """Content-hash bands for the validation and LR-screen sets (fractions of documents)."""
+
+    val_fraction: float = 0.002
+    screen_fraction: float = 0.001
+    salt: str = "megaloop-holdout-v1"
+
+    def __post_init__(self) -> None:
+        for name in ("val_fraction", "screen_fraction"):
+            v = getattr(self, name)
+            if not (0.0 <= v < 1.0):
+                raise DataError(f"holdout {name} must be in [0, 1), got {v}")
+        if self.val_fraction + self.screen_fraction >= 1.0:
+            raise DataError("holdout val_fraction + screen_fraction must be < 1")
+
+    def band(self, text: str) -> str:
+        """``"val"``, ``"screen"`` or ``"train"`` for a document."""
+        if self.val_fraction + self.screen_fraction == 0.0:
+            return "train"
+        u = _hash01(text, self.salt.encode()[:64])
+        if u < self.val_fraction:
+            return "val"
+        if u < self.val_fraction + self.screen_fraction:
+            return "screen"
+        return "train"
+
+    def to_dict(self) -> dict:
+        return {"val_fraction": self.val_fraction, "screen_fraction": self.screen_fraction,
+                "salt": self.salt}
+
+
+def doc_rank_key(text: str, seed: int) -> float:
+    """Seeded content hash used to pick which documents get a fractional extra copy."""
+    return _hash01(text, f"megaloop-upsample-{seed}".encode())
+
+
+def copies_per_doc(keys: np.ndarray, multiplier: float) -> np.ndarray:
+    """Copies of each document: ``floor(m)`` plus one for the ``round(frac(m)·n)`` smallest keys."""
+    n = len(keys)
+    base = math.floor(multiplier)
+    out = np.full(n, base, dtype=np.int64)
+    extra = int(round((multiplier - base) * n))
+    if extra:
+        out[np.argsort(keys, kind="stable")[:extra]] += 1
+    return out
+
+
+def _parse_pairs(text: str, what: str) -> dict[str, float]:
+    """``"a=1,b=2.5"`` -> ``{"a": 1.0, "b": 2.5}``."""
+    out: dict[str, float] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        if "=" not in item:
+            raise DataError(f"{what}: expected name=weight, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = float(v)
+        except ValueError:
+            raise DataError(f"{what}: weight of {k.strip()!r} is not a number: {v!r}") from None
+    return out
+
+
+@dataclass(frozen=True)
+class MixSpec:
+    """Per-source weights times per-bucket upsampling factors (unlisted source: weight 1)."""
+
+    source_weights: Mapping[str, float] = field(default_factory=dict)
+    bucket_upsample: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BUCKET_UPSAMPLE))
+
+    def __post_init__(self) -> None:
+        for where, table in (("source weight", self.source_weights),
+                             ("bucket upsample", self.bucket_upsample)):
+            for k, v in table.items():
+                if not (math.isfinite(v) and v >= 0):
+                    raise DataError(f"{where} of {k!r} must be a finite number >= 0, got {v}")
+        unknown = set(self.bucket_upsample) - set(BUCKETS) - {NO_BUCKET}
+        if unknown:
+            raise DataError(f"unknown bucket(s) {sorted(unknown)}; buckets are "
+                            f"{list(BUCKETS) + [NO_BUCKET]}")
+
+    def multiplier(self, source: str, bucket: str) -> float:
+        """Expected copies per document of (source, bucket)."""
+        up = self.bucket_upsample.get(bucket, DEFAULT_BUCKET_UPSAMPLE.get(bucket, 1.0))
+        return float(self.source_weights.get(source, 1.0)) * float(up)
+
+    def check_sources(self, known: list[str]) -> None:
+        """Error if a weight names a source that is not in the input tree."""
+        bad = sorted(set(self.source_weights) - set(known))
+        if bad:
+            raise DataError(f"source weight(s) for {bad}, but the input has sources {sorted(known)}")
+
+    def to_dict(self) -> dict:
+        buckets = dict(DEFAULT_BUCKET_UPSAMPLE)
+        buckets.update(self.bucket_upsample)
+        return {"source_weights": dict(sorted(self.source_weights.items())),
+                "bucket_upsample": buckets}
+
+    @classmethod
+    def from_args(cls, weights_file: str | None = None, source_weights: str | None = None,
+                  bucket_upsample: str | None = None) -> "MixSpec":
+        """From a YAML/JSON file (keys ``source_weights``, ``bucket_upsample``) and/or CLI pairs."""
+        sw: dict[str, float] = {}
+        bu: dict[str, float] = dict(DEFAULT_BUCKET_UPSAMPLE)
+        if weights_file:
+            path = Path(weights_file)
+            if not path.is_file():
+                raise DataError(f"weights file {path} does not exist")
+            import yaml
+
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+            except yaml.YAMLError as err:
+                raise DataError(f"weights file {path}: cannot parse ({err})") from None
+            if not isinstance(data, dict) or set(data) - {"source_weights", "bucket_upsample"}:
+                raise DataError(f"weights file {path}: expected a mapping with keys "
+                                "source_weights and/or bucket_upsample")
+            sw.update({str(k): float(v) for k, v in (data.get("source_weights") or {}).items()})
+            bu.update({str(k): float(v) for k, v in (data.get("bucket_upsample") or {}).items()})
+        if source_weights:
+            sw.update(_parse_pairs(source_weights, "--source-weights"))
+        if bucket_upsample:
+            bu.update(_parse_pairs(bucket_upsample, "--bucket-upsample"))
+        return cls(source_weights=sw, bucket_upsample=bu)

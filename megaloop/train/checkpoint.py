@@ -1,0 +1,189 @@
+"""Distributed checkpoints (megatron ``dist_checkpointing``, torch_dist format), published atomically.
+
+Layout: ``RUN/checkpoints/step_00000042/`` holds megatron's files (``common.pt``, ``*.distcp``,
+``.metadata``, ``metadata.json``) plus ``megaloop.json`` (step, config) written last;
+``RUN/checkpoints/latest`` names the newest complete one. A checkpoint is written into a
+hidden temporary directory and renamed into place only after every rank finished, so an
+interrupted save never looks complete and never replaces the last good checkpoint.
+
+Keys do not depend on the parallel layout (layers are named ``prelude.i``/``core.i``/``coda.i``;
+TP shards carry global shapes; core replicas on later pipeline stages are marked as replicas),
+so a checkpoint written at one TP/PP layout loads at another. The distributed optimizer state
+uses megatron's ``fully_reshardable`` format for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from megaloop.model.build import unwrap
+
+META = "megaloop.json"
+SHARDING_META = {"distrib_optim_sharding_type": "fully_reshardable"}
+REPLICA_PREFIXES = ("core.", "injection.")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or unreadable; the message names the path."""
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _mark_core_replicas(sd: dict, stage: int) -> None:
+    """Core/injection tensors exist on every virtual stage; only stage 0's copy is the main one."""
+    if stage == 0:
+        return
+    for t in nested_values(sd):
+        if isinstance(t, ShardedTensor) and t.key.startswith(REPLICA_PREFIXES):
+            rid = t.replica_id
+            t.replica_id = (stage, *rid[1:]) if isinstance(rid, tuple) else (stage, rid)
+
+
+def sharded_state(model_chunks: list, optimizer=None, *, is_loading: bool) -> dict:
+    """The sharded state dict of the model chunks (``model{i}``) and the optimizer."""
+    sd: dict[str, Any] = {}
+    for i, chunk in enumerate(model_chunks):
+        msd = chunk.sharded_state_dict(prefix="", metadata=dict(SHARDING_META))
+        _mark_core_replicas(msd, unwrap(chunk).stage)
+        sd[f"model{i}"] = msd
+    if optimizer is not None:
+        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(SHARDING_META))
+    return sd
+
+
+def _step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / META).is_file() and (path / ".metadata").is_file() and (path / "common.pt").is_file()
+
+
+class CheckpointManager:
+    """Save/find/load checkpoints under ``root`` keeping the newest ``keep`` complete ones."""
+
+    def __init__(self, root: str | Path, keep: int = 2):
+        self.root = Path(root)
+        self.keep = keep
+
+    # ------------------------------------------------------------ discovery
+    def complete_checkpoints(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        dirs = [p for p in self.root.glob("step_*") if p.is_dir() and is_complete(p)]
+        return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
+
+    def latest(self) -> Path | None:
+        """Newest complete checkpoint: the one ``latest`` names, else the newest complete dir."""
+        ptr = self.root / "latest"
+        if ptr.is_file():
+            cand = self.root / ptr.read_text().strip()
+            if is_complete(cand):
+                return cand
+        done = self.complete_checkpoints()
+        return done[-1] if done else None
+
+    # ------------------------------------------------------------ save
+    def save(self, step: int, model_chunks: list, optimizer, common: dict) -> Path:
+        """Write checkpoint ``step`` collectively (all ranks call this) and publish it atomically."""
+        final = _step_dir(self.root, step)
+        tmp = self.root / f".tmp_step_{step:08d}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a previous interrupted save of this step
+            tmp.mkdir()
+        _barrier()
+        sd = sharded_state(model_chunks, optimizer, is_loading=False)
+        sd["common"] = common
+        dist_checkpointing.save(sd, str(tmp))
+        _barrier()
+        if _rank() == 0:
+            meta = {"step": step, "time": time.time(), "complete": True,
+                    "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+                    "tp": parallel_state.get_tensor_model_parallel_world_size(),
+                    "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+            _atomic_write(tmp / META, json.dumps(meta, indent=1))
+            _fsync_dir(tmp)
+            trash = None
+            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
+                trash = self.root / f".old_step_{step:08d}"
+                if trash.exists():
+                    shutil.rmtree(trash)
+                os.rename(final, trash)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            _atomic_write(self.root / "latest", final.name)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+            for old in self.complete_checkpoints()[:-self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    # ------------------------------------------------------------ load
+    def resolve(self, resume: str) -> Path | None:
+        """``auto`` -> latest complete (or None); a path -> that checkpoint, validated."""
+        if resume == "auto":
+            return self.latest()
+        path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist")
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint {path} is incomplete (no {META}/.metadata/common.pt): "
+                                  "it was interrupted while being written")
+        return path
+
+    def load(self, path: Path, model_chunks: list, optimizer=None, strict: bool = True) -> dict:
+        """Load model (and optimizer) state in place; returns the ``common`` dict."""
+        if not is_complete(path):
+            raise CheckpointError(f"checkpoint {path} is incomplete or missing files")
+        sd = sharded_state(model_chunks, optimizer, is_loading=True)
+        sd["common"] = None
+        try:
+            loaded = dist_checkpointing.load(sd, str(path))
+        except BaseException as err:  # torch's CheckpointException derives from BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}") from err
+        for i, chunk in enumerate(model_chunks):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=strict)
+        if optimizer is not None:
+            optimizer.load_state_dict(loaded["optimizer"])
+        return loaded.get("common") or dist_checkpointing.load_common_state_dict(str(path))["common"]

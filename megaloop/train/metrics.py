@@ -1,0 +1,91 @@
+"""Metrics sinks: JSONL log (always), console with a rich progress bar, wandb (optional).
+
+Only global rank 0 writes. ``RUN/metrics.jsonl`` gets one JSON object per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from megaloop.config import LoggingConfig
+
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "mean_depth", "prior_mean_depth", "tokens_per_s", "tflops", "mfu")
+
+
+class MetricsLogger:
+    """Append-only JSONL + console + wandb sink for per-step metrics."""
+
+    def __init__(self, run_dir: Path, cfg: LoggingConfig, *, enabled: bool, total_steps: int,
+                 start_step: int, config_dict: dict):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._wandb = None
+        self._progress = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if start_step == 0 and self.path.exists():
+            self.path.unlink()
+        elif self.path.exists():
+            self._truncate_after(start_step)
+        self._file = open(self.path, "a")
+        if cfg.wandb != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.wandb,
+                                     dir=str(run_dir), config=config_dict, resume="allow",
+                                     id=(cfg.name or run_dir.name).replace("/", "_"))
+        if cfg.progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume drop log lines of steps after the checkpoint (they will be redone)."""
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except json.JSONDecodeError:
+                continue
+        self.path.write_text("".join(x + "\n" for x in keep))
+
+    def log(self, rec: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self._file.write(json.dumps(rec) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            flat = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
+            self._wandb.log(flat, step=rec["step"])
+        info = " ".join(f"{k}={rec[k]:.4g}" for k in CONSOLE_KEYS if isinstance(rec.get(k), (int, float)))
+        if self._progress is not None:
+            self._progress.update(self._task, completed=rec["step"], info=info)
+        else:
+            print(f"step {rec['step']:>6d} {info}", flush=True)
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._progress is not None:
+            self._progress.stop()
+        self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()

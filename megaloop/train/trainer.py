@@ -1,0 +1,317 @@
+"""The training loop: depth plan → megatron forward/backward → optimizer → depth-prior update.
+
+One optimizer step (SPEC §4–§6, DESIGN "data path"):
+1. the sampler draws the step's M depths from (seed, step) — identical on every rank;
+2. this data-parallel rank takes M microbatches from the loader;
+3. megatron's ``get_forward_backward_func`` runs them (no pipelining, 1F1B or interleaved);
+   each microbatch runs at its own depth with a TBPTT window of ``b = min(r, b_max)``;
+4. the loss function returns the CE *sum* and token count (``calculate_per_token_loss``), so the
+   model gradient is the global token-weighted mean; per-microbatch sums and counts are kept;
+5. those sums/counts are all-reduced over data-parallel ranks (and shared over the pipeline),
+   giving the detached global ℓ_i, N_i of each microbatch;
+6. optimizer step, then the prior update from (r_i, ℓ_i, N_i), then metrics and FLOPs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer_config import ParamKey
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megaloop.config import RunConfig
+from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
+from megaloop.model.build import build_model, unwrap
+from megaloop.runtime.parallel import ParallelDims, init_distributed, stable_seed, world_size_from_env
+from megaloop.train.checkpoint import CheckpointManager
+from megaloop.train.flops import device_peak_tflops, microbatch_flops
+from megaloop.train.grads import finalize_grads
+from megaloop.train.metrics import MetricsLogger
+from megaloop.train.schedule import build_scheduler
+
+EXIT_OK = 0
+EXIT_REQUEUE = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: requeue the job
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class Trainer:
+    """Builds everything from a :class:`RunConfig` and trains. ``run()`` returns the exit code."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, resume: str | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self._stop_signal: int | None = None
+
+    # ================================================================ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        par = cfg.parallel
+        self.dims = ParallelDims(world=world_size_from_env(), tp=par.tp, pp=par.pp, vpp=par.vpp)
+        init_distributed(self.dims, cfg.train.seed)
+        self.rank = torch.distributed.get_rank()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp = parallel_state.get_data_parallel_world_size()
+        self.M = cfg.train.num_microbatches(self.dp)
+        self.mbs = cfg.train.micro_batch_size
+        self.seq = cfg.model.seq_len
+
+        from megaloop.data import build_eval_loader, build_train_loader
+
+        self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
+                                         dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
+        manifest = getattr(self.loader, "manifest", {}) or {}
+        self.vocab = cfg.model.vocab_size or int(manifest.get("vocab_size", 0))
+        if self.vocab <= 0:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError("model.vocab_size: not set and the data manifest has no vocab_size")
+        if manifest.get("vocab_size") and self.vocab < int(manifest["vocab_size"]):
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"model.vocab_size: {self.vocab} is smaller than the tokenizer's "
+                              f"{manifest['vocab_size']} (data manifest)")
+        val_path = cfg.data.val_path or getattr(self.loader, "val_path", None)
+        self.val_loader_fn = (lambda: build_eval_loader(
+            val_path, seq_len=self.seq, micro_batch_size=self.mbs, dp_rank=self.dp_rank, dp_size=self.dp)
+        ) if val_path else None
+
+        self.model, self.tc = build_model(
+            cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
+            sequence_parallel=par.sequence_parallel, seed=cfg.train.seed, ddp=True,
+            distributed_optimizer=par.distributed_optimizer)
+        self.tc.finalize_model_grads_func = finalize_grads
+        self.tc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        o = cfg.optim
+        ocfg = OptimizerConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+                               adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps,
+                               clip_grad=o.clip_grad, bf16=cfg.model.bf16,
+                               params_dtype=torch.bfloat16 if cfg.model.bf16 else torch.float32,
+                               use_distributed_optimizer=par.distributed_optimizer)
+        from megatron.core.optimizer import get_standard_config_overrides
+
+        overrides = get_standard_config_overrides(ocfg)
+        overrides[ParamKey(attr="no_weight_decay")] = {"wd_mult": 0.0}  # Δ_raw, α_log, W (SPEC §2)
+        self.optimizer = get_megatron_optimizer(ocfg, self.model, config_overrides=overrides)
+        self.scheduler = build_scheduler(self.optimizer, o, cfg.train.max_steps)
+        self.sampler = DepthSampler(cfg.depth, cfg.train.seed)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+        self.step, self.tokens, self.nonfinite_run = 0, 0, 0
+        self.last_saved = -1
+        if self.resume:
+            path = self.ckpt.resolve(self.resume)
+            if path is not None:
+                self._load(path)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            cfg.dump(self.run_dir / "config.yaml")
+        self.peak = device_peak_tflops(cfg.train.peak_tflops)
+        self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
+                                     total_steps=self._end_step(), start_step=self.step,
+                                     config_dict=cfg.to_dict())
+        self.loader_iter = iter(self.loader)
+
+    def _end_step(self) -> int:
+        t = self.cfg.train
+        return min(t.max_steps, t.stop_after) if t.stop_after else t.max_steps
+
+    # ================================================================ checkpoints
+    def _common(self) -> dict:
+        states = [None] * self.dp
+        torch.distributed.all_gather_object(states, self.loader.state_dict(),
+                                            group=parallel_state.get_data_parallel_group())
+        return {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict(), "loader": states, "nonfinite_run": self.nonfinite_run,
+                "config": self.cfg.to_dict()}
+
+    def save(self) -> Path:
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self._common())
+        self.last_saved = self.step
+        if self.rank == 0:
+            self.metrics.message(f"saved checkpoint {path}") if hasattr(self, "metrics") else None
+        return path
+
+    def _load(self, path: Path) -> None:
+        common = self.ckpt.load(path, self.model, self.optimizer)
+        self.step, self.tokens = int(common["step"]), int(common["tokens"])
+        self.nonfinite_run = int(common.get("nonfinite_run", 0))
+        self.scheduler.load_state_dict(common["scheduler"])
+        self.sampler.load_state_dict(common["sampler"])
+        states = common["loader"]
+        self.loader.load_state_dict(states[self.dp_rank] if len(states) == self.dp else states[0])
+        self.last_saved = self.step
+        if self.rank == 0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
+
+    # ================================================================ step pieces
+    def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:
+        out = []
+        for i, r in enumerate(depths):
+            batch = next(loader_iter)
+            base = self.dp_rank * self.mbs
+            seeds = [stable_seed(self.cfg.train.seed, "h0", step, i, base + j) for j in range(self.mbs)]
+            out.append(dict(batch, depth=r, noise_seed=seeds, index=i))
+        return out
+
+    def _forward_step(self, data_iterator, model):
+        mb = next(data_iterator)
+        core = unwrap(model)
+        out = model(mb["tokens"] if core.pre_process else None,
+                    labels=mb["labels"] if core.post_process else None,
+                    depth=mb["depth"], noise_seed=mb["noise_seed"])
+        return out, partial(self._loss_func, mb)
+
+    def _loss_func(self, mb: dict, output: torch.Tensor):
+        mask = mb["loss_mask"].to(torch.float32)
+        ce_sum = (output.float() * mask).sum()
+        n = mask.sum()
+        self._ce[mb["index"], 0] += ce_sum.detach().double()
+        self._ce[mb["index"], 1] += n.double()
+        return ce_sum, n.to(torch.int), {"lm loss": torch.stack([ce_sum.detach(), n])}
+
+    def _run_schedule(self, mbs: list[dict], forward_only: bool) -> torch.Tensor:
+        """Run megatron's schedule over ``mbs``; returns global [M, 2] (CE sum, tokens) per microbatch."""
+        self._ce = torch.zeros(len(mbs), 2, dtype=torch.float64)
+        seq = self.seq * (2 if self.cfg.model.looped and self.dims.pp > 1 else 1)
+        iters = [iter(mbs) for _ in self.model]
+        get_forward_backward_func()(
+            forward_step_func=self._forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.model, num_microbatches=len(mbs), seq_length=seq,
+            micro_batch_size=self.mbs, forward_only=forward_only)
+        ce = self._ce
+        torch.distributed.all_reduce(ce, group=parallel_state.get_data_parallel_group())
+        if self.dims.pp > 1:
+            torch.distributed.all_reduce(ce, group=parallel_state.get_pipeline_model_parallel_group())
+        return ce
+
+    # ================================================================ train step
+    def train_step(self) -> dict:
+        cfg, step = self.cfg, self.step
+        t0 = time.perf_counter()
+        depths = self.sampler.plan(step, self.M)
+        if step % max(cfg.train.log_interval, 1) == 0:
+            assert_plan_synchronised(depths)
+        mbs = self._microbatches(step, depths, self.loader_iter)
+        self.scheduler.step(increment=1)  # LR of update step+1 (see schedule.py)
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        ce = self._run_schedule(mbs, forward_only=False)
+        ce_sums, counts = ce[:, 0], ce[:, 1]
+        loss = float(ce_sums.sum() / counts.sum().clamp_min(1))
+        rec: dict = {"step": step + 1, "loss": loss, "depths": depths}
+        if not math.isfinite(loss):
+            self.nonfinite_run += 1
+            rec.update(skipped=1, nonfinite_run=self.nonfinite_run)
+            if cfg.train.nonfinite == "abort" or self.nonfinite_run > cfg.train.max_nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite loss at step {step + 1} (policy train.nonfinite={cfg.train.nonfinite}, "
+                    f"{self.nonfinite_run} in a row; limit train.max_nonfinite={cfg.train.max_nonfinite})")
+            grad_norm = float("nan")
+        else:
+            self.nonfinite_run = 0
+            ok, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+            rec.update(self._prior_metrics(self.sampler.update(depths, ce_sums, counts)))
+        self.step += 1
+        step_tokens = int(counts.sum().item()) if math.isfinite(loss) else 0
+        gtokens = cfg.train.global_batch_size * self.seq
+        self.tokens += gtokens
+        dt = time.perf_counter() - t0
+        flops = sum(microbatch_flops(cfg.model, unwrap(self.model[0]).vocab_size, self.seq,
+                                     self.mbs * self.seq * self.dp, r, cfg.model.b_max) for r in depths)
+        tflops = flops / dt / self.dims.world / 1e12
+        rec.update(tokens=self.tokens, target_tokens=step_tokens, lr=self.optimizer.param_groups[0]["lr"],
+                   grad_norm=grad_norm, mean_depth=sum(depths) / len(depths), step_time_s=dt,
+                   tokens_per_s=gtokens / dt, tflops=tflops, model_flops=flops)
+        if self.peak:
+            rec["mfu"] = tflops / self.peak
+        return rec
+
+    def _prior_metrics(self, m: dict) -> dict:
+        out = {"prior_mean_depth": self.sampler.mean_depth(), "prior_entropy": self.sampler.entropy(),
+               "prior_probs": [round(float(p), 6) for p in self.sampler.probs()]}
+        for k in ("scale", "baseline", "adv_mean", "adv_abs_mean"):
+            if k in m:
+                out[f"prior_{k}"] = float(m[k])
+        if "per_depth_ce" in m:
+            out["per_depth_ce"] = {str(k): float(v) for k, v in m["per_depth_ce"].items()}
+        return out
+
+    # ================================================================ eval
+    def evaluate(self, depth: int | None = None) -> dict:
+        if self.val_loader_fn is None:
+            return {}
+        depth = depth or self.cfg.train.eval_depth
+        for m in self.model:
+            m.eval()
+        it = iter(self.val_loader_fn())
+        mbs = []
+        for i in range(self.cfg.train.eval_batches):
+            try:
+                mbs.append(dict(next(it), depth=depth, noise_seed=None, index=i))
+            except StopIteration:
+                break
+        try:
+            with torch.no_grad():
+                ce = self._run_schedule(mbs, forward_only=True) if mbs else None
+        finally:
+            for m in self.model:
+                m.train()
+        if ce is None:
+            return {}
+        val = float(ce[:, 0].sum() / ce[:, 1].sum().clamp_min(1))
+        return {"val_ce": val, "val_ppl": math.exp(min(val, 50.0)), "val_depth": depth}
+
+    # ================================================================ loop
+    def _on_signal(self, signum, _frame) -> None:
+        self._stop_signal = signum
+
+    def _should_stop_for_signal(self) -> bool:
+        flag = torch.tensor([1 if self._stop_signal else 0], dtype=torch.int32)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def run(self) -> int:
+        self.setup()
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        t = self.cfg.train
+        end = self._end_step()
+        code = EXIT_OK
+        try:
+            while self.step < end:
+                try:
+                    rec = self.train_step()
+                except NonFiniteLossError as err:
+                    self.metrics.message(f"aborting: {err}; saving the last finite state")
+                    self.save()
+                    raise
+                if t.eval_interval and self.step % t.eval_interval == 0:
+                    rec.update(self.evaluate())
+                if self.step == end:
+                    rec.update(self.evaluate())
+                if self.step % max(t.log_interval, 1) == 0 or self.step == end:
+                    self.metrics.log(rec)
+                if self._should_stop_for_signal():
+                    self.metrics.message(f"signal received: checkpointing at step {self.step} and exiting")
+                    code = EXIT_REQUEUE
+                    break
+                if t.save_interval and self.step % t.save_interval == 0 and self.step != end:
+                    self.save()
+            if self.last_saved != self.step:
+                self.save()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.metrics.close()
+        return code

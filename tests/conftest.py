@@ -1,0 +1,39 @@
+"""Shared fixtures: a 1-process megatron world for in-process tests, and a torchrun launcher."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """torch.distributed (gloo, 1 rank) + megatron model-parallel state at TP=PP=1."""
+    from megaloop.runtime.parallel import ParallelDims, init_distributed
+
+    init_distributed(ParallelDims(world=1), seed=1234)
+    yield
+    # left initialised for the whole session (tear-down races with gloo at exit otherwise)
+
+
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, env: dict | None = None) -> str:
+    """Run ``script`` under torchrun with ``nproc`` gloo processes; return its output or fail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        tail = "\n".join(l for l in out.splitlines() if "warn" not in l.lower())[-6000:]
+        pytest.fail(f"torchrun {Path(script).name} x{nproc} failed (exit {proc.returncode}):\n{tail}")
+    return out

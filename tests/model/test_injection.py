@@ -1,0 +1,65 @@
+"""Injection variants: OrthoInj projection, Parcae retention init, shapes (SPEC §2)."""
+
+import math
+
+import torch
+
+from megaloop.model.injection import ParcaeDiagonal, inverse_softplus, project_out
+
+
+def _cfg(d=16):
+    from megaloop.model.config import ModelConfig
+    from megaloop.model.specs import transformer_config
+
+    return transformer_config(ModelConfig(hidden_size=d, num_heads=2, seq_len=8), tp=1, pp=1, vpp=None,
+                              sequence_parallel=False)
+
+
+def test_inverse_softplus_roundtrip():
+    for y in (0.1, 1.0, 0.5 * math.log(5), 7.0):
+        assert abs(math.log1p(math.exp(inverse_softplus(y))) - y) < 1e-12
+
+
+def test_parcae_decay_retention_is_one_over_sqrt5(megatron_world):
+    inj = ParcaeDiagonal(_cfg(), "parcae_decay")
+    lam = inj.retention().double()
+    assert torch.allclose(lam, torch.full_like(lam, 5 ** -0.5), rtol=0, atol=1e-6)
+    nonorm = ParcaeDiagonal(_cfg(), "parcae_nonorm")
+    assert torch.allclose(nonorm.delta().double(), torch.ones(16, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(inj.proj.data, torch.eye(16))
+
+
+def test_orthoinj_component_along_q_is_q():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 3, 16, generator=g, dtype=torch.float64)
+    q = torch.randn(5, 3, 16, generator=g, dtype=torch.float64)
+    lam = torch.rand(16, generator=g, dtype=torch.float64)
+    zeta = project_out(lam * h, q, eps=0.0) + q
+    along = (zeta * q).sum(-1) / (q * q).sum(-1)
+    assert torch.allclose(along, torch.ones_like(along), atol=1e-12)
+
+
+def test_orthoinj_projected_carry_is_contractive():
+    g = torch.Generator().manual_seed(1)
+    d = 12
+    q = torch.randn(d, generator=g, dtype=torch.float64)
+    lam = torch.rand(d, generator=g, dtype=torch.float64) * 0.999
+    Q = torch.eye(d, dtype=torch.float64) - torch.outer(q, q) / (q @ q)
+    norm = torch.linalg.matrix_norm(Q @ torch.diag(lam), ord=2)
+    assert norm <= torch.linalg.matrix_norm(torch.diag(lam), ord=2) + 1e-12
+    assert norm < 1.0
+    # the module's FP32 projection agrees with the explicit matrix
+    v = torch.randn(d, generator=g, dtype=torch.float64)
+    ours = project_out((lam * v).view(1, 1, d).float(), q.view(1, 1, d).float(), eps=1e-6).double().view(d)
+    assert torch.allclose(ours, Q @ (lam * v), atol=1e-5)
+
+
+def test_orthoinj_module_forward_keeps_q(megatron_world):
+    inj = ParcaeDiagonal(_cfg(), "orthoinj", ortho_eps=0.0)
+    e = torch.randn(4, 2, 16)
+    h = torch.randn(4, 2, 16)
+    ctx = inj.prepare(e)
+    zeta = inj(h, ctx)
+    q = ctx["q"]
+    along = (zeta.double() * q.double()).sum(-1) / (q.double() ** 2).sum(-1)
+    assert torch.allclose(along, torch.ones_like(along), atol=1e-5)

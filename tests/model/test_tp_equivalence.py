@@ -1,0 +1,15 @@
+"""TP=2/4 (with and without sequence parallelism) vs TP=1 for every injection, over gloo."""
+
+import pytest
+
+from tests.conftest import ROOT, run_torchrun
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp_matches_tp1(nproc):
+    out = run_torchrun(ROOT / "tests/distributed/model_parallel_worker.py", nproc)
+    assert "ALL OK" in out
+    # 5 injections × layouts (tp=2 ±sp; with 4 ranks also tp=4 ±sp)
+    assert out.count("OK ") >= (10 if nproc == 2 else 20)
