@@ -111,3 +111,20 @@ class ModelConfig:
         if sequence_parallel:
             require(self.seq_len % tp == 0, "model.seq_len",
                     f"{self.seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
+
+
+def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
+    """Analytic parameter counts (padded vocab): embedding, per-layer, injection, head, total."""
+    d, f = cfg.hidden_size, cfg.ffn_size
+    kv = d * cfg.groups // cfg.num_heads
+    layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # qkv, proj, SwiGLU, 2 norms
+    v = cfg.padded_vocab(vocab_size)
+    emb = v * d
+    head = 0 if cfg.tie_embeddings else v * d
+    inj = 0
+    if cfg.looped:
+        inj = {"huginn_linear": 2 * d * d + d, "deq_qkv": cfg.n_core * d * (d + 2 * kv),
+               "parcae_decay": d * d + 3 * d}.get(cfg.injection, d * d + 2 * d)
+    layers = cfg.physical_layers * layer
+    return {"embedding": emb, "layers": layers, "injection": inj, "head": head + d,
+            "non_embedding": layers + inj + d, "total": emb + layers + inj + head + d}

@@ -44,6 +44,15 @@ except ImportError:  # pragma: no cover
         return nullcontext()
 
 
+def eval_noise(seed: int, start: int, stop: int, dim: int) -> torch.Tensor:
+    """Evaluation-time state init for positions start..stop-1: row t ~ N(0, 1)^dim drawn from a
+    CPU generator seeded with ``seed * 1_000_003 + t``. Depends only on the position (not on the
+    batch, sequence length or layout), so incremental decoding and the HF export reproduce it."""
+    rows = [torch.randn(dim, generator=torch.Generator().manual_seed(seed * 1_000_003 + t))
+            for t in range(start, stop)]
+    return torch.stack(rows) if rows else torch.zeros(0, dim)
+
+
 class LayerStack(MegatronModule):
     """Physical transformer layers with globally unique ``layer_number`` s (1-based)."""
 
@@ -189,14 +198,18 @@ class LoopedGPT(LanguageModule):
         """h⁰: N(0, std²) or zeros. ``noise_seed`` is one seed per microbatch or one per sample
         (so the draw does not depend on how samples are spread over data-parallel ranks); the
         full-sequence draw is sliced for sequence parallelism, so every TP/PP layout sees the
-        same state. Eval mode uses ``eval_state_init`` with the fixed ``eval_seed``."""
+        same state. Eval mode uses ``eval_state_init``; its Gaussian is :func:`eval_noise`
+        (per position, identical for every sequence of the batch)."""
         cfg = self.cfg
         mode = cfg.state_init if self.training else cfg.eval_state_init
         if mode == "zero":
             return torch.zeros_like(e)
         if not self.training:
-            noise_seed = cfg.eval_seed
-        elif noise_seed is None:
+            rank, size = self._sp()
+            s = e.shape[0]
+            table = eval_noise(cfg.eval_seed, rank * s, (rank + 1) * s, e.shape[-1])  # [s, d]
+            return (table[:, None, :].to(e.device) * cfg.state_init_std).to(e.dtype).expand_as(e).contiguous()
+        if noise_seed is None:
             noise_seed = stable_seed(self.seed, "state", next(self._noise_counter))
         rank, size = self._sp()
         s, b, d = e.shape

@@ -90,3 +90,12 @@ def test_split_recurrences_covers_all_depths():
             bounds = split_recurrences(r, stages, 1.5, 2.0, 2.0)
             assert len(bounds) == stages and bounds[0][0] == 0 and bounds[-1][1] == r
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+@pytest.mark.parametrize("injection", ["parcae_decay", "parcae_nonorm", "huginn_linear", "deq_qkv"])
+def test_param_count_matches_built_model(megatron_world, injection):
+    from megaloop.model.config import param_count
+
+    model = _model(injection)
+    counted = param_count(model.cfg, 64)["total"]
+    assert counted == sum(p.numel() for p in model.parameters())

@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Build the held-out validation set and the frozen LR-screen set from a TxT360 tree.
+
+    python data_prep/build_eval_sets.py --input ROOT --out DIR --tokenizer PATH \
+        [--val-seq-len 2048 --val-sequences-per-source 256] \
+        [--screen-seq-len 1536 --screen-sequences 304] [--train-manifest TRAIN/manifest.json]
+
+Writes ``DIR/val/`` and ``DIR/screen/`` (MDS + manifest.json with provenance).
+
+Provenance: documents are assigned by a salted content hash to the validation band
+(``u < val_fraction``), the LR-screen band (``val_fraction <= u < val_fraction +
+screen_fraction``) or training; ``txt360_to_mds.py`` drops both bands from the training shards
+when run with the same ``--val-fraction/--screen-fraction/--holdout-salt`` (checked against
+``--train-manifest`` when given). The validation set is MixVal-style: up to
+``--val-sequences-per-source`` packed sequences from each source's distinct held-out documents,
+no upsampling. The screen set pools all sources' screen-band documents in seeded-hash order and
+packs exactly ``--screen-sequences`` x ``--screen-seq-len`` tokens. ``--max-files-per-source``
+limits the scan to each source's first files (sorted) for speed on the full corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from txt360_to_mds import add_holdout_args  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="TxT360 root (holding data/) or its data/ dir")
+    p.add_argument("--out", required=True, help="output directory (gets val/ and screen/)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json / .model / directory")
+    p.add_argument("--val-seq-len", type=int, default=2048)
+    p.add_argument("--val-sequences-per-source", type=int, default=256)
+    p.add_argument("--screen-seq-len", type=int, default=1536)
+    p.add_argument("--screen-sequences", type=int, default=304)
+    p.add_argument("--seed", type=int, default=1234, help="seed of the document order")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--sources", help="comma-separated subset of sources")
+    p.add_argument("--max-files-per-source", type=int, help="scan only the first N files per source")
+    p.add_argument("--train-manifest", help="training manifest.json to check the holdout spec against")
+    p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
+    p.add_argument("--compression", default="zstd", help="zstd (default) or none")
+    p.add_argument("--no-progress", action="store_true")
+    add_holdout_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megaloop.data.errors import DataError
+    from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
+    from megaloop.data.txt360 import HoldoutSpec
+
+    try:
+        res = build_eval_sets(EvalSetsConfig(
+            input=Path(args.input), out=Path(args.out), tokenizer=args.tokenizer,
+            holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
+            val_seq_len=args.val_seq_len, val_sequences_per_source=args.val_sequences_per_source,
+            screen_seq_len=args.screen_seq_len, screen_sequences=args.screen_sequences,
+            seed=args.seed, workers=max(1, args.workers),
+            sources=args.sources.split(",") if args.sources else None,
+            max_files_per_source=args.max_files_per_source, eos_token=args.eos_token,
+            compression=None if args.compression == "none" else args.compression,
+            train_manifest=Path(args.train_manifest) if args.train_manifest else None,
+            progress=not args.no_progress, command=shlex.join([sys.executable, *sys.argv])))
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({name: {"num_sequences": m["num_sequences"], "seq_len": m["seq_len"],
+                             "total_tokens": m["total_tokens"], "path": str(Path(args.out) / name)}
+                      for name, m in res.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""Convert a local TxT360 tree into packed, tokenised MDS shards for megaloop.
+
+    python data_prep/txt360_to_mds.py --input ROOT --out DIR --tokenizer PATH --seq-len N [--workers K]
+
+Input: ``ROOT/data/<source>/<dup-bucket>/<i>_<n>.jsonl[.gz]`` (records with ``text`` and ``meta``).
+Output: ``DIR/index.json`` + ``DIR/parts/*/shard.*.mds.zstd`` (samples: ``tokens`` = N token ids,
+``source``) and ``DIR/manifest.json`` (written last; sources, per-source token counts, tokenizer
+hash, seq_len, vocab_size, eos_id, total_tokens, num_sequences, mixture, holdout spec).
+
+Mixing (defaults): source weight 1 for every source; bucket upsampling 1-1:1, 2-5:2, 6-10:3,
+11-100:4, 101-1000:5, 1001-inf:5 (copies per document; fractional parts choose documents by
+seeded hash). Override with ``--weights FILE`` (YAML/JSON with ``source_weights`` and/or
+``bucket_upsample``) and/or ``--source-weights cc=1,wiki=2 --bucket-upsample 2-5=1.5``.
+
+Held-out documents (``--val-fraction`` 0.002, ``--screen-fraction`` 0.001 of documents by salted
+content hash) are excluded here and collected by ``build_eval_sets.py`` with the same flags.
+
+Deterministic for a given ``--seed``; resumable (finished input files are skipped on rerun);
+crash-safe (files are published by rename, the manifest last).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+
+def add_holdout_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared with build_eval_sets.py (must match between the two)."""
+    p.add_argument("--val-fraction", type=float, default=0.002,
+                   help="fraction of documents (by content hash) held out for validation")
+    p.add_argument("--screen-fraction", type=float, default=0.001,
+                   help="fraction of documents (by content hash) held out for the LR-screen set")
+    p.add_argument("--holdout-salt", default="megaloop-holdout-v1",
+                   help="salt of the holdout hash (change it to draw different held-out sets)")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="TxT360 root (holding data/) or its data/ dir")
+    p.add_argument("--out", required=True, help="output directory of the MDS dataset")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer.json, SentencePiece .model, or a directory holding one")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per packed sequence")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="parallel worker processes (one input file at a time each)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of upsampling and doc order")
+    p.add_argument("--weights", help="YAML/JSON file with source_weights / bucket_upsample")
+    p.add_argument("--source-weights", help="per-source weights, e.g. cc=1,arxiv=2")
+    p.add_argument("--bucket-upsample", help="per-bucket factors, e.g. 1-1=1,2-5=2,6-10=3")
+    p.add_argument("--sources", help="comma-separated subset of sources to convert")
+    p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
+    p.add_argument("--compression", default="zstd", help="shard compression: zstd (default) or none")
+    p.add_argument("--shard-size", type=int, default=1 << 26, help="max shard bytes (default 64 MiB)")
+    p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
+    add_holdout_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from megaloop.data.errors import DataError
+    from megaloop.data.mds_convert import ConvertConfig, convert_txt360
+    from megaloop.data.txt360 import HoldoutSpec, MixSpec
+
+    try:
+        cfg = ConvertConfig(
+            input=Path(args.input), out=Path(args.out), tokenizer=args.tokenizer,
+            seq_len=args.seq_len, workers=max(1, args.workers), seed=args.seed,
+            mix=MixSpec.from_args(args.weights, args.source_weights, args.bucket_upsample),
+            holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
+            sources=args.sources.split(",") if args.sources else None, eos_token=args.eos_token,
+            compression=None if args.compression == "none" else args.compression,
+            shard_size_limit=args.shard_size, progress=not args.no_progress,
+            command=shlex.join([sys.executable, *sys.argv]))
+        manifest = convert_txt360(cfg)
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    run = manifest.pop("_run")
+    summary = {k: manifest[k] for k in ("total_tokens", "num_sequences", "dropped_tokens",
+                                        "vocab_size", "eos_id", "source_tokens")}
+    print(json.dumps(summary | {"parts": run["parts_total"], "parts_skipped": run["parts_skipped"],
+                                "seconds": round(run["seconds"], 2), "out": str(args.out)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

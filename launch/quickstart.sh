@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Main job on the embedded default: set up .venv (first run only), then train the `tiny` looped
+# model on the embedded corpus on CPU (or a GPU if present) and print the loss curve.
+# Extra arguments are passed to `megaloop train` (e.g. train.max_steps=40).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/launch/_setup.sh"
+cd "$ROOT"
+export WANDB_MODE="${WANDB_MODE:-offline}"
+RUN_DIR="${RUN_DIR:-runs/quickstart}"
+megaloop train --config "${CONFIG:-tiny}" --run-dir "$RUN_DIR" --resume auto "$@"
+python - "$RUN_DIR" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics.jsonl")]
+first, last = rows[0], rows[-1]
+k = max(1, len(rows) // 10)
+head = sum(r["loss"] for r in rows[:k]) / k
+tail = sum(r["loss"] for r in rows[-k:]) / k
+print(f"steps {first['step']}..{last['step']}: mean loss of first {k} steps {head:.3f} -> last {k} steps {tail:.3f}")
+if "val_ce" in last:
+    print(f"validation CE at depth {last.get('val_depth')}: {last['val_ce']:.3f} (ppl {last['val_ppl']:.1f})")
+print(f"run directory: {sys.argv[1]} (metrics.jsonl, config.yaml, checkpoints/)")
+PY

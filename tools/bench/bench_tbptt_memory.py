@@ -1,0 +1,81 @@
+"""TBPTT memory: activation memory of one training step vs depth, for b=4 and b=r.
+
+Activation memory = bytes of tensors autograd saves for backward during the forward (counted
+once per storage through ``torch.autograd.graph.saved_tensors_hooks``), which is what grows with
+depth; on CUDA the peak allocator memory is reported too. Usage:
+    python tools/bench/bench_tbptt_memory.py [--hidden 256 --seq 256 --batch 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from common import single_process_megatron, write_result
+
+
+class SavedBytes:
+    def __init__(self):
+        self.seen, self.bytes = set(), 0
+
+    def pack(self, t):
+        st = t.untyped_storage()
+        key = (st.data_ptr(), st.nbytes())
+        if key not in self.seen:
+            self.seen.add(key)
+            self.bytes += st.nbytes()
+        return t
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+
+def measure(model, ids, depth, window):
+    counter = SavedBytes()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+        loss = model(ids, labels=ids, depth=depth, backprop=window, noise_seed=0).mean()
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return counter.bytes, peak
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--depths", default="4,8,16,32")
+    args = p.parse_args()
+    single_process_megatron()
+    from megaloop.model.config import ModelConfig
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import transformer_config
+
+    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, b_max=64)
+    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = LoopedGPT(cfg, tc, vocab_size=4096, seed=0).to(dev)
+    ids = torch.randint(0, 4096, (args.batch, args.seq), device=dev)
+    rows = []
+    for depth in map(int, args.depths.split(",")):
+        for label, window in (("b=4", min(4, depth)), ("b=r", depth)):
+            act, peak = measure(model, ids, depth, window)
+            rows.append({"depth": depth, "window": label, "activation_MiB": act / 2**20,
+                         "peak_alloc_MiB": None if peak is None else peak / 2**20})
+            print(f"depth {depth:3d} {label:4s} activations {act / 2**20:9.1f} MiB")
+    by = {(r["depth"], r["window"]): r["activation_MiB"] for r in rows}
+    summary = {"b4_depth32_over_depth8": by[(32, "b=4")] / by[(8, "b=4")],
+               "br_depth32_over_depth8": by[(32, "b=r")] / by[(8, "b=r")]}
+    print(summary)
+    write_result("tbptt_memory", vars(args), {"rows": rows, "summary": summary},
+                 "python tools/bench/bench_tbptt_memory.py " + " ".join(
+                     f"--{k} {v}" for k, v in vars(args).items()))
+
+
+if __name__ == "__main__":
+    main()
