@@ -15,6 +15,7 @@ import warnings
 def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
     warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*(\.grad attribute|cuda_graph_scope|tp_group is None).*")
     os.environ.setdefault("WANDB_SILENT", "true")
 
 

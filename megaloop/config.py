@@ -131,6 +131,9 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         self.model.validate_parallel(self.parallel.tp, self.parallel.sequence_parallel)
+        require(self.optim.warmup_steps < self.train.max_steps or self.optim.warmup_steps == 0,
+                "optim.warmup_steps", f"{self.optim.warmup_steps} must be < train.max_steps "
+                f"({self.train.max_steps}), the schedule horizon")
         if self.model.looped and self.depth.kind == "fixed":
             require(self.depth.depth >= 1, "depth.depth", "must be >= 1")
 

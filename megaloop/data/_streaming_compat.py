@@ -1,102 +1,115 @@
 """Make ``import streaming`` (mosaicml-streaming 0.13) work beside CPU torch without torchvision.
 
-streaming's package ``__init__`` imports ``streaming.vision``, which imports
-``torchvision.datasets.VisionDataset`` and ``torchvision.transforms.functional.to_tensor`` at
-module level. PyPI's torchvision wheels do not import beside CPU torch 2.13 ("operator
-torchvision::nms does not exist"), and megaloop never uses streaming's vision datasets.
+streaming's package ``__init__`` eagerly imports its ``vision``, ``text`` and ``multimodal``
+sub-packages. ``streaming.vision`` imports ``torchvision`` at module level, and PyPI's torchvision
+wheels do not import beside CPU torch 2.13 ("operator torchvision::nms does not exist");
+``streaming.text`` imports transformers (~3 s). megaloop uses none of the three.
 
-``ensure_streaming_importable()`` is the one place that deals with this: if a working torchvision
-is importable it is used untouched; otherwise a minimal stub is placed in ``sys.modules`` only for
-the duration of ``import streaming`` and removed afterwards, so other libraries (transformers,
-lm-eval) still see torchvision as absent. Importing ``megaloop.data`` calls it.
+This module is the one place that handles it. ``install_import_hook()`` puts a meta-path finder
+in front of the others that turns exactly those three sub-packages into *deferred* modules: a
+module object with the real ``__spec__``/``__file__``/``__path__`` whose code runs on the first
+access of a public attribute (``streaming.vision.StreamingCIFAR10``). Dunder look-ups (as done by
+``inspect``/``pickle`` walking ``sys.modules``) never trigger it, and a failing deferred import
+surfaces as an ``AttributeError`` naming the cause. No fake torchvision is ever installed: with a
+working torchvision the vision datasets work on first use; without one they say why not.
+``import megaloop.data`` installs the hook, after which ``import streaming`` works everywhere.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 import threading
 import types
-from typing import Any
+from typing import Any, Sequence
 
-_LOCK = threading.Lock()
-_STUB_NAMES = ("torchvision", "torchvision.datasets", "torchvision.transforms",
-               "torchvision.transforms.functional")
-
-
-def _real_torchvision_works() -> bool:
-    """True if a real torchvision is installed and imports cleanly (never leaves debris)."""
-    if importlib.util.find_spec("torchvision") is None:
-        return False
-    try:
-        import torchvision.datasets  # noqa: F401
-        import torchvision.transforms.functional  # noqa: F401
-        return True
-    except Exception:  # broken wheel: RuntimeError from the C++ op registry, ImportError, ...
-        for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
-            del sys.modules[name]
-        return False
+DEFERRED = frozenset({"streaming.vision", "streaming.text", "streaming.multimodal"})
+_LOCK = threading.RLock()
 
 
-def _make_stub() -> dict[str, types.ModuleType]:
-    """Build the four stub modules streaming touches at import."""
-    import torch.utils.data
+class _DeferredModule(types.ModuleType):
+    """Placeholder for a sub-package; loads the real one on first public attribute access."""
 
-    class VisionDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-        """Stand-in base class; streaming's vision datasets are unusable without torchvision."""
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        real = _load_real(self)
+        return getattr(real, attr)
 
-        def __init__(self, root: Any = None, transforms: Any = None, transform: Any = None,
-                     target_transform: Any = None) -> None:
-            self.root = root
-            self.transforms = transforms
-            self.transform = transform
-            self.target_transform = target_transform
 
-    def to_tensor(pic: Any) -> Any:
-        """PIL image / HWC uint8 array -> CHW float tensor in [0, 1] (torchvision semantics)."""
-        import numpy as np
+def _load_real(proxy: _DeferredModule) -> types.ModuleType:
+    """Execute the real module behind ``proxy`` once and swap it into ``sys.modules``."""
+    name = proxy.__name__
+    with _LOCK:
+        current = sys.modules.get(name)
+        if current is not None and current is not proxy:
+            return current
+        spec: importlib.machinery.ModuleSpec = proxy.__dict__["__real_spec__"]
+        real = importlib.util.module_from_spec(spec)
+        sys.modules[name] = real
+        try:
+            assert spec.loader is not None
+            spec.loader.exec_module(real)
+        except Exception as err:
+            sys.modules[name] = proxy
+            raise AttributeError(f"{name} is unavailable: {type(err).__name__}: {err} "
+                                 "(megaloop does not use it)") from err
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, real)
+        return real
 
-        arr = np.asarray(pic)
-        if arr.ndim == 2:
-            arr = arr[:, :, None]
-        out = torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
-        return out.float().div(255.0) if out.dtype == torch.uint8 else out.float()
 
-    mods: dict[str, types.ModuleType] = {}
-    for name in _STUB_NAMES:
-        mod = types.ModuleType(name, "megaloop stub: torchvision is absent or broken")
-        # A spec keeps importlib.util.find_spec() from raising while the stub is installed.
-        mod.__spec__ = importlib.machinery.ModuleSpec(name, loader=None, is_package=True)
-        mod.__path__ = []  # type: ignore[attr-defined]
-        mods[name] = mod
-    mods["torchvision"].__version__ = "0.0.0+megaloop.stub"  # type: ignore[attr-defined]
-    mods["torchvision"].datasets = mods["torchvision.datasets"]  # type: ignore[attr-defined]
-    mods["torchvision"].transforms = mods["torchvision.transforms"]  # type: ignore[attr-defined]
-    mods["torchvision.transforms"].functional = mods["torchvision.transforms.functional"]  # type: ignore[attr-defined]
-    mods["torchvision.datasets"].VisionDataset = VisionDataset  # type: ignore[attr-defined]
-    mods["torchvision.transforms.functional"].to_tensor = to_tensor  # type: ignore[attr-defined]
-    return mods
+class _DeferredLoader(importlib.abc.Loader):
+    def __init__(self, real_spec: importlib.machinery.ModuleSpec) -> None:
+        self.real_spec = real_spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        mod = _DeferredModule(spec.name)
+        mod.__dict__["__real_spec__"] = self.real_spec
+        return mod
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing runs now; see ``_DeferredModule.__getattr__``."""
+
+
+class _DeferStreamingExtras(importlib.abc.MetaPathFinder):
+    """Meta-path finder handing out deferred modules for streaming's optional sub-packages."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: types.ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in DEFERRED:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            real = finder.find_spec(fullname, path, target)
+            if real is not None:
+                break
+        else:
+            return None
+        if real.loader is None or not hasattr(real.loader, "exec_module"):
+            return real
+        spec = importlib.machinery.ModuleSpec(fullname, _DeferredLoader(real),
+                                              origin=real.origin,
+                                              is_package=real.submodule_search_locations is not None)
+        spec.submodule_search_locations = real.submodule_search_locations
+        spec.has_location = real.has_location
+        return spec
+
+
+def install_import_hook() -> None:
+    """Idempotently install the finder (cheap; imports nothing)."""
+    with _LOCK:
+        if not any(isinstance(f, _DeferStreamingExtras) for f in sys.meta_path):
+            sys.meta_path.insert(0, _DeferStreamingExtras())
 
 
 def ensure_streaming_importable() -> types.ModuleType:
-    """Import and return the ``streaming`` package, stubbing torchvision only if needed."""
-    with _LOCK:
-        if "streaming" in sys.modules and hasattr(sys.modules["streaming"], "StreamingDataset"):
-            return sys.modules["streaming"]
-        if _real_torchvision_works():
-            import streaming
+    """Install the hook and return the imported ``streaming`` package."""
+    install_import_hook()
+    import streaming
 
-            return streaming
-        stub = _make_stub()
-        saved = {n: sys.modules.get(n) for n in _STUB_NAMES}
-        sys.modules.update(stub)
-        try:
-            import streaming
-        finally:
-            for name, old in saved.items():
-                if old is None:
-                    sys.modules.pop(name, None)
-                else:
-                    sys.modules[name] = old
-        return streaming
+    return streaming

@@ -79,7 +79,8 @@ class TrainLoader:
         self._ds._parallel_rank_world = World(num_nodes=dp_size, ranks_per_node=1,
                                               workers_per_rank=1, worker=dp_rank)
         self._ds.length = -(-self._ds.epoch_size // dp_size)
-        self._finalizer = weakref.finalize(self, _release, fd, self._ds._shm_prefix_int)
+        self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
+                                           self._ds._locals_shm)
         self._collate = _Collate(int(self.manifest["eos_id"]), cfg.mask_document_boundaries)
         self._epoch = 0
         self._base_samples = 0  # global samples consumed in this epoch before _batches
@@ -199,7 +200,8 @@ class EvalLoader:
         self._real = [True] * len(mine) + [False] * (total - len(mine))
         self._ds, fd = src.open(shuffle=False, shuffle_seed=0, batch_size=micro_batch_size,
                                 num_canonical_nodes=1, cfg=None)
-        self._finalizer = weakref.finalize(self, _release, fd, self._ds._shm_prefix_int)
+        self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
+                                           self._ds._locals_shm)
         self._collate = _Collate(int(self.manifest["eos_id"]), mask_document_boundaries,
                                  with_source)
         self._loader = DataLoader(_EvalItems(self._ds, self._indices, self._real),

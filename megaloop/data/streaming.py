@@ -186,7 +186,7 @@ class _Source:
         if self.remote is None:
             local = str(Path(self.path).resolve())
         else:
-            base = self.cache_root / "streaming" / self.key
+            base = (self.cache_root / "streaming" / self.key).resolve()
             base.mkdir(parents=True, exist_ok=True)
             for i in range(4096):
                 fd = try_lock_fd(base / f"slot{i}.lock")
@@ -205,6 +205,8 @@ class _Source:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
             with _solo_construction():
+                if fd is not None:
+                    _scrub_stale_registrations(local)
                 ds = streaming.StreamingDataset(
                     remote=self.remote, local=local, shuffle=shuffle, shuffle_seed=shuffle_seed,
                     batch_size=batch_size, num_canonical_nodes=num_canonical_nodes, **kwargs)
@@ -218,8 +220,37 @@ class _Source:
         return ds, fd
 
 
-def _release(fd: int | None, prefix: int | None) -> None:
+def _scrub_stale_registrations(local: str) -> None:
+    """Forget streaming's shared-memory registrations of ``local`` left by dead owners.
+
+    We hold the cache slot's lock, so no live dataset uses ``local``; a registration that names
+    it belongs to a closed loader or a crashed process and would make streaming refuse the slot.
+    """
+    from streaming.base.shared import SharedMemory
+
+    tmp = tempfile.gettempdir()
+    for prefix in range(100_000):
+        try:
+            shm = SharedMemory(f"{prefix:06}_locals", False, auto_cleanup=False)
+        except FileNotFoundError:
+            if not any(os.path.exists(os.path.join(tmp, f"{prefix:06}_{n}"))
+                       for n in ("barrier_filelock", "cache_filelock")):
+                return
+            continue
+        except PermissionError:
+            continue
+        size = int(np.frombuffer(bytes(shm.buf[:4]), np.int32)[0])
+        names = bytes(shm.buf[4:size]).decode("utf-8", "replace").split("\0")[:-1] if size else []
+        if local in names:
+            shm.buf[:4] = np.int32(0).tobytes()
+        shm.shm.close()
+
+
+def _release(fd: int | None, prefix: int | None, locals_shm: Any = None) -> None:
     """Free a cache slot and streaming's leftover file locks of one dataset."""
+    if locals_shm is not None:  # unregister the local dir first (what the dataset's __del__ does)
+        with contextlib.suppress(Exception):
+            locals_shm.buf[:4] = np.int32(0).tobytes()
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -27,6 +27,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -108,6 +109,7 @@ class LoopedGPT(LanguageModule):
                  vp_stage: int | None = None, seed: int = 1234):
         super().__init__(config=config)
         self.cfg = cfg
+        self.model_type = ModelType.encoder_or_decoder
         self.pre_process, self.post_process = pre_process, post_process
         self.vp_stage = vp_stage
         self.vocab_size = cfg.padded_vocab(vocab_size)

@@ -18,13 +18,14 @@ import json
 import os
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 from megaloop.model.build import unwrap
 
@@ -69,7 +70,7 @@ def _mark_core_replicas(sd: dict, stage: int) -> None:
     if stage == 0:
         return
     for t in nested_values(sd):
-        if isinstance(t, ShardedTensor) and t.key.startswith(REPLICA_PREFIXES):
+        if isinstance(t, ShardedBase) and t.key.startswith(REPLICA_PREFIXES):
             rid = t.replica_id
             t.replica_id = (stage, *rid[1:]) if isinstance(rid, tuple) else (stage, rid)
 
@@ -78,12 +79,70 @@ def sharded_state(model_chunks: list, optimizer=None, *, is_loading: bool) -> di
     """The sharded state dict of the model chunks (``model{i}``) and the optimizer."""
     sd: dict[str, Any] = {}
     for i, chunk in enumerate(model_chunks):
-        msd = chunk.sharded_state_dict(prefix="", metadata=dict(SHARDING_META))
-        _mark_core_replicas(msd, unwrap(chunk).stage)
+        core = unwrap(chunk)  # keys without DDP/Float16Module prefixes
+        msd = core.sharded_state_dict(prefix="", metadata=dict(SHARDING_META))
+        _mark_core_replicas(msd, core.stage)
         sd[f"model{i}"] = msd
     if optimizer is not None:
         sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(SHARDING_META))
     return sd
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [o.optimizer for o in chain if hasattr(o, "optimizer")]
+
+
+def _ensure_adam_state(optimizer) -> None:
+    """Give a fresh optimizer zero Adam state without stepping it. megatron-core 0.16.1's
+    distributed optimizer asserts one shared ``step`` value when building the state dict it
+    loads into, which a never-stepped torch Adam does not have (and its own dummy step would
+    apply weight decay to the parameters)."""
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p not in opt.state or not opt.state[p]:
+                    opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                    "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16.1 loads one ``step`` tensor into every parameter's state; torch Adam
+    increments it in place once per parameter, so give each parameter its own copy."""
+    for opt in _torch_optimizers(optimizer):
+        for state in opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+@contextmanager
+def _keep_adam_step_on_load(optimizer):
+    """megatron-core 0.16.1's distributed optimizer copies every key of a parameter's torch-Adam
+    state from the checkpoint, including ``step``, which its checkpoint tensors do not carry
+    (KeyError: 'step'). ``step`` is restored from the param groups instead, so during the load
+    each parameter keeps its own ``step`` entry."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    patched = []
+    for opt in chain:
+        orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if orig is None or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+
+        def fixed(model_param, tensors, _orig=orig, _opt=opt):
+            if "step" not in tensors:
+                gi, go = _opt.model_param_group_index_map[model_param]
+                state = _opt.optimizer.state[_opt.optimizer.param_groups[gi]["params"][go]]
+                if "step" in state:
+                    tensors = {**tensors, "step": state["step"]}
+            return _orig(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = fixed
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -173,6 +232,8 @@ class CheckpointManager:
         """Load model (and optimizer) state in place; returns the ``common`` dict."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete or missing files")
+        if optimizer is not None:
+            _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)
         sd["common"] = None
         try:
@@ -183,7 +244,9 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''}") from err
         for i, chunk in enumerate(model_chunks):
-            chunk.load_state_dict(loaded[f"model{i}"], strict=strict)
+            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=strict)
         if optimizer is not None:
-            optimizer.load_state_dict(loaded["optimizer"])
+            with _keep_adam_step_on_load(optimizer):
+                optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(optimizer)
         return loaded.get("common") or dist_checkpointing.load_common_state_dict(str(path))["common"]

@@ -1,0 +1,519 @@
+"""megaloop checkpoint ⇄ Hugging Face folder (``trust_remote_code``), validated numerically.
+
+``convert_to_hf(checkpoint, out)`` reads a megaloop training checkpoint written at any TP/PP
+layout (checkpoint keys are layout-independent, so it is loaded into a TP=1/PP=1 native model in
+this one process), maps the weights onto :mod:`megaloop.hf.modeling_megaloop`, and writes::
+
+    out/config.json                  MegaloopConfig + auto_map (AutoConfig, AutoModelForCausalLM)
+    out/model.safetensors            (or model-0000x-of-0000n.safetensors + index above ~2 GB)
+    out/configuration_megaloop.py    copied modeling code (imports only torch + transformers)
+    out/modeling_megaloop.py
+    out/generation_config.json       eos/bos/pad; padded vocab ids suppressed
+    out/tokenizer.json, tokenizer_config.json, special_tokens_map.json   (when a tokenizer is found)
+    out/megaloop_conversion.json     source checkpoint, step, validation errors
+
+Weight mapping (megatron local spec → HF):
+  ``embedding.word_embeddings.weight`` → ``model.embed_tokens.weight``;
+  ``{prelude,core,coda,layers}.i.`` → ``model.{prelude,core,coda,layers}.i.``;
+  ``input_layernorm`` → ``input_layernorm``; ``pre_mlp_layernorm`` → ``post_attention_layernorm``;
+  fused ``self_attention.linear_qkv.weight`` ``[g·(n/g + 2)·hd, d]`` (per query group: its n/g
+  query heads, then k, then v) → split into ``self_attn.q_proj`` (heads ordered group by group),
+  ``k_proj``, ``v_proj``; ``linear_qkv_inject`` (DEQ-QKV) likewise → ``q/k/v_inject``;
+  ``linear_proj`` → ``o_proj``; ``mlp.linear_fc1`` = [gate; up] → ``gate_proj``, ``up_proj``;
+  ``linear_fc2`` → ``down_proj``; ``injection.*`` → ``model.injection.*``;
+  ``final_norm`` → ``model.norm``; ``output_layer.weight`` → ``lm_head.weight`` (tied: the embedding).
+The split is exact (a reshape), so HF → megaloop (``hf_to_native_state_dict``) fuses them back.
+
+Validation (default on): native vs HF logits in FP32, eval mode (both use the same eval-time
+state init), on random sequences at the configured depth. The error is
+``max|Δlogit| / max(1, max|native logit|)`` (absolute for logits of unit scale, relative above)
+and must be ≤ ``TOLERANCE`` = 1e-4, else :class:`ConversionError` names both errors.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megaloop.hf.configuration_megaloop import MegaloopConfig
+from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+TOLERANCE = 1e-4
+HF_DIR = Path(__file__).resolve().parent
+CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py")
+AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
+            "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+class ConversionError(RuntimeError):
+    """The input is missing / not a megaloop checkpoint / inconsistent, or validation failed."""
+
+
+# ============================================================================ checkpoint discovery
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint directory: ``path`` itself (``step_*``), or the newest complete one
+    under ``path`` (a ``checkpoints`` dir) or ``path/checkpoints`` (a run dir)."""
+    from megaloop.train.checkpoint import META, CheckpointManager, is_complete
+
+    p = Path(path)
+    if not p.exists():
+        raise ConversionError(f"checkpoint {p} does not exist")
+    if not p.is_dir():
+        raise ConversionError(f"checkpoint {p} is not a directory")
+    markers = [n for n in (META, ".metadata", "common.pt") if (p / n).is_file()]
+    if markers:
+        if not is_complete(p):
+            missing = [n for n in (META, ".metadata", "common.pt") if not (p / n).is_file()]
+            raise ConversionError(f"checkpoint {p} is incomplete: missing {', '.join(missing)} "
+                                  "(interrupted while being written?)")
+        return p
+    for root in (p, p / "checkpoints"):
+        if root.is_dir():
+            latest = CheckpointManager(root).latest()
+            if latest is not None:
+                return latest
+    raise ConversionError(
+        f"{p} is not a megaloop checkpoint: expected a checkpoint directory holding {META}, "
+        ".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one")
+
+
+def read_common(ckpt: Path) -> dict:
+    """The checkpoint's ``common`` state (step, config, ...)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        return dist_checkpointing.load_common_state_dict(str(ckpt)).get("common") or {}
+    except BaseException as err:  # torch's CheckpointException derives from BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConversionError(f"checkpoint {ckpt}: common.pt could not be read: {type(err).__name__}: {err}") from err
+
+
+def read_run_config(ckpt: Path, common: dict | None = None) -> dict:
+    """The run config dict: ``common["config"]``, else ``RUN_DIR/config.yaml``."""
+    common = read_common(ckpt) if common is None else common
+    cfg = common.get("config")
+    if cfg is None:
+        yaml_path = ckpt.parent.parent / "config.yaml"
+        if yaml_path.is_file():
+            import yaml
+
+            cfg = yaml.safe_load(yaml_path.read_text())
+        else:
+            raise ConversionError(f"checkpoint {ckpt}: no run config (common state has no 'config' "
+                                  f"and {yaml_path} does not exist)")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        raise ConversionError(f"checkpoint {ckpt}: run config has no 'model' section; not a megaloop run config")
+    return cfg
+
+
+def model_config_from_run(run_cfg: dict, where: str):
+    """``ModelConfig`` of a run config dict, set up to load on this machine (local spec, no FP8)."""
+    from megaloop.config_utils import ConfigError, from_dict
+    from megaloop.model.config import ModelConfig
+
+    try:
+        mcfg = from_dict(ModelConfig, dict(run_cfg["model"]), "model")
+    except ConfigError as err:
+        raise ConversionError(f"{where}: run config is not a megaloop model config: {err}") from None
+    mcfg.transformer_impl = "local"
+    mcfg.fp8 = None
+    return mcfg
+
+
+def checkpoint_vocab(ckpt: Path) -> int:
+    """Padded vocabulary (rows of the stored embedding)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConversionError(f"checkpoint {ckpt}: tensor metadata could not be read: {type(err).__name__}: {err}") from err
+    key = "embedding.word_embeddings.weight"
+    if key not in meta:
+        raise ConversionError(f"checkpoint {ckpt} holds no {key}: not a megaloop LoopedGPT checkpoint "
+                              f"(tensors: {', '.join(sorted(meta)[:5])}...)")
+    return int(meta[key].global_shape[0])
+
+
+# ============================================================================ native model
+def load_native(checkpoint: str | Path, *, seed: int | None = None):
+    """Load a checkpoint into a TP=1/PP=1 FP32 native model in eval mode.
+
+    Returns ``(model: LoopedGPT, model_cfg: ModelConfig, run_cfg: dict, ckpt: Path, common: dict)``.
+    Starts a 1-process torch.distributed/megatron world if none is running.
+    """
+    from megatron.core import parallel_state
+
+    from megaloop.model.build import build_model, unwrap
+    from megaloop.runtime.parallel import ParallelDims, init_distributed
+    from megaloop.train.checkpoint import CheckpointError, CheckpointManager
+
+    ckpt = resolve_checkpoint(checkpoint)
+    common = read_common(ckpt)
+    run_cfg = read_run_config(ckpt, common)
+    mcfg = model_config_from_run(run_cfg, str(ckpt))
+    vocab = checkpoint_vocab(ckpt)
+    if mcfg.padded_vocab(vocab) != vocab:
+        raise ConversionError(f"checkpoint {ckpt}: embedding has {vocab} rows, not a multiple of "
+                              f"model.vocab_pad_multiple={mcfg.vocab_pad_multiple}")
+    if seed is None:
+        seed = int((run_cfg.get("train") or {}).get("seed", 1234))
+    if not (torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        init_distributed(ParallelDims(world=1), seed)
+    if (parallel_state.get_tensor_model_parallel_world_size() != 1
+            or parallel_state.get_pipeline_model_parallel_world_size() != 1):
+        raise ConversionError("conversion needs a TP=1/PP=1 world (run it in a plain single process)")
+    chunks, _ = build_model(mcfg, vocab_size=vocab, tp=1, pp=1, vpp=None, sequence_parallel=False,
+                            seed=seed, ddp=False)
+    try:
+        CheckpointManager(ckpt.parent).load(ckpt, chunks, optimizer=None)
+    except CheckpointError as err:
+        raise ConversionError(f"checkpoint {ckpt} does not match its model config "
+                              f"(arch={mcfg.arch}, injection={mcfg.injection}, hidden={mcfg.hidden_size}): {err}") from err
+    except RuntimeError as err:  # load_state_dict shape/key mismatch
+        raise ConversionError(f"checkpoint {ckpt} does not match its model config: {err}") from err
+    native = unwrap(chunks[0]).float().eval()
+    return native, mcfg, run_cfg, ckpt, common
+
+
+# ============================================================================ weight mapping
+def _split_qkv(w: torch.Tensor, heads: int, groups: int, hd: int) -> tuple[torch.Tensor, ...]:
+    per = heads // groups
+    w = w.reshape(groups, per + 2, hd, -1)
+    q = w[:, :per].reshape(heads * hd, -1)
+    k = w[:, per].reshape(groups * hd, -1)
+    v = w[:, per + 1].reshape(groups * hd, -1)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int, hd: int) -> torch.Tensor:
+    per = heads // groups
+    d = q.shape[-1]
+    return torch.cat([q.reshape(groups, per, hd, d), k.reshape(groups, 1, hd, d),
+                      v.reshape(groups, 1, hd, d)], dim=1).reshape(-1, d).contiguous()
+
+
+_LAYER_MAP = {  # native suffix -> HF suffix (1:1)
+    "input_layernorm.weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_GROUPS = ("prelude", "core", "coda", "layers")
+
+
+def native_to_hf_state_dict(native_sd: dict[str, Any], mcfg) -> dict[str, torch.Tensor]:
+    """HF state dict (``MegaloopForCausalLM``) from a LoopedGPT (local spec) state dict."""
+    heads, groups, hd = mcfg.num_heads, mcfg.groups, mcfg.hidden_size // mcfg.num_heads
+    out: dict[str, torch.Tensor] = {}
+    for name, t in native_sd.items():
+        if name.endswith("_extra_state") or t is None:
+            continue
+        t = t.detach()
+        group = name.split(".", 1)[0]
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t
+        elif name == "final_norm.weight":
+            out["model.norm.weight"] = t
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t
+        elif group == "injection":
+            out["model." + name] = t
+        elif group in _GROUPS:
+            _, idx, rest = name.split(".", 2)
+            prefix = f"model.{group}.{idx}."
+            if rest in _LAYER_MAP:
+                out[prefix + _LAYER_MAP[rest]] = t
+            elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv_inject.weight"):
+                kind = "proj" if rest.endswith("linear_qkv.weight") else "inject"
+                for n, part in zip("qkv", _split_qkv(t, heads, groups, hd)):
+                    out[f"{prefix}self_attn.{n}_{kind}.weight"] = part
+            elif rest == "mlp.linear_fc1.weight":
+                gate, up = t.chunk(2, dim=0)
+                out[prefix + "mlp.gate_proj.weight"] = gate.contiguous()
+                out[prefix + "mlp.up_proj.weight"] = up.contiguous()
+            else:
+                raise ConversionError(f"native tensor {name!r} has no HF mapping")
+        else:
+            raise ConversionError(f"native tensor {name!r} has no HF mapping")
+    if mcfg.tie_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    elif "lm_head.weight" not in out:
+        raise ConversionError("untied model without output_layer.weight")
+    return out
+
+
+def hf_to_native_state_dict(hf_sd: dict[str, torch.Tensor], cfg: MegaloopConfig) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`native_to_hf_state_dict` (no ``_extra_state`` entries)."""
+    heads, groups, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    inv = {v: k for k, v in _LAYER_MAP.items()}
+    out: dict[str, torch.Tensor] = {}
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in hf_sd.items():
+        t = t.detach()
+        if name == "model.embed_tokens.weight":
+            out["embedding.word_embeddings.weight"] = t
+        elif name == "model.norm.weight":
+            out["final_norm.weight"] = t
+        elif name == "lm_head.weight":
+            if not cfg.tie_word_embeddings:
+                out["output_layer.weight"] = t
+        elif name.startswith("model.injection."):
+            out[name[len("model."):]] = t
+        else:
+            _, group, idx, rest = name.split(".", 3)
+            prefix = f"{group}.{idx}."
+            if rest in inv:
+                out[prefix + inv[rest]] = t
+            elif rest.startswith("self_attn.") and rest.split(".")[1][0] in "qkv":
+                n, kind = rest.split(".")[1].split("_")
+                target = prefix + ("self_attention.linear_qkv.weight" if kind == "proj"
+                                   else "self_attention.linear_qkv_inject.weight")
+                pending.setdefault(target, {})[n] = t
+            elif rest in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+                pending.setdefault(prefix + "mlp.linear_fc1.weight", {})[rest.split(".")[1]] = t
+            else:
+                raise ConversionError(f"HF tensor {name!r} has no megaloop mapping")
+    for target, parts in pending.items():
+        if target.endswith("linear_fc1.weight"):
+            out[target] = torch.cat([parts["gate_proj"], parts["up_proj"]], dim=0)
+        else:
+            out[target] = _fuse_qkv(parts["q"], parts["k"], parts["v"], heads, groups, hd)
+    return out
+
+
+def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | None = None,
+                          num_recurrences: int = 5, special: dict | None = None) -> MegaloopConfig:
+    special = special or {}
+    cfg = MegaloopConfig(
+        vocab_size=vocab_size, tokenizer_vocab_size=tokenizer_vocab_size or vocab_size,
+        hidden_size=mcfg.hidden_size, num_attention_heads=mcfg.num_heads, num_key_value_heads=mcfg.groups,
+        intermediate_size=mcfg.ffn_size, arch=mcfg.arch, n_prelude=mcfg.n_prelude, n_core=mcfg.n_core,
+        n_coda=mcfg.n_coda, num_hidden_layers=mcfg.physical_layers, injection=mcfg.injection,
+        rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base, max_position_embeddings=mcfg.seq_len,
+        state_init=mcfg.state_init, state_init_std=mcfg.state_init_std, eval_state_init=mcfg.eval_state_init,
+        eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std,
+        deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
+        bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
+        architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
+    return cfg
+
+
+def native_config_from_hf(cfg: MegaloopConfig):
+    """``ModelConfig`` equivalent to an HF config (for HF → megaloop)."""
+    from megaloop.model.config import ModelConfig
+
+    pad = cfg.vocab_size  # the HF vocab is already padded; pad multiple keeps it as is
+    return ModelConfig(
+        arch=cfg.arch, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads if cfg.num_key_value_heads != cfg.num_attention_heads else None,
+        ffn_hidden_size=cfg.intermediate_size, n_prelude=cfg.n_prelude, n_core=cfg.n_core, n_coda=cfg.n_coda,
+        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
+        vocab_pad_multiple=_pad_multiple(pad), seq_len=max(2, cfg.max_position_embeddings),
+        injection=cfg.injection, state_init=cfg.state_init, state_init_std=cfg.state_init_std,
+        eval_state_init=cfg.eval_state_init, eval_seed=cfg.eval_seed, init_std=cfg.initializer_range,
+        deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
+        norm_eps=cfg.rms_norm_eps, transformer_impl="local")
+
+
+def _pad_multiple(v: int) -> int:
+    for m in (128, 64, 32, 16, 8, 4, 2):
+        if v % m == 0:
+            return m
+    return 1
+
+
+# ============================================================================ validation
+@torch.no_grad()
+def compare_logits(native, hf_model, *, depth: int, vocab: int, seq_len: int, num_seqs: int = 2,
+                   seed: int = 0) -> dict[str, float]:
+    """Max abs / rel logit error of HF vs native on random sequences (both in their current dtype)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)
+    ref = native(ids, depth=depth).float()
+    got = hf_model(input_ids=ids, use_cache=False, num_recurrences=depth).logits.float()
+    if ref.shape != got.shape:
+        raise ConversionError(f"validation: logits shape {tuple(got.shape)} (HF) != {tuple(ref.shape)} (native)")
+    diff = (ref - got).abs().max().item()
+    scale = ref.abs().max().item()
+    return {"max_abs": diff, "max_rel": diff / max(scale, 1e-30), "error": diff / max(1.0, scale),
+            "logit_scale": scale, "depth": depth, "seq_len": seq_len, "num_seqs": num_seqs}
+
+
+# ============================================================================ tokenizer
+def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None) -> Path | None:
+    """tokenizer.json of the run: ``explicit`` > data manifest > run dir > embedded default."""
+    if explicit:
+        p = Path(explicit)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.is_file():
+            raise ConversionError(f"--tokenizer {explicit}: no tokenizer.json there")
+        return p
+    data = run_cfg.get("data") or {}
+    path = str(data.get("path") or "")
+    if path and "://" not in path and not path.startswith("default"):
+        manifest = Path(path) / "manifest.json"
+        if manifest.is_file():
+            tok = (json.loads(manifest.read_text()).get("tokenizer") or {}).get("path")
+            if tok and Path(tok).is_file():
+                return Path(tok)
+    for cand in (ckpt.parent.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
+        if cand.is_file():
+            return cand
+    if path.startswith("default"):
+        from megaloop.data.default_corpus import ensure_default_tokenizer
+
+        return Path(ensure_default_tokenizer(data.get("cache_dir")))
+    return None
+
+
+def _tokenizer_info(path: Path) -> dict:
+    from megaloop.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(path)
+    return {"vocab_size": tok.vocab_size, "eos": tok.eos_id, "bos": tok.bos_id, "pad": tok.pad_id}
+
+
+def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
+    """Wrap ``tokenizer.json`` in a PreTrainedTokenizerFast with eos/bos/pad and save it."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    raw = RawTokenizer.from_file(str(path))
+    name = lambda i: raw.id_to_token(i) if i is not None else None  # noqa: E731
+    eos, bos = name(info["eos"]), name(info["bos"])
+    pad = name(info["pad"]) or eos
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos, pad_token=pad,
+                                  model_max_length=max_len)
+    tok.save_pretrained(str(out))
+
+
+# ============================================================================ main entry
+def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", validate: bool = True,
+                  tokenizer: str | Path | None = None, num_recurrences: int | None = None,
+                  max_shard_size: str = "2GB", validation_seqs: int = 2, validation_len: int | None = None,
+                  log=print) -> dict:
+    """Convert ``checkpoint`` to an HF folder ``out``; returns a report dict (also written to
+    ``out/megaloop_conversion.json``). Raises :class:`ConversionError` on bad input or when
+    validation exceeds :data:`TOLERANCE`."""
+    t0 = time.time()
+    if dtype not in DTYPES:
+        raise ConversionError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
+    out = Path(out)
+    native, mcfg, run_cfg, ckpt, common = load_native(checkpoint)
+    vocab = native.vocab_size
+    depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
+    tok_path = find_tokenizer(run_cfg, ckpt, tokenizer)
+    info: dict = {"vocab_size": None, "eos": None, "bos": None, "pad": None}
+    if tok_path is not None:
+        if tok_path.suffix == ".json":
+            info = _tokenizer_info(tok_path)
+        else:
+            log(f"warning: tokenizer {tok_path} is not a tokenizer.json; not exported")
+            tok_path = None
+    real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
+    if real_vocab > vocab:
+        raise ConversionError(f"tokenizer/model vocabulary {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
+    special = {k: info[k] for k in ("eos", "bos", "pad")}
+    hf_cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab,
+                                   num_recurrences=depth, special=special)
+    hf_model = MegaloopForCausalLM(hf_cfg).float().eval()
+    sd = native_to_hf_state_dict(native.state_dict(), mcfg)
+    missing, unexpected = hf_model.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ConversionError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    report: dict[str, Any] = {"checkpoint": str(ckpt), "step": common.get("step"), "dtype": dtype,
+                              "num_recurrences": depth, "vocab_size": vocab, "tokenizer_vocab_size": real_vocab,
+                              "tokenizer": str(tok_path) if tok_path else None, "tolerance": TOLERANCE}
+    if validate:
+        seq = validation_len or min(mcfg.seq_len, 64)
+        res = compare_logits(native, hf_model, depth=depth, vocab=real_vocab, seq_len=seq,
+                             num_seqs=validation_seqs)
+        report["validation"] = res
+        msg = (f"validation (FP32, eval, depth {depth}, {validation_seqs}x{seq} tokens): max abs logit error "
+               f"{res['max_abs']:.3e}, max rel {res['max_rel']:.3e} (logit scale {res['logit_scale']:.3g}; "
+               f"tolerance {TOLERANCE:g} on max_abs/max(1, scale))")
+        if not res["error"] <= TOLERANCE:
+            raise ConversionError(f"HF model does not reproduce the native model: {msg}")
+        log(msg)
+    del native
+    out.mkdir(parents=True, exist_ok=True)
+    target = DTYPES[dtype]
+    hf_model.to(target)
+    hf_model.config.torch_dtype = target
+    gen = hf_model.generation_config
+    gen.bos_token_id, gen.eos_token_id = special["bos"], special["eos"]
+    gen.pad_token_id = special["pad"] if special["pad"] is not None else special["eos"]
+    if real_vocab < vocab:
+        gen.suppress_tokens = list(range(real_vocab, vocab))  # padded rows never name a token
+    hf_model.save_pretrained(str(out), max_shard_size=max_shard_size, safe_serialization=True)
+    for name in CODE_FILES:
+        shutil.copyfile(HF_DIR / name, out / name)
+    if tok_path is not None:
+        save_tokenizer(tok_path, out, info, mcfg.seq_len)
+    if validate:
+        report["reload"] = _check_reload(hf_model, out, depth, real_vocab)
+        log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
+    report["seconds"] = round(time.time() - t0, 2)
+    (out / "megaloop_conversion.json").write_text(json.dumps(report, indent=1, default=str))
+    return report
+
+
+@torch.no_grad()
+def _check_reload(model: MegaloopForCausalLM, out: Path, depth: int, vocab: int) -> dict:
+    """Load ``out`` through AutoModelForCausalLM(trust_remote_code) and compare with the saved model."""
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    ref = model.float()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (1, min(16, model.config.max_position_embeddings)), generator=g)
+    a = ref(input_ids=ids, use_cache=False, num_recurrences=depth).logits
+    b = loaded(input_ids=ids, use_cache=False, num_recurrences=depth).logits
+    diff = (a - b).abs().max().item()
+    if not diff <= 1e-5 * max(1.0, a.abs().max().item()):
+        raise ConversionError(f"reloaded folder {out} differs from the converted model: max abs {diff:.3e}")
+    return {"max_abs": diff, "class": type(loaded).__module__ + "." + type(loaded).__name__}
+
+
+# ============================================================================ HF -> megaloop
+def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, seed: int = 1234) -> Path:
+    """Write an HF folder back as a megaloop checkpoint ``out_root/step_XXXXXXXX`` (TP=1, no
+    optimizer state; loadable at any layout). Returns the checkpoint path."""
+    from megaloop.config import RunConfig
+    from megaloop.model.build import build_model, unwrap
+    from megaloop.runtime.parallel import ParallelDims, init_distributed
+    from megaloop.train.checkpoint import CheckpointManager
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"{hf_dir} is not an HF model folder (no config.json)")
+    cfg = MegaloopConfig.from_pretrained(str(hf_dir))
+    if getattr(cfg, "model_type", None) != "megaloop":
+        raise ConversionError(f"{hf_dir}/config.json: model_type is not 'megaloop'")
+    model = MegaloopForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    mcfg = native_config_from_hf(cfg)
+    init_distributed(ParallelDims(world=1), seed)
+    chunks, _ = build_model(mcfg, vocab_size=cfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,
+                            seed=seed, ddp=False)
+    native = unwrap(chunks[0])
+    sd = hf_to_native_state_dict(model.state_dict(), cfg)
+    missing, unexpected = native.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"HF -> megaloop mapping mismatch: missing {missing}, unexpected {unexpected}")
+    run = RunConfig(model=mcfg)
+    return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
+                                                                         "source": str(hf_dir)})

@@ -1,0 +1,718 @@
+"""Pure-PyTorch Hugging Face implementation of megaloop's LoopedGPT (``trust_remote_code``).
+
+Imports only torch, transformers and the standard library (never megaloop or megatron), so an
+exported folder runs where megaloop is not installed. Numerically it follows the native
+megatron-core model exactly (same ops in the same dtypes):
+
+* layers: pre-norm RMSNorm → grouped-query attention with rotary embeddings (rotate-half,
+  ``rope_theta``) and softmax scale ``1/√head_dim`` → residual; RMSNorm → SwiGLU MLP
+  (``down(silu(gate(x)) · up(x))``) → residual; no biases. megatron's fused QKV weight
+  ``[groups, (heads/groups + 2)·head_dim, d]`` is stored split as ``q_proj``/``k_proj``/``v_proj``
+  (query heads ordered group by group), its ``[gate; up]`` fc1 as ``gate_proj``/``up_proj``.
+* looped forward: ``e = prelude(embed(x))``; ``h⁰ = init(e)``; ``h ← exit(core(inject(h, e)))``
+  ``R`` times; ``logits = head(norm(coda(h)))``. Injections: ``huginn_linear`` (``W[h; e; 1]``,
+  parameter-free FP32 core-exit RMSNorm, eps 1e-6), ``parcae_decay`` / ``parcae_nonorm`` /
+  ``orthoinj`` (``Λ⊙h + Δ⊙(W ẽ)``, OrthoInj projects the carry orthogonally to ``q`` in FP32,
+  ε 1e-6), ``deq_qkv`` (``W^e e`` added to Q/K/V in every core layer).
+* eval-mode ``h⁰`` (``eval_state_init="normal"``): row for absolute position ``t`` is
+  ``randn(d, generator=Generator().manual_seed(eval_seed·1_000_003 + t)) · state_init_std``,
+  the same for every batch row — identical to the native eval mode. Train mode draws fresh
+  ``N(0, std²)`` noise (``state_init``); this export is meant for inference.
+
+KV caching (:class:`MegaloopCache`): a forward over ``s`` new tokens with ``L`` cached ones is
+the training-style parallel pass over the new tokens (recurrence ``r`` of a new token reads the
+new tokens' depth-``r`` KV, causally, plus the cached prefix banks); afterwards the cache keeps
+
+* ``terminal`` mode: one bank per physical attention layer per token — prelude/coda KV and, for
+  each core layer, the KV of the token's *terminal* (last) recurrence; every recurrence of a later
+  token attends to those terminal banks;
+* ``per_visit`` mode: ``n_prelude + n_core·R + n_coda`` banks per token (core layer ℓ at
+  recurrence ``r`` has its own bank, read by recurrence ``r`` of later tokens). If later tokens
+  run deeper than the cached ones, recurrence ``r`` reads each cached token's visit
+  ``min(r, R_token − 1)``. Token-by-token per-visit decoding equals the plain parallel forward.
+
+Depth of a forward: ``num_recurrences`` when passed; else a one-token forward over a non-empty
+cache uses ``decode_recurrences`` and any other forward ``prefill_recurrences`` (both default to
+``config.num_recurrences``). Without a cache (``use_cache=False``) a forward is the native
+parallel forward at that depth.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_megaloop import MegaloopConfig
+
+EVAL_NOISE_STRIDE = 1_000_003
+
+
+# ----------------------------------------------------------------------------- helpers
+def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (torch's fused op where available)."""
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    xf = x.float()  # pragma: no cover - torch < 2.4
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y * weight if weight is not None else y
+
+
+def eval_noise(seed: int, start: int, stop: int, dim: int) -> torch.Tensor:
+    """Eval-time state-init rows for absolute positions ``start..stop-1`` ([n, dim], FP32, CPU):
+    row ``t`` ~ N(0, 1) drawn from a CPU generator seeded with ``seed * 1_000_003 + t``."""
+    rows = [torch.randn(dim, generator=torch.Generator().manual_seed(seed * EVAL_NOISE_STRIDE + t))
+            for t in range(start, stop)]
+    return torch.stack(rows) if rows else torch.zeros(0, dim)
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, base: float, dtype: torch.dtype):
+    """cos/sin tables [b, 1, s, head_dim] for integer ``positions`` [b, s] (non-interleaved)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32,
+                                            device=positions.device) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # [b, s, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, s, hd]
+    return torch.cos(emb).to(dtype), torch.sin(emb).to(dtype)
+
+
+def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of t [b, heads, s, hd]."""
+    t1, t2 = torch.chunk(t, 2, dim=-1)
+    return t * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+
+def inverse_softplus(y: float) -> float:
+    return y + math.log(-math.expm1(-y))
+
+
+# ----------------------------------------------------------------------------- cache
+class _Bank:
+    """Growable K/V storage [b, kv_heads, capacity, hd] of one bank; ``n`` tokens are valid."""
+
+    __slots__ = ("k", "v", "n")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v, self.n = k.contiguous(), v.contiguous(), k.shape[2]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        s = k.shape[2]
+        if self.n + s > self.k.shape[2]:
+            cap = max(self.n + s, 2 * self.k.shape[2], 16)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+                new[:, :, :self.n] = old[:, :, :self.n]
+                setattr(self, name, new)
+        self.k[:, :, self.n:self.n + s] = k
+        self.v[:, :, self.n:self.n + s] = v
+        self.n += s
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :, :self.n], self.v[:, :, :self.n]
+
+    def clone(self) -> "_Bank":
+        k, v = self.view()
+        return _Bank(k.clone(), v.clone())
+
+    def nbytes(self) -> int:
+        k, v = self.view()
+        return k.numel() * k.element_size() + v.numel() * v.element_size()
+
+
+class MegaloopCache:
+    """KV banks of a megaloop model (SPEC §7), filled in place by the model's forward.
+
+    Banks are keyed ``(group, index, visit)`` with group ``prelude`` / ``core`` / ``coda`` /
+    ``layers`` (untied); ``visit`` is 0 except for core banks in ``per_visit`` mode. Each bank
+    holds post-rotary keys and values [batch, kv_heads, tokens, head_dim].
+
+    Use: ``cache = model.new_cache("terminal")``; ``model(prompt, past_key_values=cache,
+    num_recurrences=P)`` (prefill); then ``model(next_token, past_key_values=cache,
+    num_recurrences=D)`` per decoded token. ``generate`` creates one from ``config.kv_cache_mode``.
+    """
+
+    def __init__(self, config: MegaloopConfig, mode: Optional[str] = None):
+        self.mode = mode or config.kv_cache_mode
+        if self.mode not in ("terminal", "per_visit"):
+            raise ValueError(f"kv_cache_mode: unknown mode {self.mode!r}; one of ('terminal', 'per_visit')")
+        self.looped = config.looped
+        self.n_core = config.n_core if config.looped else 0
+        self.banks: dict[tuple[str, int, int], _Bank] = {}
+        self.visits = 0  # core visit banks per layer (per_visit); 1 in terminal mode once filled
+        self.length = 0
+        self.batch_size: Optional[int] = None
+
+    # ------------------------------------------------------------ HF cache protocol
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def get_max_cache_shape(self) -> Optional[int]:
+        return None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for bank in self.banks.values():
+            k, v = bank.view()
+            idx = beam_idx.to(k.device)
+            bank.k, bank.v = k.index_select(0, idx), v.index_select(0, idx)
+        self.batch_size = int(beam_idx.numel())
+
+    def crop(self, max_length: int) -> None:
+        """Drop every token from position ``max_length`` on."""
+        if max_length < 0:
+            max_length = self.length + max_length
+        for bank in self.banks.values():
+            bank.n = min(bank.n, max_length)
+        self.length = min(self.length, max_length)
+
+    # ------------------------------------------------------------ reads / writes
+    def read(self, group: str, index: int, recurrence: int = 0) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Prefix K/V that layer ``(group, index)`` attends to at ``recurrence``; None if empty."""
+        if self.length == 0:
+            return None
+        visit = 0
+        if group == "core" and self.mode == "per_visit":
+            visit = min(recurrence, self.visits - 1)
+        return self.banks[(group, index, visit)].view()
+
+    def commit(self, new: dict, depth: int, num_new: int) -> None:
+        """Append the new tokens' banks. ``new[(group, i, r)] = (k, v)``; core entries for the
+        recurrences this mode keeps (terminal: ``depth-1``; per_visit: all)."""
+        for (group, i, r), (k, v) in new.items():
+            if group != "core":
+                self._append((group, i, 0), k, v)
+        if self.n_core:
+            if self.mode == "terminal":
+                for i in range(self.n_core):
+                    self._append(("core", i, 0), *new[("core", i, depth - 1)])
+                self.visits = 1
+            else:
+                old = self.visits
+                total = max(old, depth)
+                for visit in range(old, total):  # cached tokens read their deepest visit there
+                    for i in range(self.n_core):
+                        if old and self.length:
+                            self.banks[("core", i, visit)] = self.banks[("core", i, old - 1)].clone()
+                for visit in range(total):
+                    for i in range(self.n_core):
+                        self._append(("core", i, visit), *new[("core", i, min(visit, depth - 1))])
+                self.visits = total
+        self.length += num_new
+
+    def _append(self, key: tuple[str, int, int], k: torch.Tensor, v: torch.Tensor) -> None:
+        bank = self.banks.get(key)
+        if bank is None:
+            self.banks[key] = _Bank(k, v)
+        else:
+            bank.append(k, v)
+
+    # ------------------------------------------------------------ accounting
+    def num_banks(self) -> int:
+        """KV banks held per token (physical-layer banks, incl. every per-visit core bank)."""
+        return len(self.banks)
+
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values held (valid tokens only, all sequences of the batch)."""
+        return sum(b.nbytes() for b in self.banks.values())
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes held per cached token of one sequence."""
+        if not self.length:
+            return 0
+        return self.kv_bytes() // (self.length * (self.batch_size or 1))
+
+
+# ----------------------------------------------------------------------------- modules
+class MegaloopRMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class MegaloopMLP(nn.Module):
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MegaloopAttention(nn.Module):
+    """Causal GQA self-attention over [cached prefix banks; new tokens]. With ``inject`` (DEQ-QKV
+    core layers) ``q/k/v_inject(e)`` is added to the projections."""
+
+    def __init__(self, config: MegaloopConfig, inject: bool = False):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.inject = inject
+        if inject:
+            self.q_inject = nn.Linear(d, self.num_heads * hd, bias=False)
+            self.k_inject = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+            self.v_inject = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Optional[torch.Tensor],
+                past: Optional[tuple[torch.Tensor, torch.Tensor]], e: Optional[torch.Tensor] = None):
+        b, s, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.inject:
+            q, k, v = q + self.q_inject(e), k + self.k_inject(e), v + self.v_inject(e)
+        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        new_kv = (k, v)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and s > 1,
+                                             scale=1.0 / math.sqrt(self.head_dim))
+        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
+        return self.o_proj(out), new_kv
+
+
+class MegaloopLayer(nn.Module):
+    """Pre-norm transformer layer; returns (output, this layer's new (k, v))."""
+
+    def __init__(self, config: MegaloopConfig, inject: bool = False):
+        super().__init__()
+        self.input_layernorm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MegaloopAttention(config, inject=inject)
+        self.post_attention_layernorm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MegaloopMLP(config)
+
+    def forward(self, x, rope, mask, past, e=None):
+        a, kv = self.self_attn(self.input_layernorm(x), rope, mask, past, e)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class HuginnInjection(nn.Module):
+    """ζ = W [h; e] + b; core exit: parameter-free RMSNorm in FP32."""
+
+    uses_qkv_injection = False
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.exit_eps = config.exit_norm_eps
+
+    def prepare(self, e):
+        return e
+
+    def forward(self, h, e):
+        return self.adapter(torch.cat([h, e], dim=-1))
+
+    def exit(self, h):
+        return rms_norm(h.float(), None, self.exit_eps).to(h.dtype)
+
+
+class DiagonalInjection(nn.Module):
+    """Parcae-style ζ = Λ⊙h + q, Λ = exp(−softplus(Δ_raw)·exp(α_log)), q = softplus(Δ_raw)⊙(W ẽ);
+    ``parcae_decay``: ẽ = RMSNorm_g(e); ``orthoinj``: carry projected orthogonally to q (FP32)."""
+
+    uses_qkv_injection = False
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__()
+        d = config.hidden_size
+        self.variant = config.injection
+        self.eps = config.rms_norm_eps
+        self.ortho_eps = config.ortho_eps
+        self.delta_raw = nn.Parameter(torch.zeros(d))
+        self.alpha_log = nn.Parameter(torch.zeros(d))
+        self.proj = nn.Parameter(torch.eye(d))
+        self.norm_weight = nn.Parameter(torch.ones(d)) if self.variant == "parcae_decay" else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        delta0 = 0.5 * math.log(5.0) if self.variant in ("parcae_decay", "orthoinj") else 1.0
+        with torch.no_grad():
+            self.delta_raw.fill_(inverse_softplus(delta0))
+            self.alpha_log.zero_()
+            self.proj.copy_(torch.eye(self.proj.shape[0]))
+            if self.norm_weight is not None:
+                self.norm_weight.fill_(1.0)
+
+    def prepare(self, e):
+        e_t = rms_norm(e, self.norm_weight, self.eps) if self.norm_weight is not None else e
+        delta = F.softplus(self.delta_raw.float())
+        q = (delta * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
+        lam = torch.exp(-delta * torch.exp(self.alpha_log.float())).to(e.dtype)
+        return q, lam
+
+    def forward(self, h, ctx):
+        q, lam = ctx
+        carry = lam * h
+        if self.variant == "orthoinj":
+            qf, vf = q.float(), carry.float()
+            coef = (qf * vf).sum(-1, keepdim=True) / ((qf * qf).sum(-1, keepdim=True) + self.ortho_eps)
+            carry = (vf - coef * qf).to(carry.dtype)
+        return carry + q
+
+    def exit(self, h):
+        return h
+
+
+class DEQInjection(nn.Module):
+    """No entrance injection (ζ = h); e enters Q/K/V of every core layer."""
+
+    uses_qkv_injection = True
+
+    def prepare(self, e):
+        return e
+
+    def forward(self, h, ctx):
+        return h
+
+    def exit(self, h):
+        return h
+
+
+def build_injection(config: MegaloopConfig) -> nn.Module:
+    if config.injection == "huginn_linear":
+        return HuginnInjection(config)
+    if config.injection in ("parcae_decay", "parcae_nonorm", "orthoinj"):
+        return DiagonalInjection(config)
+    return DEQInjection()
+
+
+# ----------------------------------------------------------------------------- models
+class MegaloopPreTrainedModel(PreTrainedModel):
+    config_class = MegaloopConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["MegaloopLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, HuginnInjection):
+            module.adapter.reset_parameters()  # torch's default Linear init (as the native model)
+        elif isinstance(module, nn.Linear):
+            module.weight.data.normal_(0.0, std)
+            if module.bias is not None:
+                module.bias.data.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.data.normal_(0.0, std)
+        elif isinstance(module, MegaloopRMSNorm):
+            module.weight.data.fill_(1.0)
+        elif isinstance(module, DiagonalInjection):
+            module.reset_parameters()
+        elif isinstance(module, MegaloopAttention) and module.inject:
+            for lin in (module.q_inject, module.k_inject, module.v_inject):
+                lin.weight.data.normal_(0.0, self.config.deq_std)
+
+
+class MegaloopModel(MegaloopPreTrainedModel):
+    """Embedding → prelude → R recurrences of the core → coda → final norm (no head)."""
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__(config)
+        config.validate()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.looped:
+            self.prelude = nn.ModuleList([MegaloopLayer(config) for _ in range(config.n_prelude)])
+            deq = config.injection == "deq_qkv"
+            self.core = nn.ModuleList([MegaloopLayer(config, inject=deq) for _ in range(config.n_core)])
+            self.injection = build_injection(config)
+            self.coda = nn.ModuleList([MegaloopLayer(config) for _ in range(config.n_coda)])
+        else:
+            self.layers = nn.ModuleList([MegaloopLayer(config) for _ in range(config.num_hidden_layers)])
+        self.norm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._noise_table: Optional[torch.Tensor] = None
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # ------------------------------------------------------------ pieces
+    def depth_for(self, num_new: int, past_len: int, num_recurrences: Optional[int] = None) -> int:
+        """Recurrence budget of a forward over ``num_new`` tokens after ``past_len`` cached ones."""
+        if num_recurrences is not None:
+            depth = int(num_recurrences)
+        elif num_new == 1 and past_len > 0:
+            depth = self.config.decode_recurrences or self.config.num_recurrences
+        else:
+            depth = self.config.prefill_recurrences or self.config.num_recurrences
+        if depth < 1:
+            raise ValueError(f"num_recurrences must be >= 1, got {depth}")
+        return depth
+
+    def eval_noise_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Eval-time N(0,1) rows for integer ``positions`` (any shape) → [..., d], FP32."""
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._noise_table
+        have = 0 if table is None else table.shape[0]
+        if need > have:
+            more = eval_noise(self.config.eval_seed, have, need, self.config.hidden_size)
+            table = more if table is None else torch.cat([table.cpu(), more])
+        if table is None:
+            table = torch.zeros(0, self.config.hidden_size)
+        if table.device != positions.device:
+            table = table.to(positions.device)
+        self._noise_table = table
+        return table[positions]
+
+    def init_state(self, e: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """h⁰ for prelude output e [b, s, d] at absolute ``positions`` [b, s]."""
+        cfg = self.config
+        mode = cfg.state_init if self.training else cfg.eval_state_init
+        if mode == "zero":
+            return torch.zeros_like(e)
+        if self.training:
+            return (torch.randn(e.shape, device=e.device, dtype=torch.float32) * cfg.state_init_std).to(e.dtype)
+        return (self.eval_noise_rows(positions) * cfg.state_init_std).to(e.dtype)
+
+    @staticmethod
+    def attention_mask_for(attention_mask: Optional[torch.Tensor], b: int, s: int, past: int,
+                           device: torch.device) -> Optional[torch.Tensor]:
+        """Boolean [b|1, 1, s, past+s] mask (True = attend), or None for plain causal attention.
+        ``attention_mask`` [b, past+s] marks padding with 0; a query always sees itself."""
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[1] != past + s:
+                raise ValueError(f"attention_mask must have shape [batch, {past + s}] (cached + new "
+                                 f"tokens), got {tuple(attention_mask.shape)}")
+            if bool(attention_mask.all()):
+                attention_mask = None
+        if attention_mask is None and past == 0:
+            return None
+        allowed = torch.ones(s, past + s, dtype=torch.bool, device=device)
+        allowed[:, past:] = torch.ones(s, s, dtype=torch.bool, device=device).tril()
+        allowed = allowed[None, None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+            diag = torch.zeros(s, past + s, dtype=torch.bool, device=device)
+            diag[torch.arange(s), past + torch.arange(s)] = True
+            allowed = allowed | diag[None, None]
+        return allowed
+
+    # ------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[MegaloopCache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        num_recurrences: Optional[int] = None,
+        **kwargs,
+    ) -> Union[tuple, BaseModelOutputWithPast]:
+        cfg = self.config
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
+        return_dict = return_dict if return_dict is not None else cfg.use_return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s, _ = x.shape
+        cache = past_key_values
+        if cache is not None and not isinstance(cache, MegaloopCache):
+            if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
+                cache = None  # an empty generic HF cache: replace it with ours
+            else:
+                raise TypeError(f"past_key_values must be a MegaloopCache (model.new_cache()), got {type(cache).__name__}")
+        if cache is None and use_cache:
+            cache = MegaloopCache(cfg)
+        past = cache.get_seq_length() if cache is not None else 0
+        if cache is not None and past and cache.batch_size not in (None, b):
+            raise ValueError(f"cache holds {cache.batch_size} sequences, input has {b}")
+        depth = self.depth_for(s, past, num_recurrences)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + s, device=x.device)[None].expand(b, s)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids[None].expand(b, s)
+        mask = self.attention_mask_for(attention_mask, b, s, past, x.device)
+        rope = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+        keep_all = cache is not None and cache.mode == "per_visit"
+        new: dict = {}
+        states = [x] if output_hidden_states else None
+
+        def run(group: str, layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+            for i, layer in enumerate(layers):
+                x, kv = layer(x, rope, mask, cache.read(group, i) if cache is not None else None)
+                if cache is not None:
+                    new[(group, i, 0)] = kv
+            return x
+
+        if cfg.looped:
+            e = run("prelude", self.prelude, x)
+            if states is not None:
+                states.append(e)
+            h = self.init_state(e, position_ids)
+            ctx = self.injection.prepare(e)
+            e_qkv = e if self.injection.uses_qkv_injection else None
+            for r in range(depth):
+                z = self.injection(h, ctx)
+                for i, layer in enumerate(self.core):
+                    z, kv = layer(z, rope, mask, cache.read("core", i, r) if cache is not None else None, e_qkv)
+                    if cache is not None and (keep_all or r == depth - 1):
+                        new[("core", i, r)] = kv
+                h = self.injection.exit(z)
+                if states is not None:
+                    states.append(h)
+            x = run("coda", self.coda, h)
+        else:
+            x = run("layers", self.layers, x)
+        if cache is not None:
+            if cache.batch_size is None:
+                cache.batch_size = b
+            cache.commit(new, depth, s)
+        if states is not None:
+            states.append(x)
+        x = self.norm(x)
+        if not return_dict:
+            return tuple(t for t in (x, cache, tuple(states) if states else None) if t is not None)
+        return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache,
+                                       hidden_states=tuple(states) if states else None)
+
+
+class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
+    """Looped LM with a (tied or untied) head over the padded vocabulary.
+
+    ``hidden_states`` (``output_hidden_states=True``): embedding, prelude output ``e``, the state
+    after each recurrence ``h¹..h^R``, coda output (before the final norm); untied: embedding and
+    the last layer's output.
+    """
+
+    _tied_weights_keys = ["lm_head.weight"]
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__(config)
+        self.model = MegaloopModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the model creates its own MegaloopCache
+
+    # ------------------------------------------------------------ inference helpers
+    def new_cache(self, mode: Optional[str] = None) -> MegaloopCache:
+        """An empty cache (``terminal`` / ``per_visit``; default ``config.kv_cache_mode``)."""
+        return MegaloopCache(self.config, mode)
+
+    def kv_bytes_per_token(self, mode: Optional[str] = None, num_recurrences: Optional[int] = None,
+                           dtype: Optional[torch.dtype] = None) -> int:
+        """KV-cache bytes per token of one sequence: banks × 2 (K, V) × kv_heads × head_dim × bytes.
+        Banks: ``n_prelude + n_core + n_coda`` (terminal) or ``n_prelude + n_core·R + n_coda``
+        (per_visit, R = ``num_recurrences`` or the decode budget)."""
+        cfg = self.config
+        mode = mode or cfg.kv_cache_mode
+        if cfg.looped:
+            r = num_recurrences or cfg.decode_recurrences or cfg.num_recurrences
+            banks = cfg.n_prelude + cfg.n_coda + cfg.n_core * (r if mode == "per_visit" else 1)
+        else:
+            banks = cfg.num_hidden_layers
+        elsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return banks * 2 * cfg.num_key_value_heads * cfg.head_dim * elsize
+
+    # ------------------------------------------------------------ forward
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[MegaloopCache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        num_recurrences: Optional[int] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        **kwargs,
+    ) -> Union[tuple, CausalLMOutputWithPast]:
+        """Logits [b, s, vocab_size]; ``labels`` (HF convention, shifted inside, -100 ignored) add
+        the mean CE. ``num_recurrences`` overrides the depth budget of this call."""
+        return_dict = return_dict if return_dict is not None else self.config.use_return_dict
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states, return_dict=True,
+                         num_recurrences=num_recurrences)
+        h = out.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            h = h[:, -logits_to_keep:] if logits_to_keep else h
+        else:
+            h = h[:, logits_to_keep]
+        logits = self.lm_head(h)
+        loss = None
+        if labels is not None:
+            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
+            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+        if not return_dict:
+            rest = (logits, out.past_key_values, out.hidden_states)
+            rest = tuple(t for t in rest if t is not None)
+            return ((loss,) + rest) if loss is not None else rest
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                      hidden_states=out.hidden_states)
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
+                                      inputs_embeds=None, use_cache=True, **kwargs):
+        past = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if past:
+            input_ids = input_ids[:, past:]
+            inputs_embeds = None
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None and attention_mask is not None and not bool(attention_mask.all()):
+            # left padding: positions count real tokens only (rotary and eval state init)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        if position_ids is not None:
+            n = input_ids.shape[1] if inputs_embeds is None else inputs_embeds.shape[1]
+            position_ids = position_ids[:, -n:]
+        inputs = {"input_ids": input_ids if inputs_embeds is None else None, "inputs_embeds": inputs_embeds,
+                  "past_key_values": past_key_values, "attention_mask": attention_mask,
+                  "position_ids": position_ids, "use_cache": use_cache}
+        for key in ("num_recurrences", "logits_to_keep", "output_hidden_states"):
+            if key in kwargs:
+                inputs[key] = kwargs[key]
+        return inputs
+
+    @staticmethod
+    def _reorder_cache(past_key_values: MegaloopCache, beam_idx: torch.LongTensor) -> MegaloopCache:
+        past_key_values.reorder_cache(beam_idx)
+        return past_key_values
+
+
+__all__ = ["MegaloopCache", "MegaloopForCausalLM", "MegaloopModel", "MegaloopPreTrainedModel", "eval_noise"]

@@ -1,0 +1,172 @@
+"""Train/eval loaders: exact mid-epoch resume, DP sharding, batch semantics, errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.data import DataConfig, DataError, build_eval_loader, build_train_loader, make_batch
+from megaloop.data.streaming import samples_per_rank
+from megaloop.data.synthetic import decode_ids, write_synthetic_mds
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("synth") / "ds"
+    write_synthetic_mds(out, num_sequences=96, seq_len=SEQ, vocab_size=512, size_limit=1 << 12)
+    return str(out)
+
+
+def _ids(batches) -> list[int]:
+    return [int(i) for b in batches for i in decode_ids(b["tokens"].numpy(), 512)]
+
+
+def _loader(path: str, workers: int = 0, dp_rank: int = 0, dp_size: int = 1, mbs: int = 4,
+            **kw) -> "object":
+    cfg = DataConfig(path=path, num_workers=workers, **kw)
+    return build_train_loader(cfg, seq_len=SEQ, micro_batch_size=mbs, dp_rank=dp_rank,
+                              dp_size=dp_size, seed=7)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_mid_epoch_yields_exactly_the_remaining_batches(synth, workers):
+    a = _loader(synth, workers)
+    assert a.batches_per_epoch == 24
+    it = iter(a)
+    first = list(itertools.islice(it, 7))
+    sd = json.loads(json.dumps(a.state_dict()))  # must survive a JSON round trip
+    assert sd["epoch"] == 0 and sd["sample_in_epoch"] == 28
+    ref = list(itertools.islice(it, 30))  # crosses into epoch 1
+    assert a.epoch == 1
+    b = _loader(synth, workers)
+    b.load_state_dict(sd)
+    got = list(itertools.islice(iter(b), 30))
+    assert _ids(got) == _ids(ref)
+    for x, y in zip(got, ref):
+        assert torch.equal(x["tokens"], y["tokens"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+    # epoch 0 is a permutation of the dataset; epoch 1 is shuffled differently
+    epoch0 = _ids(first) + _ids(ref[:17])
+    assert sorted(epoch0) == list(range(96))
+    assert _ids(ref[17:24]) != epoch0[:28]
+    a.close()
+    b.close()
+
+
+def test_resume_at_epoch_boundary_and_with_two_dp_ranks(synth):
+    for rank in range(2):
+        a = _loader(synth, dp_rank=rank, dp_size=2)
+        it = iter(a)
+        list(itertools.islice(it, a.batches_per_epoch))  # exactly one epoch
+        sd = a.state_dict()
+        ref = list(itertools.islice(it, 5))
+        b = _loader(synth, dp_rank=rank, dp_size=2)
+        b.load_state_dict(sd)
+        assert _ids(itertools.islice(iter(b), 5)) == _ids(ref)
+
+
+def test_dp_ranks_partition_the_epoch(synth):
+    seen = []
+    for rank in range(2):
+        lo = _loader(synth, dp_rank=rank, dp_size=2)
+        assert lo.batches_per_epoch == 12
+        seen.append(_ids(itertools.islice(iter(lo), lo.batches_per_epoch)))
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(96))
+
+
+def test_load_state_rejects_other_dataset(synth, tmp_path):
+    other = tmp_path / "other"
+    write_synthetic_mds(other, num_sequences=40, seq_len=SEQ, vocab_size=512)
+    with pytest.raises(DataError, match="different dataset"):
+        _loader(str(other)).load_state_dict(_loader(synth).state_dict())
+
+
+def test_batch_semantics(synth):
+    batch = next(iter(_loader(synth, mask_document_boundaries=True)))
+    t, y, m = batch["tokens"], batch["labels"], batch["loss_mask"]
+    assert t.shape == y.shape == m.shape == (4, SEQ)
+    assert t.dtype == y.dtype == torch.long and m.dtype == torch.float32
+    assert torch.equal(y[:, :-1], t[:, 1:]) and (y[:, -1] == 0).all()
+    assert (m[:, -1] == 0).all()
+    assert torch.equal(m[:, :-1] == 0, t[:, :-1] == 0)  # masked exactly after-EOS targets
+    plain = make_batch(t, eos_id=0, mask_document_boundaries=False)["loss_mask"]
+    assert plain[:, :-1].min() == 1 and plain.sum() == 4 * (SEQ - 1)
+
+
+def test_seq_len_mismatch_names_manifest(synth):
+    with pytest.raises(ConfigError, match=rf"{synth}/manifest.json holds sequences of {SEQ}"):
+        build_train_loader(DataConfig(path=synth), seq_len=SEQ * 2, micro_batch_size=2,
+                           dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(ConfigError, match="manifest.json"):
+        build_eval_loader(synth, seq_len=16, micro_batch_size=2, dp_rank=0, dp_size=1)
+
+
+def test_missing_or_corrupt_dataset_errors(tmp_path, synth):
+    with pytest.raises(DataError, match="does not exist"):
+        _loader(str(tmp_path / "nowhere"))
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "manifest.json").write_text("{oops")
+    with pytest.raises(DataError, match=r"bad/manifest.json is corrupt"):
+        _loader(str(tmp_path / "bad"))
+    with pytest.raises(ConfigError, match="dp_rank"):
+        _loader(synth, dp_rank=2, dp_size=2)
+
+
+def test_eval_loader_covers_each_sample_once_across_ranks(synth):
+    seen, nb = [], set()
+    for rank in range(3):
+        ev = build_eval_loader(synth, seq_len=SEQ, micro_batch_size=5, dp_rank=rank, dp_size=3)
+        batches = list(ev)
+        nb.add(len(batches))
+        assert len(batches) == len(ev)
+        for b in batches:
+            assert b["tokens"].shape == (5, SEQ)
+            real = b["loss_mask"][:, 0] > 0
+            seen += [int(i) for i in decode_ids(b["tokens"][real].numpy(), 512)]
+    assert len(nb) == 1  # same number of batches on every rank
+    assert sorted(seen) == list(range(96))
+
+
+@pytest.mark.parametrize("n,ncn,dp", [(96, 1, 1), (101, 2, 2), (97, 4, 2), (97, 2, 4),
+                                      (1000, 8, 8), (33, 3, 3), (50, 1, 4)])
+def test_samples_per_rank_matches_streaming(n, ncn, dp):
+    from streaming.base.partition import get_partitions
+
+    ids = get_partitions("relaxed", n, ncn, dp, 1, 1, 1, 0, None)
+    counts = (ids.reshape(dp, -1) >= 0).sum(axis=1)
+    assert set(counts.tolist()) == {samples_per_rank(n, ncn, dp)}
+
+
+def test_ignores_a_stale_registration_of_its_cache_slot(synth):
+    """A process killed without clean-up can leave streaming's shared-memory registration of its
+    cache slot behind; the next loader that takes the slot must not fail on it."""
+    import gc
+    import os
+    import tempfile
+
+    from streaming.base.shared import SharedMemory
+    from streaming.base.shared.prefix import _pack_locals
+
+    probe = _loader(synth)
+    slot = probe._ds.streams[0].local
+    probe.close()
+    del probe
+    gc.collect()
+    prefix = next(p for p in range(10_000) if not any(
+        os.path.exists(f) for f in (f"/dev/shm/{p:06}_locals",
+                                    os.path.join(tempfile.gettempdir(), f"{p:06}_barrier_filelock"),
+                                    os.path.join(tempfile.gettempdir(), f"{p:06}_cache_filelock"))))
+    data = _pack_locals([os.path.abspath(slot)], prefix)
+    stale = SharedMemory(f"{prefix:06}_locals", True, len(data))  # unlinked at exit
+    stale.buf[:len(data)] = data
+    lo = _loader(synth)  # takes the same slot; without the scrub: "Reused local directory"
+    assert lo._ds.streams[0].local == slot
+    assert len(_ids(itertools.islice(iter(lo), 3))) == 12
+    lo.close()

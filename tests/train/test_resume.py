@@ -1,0 +1,77 @@
+"""Interrupted + resumed runs equal uninterrupted ones (bitwise on CPU); bad checkpoints fail clearly."""
+
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.train.helpers import env, metrics, run_train, train_cmd
+
+STEPS = ["train.max_steps=8", "train.save_interval=0"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("full")
+    run_train(d, *STEPS)
+    return metrics(d)
+
+
+def _same(a, b):
+    keys = ("step", "loss", "depths", "prior_probs", "lr", "tokens")
+    assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+
+
+def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
+    run_train(tmp_path, *STEPS, "train.stop_after=3")
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    run_train(tmp_path, *STEPS, resume="auto")
+    _same(metrics(tmp_path), uninterrupted)
+
+
+def test_sigterm_checkpoints_and_requeues(tmp_path, uninterrupted):
+    proc = subprocess.Popen(train_cmd(tmp_path, *STEPS, "train.max_steps=8"), cwd=ROOT, env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out[-3000:]
+    stopped_at = metrics(tmp_path)[-1]["step"]
+    assert 3 <= stopped_at < 8
+    assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "megaloop.json").is_file()
+    run_train(tmp_path, *STEPS, resume="auto")
+    _same(metrics(tmp_path), uninterrupted)
+
+
+def test_corrupt_checkpoint_is_reported_and_kept(tmp_path):
+    run_train(tmp_path, "train.max_steps=2", "train.save_interval=0")
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    shard = next(ckpt.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncate
+    before = sorted(p.name for p in ckpt.iterdir())
+    proc = run_train(tmp_path, "train.max_steps=4", resume="auto", expect=2)
+    assert "step_00000002" in proc.stderr and "could not be read" in proc.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before  # nothing overwritten
+    # an interrupted save (no megaloop.json) is never taken as latest
+    half = tmp_path / "checkpoints" / "step_00000009"
+    shutil.copytree(ckpt, half)
+    (half / "megaloop.json").unlink()
+    proc = run_train(tmp_path, "train.max_steps=4", resume=str(half), expect=2)
+    assert "incomplete" in proc.stderr
+
+
+def test_bad_config_fails_before_compute(tmp_path):
+    proc = run_train(tmp_path, "model.num_heads=3", expect=2)
+    assert "model.num_heads" in proc.stderr
+    proc = run_train(tmp_path, "model.injection=nope", expect=2)
+    assert "model.injection" in proc.stderr
+    proc = run_train(tmp_path, "parallel.tp=2", expect=2)  # 1 process cannot host tp=2
+    assert "world size 1" in proc.stderr
+    assert not (tmp_path / "checkpoints").exists()
