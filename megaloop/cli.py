@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from megaloop.config_utils import ConfigError
     from megaloop.train.checkpoint import CheckpointError
+    from megaloop.train.trainer import NonFiniteLossError
 
     try:
         from megaloop.data.errors import DataError
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         rank = os.environ.get("RANK")
         print(f"megaloop: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
         code = 2
+    except NonFiniteLossError as err:
+        print(f"megaloop: stopped: {err}", file=sys.stderr)
+        code = 3
     finally:
         from megaloop.runtime.parallel import destroy_distributed
 

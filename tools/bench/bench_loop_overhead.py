@@ -1,0 +1,91 @@
+"""Loop overhead: one training step (forward + backward) of the looped model at R=5 vs megatron
+``GPTModel`` with 12 layers of the same width (the same unrolled compute: 1 + 2·5 + 1 layers).
+
+A/B/C are alternated inside one run and the median of each is compared. Usage:
+    python tools/bench/bench_loop_overhead.py [--hidden 256 --seq 256 --batch 4 --reps 10]
+On a GPU the same script runs in bf16-free FP32 unless --bf16 is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import single_process_megatron, write_result
+
+
+def timed(fn, sync):
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--bf16", action="store_true")
+    args = p.parse_args()
+    single_process_megatron()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megaloop.model.config import ModelConfig
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import layer_spec, transformer_config
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
+    looped_cfg = ModelConfig(**common, injection="parcae_nonorm", b_max=64)
+    tc = transformer_config(looped_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    looped = LoopedGPT(looped_cfg, tc, vocab_size=args.vocab, seed=0).to(dev, dtype)
+    gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
+    gtc = transformer_config(gpt_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    spec = layer_spec(gpt_cfg) if dev == "cuda" else get_gpt_layer_local_spec(normalization="RMSNorm")
+    gpt = GPTModel(config=gtc, transformer_layer_spec=spec, vocab_size=looped.vocab_size,
+                   max_sequence_length=args.seq, position_embedding_type="rope",
+                   share_embeddings_and_output_weights=False).to(dev, dtype)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
+    pos = torch.arange(args.seq, device=dev).unsqueeze(0).expand_as(ids)
+
+    def step_looped(window):
+        def run():
+            looped(ids, labels=ids, depth=5, backprop=window, noise_seed=0).mean().backward()
+            looped.zero_grad(set_to_none=True)
+        return run
+
+    def step_gpt():
+        gpt(ids, pos, None, labels=ids).mean().backward()
+        gpt.zero_grad(set_to_none=True)
+
+    arms = {"gpt12": step_gpt, "looped_r5_b5": step_looped(5), "looped_r5_b2": step_looped(2)}
+    for fn in arms.values():  # warm-up
+        fn()
+    times = {k: [] for k in arms}
+    for _ in range(args.reps):
+        for k, fn in arms.items():
+            times[k].append(timed(fn, sync))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    res = {"median_step_s": med,
+           "ratio_looped_b5_over_gpt12": med["looped_r5_b5"] / med["gpt12"],
+           "ratio_looped_b2_over_gpt12": med["looped_r5_b2"] / med["gpt12"],
+           "params": {"looped": sum(p.numel() for p in looped.parameters()),
+                      "gpt12": sum(p.numel() for p in gpt.parameters())}}
+    print(res)
+    write_result("loop_overhead" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res,
+                 "python tools/bench/bench_loop_overhead.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                                                       if not isinstance(v, bool)) + (" --bf16" if args.bf16 else ""))
+
+
+if __name__ == "__main__":
+    main()
