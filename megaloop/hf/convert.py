@@ -125,6 +125,7 @@ def model_config_from_run(run_cfg: dict, where: str):
         raise ConversionError(f"{where}: run config is not a megaloop model config: {err}") from None
     mcfg.transformer_impl = "local"
     mcfg.fp8 = None
+    mcfg.bf16 = False  # FP32 native model (bf16 checkpoint tensors are upcast on load)
     return mcfg
 
 
@@ -137,12 +138,46 @@ def checkpoint_vocab(ckpt: Path) -> int:
     except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ConversionError(f"checkpoint {ckpt}: tensor metadata could not be read: {type(err).__name__}: {err}") from err
+        raise ConversionError(f"checkpoint {ckpt}: tensor metadata could not be read: "
+                              f"{type(err).__name__}: {err}") from err
     key = "embedding.word_embeddings.weight"
     if key not in meta:
         raise ConversionError(f"checkpoint {ckpt} holds no {key}: not a megaloop LoopedGPT checkpoint "
                               f"(tensors: {', '.join(sorted(meta)[:5])}...)")
     return int(meta[key].global_shape[0])
+
+
+_MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "final_norm.",
+                   "output_layer.")
+
+
+def check_tensors(ckpt: Path, chunks: list, mcfg) -> None:
+    """Compare the checkpoint's model tensors (names, global shapes) with the model its config
+    describes; raise a ConversionError listing the differences."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megaloop.train.checkpoint import sharded_state
+
+    stored = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(str(ckpt)).items()}
+    expected: dict[str, tuple | None] = {}
+    for t in nested_values(sharded_state(chunks, None, is_loading=True)):
+        if isinstance(t, ShardedTensor):
+            expected[t.key] = tuple(t.global_shape)
+        elif isinstance(t, ShardedTensorFactory):  # e.g. SwiGLU fc1; its stored shape is checked on load
+            expected[t.key] = None
+    missing = sorted(k for k in expected if k not in stored)
+    extra = sorted(k for k in stored if k not in expected and k.startswith(_MODEL_PREFIXES))
+    shapes = sorted(f"{k} {stored[k]} vs {expected[k]}" for k in expected
+                    if k in stored and expected[k] is not None and stored[k] != expected[k])
+    if missing or extra or shapes:
+        parts = [f"{name}: {', '.join(items[:6])}{' ...' if len(items) > 6 else ''}"
+                 for name, items in (("missing", missing), ("unexpected", extra), ("shape (stored vs config)", shapes))
+                 if items]
+        raise ConversionError(
+            f"checkpoint {ckpt} does not match its model config (arch={mcfg.arch}, injection={mcfg.injection}, "
+            f"hidden={mcfg.hidden_size}, layers={mcfg.physical_layers}): " + "; ".join(parts))
 
 
 # ============================================================================ native model
@@ -175,11 +210,13 @@ def load_native(checkpoint: str | Path, *, seed: int | None = None):
         raise ConversionError("conversion needs a TP=1/PP=1 world (run it in a plain single process)")
     chunks, _ = build_model(mcfg, vocab_size=vocab, tp=1, pp=1, vpp=None, sequence_parallel=False,
                             seed=seed, ddp=False)
+    check_tensors(ckpt, chunks, mcfg)
     try:
         CheckpointManager(ckpt.parent).load(ckpt, chunks, optimizer=None)
     except CheckpointError as err:
         raise ConversionError(f"checkpoint {ckpt} does not match its model config "
-                              f"(arch={mcfg.arch}, injection={mcfg.injection}, hidden={mcfg.hidden_size}): {err}") from err
+                              f"(arch={mcfg.arch}, injection={mcfg.injection}, "
+                              f"hidden={mcfg.hidden_size}): {err}") from err
     except RuntimeError as err:  # load_state_dict shape/key mismatch
         raise ConversionError(f"checkpoint {ckpt} does not match its model config: {err}") from err
     native = unwrap(chunks[0]).float().eval()
@@ -422,18 +459,25 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
         else:
             log(f"warning: tokenizer {tok_path} is not a tokenizer.json; not exported")
             tok_path = None
+    if tok_path is None:
+        log("warning: no tokenizer found (data manifest / run dir / --tokenizer); exporting the model only")
+    elif info["vocab_size"] > vocab:
+        raise ConversionError(f"tokenizer {tok_path} has {info['vocab_size']} tokens but the checkpoint's "
+                              f"embedding has only {vocab} rows: wrong tokenizer (pass --tokenizer)")
     real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
     if real_vocab > vocab:
-        raise ConversionError(f"tokenizer/model vocabulary {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
+        raise ConversionError(f"model.vocab_size {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
     special = {k: info[k] for k in ("eos", "bos", "pad")}
     hf_cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab,
                                    num_recurrences=depth, special=special)
-    hf_model = MegaloopForCausalLM(hf_cfg).float().eval()
-    sd = native_to_hf_state_dict(native.state_dict(), mcfg)
-    missing, unexpected = hf_model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and hf_cfg.tie_word_embeddings)]
+    with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
+        hf_model = MegaloopForCausalLM(hf_cfg)
+    sd = {k: v.float() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
+    missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ConversionError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
+    hf_model.tie_weights()
+    hf_model.eval()
     report: dict[str, Any] = {"checkpoint": str(ckpt), "step": common.get("step"), "dtype": dtype,
                               "num_recurrences": depth, "vocab_size": vocab, "tokenizer_vocab_size": real_vocab,
                               "tokenizer": str(tok_path) if tok_path else None, "tolerance": TOLERANCE}
@@ -476,7 +520,7 @@ def _check_reload(model: MegaloopForCausalLM, out: Path, depth: int, vocab: int)
     """Load ``out`` through AutoModelForCausalLM(trust_remote_code) and compare with the saved model."""
     from transformers import AutoModelForCausalLM
 
-    loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, torch_dtype=torch.float32).eval()
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
     ref = model.float()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (1, min(16, model.config.max_position_embeddings)), generator=g)
@@ -503,7 +547,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     cfg = MegaloopConfig.from_pretrained(str(hf_dir))
     if getattr(cfg, "model_type", None) != "megaloop":
         raise ConversionError(f"{hf_dir}/config.json: model_type is not 'megaloop'")
-    model = MegaloopForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    model = MegaloopForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
     mcfg = native_config_from_hf(cfg)
     init_distributed(ParallelDims(world=1), seed)
     chunks, _ = build_model(mcfg, vocab_size=cfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,

@@ -151,9 +151,6 @@ class MegaloopCache:
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
 
-    def __len__(self) -> int:
-        return self.length
-
     def get_max_cache_shape(self) -> Optional[int]:
         return None
 
@@ -442,7 +439,8 @@ class MegaloopModel(MegaloopPreTrainedModel):
         else:
             self.layers = nn.ModuleList([MegaloopLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._noise_table: Optional[torch.Tensor] = None
+        self._noise_table: Optional[torch.Tensor] = None  # memo of eval_noise rows (CPU or device)
+        self._noise_key: Optional[tuple[int, int]] = None
         self.post_init()
 
     def get_input_embeddings(self):
@@ -467,7 +465,9 @@ class MegaloopModel(MegaloopPreTrainedModel):
     def eval_noise_rows(self, positions: torch.Tensor) -> torch.Tensor:
         """Eval-time N(0,1) rows for integer ``positions`` (any shape) → [..., d], FP32."""
         need = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._noise_table
+        key = (self.config.eval_seed, self.config.hidden_size)
+        table = self._noise_table if self._noise_key == key else None
+        self._noise_key = key
         have = 0 if table is None else table.shape[0]
         if need > have:
             more = eval_noise(self.config.eval_seed, have, need, self.config.hidden_size)
@@ -535,11 +535,12 @@ class MegaloopModel(MegaloopPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s, _ = x.shape
         cache = past_key_values
-        if cache is not None and not isinstance(cache, MegaloopCache):
+        if cache is not None and not (hasattr(cache, "read") and hasattr(cache, "commit")):  # not a MegaloopCache
             if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
                 cache = None  # an empty generic HF cache: replace it with ours
             else:
-                raise TypeError(f"past_key_values must be a MegaloopCache (model.new_cache()), got {type(cache).__name__}")
+                raise TypeError("past_key_values must be a MegaloopCache (model.new_cache()), "
+                                f"got {type(cache).__name__}")
         if cache is None and use_cache:
             cache = MegaloopCache(cfg)
         past = cache.get_seq_length() if cache is not None else 0
@@ -666,6 +667,8 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         """Logits [b, s, vocab_size]; ``labels`` (HF convention, shifted inside, -100 ignored) add
         the mean CE. ``num_recurrences`` overrides the depth budget of this call."""
         return_dict = return_dict if return_dict is not None else self.config.use_return_dict
+        if labels is not None and use_cache is None and past_key_values is None:
+            use_cache = False  # a scoring/training forward needs no cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True,

@@ -1,0 +1,236 @@
+"""megaloop checkpoint → HF folder: every injection (+ untied arch, tied head, GQA), loaded in a
+fresh isolated interpreter where ``import megaloop`` fails; TP=2 / PP=2 checkpoints; bad inputs;
+HF → megaloop round trip."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_torchrun
+
+TOL = 1e-4
+VOCAB = 250  # padded to 256
+VARIANTS = {  # name -> ModelConfig overrides
+    "huginn_linear": dict(injection="huginn_linear", num_query_groups=2),
+    "parcae_decay": dict(injection="parcae_decay", tie_embeddings=True),
+    "parcae_nonorm": dict(injection="parcae_nonorm", eval_state_init="zero"),
+    "orthoinj": dict(injection="orthoinj", bf16=True),  # bf16 run: tensors upcast to FP32 on conversion
+    "deq_qkv": dict(injection="deq_qkv", num_query_groups=2, n_prelude=2),
+    "untied": dict(arch="untied", num_layers=3),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_tokenizer(path: Path) -> Path:
+    """A tiny BPE tokenizer.json (< 250 ids) with megaloop's special tokens (ids 0, 1, 2)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator(["hello world, looped models think longer"] * 20, trainer=trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path / "tokenizer.json"
+
+
+@torch.no_grad()
+def perturb(model, scale: float = 0.05) -> None:
+    from megaloop.runtime.parallel import stable_seed
+
+    for name, p in model.named_parameters():
+        p.add_(scale * torch.randn(p.shape, generator=torch.Generator().manual_seed(stable_seed("hf-test", name, 0))))
+
+
+def build_native(overrides: dict, seed: int = 5):
+    from megaloop.model.build import build_model
+    from megaloop.model.config import ModelConfig
+
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=VOCAB, state_init_std=0.5, **overrides)
+    chunks, _ = build_model(cfg, vocab_size=VOCAB, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=seed, ddp=False)
+    return cfg, chunks
+
+
+@pytest.fixture(scope="module")
+def converted(megatron_world, tmp_path_factory):
+    """Every variant: perturbed native model → checkpoint → HF folder; native eval logits kept."""
+    from megaloop.config import RunConfig
+    from megaloop.data.config import DataConfig
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.model.build import unwrap
+    from megaloop.train.checkpoint import CheckpointManager
+
+    root = tmp_path_factory.mktemp("hfconv")
+    tok = make_tokenizer(root / "tok")
+    dataset = root / "dataset"  # the run's data manifest points at the tokenizer
+    dataset.mkdir()
+    (dataset / "manifest.json").write_text(json.dumps({"vocab_size": VOCAB, "tokenizer": {"path": str(tok)}}))
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for i, (name, overrides) in enumerate(VARIANTS.items()):
+        cfg, chunks = build_native(overrides)
+        perturb(chunks[0])
+        native = chunks[0].eval()
+        if cfg.bf16:  # reference: the bf16 weights in an FP32 native model
+            _, ref_chunks = build_native({**overrides, "bf16": False})
+            ref_chunks[0].load_state_dict(unwrap(chunks[0]).state_dict())
+            native = ref_chunks[0].eval()
+        with torch.no_grad():
+            logits = native(ids, depth=5)
+        run = RunConfig(model=cfg, data=DataConfig(path=str(dataset)))
+        ckpt = CheckpointManager(root / name / "checkpoints").save(
+            3, chunks, None, common={"step": 3, "tokens": 0, "config": run.to_dict()})
+        hf_dir = root / name / "hf"
+        # variant 0 goes through the run dir and an explicit --tokenizer, the rest through the manifest
+        report = convert_to_hf(root / name if i == 0 else ckpt, hf_dir, tokenizer=tok if i == 0 else None,
+                               log=lambda *_: None)
+        torch.save(ids, hf_dir / "ids.pt")
+        out[name] = {"ckpt": ckpt, "hf": hf_dir, "logits": logits, "report": report}
+    return out
+
+
+def test_conversion_validates_and_writes_folder(converted):
+    for name, item in converted.items():
+        rep = item["report"]
+        assert rep["validation"]["error"] <= TOL, (name, rep["validation"])
+        assert rep["reload"]["max_abs"] <= 1e-6
+        hf = item["hf"]
+        for f in ("config.json", "model.safetensors", "configuration_megaloop.py", "modeling_megaloop.py",
+                  "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            assert (hf / f).is_file(), f"{name}: {f} missing"
+        cfg = json.loads((hf / "config.json").read_text())
+        assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_megaloop.MegaloopForCausalLM"
+        assert cfg["model_type"] == "megaloop" and cfg["vocab_size"] == 256 and cfg["tokenizer_vocab_size"] == VOCAB
+        gen = json.loads((hf / "generation_config.json").read_text())
+        assert gen["eos_token_id"] == 0 and gen["suppress_tokens"] == list(range(VOCAB, 256))
+    assert converted["parcae_decay"]["report"]["step"] == 3
+
+
+def test_isolated_load_matches_native(converted, tmp_path):
+    """Fresh `python -I` process, cwd outside the repo, no PYTHONPATH, megaloop/megatron blocked."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    result = tmp_path / "result.pt"
+    folders = [str(item["hf"]) for item in converted.values()]
+    proc = subprocess.run([sys.executable, "-I", str(ROOT / "tests/hf/isolated_load.py"), str(result), *folders],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ISOLATED OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    got = torch.load(result)
+    for name, item in converted.items():
+        entry = got[str(item["hf"])]
+        err = (entry["logits"] - item["logits"]).abs().max().item()
+        assert err < TOL, f"{name}: isolated HF vs native max abs logit error {err:.2e}"
+        assert entry["num_recurrences"] == 5 and entry["generate"].shape == (2, 12)
+        assert entry["override"] == (8, "per_visit")
+        assert entry["eos"] == "<|endoftext|>" and len(entry["tokens"]) > 0
+
+
+def test_tp2_and_pp2_checkpoints_convert(megatron_world, tmp_path):
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    out = run_torchrun(ROOT / "tests/distributed/hf_tp2_ckpt_worker.py", 2, str(tmp_path))
+    assert "CKPT OK" in out
+    # TP=2: loads at TP=1 in this process, validates against it, and reproduces the TP=2 logits
+    rep = convert_to_hf(tmp_path / "tp2", tmp_path / "hf_tp2", log=lambda *_: None)
+    assert rep["validation"]["error"] <= TOL
+    model = MegaloopForCausalLM.from_pretrained(tmp_path / "hf_tp2", dtype=torch.float32).eval()
+    ids, ref = torch.load(tmp_path / "tp2/ids.pt"), torch.load(tmp_path / "tp2/logits.pt")
+    with torch.no_grad():
+        err = (model(ids, use_cache=False, num_recurrences=5).logits - ref).abs().max().item()
+    assert err < TOL, f"TP=2 checkpoint: HF vs TP=2 native logits {err:.2e}"
+    # PP=2: matches a TP=1/PP=1 native model with the same (name-seeded) weights
+    rep = convert_to_hf(tmp_path / "pp2/checkpoints", tmp_path / "hf_pp2", log=lambda *_: None)
+    assert rep["validation"]["error"] <= TOL
+    cfg, chunks = build_native(dict(injection="huginn_linear", num_query_groups=2), seed=7)
+    perturb(chunks[0])
+    model = MegaloopForCausalLM.from_pretrained(tmp_path / "hf_pp2", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = chunks[0].eval()(ids, depth=5)
+        err = (model(ids, use_cache=False).logits - ref).abs().max().item()
+    assert err < TOL, f"PP=2 checkpoint: HF vs TP=1 native logits {err:.2e}"
+
+
+def test_bad_inputs_give_clear_errors(megatron_world, converted, tmp_path):
+    from megaloop.hf.convert import ConversionError, convert_to_hf
+
+    missing = tmp_path / "nope"
+    with pytest.raises(ConversionError, match=f"checkpoint {missing} does not exist"):
+        convert_to_hf(missing, tmp_path / "o1")
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "weights.bin").write_text("x")
+    with pytest.raises(ConversionError, match=f"{junk} is not a megaloop checkpoint"):
+        convert_to_hf(junk, tmp_path / "o2")
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "common.pt").write_text("x")
+    with pytest.raises(ConversionError, match="incomplete: missing megaloop.json, .metadata"):
+        convert_to_hf(partial, tmp_path / "o3")
+
+
+def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
+    """A checkpoint whose stored config says one architecture but whose tensors are another."""
+    import shutil
+
+    from megaloop.hf.convert import ConversionError, convert_to_hf
+
+    src = converted["orthoinj"]["ckpt"]
+    bad = tmp_path / "step_00000003"
+    shutil.copytree(src, bad)
+    common = torch.load(bad / "common.pt", weights_only=False)
+    common["common"]["config"]["model"]["injection"] = "huginn_linear"
+    torch.save(common, bad / "common.pt")
+    with pytest.raises(ConversionError, match=f"checkpoint {bad} does not match its model config") as err:
+        convert_to_hf(bad, tmp_path / "o4")
+    assert "missing: injection.adapter.bias, injection.adapter.weight" in str(err.value)
+    assert "unexpected: injection.alpha_log" in str(err.value)
+    common["common"]["config"]["model"]["injection"] = "spiral"
+    torch.save(common, bad / "common.pt")
+    with pytest.raises(ConversionError, match="model.injection"):
+        convert_to_hf(bad, tmp_path / "o5")
+    del common["common"]["config"]
+    torch.save(common, bad / "common.pt")
+    with pytest.raises(ConversionError, match="no run config"):
+        convert_to_hf(bad, tmp_path / "o6")
+
+
+def test_cli_and_hf_roundtrip(megatron_world, converted, tmp_path):
+    """tools/convert_to_hf.py (bf16, sharded, no validation) and HF → megaloop back."""
+    from megaloop.hf.convert import convert_from_hf, load_native
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    item = converted["deq_qkv"]
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import convert_to_hf as cli
+    finally:
+        sys.path.pop(0)
+    assert cli.main(["--checkpoint", str(item["ckpt"]), "--out", str(tmp_path / "bf16"), "--dtype", "bf16",
+                     "--no-validate", "--max-shard-size", "200KB"]) == 0
+    assert (tmp_path / "bf16/model.safetensors.index.json").is_file()
+    bf = MegaloopForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert bf.dtype == torch.bfloat16
+    assert cli.main(["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    # HF (fp32 folder) → megaloop checkpoint → native model: same logits as the original native model
+    ckpt = convert_from_hf(item["hf"], tmp_path / "back")
+    native, *_ = load_native(ckpt)
+    ids = torch.load(item["hf"] / "ids.pt")
+    with torch.no_grad():
+        err = (native(ids, depth=5) - item["logits"]).abs().max().item()
+    assert err < 1e-5, f"HF → megaloop round trip: {err:.2e}"
