@@ -147,37 +147,15 @@ def checkpoint_vocab(ckpt: Path) -> int:
     return int(meta[key].global_shape[0])
 
 
-_MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "final_norm.",
-                   "output_layer.")
-
-
 def check_tensors(ckpt: Path, chunks: list, mcfg) -> None:
-    """Compare the checkpoint's model tensors (names, global shapes) with the model its config
-    describes; raise a ConversionError listing the differences."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    """The checkpoint's model tensors against the model its config describes (ConversionError)."""
+    from megaloop.train.checkpoint import CheckpointError, verify_model_tensors
 
-    from megaloop.train.checkpoint import sharded_state
-
-    stored = {k: tuple(v.global_shape) for k, v in dist_checkpointing.load_tensors_metadata(str(ckpt)).items()}
-    expected: dict[str, tuple | None] = {}
-    for t in nested_values(sharded_state(chunks, None, is_loading=True)):
-        if isinstance(t, ShardedTensor):
-            expected[t.key] = tuple(t.global_shape)
-        elif isinstance(t, ShardedTensorFactory):  # e.g. SwiGLU fc1; its stored shape is checked on load
-            expected[t.key] = None
-    missing = sorted(k for k in expected if k not in stored)
-    extra = sorted(k for k in stored if k not in expected and k.startswith(_MODEL_PREFIXES))
-    shapes = sorted(f"{k} {stored[k]} vs {expected[k]}" for k in expected
-                    if k in stored and expected[k] is not None and stored[k] != expected[k])
-    if missing or extra or shapes:
-        parts = [f"{name}: {', '.join(items[:6])}{' ...' if len(items) > 6 else ''}"
-                 for name, items in (("missing", missing), ("unexpected", extra), ("shape (stored vs config)", shapes))
-                 if items]
-        raise ConversionError(
-            f"checkpoint {ckpt} does not match its model config (arch={mcfg.arch}, injection={mcfg.injection}, "
-            f"hidden={mcfg.hidden_size}, layers={mcfg.physical_layers}): " + "; ".join(parts))
+    try:
+        verify_model_tensors(ckpt, chunks)
+    except CheckpointError as err:
+        raise ConversionError(f"{err} (config: arch={mcfg.arch}, injection={mcfg.injection}, "
+                              f"hidden={mcfg.hidden_size}, layers={mcfg.physical_layers})") from None
 
 
 # ============================================================================ native model

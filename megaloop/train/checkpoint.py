@@ -153,6 +153,39 @@ def is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file() and (path / "common.pt").is_file()
 
 
+MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "final_norm.",
+                  "output_layer.")
+
+
+def verify_model_tensors(path: Path, model_chunks: list) -> None:
+    """Compare the stored model tensors (names, global shapes) with ``model_chunks`` before loading,
+    so a checkpoint of another architecture fails with the differences listed."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    try:
+        stored = {k: tuple(v.global_shape)
+                  for k, v in dist_checkpointing.load_tensors_metadata(str(path)).items()}
+    except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint {path}: tensor metadata could not be read: {type(err).__name__}") from err
+    expected: dict[str, tuple | None] = {}
+    for t in nested_values(sharded_state(model_chunks, None, is_loading=True)):
+        if isinstance(t, ShardedTensor):
+            expected[t.key] = tuple(t.global_shape)
+        elif isinstance(t, ShardedBase) and not t.key.endswith("_extra_state"):
+            expected[t.key] = None  # factories (SwiGLU fc1): shape checked on load
+    missing = sorted(k for k in expected if k not in stored)
+    extra = sorted(k for k in stored if k not in expected and k.startswith(MODEL_PREFIXES))
+    shapes = sorted(f"{k} {stored[k]} vs {expected[k]}" for k in expected
+                    if k in stored and expected[k] is not None and stored[k] != expected[k])
+    if missing or extra or shapes:
+        parts = [f"{name}: {', '.join(items[:6])}{' ...' if len(items) > 6 else ''}"
+                 for name, items in (("missing", missing), ("unexpected", extra),
+                                     ("shape (stored vs model)", shapes)) if items]
+        raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts))
+
+
 class CheckpointManager:
     """Save/find/load checkpoints under ``root`` keeping the newest ``keep`` complete ones."""
 
@@ -232,6 +265,7 @@ class CheckpointManager:
         """Load model (and optimizer) state in place; returns the ``common`` dict."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete or missing files")
+        verify_model_tensors(path, model_chunks)
         if optimizer is not None:
             _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)

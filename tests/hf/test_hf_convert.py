@@ -196,7 +196,7 @@ def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
     common = torch.load(bad / "common.pt", weights_only=False)
     common["common"]["config"]["model"]["injection"] = "huginn_linear"
     torch.save(common, bad / "common.pt")
-    with pytest.raises(ConversionError, match=f"checkpoint {bad} does not match its model config") as err:
+    with pytest.raises(ConversionError, match=f"checkpoint {bad} does not match the model") as err:
         convert_to_hf(bad, tmp_path / "o4")
     assert "missing: injection.adapter.bias, injection.adapter.weight" in str(err.value)
     assert "unexpected: injection.alpha_log" in str(err.value)
