@@ -66,7 +66,7 @@ class Trainer:
         self.mbs = cfg.train.micro_batch_size
         self.seq = cfg.model.seq_len
 
-        from megaloop.data import build_eval_loader, build_train_loader
+        from megaloop.data import build_train_loader
 
         self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
                                          dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
@@ -81,10 +81,9 @@ class Trainer:
 
             raise ConfigError(f"model.vocab_size: {self.vocab} is smaller than the tokenizer's "
                               f"{manifest['vocab_size']} (data manifest)")
-        val_path = cfg.data.val_path or getattr(self.loader, "val_path", None)
-        self.val_loader_fn = (lambda: build_eval_loader(
-            val_path, seq_len=self.seq, micro_batch_size=self.mbs, dp_rank=self.dp_rank, dp_size=self.dp)
-        ) if val_path else None
+        # the embedded default ships its own validation split; other data name it in data.val_path
+        self.val_path, self.val_seq = self._resolve_val(
+            cfg.data.val_path or ("default" if cfg.data.path == "default" else None))
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
@@ -120,6 +119,21 @@ class Trainer:
                                      total_steps=self._end_step(), start_step=self.step,
                                      config_dict=cfg.to_dict())
         self.loader_iter = iter(self.loader)
+
+    def _resolve_val(self, path: str | None) -> tuple[str | None, int]:
+        """Validation set and its sequence length (may be shorter than the model's: RoPE)."""
+        if not path:
+            return None, self.seq
+        if str(path).startswith("default"):
+            return str(path), self.seq
+        from megaloop.config_utils import ConfigError
+        from megaloop.data.streaming import load_manifest
+
+        seq = int(load_manifest(str(path), self.cfg.data.cache_dir).get("seq_len") or self.seq)
+        if seq > self.seq:
+            raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than "
+                              f"model.seq_len={self.seq}")
+        return str(path), seq
 
     def _end_step(self) -> int:
         t = self.cfg.train
@@ -179,10 +193,10 @@ class Trainer:
         self._ce[mb["index"], 1] += n.double()
         return ce_sum, n.to(torch.int), {"lm loss": torch.stack([ce_sum.detach(), n])}
 
-    def _run_schedule(self, mbs: list[dict], forward_only: bool) -> torch.Tensor:
+    def _run_schedule(self, mbs: list[dict], forward_only: bool, seq_len: int | None = None) -> torch.Tensor:
         """Run megatron's schedule over ``mbs``; returns global [M, 2] (CE sum, tokens) per microbatch."""
         self._ce = torch.zeros(len(mbs), 2, dtype=torch.float64)
-        seq = self.seq * (2 if self.cfg.model.looped and self.dims.pp > 1 else 1)
+        seq = (seq_len or self.seq) * (2 if self.cfg.model.looped and self.dims.pp > 1 else 1)
         iters = [iter(mbs) for _ in self.model]
         get_forward_backward_func()(
             forward_step_func=self._forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
@@ -250,12 +264,14 @@ class Trainer:
 
     # ================================================================ eval
     def evaluate(self, depth: int | None = None) -> dict:
-        if self.val_loader_fn is None:
+        if self.val_path is None:
             return {}
+        from megaloop.data import build_eval_loader
         depth = depth or self.cfg.train.eval_depth
         for m in self.model:
             m.eval()
-        it = iter(self.val_loader_fn())
+        it = iter(build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
+                                    dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir))
         mbs = []
         for i in range(self.cfg.train.eval_batches):
             try:
@@ -264,7 +280,7 @@ class Trainer:
                 break
         try:
             with torch.no_grad():
-                ce = self._run_schedule(mbs, forward_only=True) if mbs else None
+                ce = self._run_schedule(mbs, forward_only=True, seq_len=self.val_seq) if mbs else None
         finally:
             for m in self.model:
                 m.train()

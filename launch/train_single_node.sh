@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One machine, no slurm: the same knobs as slurm/train_*.sh, torchrun --standalone over NPROC
+# processes (GPUs, or gloo ranks on CPU), always resuming from RUN_DIR's latest checkpoint.
+#   CONFIG=S DATA_PATH=/data/txt360_mds VAL_PATH=/data/eval/val bash launch/train_single_node.sh
+#   CONFIG=tiny NPROC=2 TP=2 bash launch/train_single_node.sh train.max_steps=40
+# Knobs: CONFIG (tiny) RUN_DIR (runs/$CONFIG) NPROC (GPU count, else 1) TP PP VPP DATA_PATH VAL_PATH
+# WANDB_MODE (offline) WANDB_PROJECT; extra arguments are dotlist overrides.
+# SIGTERM/SIGUSR1 make every rank checkpoint after its current step and stop; run the same command
+# again to continue from there.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=launch/_setup.sh
+source "$ROOT/launch/_setup.sh"
+cd "$ROOT"
+
+CONFIG="${CONFIG:-tiny}"
+RUN_DIR="${RUN_DIR:-runs/$CONFIG}"
+NPROC="${NPROC:-$(python -c 'import torch; print(max(torch.cuda.device_count(), 1))')}"
+TP="${TP:-1}"
+PP="${PP:-1}"
+VPP="${VPP:-}"
+DATA_PATH="${DATA_PATH:-}"
+VAL_PATH="${VAL_PATH:-}"
+WANDB_MODE="${WANDB_MODE:-offline}"
+WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
+export WANDB_MODE WANDB_PROJECT CUDA_DEVICE_MAX_CONNECTIONS=1
+
+OVERRIDES=("parallel.tp=$TP" "parallel.pp=$PP" "logging.wandb=$WANDB_MODE" "logging.project=$WANDB_PROJECT")
+if [ -n "$VPP" ]; then OVERRIDES+=("parallel.vpp=$VPP"); fi
+if [ -n "$DATA_PATH" ]; then OVERRIDES+=("data.path=$DATA_PATH"); fi
+if [ -n "$VAL_PATH" ]; then OVERRIDES+=("data.val_path=$VAL_PATH"); fi
+
+# Forward SIGTERM/SIGUSR1 to torchrun, which passes them to the workers (checkpoint, exit 75).
+exec torchrun --standalone --nproc_per_node "$NPROC" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+  -m megaloop.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "${OVERRIDES[@]}" "$@"

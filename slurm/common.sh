@@ -1,0 +1,182 @@
+# shellcheck shell=bash
+# Shared by slurm/train_{S,M,L}.sh and slurm/lr_screen_array.sh: sourced (after `set -euo pipefail`
+# and with ROOT set to the repository), never run on its own.
+#
+#   megaloop_setup                         check the allocation, cd to ROOT, activate the venv,
+#                                          derive the rendezvous and the per-job log directory
+#   megaloop_train CONFIG RUN_DIR [KEY=VALUE ...]
+#                                          srun one torchrun per node running
+#                                          `-m megaloop.cli train --config CONFIG --run-dir RUN_DIR
+#                                          --resume auto KEY=VALUE ...`; returns its exit status
+#   megaloop_scale_overrides               TP/PP/VPP/DATA_PATH/VAL_PATH/WANDB_*/EXTRA_ARGS knobs of
+#                                          slurm/train_*.sh -> the array OVERRIDES
+#
+# Pre-emption / time limit: submit with `--signal=B:USR1@120 --requeue`. The USR1 reaches this
+# (batch) shell, which forwards it to srun; srun passes it to every task, torchrun (told to handle
+# SIGUSR1) passes it to the workers, and the trainer checkpoints after its current step and exits
+# 75. The job then requeues itself (`scontrol requeue`), and the next start resumes from the latest
+# checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
+# a single-node run) requeues too. SIGTERM to this shell (scancel) is forwarded but never requeues.
+#
+# Knobs (environment, all optional):
+#   NODES            nodes to use (default: all of the allocation, $SLURM_NNODES)
+#   GPUS_PER_NODE    processes per node (default $SLURM_GPUS_ON_NODE, else 8)
+#   RDZV             c10d (default: torchrun --rdzv_backend c10d on MASTER_ADDR:MASTER_PORT)
+#                    or static (--master_addr/--master_port/--node_rank)
+#   MASTER_ADDR      default: first host of $SLURM_JOB_NODELIST
+#   MASTER_PORT      default: 20000 + SLURM_JOB_ID % 20000
+#   LOG_DIR          default logs/ (relative to ROOT); per job: $LOG_DIR/$SLURM_JOB_ID/
+#   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH)
+#   SHUTDOWN_TIMEOUT seconds torchrun waits for workers to checkpoint after a signal (default 110)
+#   TORCHRUN_SIGNALS signals torchrun forwards (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1;
+#                    empty = torchrun's default, for torch < 2.8 which lacks --signals-to-handle)
+#   CPUS_PER_TASK    CPUs of each node's task (default $SLURM_CPUS_ON_NODE)
+#   SRUN_ARGS        extra srun arguments (word-split), e.g. "--container-image=... --mpi=none"
+#   OMP_NUM_THREADS  default 8
+
+megaloop_die() {
+  echo "megaloop-slurm: error: $*" >&2
+  exit 2
+}
+
+megaloop_log() {
+  echo "[megaloop-slurm $(date '+%F %T')] $*"
+}
+
+megaloop_setup() {
+  [ -n "${SLURM_JOB_ID:-}" ] || megaloop_die "SLURM_JOB_ID is not set: submit this script with sbatch"
+  [ -n "${SLURM_JOB_NODELIST:-}" ] || megaloop_die "SLURM_JOB_NODELIST is not set (not inside an allocation?)"
+  cd "$ROOT" || megaloop_die "cannot cd to $ROOT"
+
+  VENV="${VENV:-$ROOT/.venv}"
+  if [ "$VENV" != none ] && [ -f "$VENV/bin/activate" ]; then
+    export PATH="$VENV/bin:$PATH"
+    export VIRTUAL_ENV="$VENV"
+  fi
+
+  local -a hosts
+  mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  [ "${#hosts[@]}" -ge 1 ] || megaloop_die "scontrol show hostnames returned no host for '$SLURM_JOB_NODELIST'"
+  NODES="${NODES:-${SLURM_NNODES:-${#hosts[@]}}}"
+  case "$NODES" in '' | *[!0-9]*) megaloop_die "NODES must be a positive integer, got '$NODES'" ;; esac
+  [ "$NODES" -ge 1 ] || megaloop_die "NODES must be >= 1, got $NODES"
+  [ "$NODES" -le "${#hosts[@]}" ] ||
+    megaloop_die "NODES=$NODES but the allocation has ${#hosts[@]} node(s) (sbatch --nodes=$NODES ...)"
+  NODE_LIST="$(IFS=,; echo "${hosts[*]:0:$NODES}")"
+  GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
+  case "$GPUS_PER_NODE" in '' | *[!0-9]*) megaloop_die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'" ;; esac
+  MASTER_ADDR="${MASTER_ADDR:-${hosts[0]}}"
+  MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+  RDZV="${RDZV:-c10d}"
+  case "$RDZV" in c10d | static) ;; *) megaloop_die "RDZV must be c10d or static, got '$RDZV'" ;; esac
+  SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-110}"
+  TORCHRUN_SIGNALS="${TORCHRUN_SIGNALS-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+  CPUS_PER_TASK="${CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-}}"
+  export MASTER_ADDR MASTER_PORT
+  export CUDA_DEVICE_MAX_CONNECTIONS=1
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-8}"
+  export PYTHONUNBUFFERED=1
+  export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+
+  LOG_DIR="${LOG_DIR:-logs}"
+  JOB_LOG_DIR="$LOG_DIR/$SLURM_JOB_ID"
+  mkdir -p "$JOB_LOG_DIR"
+  megaloop_log "job $SLURM_JOB_ID${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)}: $NODES node(s) [$NODE_LIST]" \
+    "x $GPUS_PER_NODE proc(s), rendezvous $RDZV at $MASTER_ADDR:$MASTER_PORT, logs in $JOB_LOG_DIR/"
+}
+
+_megaloop_on_signal() {
+  # $1: the signal this batch shell received. USR1 = time limit / pre-emption warning -> requeue.
+  if [ "$1" = USR1 ]; then
+    MEGALOOP_REQUEUE=1
+  fi
+  megaloop_log "received SIG$1: forwarding SIGUSR1 to the training processes (checkpoint, then exit)"
+  if [ -n "${MEGALOOP_SRUN_PID:-}" ]; then
+    kill -USR1 "$MEGALOOP_SRUN_PID" 2>/dev/null || true
+  fi
+}
+
+megaloop_train() {
+  [ "$#" -ge 2 ] || megaloop_die "megaloop_train CONFIG RUN_DIR [KEY=VALUE ...]"
+  local config="$1" run_dir="$2"
+  shift 2
+  local -a launcher train srun_opts extra_srun
+  launcher=(torchrun --nnodes "$NODES" --nproc_per_node "$GPUS_PER_NODE" --max_restarts 0
+    --shutdown-timeout "$SHUTDOWN_TIMEOUT")
+  if [ -n "$TORCHRUN_SIGNALS" ]; then
+    launcher+=(--signals-to-handle "$TORCHRUN_SIGNALS")
+  fi
+  if [ "$RDZV" = static ]; then
+    launcher+=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+  else
+    launcher+=(--rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID")
+  fi
+  train=(-m megaloop.cli train --config "$config" --run-dir "$run_dir" --resume auto "$@")
+  srun_opts=(--nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --nodelist="$NODE_LIST"
+    --kill-on-bad-exit=1 --output="$JOB_LOG_DIR/node%n.log" --open-mode=append)
+  if [ -n "$CPUS_PER_TASK" ]; then
+    srun_opts+=(--cpus-per-task="$CPUS_PER_TASK")
+  fi
+  read -r -a extra_srun <<<"${SRUN_ARGS:-}"
+  srun_opts+=("${extra_srun[@]}")
+
+  {
+    echo "time: $(date '+%F %T')  restart: ${SLURM_RESTART_COUNT:-0}"
+    echo "srun ${srun_opts[*]} ${launcher[*]} --node_rank \$SLURM_NODEID ${train[*]}"
+  } >>"$JOB_LOG_DIR/launch.txt"
+  megaloop_log "torchrun ${train[*]}"
+
+  MEGALOOP_REQUEUE=0
+  MEGALOOP_SRUN_PID=""
+  trap '_megaloop_on_signal USR1' USR1
+  trap '_megaloop_on_signal TERM' TERM
+  # One task per node; its node rank is that task's $SLURM_NODEID, expanded on the node itself.
+  # shellcheck disable=SC2016
+  srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' \
+    "${launcher[@]}" "${train[@]}" &
+  MEGALOOP_SRUN_PID=$!
+  local rc
+  while :; do
+    rc=0
+    wait "$MEGALOOP_SRUN_PID" || rc=$?
+    # A trapped signal interrupts `wait` (status > 128) while srun keeps running: wait again.
+    if [ "$rc" -gt 128 ] && kill -0 "$MEGALOOP_SRUN_PID" 2>/dev/null; then
+      continue
+    fi
+    break
+  done
+  trap - USR1 TERM
+  echo "$rc" >"$JOB_LOG_DIR/exit_code"
+  megaloop_log "training exited with status $rc"
+  if [ "$MEGALOOP_REQUEUE" = 1 ] || [ "$rc" -eq 75 ]; then
+    megaloop_log "requeueing job $SLURM_JOB_ID (the next start resumes from the latest checkpoint)"
+    scontrol requeue "$SLURM_JOB_ID" || megaloop_log "scontrol requeue failed (is the job --requeue-able?)"
+    return 75
+  fi
+  return "$rc"
+}
+
+# The knobs of slurm/train_*.sh as dotlist overrides, in the array OVERRIDES.
+megaloop_scale_overrides() {
+  local -a extra
+  OVERRIDES=("parallel.tp=$TP" "parallel.pp=$PP")
+  if [ -n "$VPP" ]; then
+    OVERRIDES+=("parallel.vpp=$VPP")
+  fi
+  OVERRIDES+=("data.path=$DATA_PATH")
+  if [ -n "$VAL_PATH" ]; then
+    OVERRIDES+=("data.val_path=$VAL_PATH")
+  elif [ "$DATA_PATH" = default ]; then
+    OVERRIDES+=("data.val_path=default:val")
+  fi
+  if [ "$DATA_PATH" = default ]; then
+    megaloop_log "warning: DATA_PATH is not set: training on the small embedded corpus (a smoke test)"
+  fi
+  export WANDB_MODE WANDB_PROJECT
+  OVERRIDES+=("logging.wandb=$WANDB_MODE" "logging.project=$WANDB_PROJECT" "logging.progress=false")
+  if [ -n "${WANDB_NAME:-}" ]; then
+    OVERRIDES+=("logging.name=$WANDB_NAME")
+  fi
+  read -r -a extra <<<"$EXTRA_ARGS"
+  OVERRIDES+=("${extra[@]}")
+}

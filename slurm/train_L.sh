@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Scale L (d=2048; global batch 1,024 x 2,048 tokens, 80k steps): megaloop pretraining on slurm, one torchrun per node (slurm/common.sh).
+#   sbatch slurm/train_L.sh                                   # 4 node(s) x 8 GPUs, embedded corpus (smoke)
+#   DATA_PATH=/lustre/txt360/mds VAL_PATH=/lustre/txt360/eval/val TP=2 \
+#     sbatch --nodes=8 --partition=gpu slurm/train_L.sh
+# Knobs (environment, `${VAR:-default}`): NODES (default: the allocation) GPUS_PER_NODE (8) TP (1)
+# PP (1) VPP (unset) DATA_PATH (default = embedded corpus) VAL_PATH (unset; default:val with the
+# embedded corpus) RUN_DIR (runs/L) WANDB_MODE (offline) WANDB_PROJECT (megaloop) WANDB_NAME
+# EXTRA_ARGS (more dotlist overrides, word-split) CONFIG (L); rendezvous, logs, venv: slurm/common.sh.
+# Submit from the repository root (or set MEGALOOP_ROOT). Re-submitting resumes (--resume auto).
+#SBATCH --job-name=megaloop-L
+#SBATCH --nodes=4
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=48:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT=""
+for _c in "${MEGALOOP_ROOT:-}" "$_here" "${SLURM_SUBMIT_DIR:-}"; do
+  if [ -n "$_c" ] && [ -f "$_c/slurm/common.sh" ]; then ROOT="$(cd "$_c" && pwd)"; break; fi
+done
+[ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+# shellcheck source=slurm/common.sh
+source "$ROOT/slurm/common.sh"
+
+CONFIG="${CONFIG:-L}"
+RUN_DIR="${RUN_DIR:-runs/L}"
+TP="${TP:-1}"
+PP="${PP:-1}"
+VPP="${VPP:-}"
+DATA_PATH="${DATA_PATH:-default}"
+VAL_PATH="${VAL_PATH:-}"
+WANDB_MODE="${WANDB_MODE:-offline}"
+WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+
+megaloop_setup
+megaloop_scale_overrides
+megaloop_train "$CONFIG" "$RUN_DIR" "${OVERRIDES[@]}"

