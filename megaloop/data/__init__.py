@@ -48,4 +48,8 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_LAZY])
 
 
-__all__ = ["DataConfig", "DataError", *_LAZY]
+__all__ = [
+    "DataConfig", "DataError", "EvalLoader", "TrainLoader", "Tokenizer", "build_eval_loader",
+    "build_train_loader", "ensure_default_dataset", "ensure_default_tokenizer", "load_manifest",
+    "load_tokenizer", "make_batch",
+]

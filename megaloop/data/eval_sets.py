@@ -25,6 +25,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -176,6 +177,7 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
     from tqdm import tqdm
 
     tasks = [(f, cfg.holdout) for f in files]
+    results: Iterator[list[tuple[str, str, str]]]
     if cfg.workers > 1 and len(tasks) > 1:
         pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)))
         results = pool.imap(_scan, tasks)

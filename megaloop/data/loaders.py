@@ -41,6 +41,13 @@ def _check_dp(dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
     require(micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {micro_batch_size}")
 
 
+def _shutdown(it: Any) -> None:
+    """Stop a DataLoader iterator's worker processes now (not at garbage collection)."""
+    stop = getattr(it, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+
+
 class TrainLoader:
     """Infinite iterator of micro-batches for one data-parallel rank, exactly resumable.
 
@@ -86,6 +93,7 @@ class TrainLoader:
         self._base_samples = 0  # global samples consumed in this epoch before _batches
         self._batches = 0  # batches handed out since the last (re)start of this epoch
         self._generation = 0
+        self._active: Any = None  # the running DataLoader iterator, if any
 
     # -- state -------------------------------------------------------------------------------
     def _samples_in_epoch(self) -> int:
@@ -115,8 +123,12 @@ class TrainLoader:
         self.num_canonical_nodes = int(sd["num_canonical_nodes"])
         self.shuffle_seed = int(sd["shuffle_seed"])
         self.initial_dp_size = int(sd["initial_dp_size"])
-        self._ds.num_canonical_nodes = self.num_canonical_nodes
-        self._ds.shuffle_seed = self.shuffle_seed
+        ncn = self.num_canonical_nodes
+        require(ncn % self.dp_size == 0 or self.dp_size % ncn == 0, "data.num_canonical_nodes",
+                f"the checkpoint's sample order uses {ncn} canonical nodes, which does not fit "
+                f"dp_size={self.dp_size} (one must divide the other)")
+        self.batches_per_epoch = (samples_per_rank(self.num_samples, ncn, self.dp_size)
+                                  // self.micro_batch_size)
         self._generation += 1  # invalidate running iterators
 
     @property
@@ -126,30 +138,46 @@ class TrainLoader:
 
     # -- iteration ---------------------------------------------------------------------------
     def _dataloader(self) -> DataLoader:
-        # Point streaming at exactly our position: its epoch counter and resume record.
-        self._ds.next_epoch = self._epoch
-        self._ds.load_state_dict({
-            "epoch": self._epoch, "sample_in_epoch": self._samples_in_epoch(),
-            "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
-            "initial_physical_nodes": self.initial_dp_size})
+        """A DataLoader whose iteration starts exactly at (epoch, sample_in_epoch)."""
+        ds = self._ds
+        ds.next_epoch = self._epoch  # streaming's epoch counter (shared with its workers)
+        ds.num_canonical_nodes = self.num_canonical_nodes
+        ds.shuffle_seed = self.shuffle_seed
+        ds.initial_physical_nodes = self.initial_dp_size
+        if self._samples_in_epoch():
+            # Mid-epoch start: streaming reads the offset from its resume shared memory.
+            ds.load_state_dict({
+                "epoch": self._epoch, "sample_in_epoch": self._samples_in_epoch(),
+                "num_canonical_nodes": self.num_canonical_nodes,
+                "shuffle_seed": self.shuffle_seed, "initial_physical_nodes": self.initial_dp_size})
         nw = self.cfg.num_workers
-        return DataLoader(self._ds, batch_size=self.micro_batch_size, num_workers=nw,
+        return DataLoader(ds, batch_size=self.micro_batch_size, num_workers=nw,
                           collate_fn=self._collate, drop_last=True, persistent_workers=False,
                           prefetch_factor=self.cfg.prefetch_factor if nw else None)
+
+    def _drop_resume(self) -> None:
+        """Unlink streaming's resume record once read (it re-opens, and leaks, it every epoch)."""
+        shm = self._ds.__dict__.pop("_resume_shm", None)
+        if shm is not None:
+            shm.cleanup()
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         self._generation += 1
         gen = self._generation
         while True:
-            it = iter(self._dataloader())
+            it = self._active = iter(self._dataloader())
             try:
                 for batch in it:
+                    # Every streaming worker has read the resume record before any batch exists.
+                    self._drop_resume()
                     if gen != self._generation:
                         return
                     self._batches += 1
                     yield batch
             finally:
-                del it  # shuts DataLoader workers down
+                self._active = None
+                _shutdown(it)
+            self._drop_resume()
             if gen != self._generation:
                 return
             self._epoch += 1
@@ -157,8 +185,18 @@ class TrainLoader:
             self._batches = 0
 
     def close(self) -> None:
-        """Release the cache slot and streaming's file locks (also done at garbage collection)."""
+        """Stop workers, release the cache slot and streaming's file locks (also at GC/exit).
+
+        The loader is unusable afterwards."""
         self._generation += 1
+        _shutdown(self._active)
+        self._active = None
+        it = self._ds.__dict__.get("_iterator")  # streaming's download threads (workers=0)
+        if it is not None:
+            it.exit()
+        pool = self._ds.__dict__.pop("_executor", None)
+        if pool is not None:
+            pool.shutdown(wait=True)
         self._finalizer()
 
 

@@ -22,7 +22,7 @@ import uuid
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -301,9 +301,12 @@ def _run_tasks(todo: list[_Task], cfg: ConvertConfig, tok: Tokenizer, dones: dic
         if cfg.workers <= 1 or len(todo) <= 1:
             global _WORKER_TOK
             _WORKER_TOK = tok
-            results = map(_process_part, todo)
+            results: Iterator[dict] = map(_process_part, todo)
             pool = None
         else:
+            from megaloop.data._streaming_compat import ensure_streaming_importable
+
+            ensure_streaming_importable()  # import once here; forked workers inherit it
             pool = mp.get_context("fork").Pool(min(cfg.workers, len(todo)), _init_worker,
                                                (str(tok.path), cfg.eos_token))
             results = pool.imap_unordered(_process_part, todo)

@@ -18,18 +18,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import tempfile
 import threading
-import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from megaloop.config_utils import ConfigError, require
+from megaloop.config_utils import ConfigError
 from megaloop.data._fsutil import file_lock, try_lock_fd
 from megaloop.data._streaming_compat import ensure_streaming_importable
 from megaloop.data.config import DataConfig
@@ -41,7 +39,7 @@ import streaming  # noqa: E402
 import streaming.base.dataset as _sd  # noqa: E402
 import streaming.base.shared.prefix as _sp  # noqa: E402
 import streaming.base.world as _sw  # noqa: E402
-from streaming.base.world import World  # noqa: E402
+from streaming.base.world import World  # noqa: E402,F401  (re-exported to loaders)
 
 _PATCH_LOCK = threading.Lock()
 
@@ -149,6 +147,18 @@ def validate_local_shards(path: str | Path) -> dict:
     return index
 
 
+def _check_index_seq_len(index: dict, seq_len: int, root: Path) -> None:
+    """Raise ConfigError naming the shard if its ``tokens`` column is not ``seq_len`` long."""
+    for shard in index.get("shards", []):
+        names, encs = shard.get("column_names", []), shard.get("column_encodings", [])
+        enc = dict(zip(names, encs)).get("tokens", "")
+        parts = enc.split(":")
+        if len(parts) == 3 and parts[0] == "ndarray" and parts[2] != str(seq_len):
+            f = root / (shard.get("zip_data") or shard["raw_data"])["basename"]
+            raise ConfigError(f"data.seq_len: the model uses seq_len={seq_len} but shard {f} "
+                              f"stores tokens as {enc}")
+
+
 def check_seq_len(manifest: dict, seq_len: int, where: str) -> None:
     """Raise ConfigError naming the manifest if its sequence length differs from ``seq_len``."""
     have = manifest.get("seq_len")
@@ -173,6 +183,7 @@ class _Source:
             key_src = path + str(self.manifest.get("fingerprint"))
         else:
             index = validate_local_shards(path)
+            _check_index_seq_len(index, seq_len, Path(path))
             compressed = any(s.get("compression") for s in index["shards"])
             self.remote = str(Path(path).resolve()) if compressed else None
             key_src = str(Path(path).resolve()) + json.dumps(index, sort_keys=True)

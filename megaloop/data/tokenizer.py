@@ -56,7 +56,9 @@ class Tokenizer:
             raise DataError(f"cannot load tokenizer {self.path}: {err}") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         cfg = _read_tokenizer_config(self.path.parent)
-        self.eos_id = self._find_id(eos_token or cfg.get("eos_token"), EOS_CANDIDATES, "EOS")
+        eos = self._find_id(eos_token or cfg.get("eos_token"), EOS_CANDIDATES, "EOS")
+        assert eos is not None  # _find_id raises when a required token is missing
+        self.eos_id: int = eos
         self.bos_id = self._find_id(cfg.get("bos_token"), BOS_CANDIDATES, None)
         self.pad_id = self._find_id(cfg.get("pad_token"), PAD_CANDIDATES, None)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -108,6 +107,18 @@ def test_seq_len_mismatch_names_manifest(synth):
         build_eval_loader(synth, seq_len=16, micro_batch_size=2, dp_rank=0, dp_size=1)
 
 
+def test_shard_seq_len_mismatch_names_shard(synth, tmp_path):
+    import shutil
+
+    copy = tmp_path / "lying"
+    shutil.copytree(synth, copy)
+    man = json.loads((copy / "manifest.json").read_text())
+    (copy / "manifest.json").write_text(json.dumps(man | {"seq_len": 16}))
+    with pytest.raises(ConfigError, match=r"shard .*shard\.00000\.mds\.zstd stores tokens as"):
+        build_train_loader(DataConfig(path=str(copy)), seq_len=16, micro_batch_size=2,
+                           dp_rank=0, dp_size=1, seed=0)
+
+
 def test_missing_or_corrupt_dataset_errors(tmp_path, synth):
     with pytest.raises(DataError, match="does not exist"):
         _loader(str(tmp_path / "nowhere"))
@@ -170,3 +181,18 @@ def test_ignores_a_stale_registration_of_its_cache_slot(synth):
     assert lo._ds.streams[0].local == slot
     assert len(_ids(itertools.islice(iter(lo), 3))) == 12
     lo.close()
+
+
+def test_resume_at_another_dp_size_keeps_the_global_order(synth):
+    """Elastic resume: 2 ranks x 2 batches consumed, continue on 4 ranks with the same order."""
+    cfg = dict(num_canonical_nodes=4)
+    two = [_loader(synth, dp_rank=r, dp_size=2, **cfg) for r in range(2)]
+    seen = [_ids(itertools.islice(iter(lo), 2)) for lo in two]
+    sd = two[0].state_dict()
+    assert sd["sample_in_epoch"] == 16
+    four = [_loader(synth, dp_rank=r, dp_size=4, **cfg) for r in range(4)]
+    for lo in four:
+        lo.load_state_dict(sd)
+    rest = [_ids(itertools.islice(iter(lo), 5)) for lo in four]  # (96 - 16) / 4 ranks / 4
+    everything = [i for part in seen + rest for i in part]
+    assert sorted(everything) == list(range(96))  # nothing repeated, nothing skipped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 from pathlib import Path
 
@@ -50,6 +51,18 @@ def write_tree(root: Path, seed: int = 0) -> dict[tuple[str, str], list[str]]:
             else:
                 path.write_text(lines)
     return texts
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_megaloop_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Keep shard caches of these tests out of the user's ~/.cache/megaloop."""
+    old = os.environ.get("MEGALOOP_CACHE")
+    os.environ["MEGALOOP_CACHE"] = str(tmp_path_factory.mktemp("megaloop_cache"))
+    yield
+    if old is None:
+        os.environ.pop("MEGALOOP_CACHE", None)
+    else:
+        os.environ["MEGALOOP_CACHE"] = old
 
 
 @pytest.fixture(scope="session")

@@ -116,13 +116,20 @@ def test_fractional_weight_downsamples(tmp_path, txt360_tree, fixture_tokenizer)
     assert all(n > 0 for n in docs.values())
 
 
-def test_rerun_skips_finished_work(tmp_path, txt360_tree, fixture_tokenizer):
+def _shard_hashes(out: Path) -> list:
+    index = json.loads((out / "index.json").read_text())
+    return [(s["raw_data"]["basename"], s["raw_data"]["hashes"]) for s in index["shards"]]
+
+
+def test_rerun_skips_finished_work(tmp_path, txt360_tree, fixture_tokenizer, converted):
     tree, _ = txt360_tree
     src = tmp_path / "tree"
     shutil.copytree(tree, src)
     out = tmp_path / "out"
     first = _convert(src, fixture_tokenizer, out)
     assert first["_run"]["parts_skipped"] == 0
+    # Deterministic: 1 in-process worker gives byte-identical shards to the 2-worker CLI run.
+    assert _shard_hashes(out) == _shard_hashes(converted[0])
     stamp = {p: p.stat().st_mtime_ns for p in out.rglob("*.zstd")}
     again = _convert(src, fixture_tokenizer, out)
     assert again["_run"]["parts_skipped"] == again["_run"]["parts_total"] == 7

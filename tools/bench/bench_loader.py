@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.data.streaming import default_cache_dir
     from megaloop.data.synthetic import write_synthetic_mds
 
+    load_before = [round(x, 2) for x in os.getloadavg()]
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     workers = [int(w) for w in args.workers.split(",")]
     t0 = time.perf_counter()
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__, "streaming": streaming.__version__,
                     "numpy": numpy.__version__, "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine()},
+                    "processor": platform.processor() or platform.machine(),
+                    "loadavg_1_5_15min_before_after": [load_before,
+                                                       [round(x, 2) for x in os.getloadavg()]]},
         "command": shlex.join([sys.executable, *sys.argv]),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "results": results,
