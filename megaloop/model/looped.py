@@ -35,7 +35,8 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megaloop.model.config import ModelConfig
 from megaloop.model.injection import build_injection
-from megaloop.model.specs import RMSNorm, layer_spec
+from megaloop.model.specs import RMSNorm, layer_spec, use_transformer_engine
+from megaloop.runtime.cpu_compat import without_redirect
 from megaloop.runtime.parallel import stable_seed
 
 try:  # TE's FP8 autocast around transformer layers; a null context without TE
@@ -74,10 +75,10 @@ class LayerStack(MegatronModule):
     def __iter__(self):
         return iter(self._modules.values())
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         for layer in self:
             with get_fp8_context(self.config, layer.layer_number - 1):
-                x, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+                x, _ = layer(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
         return x
 
 
@@ -116,6 +117,8 @@ class LoopedGPT(LanguageModule):
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.seed = seed
         self._input_tensor: torch.Tensor | None = None
+        self._te = use_transformer_engine(cfg)
+        self._mask_cache: dict = {}
         self._noise_counter = count()
         pp = config.pipeline_model_parallel_size
         vpp = config.virtual_pipeline_model_parallel_size or 1
@@ -233,7 +236,7 @@ class LoopedGPT(LanguageModule):
             for layer in self.core:
                 layer.self_attention.set_injection(e)
         try:
-            z = self.core(z, rope)
+            z = self.core(z, rope, self.causal_mask(z.shape[0], z.device))
         finally:
             if self.injection.uses_qkv_injection:
                 for layer in self.core:
@@ -260,7 +263,24 @@ class LoopedGPT(LanguageModule):
         return self.rotary(s_local * size)
 
     # ----------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None, *,
+    def causal_mask(self, s_local: int, device: torch.device) -> torch.Tensor | None:
+        """Explicit causal mask [1, 1, s, s] (True = masked) for the local spec; TE builds its own.
+        Passing it keeps megatron from building one with ``device="cuda"`` on every forward."""
+        if self._te:
+            return None
+        s = s_local * self._sp()[1]
+        key = (s, device)
+        if self._mask_cache.get("key") != key:
+            m = torch.triu(torch.ones(s, s, dtype=torch.bool, device=device), diagonal=1)[None, None]
+            self._mask_cache = {"key": key, "mask": m}
+        return self._mask_cache["mask"]
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        """See :meth:`_forward`. Runs without the CPU layer's TorchFunctionMode (it needs none)."""
+        with without_redirect():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None, *,
                 depth: int = 1, backprop: int | None = None, noise_seed: int | list[int] | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         cfg = self.cfg
@@ -271,10 +291,11 @@ class LoopedGPT(LanguageModule):
             x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, d]
         else:
             x = self._input_tensor
+        mask = self.causal_mask(x.shape[0] // (2 if cfg.looped and not self.pre_process else 1), x.device)
         if cfg.looped:
             if self.pre_process:
                 rope = self.rope(x.shape[0])
-                e = self.prelude(x, rope) if cfg.n_prelude else x
+                e = self.prelude(x, rope, mask) if cfg.n_prelude else x
                 h = self.init_state(e, noise_seed)
             else:
                 h, e = x.chunk(2, dim=0)
@@ -284,9 +305,9 @@ class LoopedGPT(LanguageModule):
             if not self.post_process:
                 return torch.cat([h, e], dim=0)
             if cfg.n_coda:
-                h = self.coda(h, rope)
+                h = self.coda(h, rope, mask)
         else:
-            h = self.layers(x, self.rope(x.shape[0]))
+            h = self.layers(x, self.rope(x.shape[0]), mask)
             if not self.post_process:
                 return h
         h = self.final_norm(h)

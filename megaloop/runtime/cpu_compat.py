@@ -63,6 +63,21 @@ class CudaToCpuMode(TorchFunctionMode):
 _MODE: CudaToCpuMode | None = None
 
 
+def without_redirect():
+    """Context in which the TorchFunctionMode is popped (a null context when it is not active).
+
+    Every torch call under the mode pays a Python dispatch (about 3x on the tiny config's step),
+    so model compute that needs no redirect (the model's forward, given an explicit causal mask)
+    runs without it; megatron's schedules, optimizer and checkpointing keep it."""
+    from contextlib import nullcontext
+
+    from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+
+    if _MODE is None or _get_current_function_mode() is not _MODE:
+        return nullcontext()
+    return _pop_mode_temporarily()
+
+
 def cpu_compat_active() -> bool:
     """True when the redirects are installed (CUDA absent and :func:`apply_cpu_compat` ran)."""
     return _APPLIED

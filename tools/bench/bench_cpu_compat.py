@@ -1,0 +1,60 @@
+"""Overhead of the CPU compatibility layer (megaloop/runtime/cpu_compat.py) on the tiny config.
+
+Its function redirects (``torch.cuda.current_device``, the RNG tracker) are plain calls; what can
+cost time is the process-wide ``TorchFunctionMode`` that sees every torch call made under it.
+LoopedGPT's forward pops the mode (it passes an explicit causal mask, so it needs no redirect);
+megatron's schedules, optimizer and checkpointing keep it. This measures one training step
+(forward + backward) of the tiny native model with the forward run under the mode (``_forward``)
+vs the shipped path that pops it (``forward``), alternated in one run; and the same for a plain
+PyTorch model. Usage: python tools/bench/bench_cpu_compat.py [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from common import single_process_megatron, write_result
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--depth", type=int, default=3)
+    args = p.parse_args()
+    if torch.cuda.is_available():
+        raise SystemExit("the CPU compatibility layer is only used without CUDA")
+    single_process_megatron()
+    from megaloop.config import load_config
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import transformer_config
+
+    cfg = load_config("tiny").model
+    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    model = LoopedGPT(cfg, tc, vocab_size=4096, seed=0)
+    ids = torch.randint(0, 4096, (args.batch, cfg.seq_len))
+
+    def step(fn):
+        t = time.perf_counter()
+        fn(ids, labels=ids, depth=args.depth, backprop=args.depth, noise_seed=0).mean().backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    step(model.forward), step(model._forward)  # warm-up
+    popped, under = [], []
+    for _ in range(args.reps):
+        popped.append(step(model.forward))
+        under.append(step(model._forward))
+    res = {"median_step_s_forward_without_mode": statistics.median(popped),
+           "median_step_s_forward_under_mode": statistics.median(under)}
+    res["mode_cost_ratio"] = res["median_step_s_forward_under_mode"] / res["median_step_s_forward_without_mode"]
+    print(res)
+    write_result("cpu_compat_overhead", {**vars(args), "config": "tiny"}, res,
+                 f"python tools/bench/bench_cpu_compat.py --reps {args.reps} --batch {args.batch} --depth {args.depth}")
+
+
+if __name__ == "__main__":
+    main()
