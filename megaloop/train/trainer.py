@@ -172,8 +172,10 @@ class Trainer:
         out = []
         for i, r in enumerate(depths):
             batch = next(loader_iter)
-            base = self.dp_rank * self.mbs
-            seeds = [stable_seed(self.cfg.train.seed, "h0", step, i, base + j) for j in range(self.mbs)]
+            # streaming hands sample k of a global batch to data-parallel rank k % dp; keying h⁰ on
+            # that global position makes the draw independent of the DP size
+            seeds = [stable_seed(self.cfg.train.seed, "h0", step, i, j * self.dp + self.dp_rank)
+                     for j in range(self.mbs)]
             out.append(dict(batch, depth=r, noise_seed=seeds, index=i))
         return out
 
