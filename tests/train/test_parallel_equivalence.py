@@ -53,3 +53,18 @@ def test_data_parallel_matches_single_replica(tmp_path):
     (la, sa), (lb, sb) = _prior(one), _prior(two)
     assert torch.allclose(torch.as_tensor(la), torch.as_tensor(lb), rtol=0, atol=1e-6)
     assert not torch.equal(torch.as_tensor(la), torch.zeros_like(torch.as_tensor(la)))
+
+
+def test_resume_across_layouts(tmp_path):
+    """A checkpoint written at TP=2 (+SP) resumes at PP=2: megatron's distributed checkpoints
+    (layout-independent keys, fully reshardable optimizer state) need no resharding step."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    common = ["train.max_steps=5", "train.save_interval=0"]
+    run_train(ref, *common)
+    run_train(run, *common, "parallel.tp=2", "parallel.sequence_parallel=true", "train.stop_after=3", nproc=2)
+    run_train(run, *common, "parallel.pp=2", nproc=2, resume="auto")
+    a, b = metrics(ref), metrics(run)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert x["depths"] == y["depths"]
+        assert abs(x["loss"] - y["loss"]) <= TOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
