@@ -1,0 +1,87 @@
+"""Render the README's benchmark table from tools/bench/results/*.json.
+
+    python tools/bench/report.py            # rewrite the table between the README markers
+    python tools/bench/report.py --print    # print it only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BEGIN, END = "<!-- BENCH-TABLE -->", "<!-- /BENCH-TABLE -->"
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return f"{x:.{nd}f}"
+
+
+def _row(d: dict) -> tuple[str, str] | None:
+    name, r, c = d["benchmark"], d["results"], d["config"]
+    if name.startswith("loop_overhead"):
+        return (f"Loop overhead ({c.get('device')}): looped R=5 step / megatron GPTModel 12 layers, d={c['hidden']}, "
+                f"s={c['seq']}, b={c['batch']}",
+                f"b=R: **{_f(r['ratio_looped_b5_over_gpt12'])}×**, b=2: {_f(r['ratio_looped_b2_over_gpt12'])}×")
+    if name == "tbptt_memory":
+        s = r["summary"]
+        return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
+                f"b=4: **{_f(s['b4_depth32_over_depth8'])}×**, b=r: {_f(s['br_depth32_over_depth8'])}×")
+    if name.startswith("decode"):
+        parts = [f"R={k[1:]}: KV {_f(v['kv_ratio_terminal_over_per_visit'], 3)}×, decode speed "
+                 f"{_f(v['decode_speed_terminal_over_per_visit'])}×" for k, v in r["summary"].items()]
+        return (f"Decoding, terminal sharing / per-visit cache ({c.get('device')}), d={c['hidden']}, prompt {c['prompt']}",
+                "; ".join(parts))
+    if name == "loader_vs_train":
+        return ("Data loader vs tiny training consumption (tokens/s)",
+                f"loader {r['loader_tokens_per_s']:,.0f} vs train {r['train_tokens_per_s']:,.0f}: "
+                f"**{_f(r['loader_over_train'], 0)}×**")
+    if name == "cpu_compat_overhead":
+        return ("CPU compatibility layer: tiny step with forward under the redirect mode / without",
+                f"**{_f(r['mode_cost_ratio'])}×**")
+    if name == "rl_reuse":
+        return ("RL update, endpoint reuse vs full BPTT", json.dumps(r.get("summary", r))[:200])
+    if name == "distill_prefill":
+        return ("Distilled prefill vs teacher prefill at R=5", json.dumps(r.get("summary", r))[:200])
+    if name == "loader":
+        best = max(r, key=lambda x: x["tokens_per_s"]) if isinstance(r, list) else None
+        return ("Loader alone (best case)", f"{best['tokens_per_s']:,} tokens/s ({best['dataset']}, "
+                                            f"{best['num_workers']} workers)") if best else None
+    return None
+
+
+def render() -> str:
+    lines = ["| benchmark | result | machine, date | command |", "|---|---|---|---|"]
+    for path in sorted((HERE / "results").glob("*.json")):
+        d = json.loads(path.read_text())
+        row = _row(d) if "benchmark" in d else None
+        if row is None:
+            continue
+        m = d.get("machine", {})
+        where = m.get("gpu") or f"{m.get('cpus', '?')} CPU cores"
+        lines.append(f"| {row[0]} | {row[1]} | {where}, {d.get('date', '')} | `{d.get('command', '')}` |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--print", action="store_true")
+    args = p.parse_args()
+    table = render()
+    if args.print:
+        print(table)
+        return
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"README.md has no {BEGIN} ... {END} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{BEGIN}\n{table}\n{END}{tail}")
+    print(f"updated {readme}")
+
+
+if __name__ == "__main__":
+    main()
