@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint in RUN_DIR, or a path")
     t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=20 model.injection=orthoinj")
     t.set_defaults(fn=cmd_train)
+    # eval ppl|sweep|fixed-point|harness and generate: the pure-PyTorch model loaded from a native
+    # checkpoint of any TP/PP layout (see megaloop/inference/engine.py for why).
+    from megaloop.eval.cli import add_eval_parser, add_generate_parser
+
+    add_eval_parser(sub)
+    add_generate_parser(sub)
     return p
 
 

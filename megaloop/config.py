@@ -36,7 +36,10 @@ class ParallelConfig:
         require(self.tp >= 1, "parallel.tp", f"must be >= 1, got {self.tp}")
         require(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
         require(self.vpp is None or self.vpp >= 1, "parallel.vpp", "must be >= 1 or null")
-        require(self.vpp in (None, 1) or self.pp >= 2, "parallel.vpp", "interleaving needs parallel.pp >= 2")
+        # megatron's interleaved 1F1B schedule runs with this model, but in our PP=2×VPP=2 test it
+        # did not reproduce PP=1 losses (untied and looped alike); refuse it until it does
+        require(self.vpp in (None, 1), "parallel.vpp",
+                "interleaved pipeline schedules (vpp > 1) are not supported yet; use parallel.pp alone")
 
 
 @dataclass

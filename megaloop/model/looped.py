@@ -59,15 +59,18 @@ class LayerStack(MegatronModule):
     """Physical transformer layers with globally unique ``layer_number`` s (1-based)."""
 
     def __init__(self, config: TransformerConfig, spec, numbers: list[int], vp_stage: int | None,
-                 seed: int, name: str):
+                 seed: int, name: str, first_index: int = 0):
         super().__init__(config=config)
         offset = get_transformer_layer_offset(
             config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
         for i, number in enumerate(numbers):
-            torch.manual_seed(stable_seed(seed, name, i))  # layout-independent init
+            # named and seeded by the index within the whole component (not within this pipeline
+            # stage), so names, checkpoint keys and initial weights do not depend on the layout
+            index = number - numbers[0] + first_index
+            torch.manual_seed(stable_seed(seed, name, index))
             layer = build_module(spec, config=config, layer_number=number - offset, vp_stage=vp_stage)
             assert layer.layer_number == number
-            self.add_module(str(i), layer)
+            self.add_module(str(index), layer)
 
     def __len__(self) -> int:
         return len(self._modules)
@@ -151,7 +154,8 @@ class LoopedGPT(LanguageModule):
                                        vp_stage, seed, "coda")
         else:
             lo, hi = self._untied_layer_range(cfg.num_layers)
-            self.layers = LayerStack(config, spec, list(range(lo + 1, hi + 1)), vp_stage, seed, "layers")
+            self.layers = LayerStack(config, spec, list(range(lo + 1, hi + 1)), vp_stage, seed, "layers",
+                                     first_index=lo)
         if post_process:
             self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.norm_eps)
             torch.manual_seed(stable_seed(seed, "output_layer"))

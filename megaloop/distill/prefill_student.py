@@ -1,0 +1,376 @@
+"""Distilled prefill (SPEC §10): a student ``S_ψ`` predicts the teacher's recurrent endpoint.
+
+From the prelude output ``e = P_θ(x)`` the student predicts ``ẑ = S_ψ(e) ≈ z^R``; prefill then applies
+ONE teacher recurrence to ``ẑ`` and the coda, and keeps each physical layer's KV bank in a
+*terminal* cache (prelude / core (that one recurrence) / coda: ``n_prelude + n_core + n_coda``
+banks per token), so decoding with the teacher at its own depth is unchanged.
+
+Student (**choice**, the paper's "initialised from the teacher's core"): a copy of the teacher's
+core layers and injection (``num_layers`` pre-norm layers, default ``n_core``; extra layers
+copy the core cyclically), applied once to ``(h⁰, e)`` with ``h⁰`` the teacher's evaluation
+state init (``init_state="teacher"``, so at initialisation ``ẑ`` equals the teacher's state
+after one recurrence) or zeros. Its layers attend causally over the prompt like the core.
+
+Loss (depth-``R`` targets computed online by the frozen teacher)::
+
+    L = ‖ẑ − z^R‖² / (N d σ_T²) + λ_KL · (1/N) Σ_t KL(p_t ‖ p̂_t)
+
+``σ_T²`` = mean of ``(z^R)²`` over the tokens and coordinates of ``calib_batches`` training batches
+(fixed before training); ``p_t`` = teacher next-token distribution at depth ``R``; ``p̂_t`` = frozen
+coda + final norm + head applied to ``ẑ``; the KL runs over the tokenizer's vocabulary (padded
+head rows excluded).
+
+Files: ``student.safetensors`` (weights) + ``student.json`` (teacher config, student shape,
+``depth``, ``sigma2``, ``lambda_kl``, training summary); :func:`save_student` / :func:`load_student`.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaloop.rl.parts import HFLoopedParts
+
+FORMAT = "megaloop-prefill-student"
+
+
+class PrefillStudent(nn.Module):
+    """``ẑ = exit(layers(inject(h⁰, e)))`` — a standalone copy of the teacher's core block."""
+
+    def __init__(self, config, num_layers: Optional[int] = None, init_state: str = "teacher"):
+        super().__init__()
+        from megaloop.hf.modeling_megaloop import MegaloopLayer, build_injection
+
+        if not config.looped:
+            raise ValueError("a prefill student needs a looped teacher")
+        if init_state not in ("teacher", "zero"):
+            raise ValueError(f"init_state: 'teacher' or 'zero', got {init_state!r}")
+        self.config = copy.deepcopy(config)
+        self.num_layers = int(num_layers or config.n_core)
+        self.init_state = init_state
+        deq = config.injection == "deq_qkv"
+        self.injection = build_injection(self.config)
+        self.layers = nn.ModuleList([MegaloopLayer(self.config, inject=deq) for _ in range(self.num_layers)])
+
+    @classmethod
+    def from_teacher(cls, teacher, num_layers: Optional[int] = None, init_state: str = "teacher") -> "PrefillStudent":
+        student = cls(teacher.config, num_layers, init_state)
+        body = teacher.model
+        student.injection.load_state_dict(body.injection.state_dict())
+        for i, layer in enumerate(student.layers):
+            layer.load_state_dict(body.core[i % len(body.core)].state_dict())
+        p = next(teacher.parameters())
+        return student.to(device=p.device, dtype=p.dtype)
+
+    def forward(self, e: torch.Tensor, h0: torch.Tensor, rope, mask=None) -> torch.Tensor:
+        inj = self.injection
+        z = inj(h0, inj.prepare(e))
+        e_qkv = e if inj.uses_qkv_injection else None
+        for layer in self.layers:
+            z, _ = layer(z, rope, mask, None, e_qkv)
+        return inj.exit(z)
+
+
+def student_init_state(teacher, student, parts: HFLoopedParts, e: torch.Tensor) -> torch.Tensor:
+    if getattr(student, "init_state", "teacher") == "zero":
+        return torch.zeros_like(e)
+    return teacher.model.init_state(e, parts.positions(e))
+
+
+# ----------------------------------------------------------------------------- loss and training
+@dataclass
+class DistillConfig:
+    depth: int = 5  # teacher depth R of the targets
+    lambda_kl: float = 1.0
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    calib_batches: int = 8
+    seed: int = 0
+    log_every: int = 10
+
+
+@torch.no_grad()
+def teacher_targets(teacher, parts: HFLoopedParts, student, ids: torch.Tensor, depth: int):
+    """``(e, h⁰, z^R, teacher logits)`` of the frozen teacher (parallel pass, eval init)."""
+    e = parts.prelude(ids)
+    h0 = student_init_state(teacher, student, parts, e)
+    z = teacher.model.init_state(e, parts.positions(e))
+    for _ in range(depth):
+        z = parts.step(z, e)
+    return e, h0, z, parts.readout(z)
+
+
+@torch.no_grad()
+def calibrate_sigma2(teacher, batches, depth: int) -> float:
+    """σ_T²: mean squared teacher endpoint per coordinate over ``batches`` (FP64 accumulation)."""
+    parts = HFLoopedParts(teacher)
+    total, count = 0.0, 0
+    for ids in batches:
+        e = parts.prelude(ids)
+        z = teacher.model.init_state(e, parts.positions(e))
+        for _ in range(depth):
+            z = parts.step(z, e)
+        total += float(z.double().pow(2).sum())
+        count += z.numel()
+    if not count:
+        raise ValueError("no calibration batches")
+    return total / count
+
+
+def distill_loss(z_hat: torch.Tensor, z_target: torch.Tensor, logits_hat: torch.Tensor,
+                 logits_teacher: torch.Tensor, sigma2: float, lambda_kl: float,
+                 vocab: Optional[int] = None) -> tuple[torch.Tensor, dict]:
+    """SPEC §10 loss; returns ``(loss, {"hidden": …, "kl": …})`` (per-token means)."""
+    n, d = z_hat.numel() // z_hat.shape[-1], z_hat.shape[-1]
+    hidden = (z_hat.float() - z_target.float()).pow(2).sum() / (n * d * sigma2)
+    if vocab is not None:
+        logits_hat, logits_teacher = logits_hat[..., :vocab], logits_teacher[..., :vocab]
+    logp = torch.log_softmax(logits_teacher.float(), -1)
+    logq = torch.log_softmax(logits_hat.float(), -1)
+    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+    loss = hidden + lambda_kl * kl if lambda_kl else hidden
+    return loss, {"hidden": float(hidden.detach()), "kl": float(kl.detach())}
+
+
+def _frozen(model: nn.Module):
+    flags = [p.requires_grad for p in model.parameters()]
+
+    class _Ctx:
+        def __enter__(self):
+            model.requires_grad_(False)
+
+        def __exit__(self, *exc):
+            for p, f in zip(model.parameters(), flags):
+                p.requires_grad_(f)
+
+    return _Ctx()
+
+
+def student_step_loss(teacher, parts, student, ids, cfg: DistillConfig, sigma2: float):
+    e, h0, z_t, logits_t = teacher_targets(teacher, parts, student, ids, cfg.depth)
+    z_hat = student(e, h0, parts.rope(e))
+    logits_hat = parts.readout(z_hat)
+    vocab = getattr(teacher.config, "tokenizer_vocab_size", None)
+    return distill_loss(z_hat, z_t, logits_hat, logits_t, sigma2, cfg.lambda_kl, vocab)
+
+
+@torch.no_grad()
+def evaluate_student(teacher, student, batches, cfg: DistillConfig, sigma2: float) -> dict:
+    """Mean loss terms on ``batches`` and agreement of student-prefill vs teacher prefill (next-token
+    top-1 match and KL of the prompt logits after the one teacher recurrence)."""
+    parts = HFLoopedParts(teacher)
+    acc = {"loss": 0.0, "hidden": 0.0, "kl": 0.0, "prefill_top1": 0.0, "prefill_kl": 0.0}
+    n = 0
+    vocab = getattr(teacher.config, "tokenizer_vocab_size", None)
+    with _frozen(teacher):
+        for ids in batches:
+            loss, terms = student_step_loss(teacher, parts, student, ids, cfg, sigma2)
+            e = parts.prelude(ids)
+            z_hat = student(e, student_init_state(teacher, student, parts, e), parts.rope(e))
+            lg_s = parts.readout(parts.step(z_hat, e))[..., :vocab]
+            lg_t = teacher(ids, use_cache=False, num_recurrences=cfg.depth).logits[..., :vocab]
+            lp, lq = torch.log_softmax(lg_t.float(), -1), torch.log_softmax(lg_s.float(), -1)
+            acc["loss"] += float(loss)
+            acc["hidden"] += terms["hidden"]
+            acc["kl"] += terms["kl"]
+            acc["prefill_top1"] += float((lg_s.argmax(-1) == lg_t.argmax(-1)).float().mean())
+            acc["prefill_kl"] += float((lp.exp() * (lp - lq)).sum(-1).mean())
+            n += 1
+    return {k: v / max(n, 1) for k, v in acc.items()}
+
+
+def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tensor], cfg: DistillConfig, *,
+                  sigma2: Optional[float] = None, calib: Optional[list[torch.Tensor]] = None,
+                  log: Optional[Callable[[str], None]] = print, metrics_path=None) -> dict:
+    """Train ``student`` in place against the frozen ``teacher`` (kept in eval mode, weights untouched).
+
+    ``batches`` yields token ids [b, s]; σ_T² is calibrated on ``calib`` (default: the first
+    ``cfg.calib_batches`` batches of the stream) unless given. Returns ``{"sigma2", "history"}``."""
+    teacher.eval()
+    parts = HFLoopedParts(teacher)
+    if sigma2 is None:
+        if calib is None:
+            calib = [next(batches) for _ in range(cfg.calib_batches)]
+        sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
+    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    history = []
+    f = open(metrics_path, "a") if metrics_path else None
+    t0 = time.perf_counter()
+    try:
+        with _frozen(teacher):
+            student.train()
+            for step in range(cfg.steps):
+                frac = step / max(cfg.steps - 1, 1)
+                scale = min(1.0, (step + 1) / max(cfg.warmup, 1))
+                scale *= cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+                for g in opt.param_groups:
+                    g["lr"] = cfg.lr * scale
+                ids = next(batches)
+                loss, terms = student_step_loss(teacher, parts, student, ids, cfg, sigma2)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                gn = float(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.clip_grad or float("inf")))
+                opt.step()
+                rec = {"step": step, "loss": float(loss.detach()), **terms, "grad_norm": gn,
+                       "lr": cfg.lr * scale, "seconds": time.perf_counter() - t0}
+                history.append(rec)
+                if f:
+                    f.write(json.dumps(rec) + "\n")
+                if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
+                    log(f"step {step:5d} loss={rec['loss']:.4f} hidden={terms['hidden']:.4f} kl={terms['kl']:.4f}")
+    finally:
+        student.eval()
+        if f:
+            f.close()
+    return {"sigma2": sigma2, "history": history}
+
+
+# ----------------------------------------------------------------------------- prefill and decode
+@torch.no_grad()
+def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_to_keep: int = 1):
+    """Prefill ``input_ids`` into a terminal cache through the student; returns ``(logits, cache)``.
+
+    prelude → ``ẑ = student(e)`` → one teacher recurrence (its core KV kept as the terminal banks)
+    → coda → final norm → head (last ``logits_to_keep`` positions; 0 = all). The cache must be
+    empty (a fresh ``model.new_cache("terminal")`` by default); decode afterwards with
+    ``model(next_ids, past_key_values=cache)`` at any depth."""
+    from megaloop.hf.modeling_megaloop import rotary_cos_sin
+
+    body, cfg = model.model, model.config
+    if cache is None:
+        cache = model.new_cache("terminal")
+    if cache.mode != "terminal":
+        raise ValueError("student prefill fills a terminal cache (one KV bank per physical layer)")
+    if cache.get_seq_length():
+        raise ValueError("student prefill needs an empty cache (the student has no KV of earlier tokens)")
+    b, s = input_ids.shape
+    x = body.embed_tokens(input_ids)
+    positions = torch.arange(s, device=x.device)[None].expand(b, s)
+    rope = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+    new: dict = {}
+    for i, layer in enumerate(body.prelude):
+        x, new[("prelude", i, 0)] = layer(x, rope, None, None)
+    e = x
+    h0 = torch.zeros_like(e) if getattr(student, "init_state", "teacher") == "zero" else body.init_state(e, positions)
+    z_hat = student(e, h0, rope)
+    inj = body.injection
+    z = inj(z_hat, inj.prepare(e))
+    e_qkv = e if inj.uses_qkv_injection else None
+    for i, layer in enumerate(body.core):
+        z, new[("core", i, 0)] = layer(z, rope, None, None, e_qkv)
+    h = inj.exit(z)
+    for i, layer in enumerate(body.coda):
+        h, new[("coda", i, 0)] = layer(h, rope, None, None)
+    cache.batch_size = b
+    cache.commit(new, 1, s)
+    h = body.norm(h)
+    if logits_to_keep:
+        h = h[:, -logits_to_keep:]
+    return model.lm_head(h), cache
+
+
+@torch.no_grad()
+def generate(model, student, input_ids: torch.Tensor, max_new_tokens: int, *,
+             decode_recurrences: Optional[int] = None, eos_id: Optional[int] = None):
+    """Greedy decoding: student prefill, then the teacher decodes with the terminal cache.
+    Returns ``(ids [b, s + n], cache)``."""
+    logits, cache = student_prefill(model, student, input_ids)
+    vocab = getattr(model.config, "tokenizer_vocab_size", None) or logits.shape[-1]
+    out = [input_ids]
+    done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+    for t in range(max_new_tokens):
+        tok = logits[:, -1, :vocab].argmax(-1)
+        if eos_id is not None:
+            tok = torch.where(done, torch.full_like(tok, eos_id), tok)
+            done |= tok == eos_id
+        out.append(tok[:, None])
+        if t == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+            break
+        logits = model(tok[:, None], past_key_values=cache, num_recurrences=decode_recurrences).logits
+    return torch.cat(out, 1), cache
+
+
+# ----------------------------------------------------------------------------- files
+def save_student(student: PrefillStudent, out: str | Path, meta: Optional[dict] = None) -> Path:
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in student.state_dict().items()},
+              str(out / "student.safetensors"), metadata={"format": FORMAT})
+    info = {"format": FORMAT, "version": 1, "num_layers": student.num_layers, "init_state": student.init_state,
+            "teacher_config": student.config.to_dict(), **(meta or {})}
+    (out / "student.json").write_text(json.dumps(info, indent=1, default=str))
+    return out
+
+
+def load_student(path: str | Path, device=None, dtype=None) -> tuple[PrefillStudent, dict]:
+    """``(student in eval mode, the student.json dict)``."""
+    from safetensors.torch import load_file
+
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+
+    path = Path(path)
+    info = json.loads((path / "student.json").read_text())
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} folder")
+    config = MegaloopConfig.from_dict(info["teacher_config"])
+    student = PrefillStudent(config, info["num_layers"], info["init_state"])
+    student.load_state_dict(load_file(str(path / "student.safetensors")))
+    return student.to(device=device, dtype=dtype).eval(), info
+
+
+# ----------------------------------------------------------------------------- data
+def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = None) -> torch.Tensor:
+    """1-D token ids: the embedded corpus (``default``), a ``.txt`` file, or a ``.jsonl`` file of
+    ``{"text": ...}`` records; documents joined with EOS."""
+    texts: list[str]
+    if source == "default":
+        from megaloop.data.default_corpus import corpus_documents
+
+        texts = [d["text"] for d in corpus_documents()]
+    elif source.endswith(".jsonl"):
+        with open(source) as f:
+            texts = [json.loads(line)["text"] for line in f if line.strip()]
+    else:
+        texts = [Path(source).read_text()]
+    ids: list[int] = []
+    chars = 0
+    for t in texts:
+        ids.extend(tokenizer.encode(t))
+        ids.append(tokenizer.eos_id)
+        chars += len(t)
+        if max_chars is not None and chars >= max_chars:
+            break
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def window_batches(ids: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,
+                   device=None) -> Iterator[torch.Tensor]:
+    """Endless random windows [batch_size, seq_len] of ``ids``."""
+    if ids.numel() <= seq_len:
+        raise ValueError(f"token stream of {ids.numel()} tokens is shorter than seq_len={seq_len}")
+    rng = random.Random(seed)
+    while True:
+        starts = [rng.randrange(0, ids.numel() - seq_len) for _ in range(batch_size)]
+        yield torch.stack([ids[s:s + seq_len] for s in starts]).to(device)
+
+
+def config_dict(cfg: DistillConfig) -> dict:
+    return asdict(cfg)

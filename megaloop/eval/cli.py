@@ -1,0 +1,315 @@
+"""``megaloop eval ppl|sweep|fixed-point|harness`` and ``megaloop generate`` (wired in megaloop/cli.py).
+
+Every command loads the pure-PyTorch model from ``--checkpoint`` (a native checkpoint of any
+TP/PP layout — step dir, checkpoints dir or run dir — or an exported HF folder; see
+``megaloop.inference.engine``), prints a rich table and, with ``--json OUT``, writes the full
+result. Bad inputs raise ``ConfigError`` / ``CheckpointError`` (exit status 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+from megaloop.config_utils import ConfigError
+
+
+# ----------------------------------------------------------------------------- parsers
+def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"), cache_default="terminal",
+            data: bool = True) -> None:
+    p.add_argument("--checkpoint", required=True,
+                   help="megaloop checkpoint (step dir, RUN/checkpoints or RUN dir; any TP/PP layout) or HF folder")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON here")
+    p.add_argument("--depth", type=int, default=None, help="recurrence depth R (default: the run's eval depth)")
+    p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
+    p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
+    p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, auto (default)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
+    p.add_argument("--max-context", type=int, default=None, help="longest sequence (default: training seq_len)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    if data:
+        p.add_argument("--data", default="default",
+                       help="'default' (embedded validation set) or an MDS validation directory")
+        p.add_argument("--max-seqs", type=int, default=None, help="evaluate at most N sequences")
+        p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: manifest / model)")
+        p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+
+
+def add_eval_parser(sub) -> None:
+    """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | fixed-point | harness")
+    esub = ev.add_subparsers(dest="eval_cmd", required=True)
+
+    p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
+    _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default="both")
+    p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
+    p.set_defaults(fn=cmd_eval_ppl)
+
+    p = esub.add_parser("sweep", help="PPL across depths: table + PNG plot")
+    _common(p)
+    p.add_argument("--depths", default="1,2,4,5,8,16,32,64", help="comma-separated depths")
+    p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
+    p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
+    p.set_defaults(fn=cmd_eval_sweep)
+
+    p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
+    _common(p)
+    p.set_defaults(max_seqs=4)
+    p.add_argument("--prefix-len", type=int, default=None, help="prefix tokens per span (default seq_len-1)")
+    p.add_argument("--max-steps", type=int, default=1024, help="recurrence limit per solve (<= 1024)")
+    p.add_argument("--control-depth", type=int, default=5, help="depth of the finite-prefix control (0: off)")
+    p.add_argument("--no-zero-init", action="store_true", help="skip the zero current-token init check")
+    p.set_defaults(fn=cmd_eval_fixed_point)
+
+    p = esub.add_parser("harness", help="lm-eval tasks (local megaloop_toy_mc shipped) with terminal sharing")
+    _common(p, cache_choices=("terminal", "per_visit", "none"), data=False)
+    p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. megaloop_toy_mc")
+    p.add_argument("--limit", type=float, default=None, help="examples per task (or fraction if < 1)")
+    p.add_argument("--num-fewshot", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=16, help="continuations per scoring pass")
+    p.add_argument("--include-path", action="append", default=[], help="extra folder of task YAMLs")
+    p.add_argument("--include-defaults", action="store_true", help="also index lm-eval's built-in tasks")
+    p.set_defaults(fn=cmd_eval_harness)
+
+
+def add_generate_parser(sub) -> None:
+    """Add ``generate`` to ``sub``."""
+    p = sub.add_parser("generate", help="generate text with prefill / decode budgets and a KV-cache mode")
+    _common(p, data=False)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.set_defaults(fn=cmd_generate)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _check_args(args: argparse.Namespace) -> None:
+    """Validate cheap inputs before loading anything."""
+    from megaloop.inference.kv_cache import check_depth
+
+    for name in ("depth", "prefill_depth", "decode_depth"):
+        value = getattr(args, name, None)
+        if value is not None:
+            check_depth(value, "--" + name.replace("_", "-"))
+    if getattr(args, "max_seqs", None) is not None and args.max_seqs < 1:
+        raise ConfigError(f"--max-seqs: must be >= 1, got {args.max_seqs}")
+    if getattr(args, "max_context", None) is not None and args.max_context < 1:
+        raise ConfigError(f"--max-context: must be >= 1, got {args.max_context}")
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(int(args.threads))
+    if not Path(args.checkpoint).exists() and "://" not in args.checkpoint:
+        from megaloop.train.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
+
+
+def _engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):
+    from megaloop.inference.engine import InferenceEngine
+
+    return InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
+                                tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
+                                decode_depth=args.decode_depth, cache_mode=cache_mode,
+                                max_context=args.max_context)
+
+
+def _data(args: argparse.Namespace, engine):
+    from megaloop.eval.ppl import load_eval_data
+
+    return load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs, vocab_size=engine.vocab_size,
+                          default_seq_len=engine.config.max_position_embeddings)
+
+
+def _fmt(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        if math.isnan(x) or math.isinf(x):
+            return str(x)
+        return f"{x:.{digits}g}" if abs(x) < 1e-3 or abs(x) >= 1e5 else f"{x:.{digits}f}".rstrip("0").rstrip(".")
+    return str(x)
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*[_fmt(x) for x in r])
+    Console().print(t)
+
+
+def _write_json(path: Optional[str], payload: dict) -> None:
+    if not path:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_eval_ppl(args: argparse.Namespace) -> int:
+    from megaloop.eval.ppl import evaluate_ppl, protocols_for
+
+    _check_args(args)
+    protocols = protocols_for(args.cache, native=not args.no_native)
+    engine = _engine(args)
+    data = _data(args, engine)
+    res = evaluate_ppl(engine, data, depth=args.depth, prefill_depth=args.prefill_depth, protocols=protocols,
+                       batch_size=args.batch_size)
+    rows = []
+    if res.native_ppl is not None:
+        rows.append(["native (all positions)", res.native_ppl, res.tokens_native, "—"])
+        rows.append(["native (second half)", res.native_ppl_second_half, res.tokens_scored, "—"])
+    for mode in ("terminal", "per_visit"):
+        value = getattr(res, f"{mode}_ppl")
+        if value is not None:
+            rows.append([f"{mode} cache (prefill half at P={res.prefill_depth})", value, res.tokens_scored,
+                         res.kv_bytes_per_token[mode]])
+    _table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens ({data.source})",
+           ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
+    if res.sharing_penalty_pct is not None:
+        print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
+    _write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
+                            **res.to_dict()})
+    return 0
+
+
+def cmd_eval_sweep(args: argparse.Namespace) -> int:
+    from megaloop.eval.depth_sweep import depth_sweep, parse_depths, plot_sweep
+
+    _check_args(args)
+    depths = parse_depths(args.depths)
+    engine = _engine(args)
+    data = _data(args, engine)
+    res = depth_sweep(engine, data, depths, sharing=args.sharing, prefill_depth=args.prefill_depth,
+                      batch_size=args.batch_size)
+    cols = ["R", "native PPL"] + (["terminal PPL", "per-visit PPL", "penalty %"] if args.sharing else [])
+    rows = [[r["depth"], r["native_ppl"]] + ([r["terminal_ppl"], r["per_visit_ppl"], r["sharing_penalty_pct"]]
+                                             if args.sharing else []) for r in res["rows"]]
+    _table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, rows)
+    print(f"extrapolation: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
+          f"{res['extrapolation_pct']:+.3f} %")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "depth_sweep.png")
+    res["plot"] = str(plot_sweep(res, plot))
+    print(f"wrote {res['plot']}")
+    _write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
+    return 0
+
+
+def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
+    from megaloop.inference.fixed_point import Criteria, fixed_point_report
+
+    _check_args(args)
+    criteria = Criteria(max_steps=args.max_steps)
+    if args.control_depth < 0:
+        raise ConfigError(f"--control-depth: must be >= 0, got {args.control_depth}")
+    engine = _engine(args, dtype="fp32")  # SPEC §8: FP32, reference attention
+    if not engine.config.looped:
+        raise ConfigError("fixed-point checks need a looped model (arch=looped)")
+    data = _data(args, engine)
+    plen = args.prefix_len if args.prefix_len is not None else data.seq_len - 1
+    if not 1 <= plen <= data.seq_len - 1:
+        raise ConfigError(f"--prefix-len: must be in [1, {data.seq_len - 1}], got {plen}")
+    spans = data.tokens[:, :plen + 1]
+    rep = fixed_point_report(engine.model, spans, criteria, control_depth=args.control_depth or None,
+                             zero_init=not args.no_zero_init)
+    rows = [["spans qualified (prefix, joint, current all qualify)", f"{rep['num_qualified']} / {rep['num_spans']}"]]
+    for k in ("prefix", "joint", "current"):
+        d = rep["depth"][k]
+        rows.append([f"{k} solve depth median / max", f"{_fmt(d['median'])} / {_fmt(d['max'])}"])
+    rows.append(["relative state gap joint vs frozen-prefix median / max",
+                 f"{_fmt(rep['state_gap']['median'])} / {_fmt(rep['state_gap']['max'])}"])
+    rows.append(["prediction KL(joint ‖ frozen) median / max", f"{_fmt(rep['kl']['median'])} / {_fmt(rep['kl']['max'])}"])
+    if "zero_init_state_gap" in rep:
+        rows.append(["state gap from zero current-token init (max)", _fmt(rep["zero_init_state_gap"]["max"])])
+    if "control" in rep:
+        c = rep["control"]
+        rows.append([f"control: depth-{c['depth']} prefix state gap median / max",
+                     f"{_fmt(c['state_gap']['median'])} / {_fmt(c['state_gap']['max'])}"])
+    for k, reasons in rep["rejections"].items():
+        for reason, n in reasons.items():
+            rows.append([f"rejected {k} solves: {reason}", n])
+    _table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
+           ["check", "value"], rows)
+    _write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
+                            "prefix_len": plen, **rep})
+    return 0
+
+
+def cmd_eval_harness(args: argparse.Namespace) -> int:
+    from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
+
+    _check_args(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
+    engine = _engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
+    lm = MegaloopLM(engine, depth=args.depth, prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
+                    cache_mode=args.cache, batch_size=args.batch_size)
+    limit = args.limit
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    res = run_harness(lm, tasks, limit=limit, num_fewshot=args.num_fewshot, resolved=resolved)
+    rows = []
+    for task, metrics in res["results"].items():
+        for k, v in metrics.items():
+            if isinstance(v, (int, float)) and k != "sample_len":
+                rows.append([task, k, v, metrics.get("sample_len")])
+    c = res["config"]
+    _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, R={c['depth']})",
+           ["task", "metric", "value", "n"], rows)
+    _write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res})
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    _check_args(args)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    engine = _engine(args, cache_mode=args.cache)
+    out = engine.generate(args.prompt if len(args.prompt) > 1 else args.prompt[0],
+                          max_new_tokens=args.max_new_tokens,
+                          temperature=0.0 if args.greedy or args.temperature is None else args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          stop_at_eos=not args.ignore_eos)
+    for prompt, r in zip(args.prompt, out.results):
+        print(f"{prompt}\033[1m{r.text}\033[0m" if _tty() else prompt + r.text)
+        print(f"[{r.finish_reason}: {len(r.token_ids)} tokens]")
+    s = out.stats
+    print(f"{s.cache_mode} cache, P={s.prefill_depth}, D={s.decode_depth}: prefill {s.prefill_s * 1e3:.1f} ms "
+          f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
+          f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
+          f"peak {s.kv_bytes_peak} B")
+    _write_json(args.json, {"command": "generate", "engine": engine.describe(),
+                            "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
+                                         "finish_reason": r.finish_reason}
+                                        for p, r in zip(args.prompt, out.results)],
+                            "stats": s.to_dict()})
+    return 0
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
+__all__ = ["add_eval_parser", "add_generate_parser", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl",
+           "cmd_eval_sweep", "cmd_generate"]

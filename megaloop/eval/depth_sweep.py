@@ -1,0 +1,99 @@
+"""PPL across recurrence depths (the extrapolation test, SPEC §8) as a table and a PNG plot.
+
+``depth_sweep(engine, data, depths)`` evaluates the native parallel-forward PPL at every depth
+(default 1, 2, 4, 5, 8, 16, 32, 64) and, with ``sharing=True``, the half-prefill protocol with
+terminal and per-visit caches and the sharing penalty at each depth. A model whose states settle
+into fixed points keeps its PPL flat beyond the training depth; ``extrapolation`` reports
+``PPL(R_max) / PPL(R_ref) − 1`` in percent (the paper's "R=64 vs training depth").
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megaloop.config_utils import ConfigError
+from megaloop.eval.ppl import EvalData, evaluate_ppl
+from megaloop.inference.kv_cache import check_depth
+
+DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16, 32, 64)
+
+
+def parse_depths(text: str | Sequence[int]) -> list[int]:
+    """``"1,2,4"`` (or a list) → sorted unique depths, each >= 1."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        if isinstance(item, str) and not item.strip():
+            continue
+        try:
+            out.append(check_depth(int(item), "--depths"))
+        except ValueError:
+            raise ConfigError(f"--depths: {item!r} is not an integer") from None
+    if not out:
+        raise ConfigError("--depths: no depth given")
+    return sorted(set(out))
+
+
+def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, *, sharing: bool = False,
+                prefill_depth: Optional[int] = None, batch_size: int = 4, reference_depth: Optional[int] = None,
+                log=None) -> dict:
+    """Rows ``{depth, native_ppl, [terminal_ppl, per_visit_ppl, sharing_penalty_pct]}`` plus
+    ``reference_depth`` (default the engine's depth, i.e. the training/eval depth) and
+    ``extrapolation_pct`` = 100·(PPL at the deepest depth / PPL at the reference − 1)."""
+    depths = parse_depths(depths)
+    ref = check_depth(reference_depth or engine.depth, "--reference-depth")
+    protocols = ("native", "terminal", "per_visit") if sharing else ("native",)
+    rows = []
+    for d in sorted(set(depths) | {ref}):
+        res = evaluate_ppl(engine, data, depth=d, prefill_depth=prefill_depth, protocols=protocols,
+                           batch_size=batch_size)
+        row = {"depth": d, "native_ppl": res.native_ppl, "seconds": res.seconds, "in_sweep": d in depths}
+        if sharing:
+            row.update(terminal_ppl=res.terminal_ppl, per_visit_ppl=res.per_visit_ppl,
+                       sharing_penalty_pct=res.sharing_penalty_pct)
+        rows.append(row)
+        if log:
+            log(row)
+    by_depth = {r["depth"]: r for r in rows}
+    deepest = max(depths)
+    extrap = 100.0 * (by_depth[deepest]["native_ppl"] / by_depth[ref]["native_ppl"] - 1.0)
+    return {"depths": depths, "rows": [r for r in rows if r["in_sweep"]], "reference_depth": ref,
+            "reference_native_ppl": by_depth[ref]["native_ppl"], "deepest": deepest,
+            "extrapolation_pct": extrap, "num_seqs": data.num_seqs, "seq_len": data.seq_len,
+            "sharing": sharing}
+
+
+def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence depth") -> Path:
+    """Write a PNG (matplotlib Agg): PPL against depth (log2 x axis), one line per protocol."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    xs = [r["depth"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    series = [("native_ppl", "native (parallel forward)", "o-")]
+    if result.get("sharing"):
+        series += [("terminal_ppl", "terminal KV sharing", "s--"), ("per_visit_ppl", "per-visit (full KV)", "^:")]
+    for key, label, style in series:
+        ax.plot(xs, [r[key] for r in rows], style, label=label)
+    ax.axvline(result["reference_depth"], color="grey", lw=0.8, ls="--", label=f"R={result['reference_depth']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(x) for x in xs])
+    ax.set_xlabel("recurrences R")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["DEFAULT_DEPTHS", "depth_sweep", "parse_depths", "plot_sweep"]

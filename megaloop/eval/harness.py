@@ -1,0 +1,344 @@
+"""lm-eval adapter: an ``lm_eval.api.model.LM`` over the :class:`InferenceEngine`.
+
+Scoring uses terminal KV sharing with chosen budgets, like the PPL protocol: a request's context
+is prefilled at ``prefill_depth`` (parallel pass) into a cache, and the continuation is scored in
+one parallel pass at ``depth`` whose tokens read the context through the cached banks
+(``cache_mode="terminal"``; ``per_visit`` keeps every visit; ``none`` = plain parallel forward
+over context + continuation). Requests with the same context share one prefill (multiple-choice
+options are scored as one batch over copies of the cache). ``generate_until`` decodes with
+the engine (prefill budget, then ``decode_depth`` per token).
+
+Local tasks ship in ``megaloop/eval/tasks`` (``megaloop_toy_mc``: 24 questions, JSONL beside the
+YAML). :func:`run_harness` indexes that folder with ``TaskManager(include_path=...)`` and rewrites
+relative ``dataset_kwargs.data_files`` of those YAMLs to absolute paths, so everything loads
+offline through the ``json`` builder. Importing this module registers the model as ``megaloop``
+for lm-eval's Python API: ``simple_evaluate(model="megaloop", model_args="checkpoint=DIR,depth=5",
+tasks=task_specs(["megaloop_toy_mc"], [TASKS_DIR]), task_manager=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.inference.kv_cache import check_depth, select_rows
+
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+CACHE_MODES = ("terminal", "per_visit", "none")
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError:  # pragma: no cover - lm-eval is the optional [eval] extra
+    LM = object  # type: ignore[misc,assignment]
+
+    def register_model(*_names):  # type: ignore[no-redef]
+        return lambda cls: cls
+
+
+@register_model("megaloop")
+class MegaloopLM(LM):
+    """lm-eval model over an :class:`~megaloop.inference.engine.InferenceEngine`.
+
+    Args:
+        engine: the engine (or pass ``checkpoint=`` / ``hf=`` through ``create_from_arg_string``).
+        depth: scoring depth R of continuation passes (default the engine's).
+        prefill_depth: depth of context prefill (default ``depth``).
+        decode_depth: per-token depth of ``generate_until`` (default the engine's decode depth).
+        cache_mode: ``terminal`` (default), ``per_visit`` or ``none``.
+        batch_size: continuations scored per pass.
+        max_gen_toks: default generation length.
+    """
+
+    def __init__(self, engine=None, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
+                 depth: Optional[int] = None, prefill_depth: Optional[int] = None,
+                 decode_depth: Optional[int] = None, cache_mode: str = "terminal", batch_size: int = 16,
+                 max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", **_ignored):
+        super().__init__()
+        if engine is None:
+            from megaloop.inference.engine import InferenceEngine
+
+            if not (checkpoint or hf):
+                raise ConfigError("megaloop lm-eval model: pass checkpoint=DIR or hf=DIR")
+            engine = InferenceEngine.load(checkpoint or hf, device=device, dtype=dtype)
+        if engine.tokenizer is None:
+            raise ConfigError("lm-eval needs a tokenizer: the checkpoint's run has none (pass --tokenizer)")
+        if cache_mode not in CACHE_MODES:
+            raise ConfigError(f"--cache: one of {CACHE_MODES}, got {cache_mode!r}")
+        self.engine = engine
+        self.depth = check_depth(depth if depth is not None else engine.depth, "--depth")
+        self.prefill_depth = check_depth(prefill_depth if prefill_depth is not None else self.depth,
+                                         "--prefill-depth")
+        self.decode_depth = check_depth(decode_depth if decode_depth is not None else engine.decode_depth,
+                                        "--decode-depth")
+        self.cache_mode = cache_mode
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 16
+        self.max_gen_toks = int(max_gen_toks)
+        self._device = engine.device
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None):
+        args = {}
+        for part in filter(None, (arg_string or "").split(",")):
+            key, _, value = part.partition("=")
+            args[key.strip()] = _parse(value.strip())
+        args.update({k: v for k, v in (additional_config or {}).items() if v is not None and k != "device"})
+        return cls(**args)
+
+    # ------------------------------------------------------------ properties used by lm-eval
+    @property
+    def eot_token_id(self) -> int:
+        return int(self.engine.eos_id if self.engine.eos_id is not None else 0)
+
+    @property
+    def max_length(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.engine.tokenizer, "path", "megaloop")).replace("/", "__")
+
+    def tok_encode(self, text: str) -> list[int]:
+        return self.engine.encode(text)
+
+    # ------------------------------------------------------------ scoring
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """Context / continuation ids; trailing context spaces move to the continuation, and
+        the continuation is the tail of the joint encoding (BPE merges across the boundary)."""
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            continuation = context[-n_space:] + continuation
+            context = context[:-n_space]
+        if not context:
+            return [self.eot_token_id], self.tok_encode(continuation)
+        whole = self.tok_encode(context + continuation)
+        ctx = self.tok_encode(context)
+        if whole[:len(ctx)] != ctx:  # boundary merged: fall back to separate encodings
+            return ctx, self.tok_encode(continuation)
+        return ctx, whole[len(ctx):]
+
+    def _truncate(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
+        """Keep at most ``max_length`` input tokens (context + continuation[:-1]), cutting the
+        context on the left (at least one context token is kept)."""
+        limit = self.max_length
+        if len(cont) > limit:
+            cont = cont[-limit:]
+        room = limit + 1 - len(cont)  # inputs: ctx + cont[:-1]
+        return ctx[-max(1, room):], cont
+
+    @torch.no_grad()
+    def _score_group(self, ctx: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
+        """Log-likelihood and greedy flag of each continuation of one context."""
+        eng = self.engine
+        dev = eng.device
+        ctx_t = torch.tensor([ctx], dtype=torch.long, device=dev)
+        out: list[tuple[float, bool]] = []
+        if self.cache_mode == "none":
+            for i in range(0, len(conts), self.batch_size):
+                chunk = conts[i:i + self.batch_size]
+                width = max(len(c) for c in chunk) - 1
+                ids = torch.full((len(chunk), len(ctx) + width), eng.pad_id, dtype=torch.long)
+                for j, c in enumerate(chunk):  # right padding never reaches earlier positions
+                    ids[j, :len(ctx) + len(c) - 1] = torch.tensor(ctx + c[:-1])
+                logits = eng.forward(ids, self.depth)
+                for j, c in enumerate(chunk):
+                    out.append(self._logprob(logits[j, len(ctx) - 1:len(ctx) - 1 + len(c)], c))
+            return out
+        cache = eng.model.new_cache(self.cache_mode)
+        first = eng.model(ctx_t, past_key_values=cache, use_cache=True, num_recurrences=self.prefill_depth,
+                          logits_to_keep=1).logits.float()[0, -1]  # predicts each continuation's first token
+        for i in range(0, len(conts), self.batch_size):
+            chunk = conts[i:i + self.batch_size]
+            width = max(len(c) for c in chunk) - 1
+            rest = None
+            if width > 0:
+                ids = torch.full((len(chunk), width), eng.pad_id, dtype=torch.long, device=dev)
+                for j, c in enumerate(chunk):
+                    if len(c) > 1:
+                        ids[j, :len(c) - 1] = torch.tensor(c[:-1])
+                rows = select_rows(cache, [0] * len(chunk))
+                rest = eng.model(ids, past_key_values=rows, use_cache=True,
+                                 num_recurrences=self.depth).logits.float()
+            for j, c in enumerate(chunk):
+                lg = first[None] if rest is None else torch.cat([first[None], rest[j, :len(c) - 1]])
+                out.append(self._logprob(lg, c))
+        return out
+
+    def _logprob(self, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
+        """Sum of log p(cont) from logits [len(cont), V] and whether cont is the greedy choice."""
+        v = self.engine.vocab_size
+        lp = torch.log_softmax(logits[:, :v].float(), -1)
+        target = torch.tensor(cont, device=lp.device)
+        total = float(lp.gather(-1, target[:, None]).sum())
+        greedy = bool((lp.argmax(-1) == target).all())
+        return total, greedy
+
+    def _loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        groups: dict[tuple, list[int]] = {}
+        for i, (ctx, cont) in enumerate(pairs):
+            groups.setdefault(tuple(ctx), []).append(i)
+        results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
+        for ctx, idx in groups.items():
+            for i, res in zip(idx, self._score_group(list(ctx), [pairs[i][1] for i in idx])):
+                results[i] = res
+        return results  # type: ignore[return-value]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        pairs = []
+        for req in requests:
+            context, continuation = req.args[0], req.args[1]
+            ctx, cont = self._encode_pair(context, continuation)
+            if not cont:
+                raise ConfigError(f"loglikelihood: empty continuation for context {context[-40:]!r}")
+            pairs.append(self._truncate(ctx, cont))
+        results = self._loglikelihood_tokens(pairs)
+        for req, res in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+        out = []
+        for req in requests:
+            tokens = self.tok_encode(req.args[0])
+            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=tokens, prefix_token=self.eot_token_id, max_seq_len=self.max_length, context_len=1)]
+            total = 0.0
+            for ctx, cont in windows:
+                if not ctx:  # first window: condition on EOS
+                    ctx = [self.eot_token_id]
+                total += self._loglikelihood_tokens([self._truncate(ctx, cont)])[0][0]
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1] or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", self.max_gen_toks))
+            do_sample = bool(kwargs.pop("do_sample", False))
+            temperature = float(kwargs.pop("temperature", 0.0)) if do_sample else 0.0
+            ids = self.tok_encode(context) or [self.eot_token_id]
+            ids = ids[-max(1, self.max_length - max_new):]
+            res = self.engine.generate(ids, max_new_tokens=max(1, max_new), temperature=temperature,
+                                       top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
+                                       top_k=int(kwargs.pop("top_k", 0) or 0), seed=kwargs.pop("seed", 1234),
+                                       stop=until, prefill_depth=self.prefill_depth,
+                                       decode_depth=self.decode_depth,
+                                       cache_mode="per_visit" if self.cache_mode == "per_visit" else "terminal")
+            text = res.results[0].text
+            out.append(text)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+        return out
+
+
+def _parse(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
+
+
+# ----------------------------------------------------------------------------- tasks
+def _local_task_files(include_path: Sequence[Path]) -> dict[str, Path]:
+    import yaml
+
+    out = {}
+    for root in include_path:
+        for f in sorted(Path(root).rglob("*.yaml")):
+            try:
+                cfg = yaml.safe_load(f.read_text())
+            except yaml.YAMLError:
+                continue  # lm-eval YAMLs with !function tags: left to lm-eval's own loader
+            if isinstance(cfg, dict) and isinstance(cfg.get("task"), str):
+                out[cfg["task"]] = f
+    return out
+
+
+def task_specs(tasks: Sequence[str], include_path: Sequence[Path]) -> list:
+    """lm-eval task specs: tasks defined by YAMLs under ``include_path`` become inline dicts
+    whose relative ``data_files`` are made absolute (relative to their YAML); other names pass
+    through to lm-eval's index."""
+    import yaml
+
+    local = _local_task_files(include_path)
+    specs: list = []
+    for name in tasks:
+        f = local.get(name)
+        if f is None:
+            specs.append(name)
+            continue
+        cfg = yaml.safe_load(f.read_text())
+        files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+        if files is not None:
+            def absolute(p):
+                return p if "://" in str(p) or Path(p).is_absolute() else str((f.parent / p).resolve())
+
+            if isinstance(files, dict):
+                files = {k: ([absolute(x) for x in v] if isinstance(v, list) else absolute(v)) for k, v in files.items()}
+            elif isinstance(files, list):
+                files = [absolute(x) for x in files]
+            else:
+                files = absolute(files)
+            cfg["dataset_kwargs"] = {**cfg["dataset_kwargs"], "data_files": files}
+        specs.append(cfg)
+    return specs
+
+
+def resolve_tasks(tasks: Sequence[str], include_path: Optional[Sequence[str | Path]] = None,
+                  include_defaults: bool = False):
+    """``(TaskManager, specs)`` for ``tasks``; ConfigError naming unknown tasks (cheap: call it
+    before loading a model). Only the shipped tasks (+ ``include_path``) are indexed unless
+    ``include_defaults``."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from lm_eval.tasks import TaskManager
+
+    tasks = [t for t in tasks if t]
+    if not tasks:
+        raise ConfigError("--tasks: no task given")
+    paths = [TASKS_DIR] + [Path(p) for p in (include_path or [])]
+    for p in paths:
+        if not p.is_dir():
+            raise ConfigError(f"--include-path: {p} is not a directory")
+    manager = TaskManager(include_path=[str(p) for p in paths], include_defaults=include_defaults)
+    specs = task_specs(list(tasks), paths)
+    unknown = [s for s in specs if isinstance(s, str) and s not in manager.all_tasks]
+    if unknown:
+        shipped = sorted(_local_task_files(paths))
+        raise ConfigError(f"--tasks: unknown task(s) {unknown}; local tasks: {shipped}"
+                          + ("" if include_defaults else " (add --include-defaults for lm-eval's own tasks)"))
+    return manager, specs
+
+
+def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] = None,
+                num_fewshot: Optional[int] = None, include_path: Optional[Sequence[str | Path]] = None,
+                include_defaults: bool = False, seed: int = 1234, resolved=None) -> dict:
+    """Evaluate ``tasks`` with lm-eval; returns ``{"results": {task: {metric: value}}, "n_samples",
+    "config"}`` (accuracies etc. per task; stderr is skipped: ``bootstrap_iters=0``)."""
+    from lm_eval import simple_evaluate
+
+    manager, specs = resolved or resolve_tasks(tasks, include_path, include_defaults)
+    out = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                          bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                          torch_random_seed=seed, fewshot_random_seed=seed)
+    results = {}
+    for task, metrics in (out or {}).get("results", {}).items():
+        results[task] = {k.split(",")[0]: v for k, v in metrics.items()
+                         if k not in ("alias", "name") and "stderr" not in k}
+    return {"results": results, "n_samples": (out or {}).get("n-samples", {}),
+            "config": {"depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
+                       "cache_mode": lm.cache_mode, "limit": limit, "num_fewshot": num_fewshot}}
+
+
+__all__ = ["MegaloopLM", "TASKS_DIR", "resolve_tasks", "run_harness", "task_specs"]

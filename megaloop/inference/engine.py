@@ -1,0 +1,569 @@
+"""Inference engine for looped LMs: prefill / decode with separate recurrence budgets (SPEC §7).
+
+Design decision — evaluation and generation run on the pure-PyTorch model
+(:class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM`), loaded from a native megaloop
+checkpoint of *any* TP/PP layout (checkpoint keys are layout independent: the checkpoint is
+gathered into a TP=1/PP=1 native model in this process, mapped onto the HF modules by
+:func:`megaloop.hf.convert.native_to_hf_state_dict` — validated to ~1e-6 against the native
+forward — and moved to one device). Reasons: terminal and per-visit KV banks need explicit
+control of which recurrence's K/V each token keeps and which bank every recurrence of a later
+token reads; megatron-core's inference contexts key one KV slot per ``layer_number`` and offer
+neither. The paper's models (up to ~1B parameters) fit on one GPU, so no model parallelism is
+needed at inference. The same engine serves PPL, depth sweeps, the fixed-point checks, the
+lm-eval adapter, ``megaloop generate`` and (``megaloop.rl``) rollouts.
+
+Use::
+
+    eng = InferenceEngine.from_checkpoint("runs/x/checkpoints", device="cuda", dtype="bf16",
+                                          prefill_depth=8, decode_depth=4, cache_mode="terminal")
+    out = eng.generate(["def f(x):", "Looped models"], max_new_tokens=32, temperature=0.7,
+                       top_p=0.9, seed=0, stop=["\\n\\n"])
+    out.results[0].text, out.stats.decode_tokens_per_s, out.stats.kv_bytes_per_token
+
+    state = eng.prefill([[5, 6, 7]], depth=8)            # parallel pass, keeps terminal banks
+    logits = eng.decode(state, torch.tensor([9]), depth=4)  # one decode step per call
+
+Batches are left-padded: padding keys are masked, positions (rotary and the eval-time state
+init) count real tokens only, so a sequence gives the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, kv_bytes_per_token,
+                                         memory_report, select_rows)
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+Prompt = Union[str, Sequence[int]]
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def is_hf_folder(path: Union[str, Path]) -> bool:
+    """True for an exported HF folder (``config.json`` with ``model_type: megaloop``)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") == "megaloop"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _checkpoint_error(err: Exception) -> Exception:
+    from megaloop.train.checkpoint import CheckpointError
+
+    return CheckpointError(str(err))
+
+
+def load_model_from_checkpoint(path: Union[str, Path], *, device="cpu", dtype=torch.float32,
+                               num_recurrences: Optional[int] = None):
+    """``(MegaloopForCausalLM, info)`` from a native checkpoint (step dir, checkpoints dir or run
+    dir; any TP/PP layout). ``info``: checkpoint, step, run_config, tokenizer (path or None).
+    Raises :class:`megaloop.train.checkpoint.CheckpointError` for missing / bad checkpoints."""
+    from megaloop.hf.convert import (ConversionError, _tokenizer_info, find_tokenizer, hf_config_from_native,
+                                     load_native, native_to_hf_state_dict)
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    try:
+        native, mcfg, run_cfg, ckpt, common = load_native(path)
+        vocab = native.vocab_size
+        tok_path = find_tokenizer(run_cfg, ckpt)
+        info = {"vocab_size": None, "eos": None, "bos": None, "pad": None}
+        if tok_path is not None and tok_path.suffix == ".json":
+            info = _tokenizer_info(tok_path)
+        elif tok_path is not None:
+            tok_path = None
+        real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
+        if real_vocab > vocab:
+            raise ConversionError(f"checkpoint {ckpt}: vocabulary {real_vocab} exceeds the embedding's {vocab} rows")
+        depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
+        cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab, num_recurrences=depth,
+                                    special={k: info[k] for k in ("eos", "bos", "pad")})
+        with torch.device("meta"):
+            model = MegaloopForCausalLM(cfg)
+        sd = {k: v.float() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
+        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+        if missing or unexpected:
+            raise ConversionError(f"checkpoint {ckpt}: weight mapping mismatch: missing {missing}, "
+                                  f"unexpected {unexpected}")
+        model.tie_weights()
+    except ConversionError as err:
+        raise _checkpoint_error(err) from None
+    del native
+    model = model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+    return model, {"checkpoint": str(ckpt), "step": common.get("step"), "run_config": run_cfg,
+                   "tokenizer": str(tok_path) if tok_path else None}
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class DecodeState:
+    """A batch being decoded: its cache, padding mask, per-row lengths and last logits."""
+
+    cache: Any
+    attention_mask: Optional[torch.Tensor]  # [b, cached tokens] (None: no padding anywhere)
+    lengths: torch.Tensor  # [b] real tokens so far = position of the next token
+    logits: torch.Tensor  # [b, vocab] FP32 logits of the last position (real vocabulary only)
+    prefill_depth: int
+    decode_depth: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.lengths.numel())
+
+    def select(self, rows: Sequence[int]) -> "DecodeState":
+        """The state of ``rows`` only (new cache; this state unchanged)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        dev = self.lengths.device
+        mask = None if self.attention_mask is None else self.attention_mask.index_select(0, idx.to(dev))
+        return DecodeState(select_rows(self.cache, idx), mask, self.lengths.index_select(0, idx.to(dev)),
+                           self.logits.index_select(0, idx.to(self.logits.device)), self.prefill_depth,
+                           self.decode_depth)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str  # eos | stop | length | context
+    logits: Optional[torch.Tensor] = None  # [generated, vocab] when return_logits
+
+
+@dataclass
+class GenerationStats:
+    cache_mode: str
+    prefill_depth: int
+    decode_depth: int
+    batch_size: int
+    prompt_tokens: int
+    generated_tokens: int
+    decode_steps: int
+    prefill_s: float
+    decode_s: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    kv_bytes_peak: int  # peak bytes held by the cache (incl. padding slots)
+    kv_bytes_per_token: int  # measured, per cached token of one sequence
+    kv_bytes_per_token_per_visit: int  # predicted for the full per-visit cache at decode depth
+    kv_bytes_per_token_terminal: int  # predicted for terminal sharing
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationOutput:
+    results: list[GenerationResult]
+    stats: GenerationStats
+
+    @property
+    def texts(self) -> list[str]:
+        return [r.text for r in self.results]
+
+
+@dataclass
+class SamplingParams:
+    """``temperature == 0`` (or ``greedy``) → argmax; else softmax(logits/T) after top-k / top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    greedy: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k: must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--top-p: must be in (0, 1], got {self.top_p}")
+        self.greedy = self.temperature == 0
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next tokens [b] from logits [b, V] (the real vocabulary)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- engine
+class InferenceEngine:
+    """Prefill / decode / generate / score over a :class:`MegaloopForCausalLM`.
+
+    Args:
+        model: the HF model (eval mode; any device / dtype).
+        tokenizer: a :class:`megaloop.data.tokenizer.Tokenizer` (``encode``/``decode``/``eos_id``)
+            or None (token-id prompts only).
+        depth: default recurrence budget of scoring passes (default ``config.num_recurrences``).
+        prefill_depth / decode_depth: default budgets of prefill and of one-token decode steps
+            (default ``depth``).
+        cache_mode: default KV-cache mode, ``terminal`` or ``per_visit``.
+        max_context: longest sequence (prompt + generated) accepted; default the training
+            sequence length (``config.max_position_embeddings``).
+    """
+
+    def __init__(self, model, tokenizer=None, *, depth: Optional[int] = None, prefill_depth: Optional[int] = None,
+                 decode_depth: Optional[int] = None, cache_mode: str = "terminal",
+                 max_context: Optional[int] = None, source: Optional[dict] = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        cfg = model.config
+        self.depth = check_depth(depth if depth is not None else cfg.num_recurrences, "--depth")
+        self.prefill_depth = check_depth(prefill_depth if prefill_depth is not None else self.depth,
+                                         "--prefill-depth")
+        self.decode_depth = check_depth(decode_depth if decode_depth is not None else self.depth, "--decode-depth")
+        self.cache_mode = check_mode(cache_mode, "--cache")
+        self.max_context = int(max_context or cfg.max_position_embeddings)
+        if self.max_context < 1:
+            raise ConfigError(f"--max-context: must be >= 1, got {max_context}")
+        self.source = source or {}
+
+    # ------------------------------------------------------------ construction
+    @classmethod
+    def from_checkpoint(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None,
+                        **kwargs) -> "InferenceEngine":
+        """Engine over a native megaloop checkpoint of any TP/PP layout (see module docstring).
+        ``tokenizer``: path of a tokenizer.json overriding the run's."""
+        model, info = load_model_from_checkpoint(path, device=device, dtype=dtype)
+        tok = _load_tokenizer(tokenizer or info["tokenizer"])
+        return cls(model, tok, source=info, **kwargs)
+
+    @classmethod
+    def from_hf(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None,
+                **kwargs) -> "InferenceEngine":
+        """Engine over an exported HF folder (``tools/convert_to_hf.py``)."""
+        from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+        from megaloop.train.checkpoint import CheckpointError
+
+        if not is_hf_folder(path):
+            raise CheckpointError(f"{path} is not a megaloop HF folder (no config.json with model_type 'megaloop')")
+        model = MegaloopForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
+        model = model.to(resolve_device(device)).eval()
+        tok_src = tokenizer or (path if (Path(path) / "tokenizer.json").is_file() else None)
+        return cls(model, _load_tokenizer(tok_src), source={"hf": str(path)}, **kwargs)
+
+    @classmethod
+    def load(cls, path: Union[str, Path], **kwargs) -> "InferenceEngine":
+        """``from_hf`` for an HF folder, else ``from_checkpoint``."""
+        return cls.from_hf(path, **kwargs) if is_hf_folder(path) else cls.from_checkpoint(path, **kwargs)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @property
+    def vocab_size(self) -> int:
+        """Real (tokenizer) vocabulary; logits above it are padding and never sampled."""
+        return int(self.config.tokenizer_vocab_size)
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        if self.tokenizer is not None:
+            return self.tokenizer.eos_id
+        return self.config.eos_token_id
+
+    @property
+    def pad_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_id", None) if self.tokenizer is not None else self.config.pad_token_id
+        if pad is None:
+            pad = self.eos_id
+        return int(pad or 0)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ConfigError("this engine has no tokenizer: pass token ids, or a tokenizer (--tokenizer)")
+        return list(self.tokenizer.encode(text))
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(i)) for i in ids)
+        return self.tokenizer.decode(list(ids))
+
+    # ------------------------------------------------------------ memory
+    def kv_bytes_per_token(self, mode: Optional[str] = None, depth: Optional[int] = None) -> int:
+        """Predicted KV bytes per token of one sequence (engine dtype)."""
+        return kv_bytes_per_token(self.config, check_mode(mode or self.cache_mode, "--cache"),
+                                  depth or self.decode_depth, self.dtype)
+
+    def memory(self, mode: Optional[str] = None, depth: Optional[int] = None, tokens: int = 1, batch_size: int = 1):
+        """:class:`megaloop.inference.kv_cache.MemoryReport` of a configuration."""
+        return memory_report(self.config, check_mode(mode or self.cache_mode, "--cache"),
+                             depth or self.decode_depth, tokens, batch_size, self.dtype)
+
+    # ------------------------------------------------------------ inputs
+    def _as_ids(self, prompt: Prompt) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:  # packed training data starts documents after EOS
+            if self.eos_id is None:
+                raise ConfigError("prompt is empty and the model has no EOS token to start from")
+            ids = [int(self.eos_id)]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def check_context(self, n_tokens: int, what: str = "prompt") -> None:
+        if n_tokens > self.max_context:
+            raise ConfigError(f"{what} has {n_tokens} tokens, longer than the model's context of "
+                              f"{self.max_context} tokens (max_context / --max-context)")
+
+    def _batch(self, prompts: Sequence[Sequence[int]]):
+        """Left-padded ids [b, L], attention mask [b, L] (None without padding), positions [b, L]."""
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        dev = self.device
+        if min(lens) == width:
+            pos = torch.arange(width)[None].expand(len(prompts), width)
+            return ids.to(dev), None, pos.to(dev), torch.tensor(lens, device=dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return ids.to(dev), mask.to(dev), pos.to(dev), torch.tensor(lens, device=dev)
+
+    def _suppress_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """FP32 logits over the real vocabulary (padded rows of the head dropped)."""
+        return logits[..., :self.vocab_size].float()
+
+    # ------------------------------------------------------------ passes
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
+        """Native parallel forward (no cache) at ``depth``: logits [b, s, V] in FP32."""
+        depth = check_depth(depth if depth is not None else self.depth, "--depth")
+        return self.model(ids.to(self.device), use_cache=False, num_recurrences=depth).logits.float()
+
+    @torch.no_grad()
+    def prefill(self, prompts: Union[torch.Tensor, Sequence[Prompt]], *, depth: Optional[int] = None,
+                decode_depth: Optional[int] = None, cache_mode: Optional[str] = None) -> DecodeState:
+        """Parallel pass over the prompts at ``depth`` (the prefill budget), as in training;
+        the cache then keeps each token's terminal banks (``terminal``) or every visit
+        (``per_visit``). Returns the :class:`DecodeState` with the last-position logits."""
+        depth = check_depth(depth if depth is not None else self.prefill_depth, "--prefill-depth")
+        ddepth = check_depth(decode_depth if decode_depth is not None else self.decode_depth, "--decode-depth")
+        mode = check_mode(cache_mode or self.cache_mode, "--cache")
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        ids_list = [self._as_ids(p) for p in prompts]
+        if not ids_list:
+            raise ConfigError("no prompts given")
+        for p in ids_list:
+            self.check_context(len(p))
+        ids, mask, pos, lens = self._batch(ids_list)
+        cache = self.model.new_cache(mode)
+        out = self.model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True,
+                         num_recurrences=depth, logits_to_keep=1)
+        return DecodeState(cache, mask, lens, self._suppress_padding(out.logits[:, -1]), depth, ddepth)
+
+    @torch.no_grad()
+    def decode(self, state: DecodeState, tokens: torch.Tensor, *, depth: Optional[int] = None) -> torch.Tensor:
+        """Feed one token per row ([b]) at the decode budget; updates ``state``; returns FP32 logits
+        [b, V] over the real vocabulary."""
+        depth = check_depth(depth if depth is not None else state.decode_depth, "--decode-depth")
+        tokens = tokens.reshape(-1, 1).to(self.device)
+        b = tokens.shape[0]
+        if b != state.batch_size:
+            raise ValueError(f"decode: {b} tokens for a batch of {state.batch_size}")
+        mask = state.attention_mask
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=1)
+        out = self.model(tokens, attention_mask=mask, position_ids=state.lengths.reshape(b, 1),
+                         past_key_values=state.cache, use_cache=True, num_recurrences=depth)
+        state.attention_mask = mask
+        state.lengths = state.lengths + 1
+        state.logits = self._suppress_padding(out.logits[:, -1])
+        return state.logits
+
+    @torch.no_grad()
+    def score_with_prefix(self, prefix: Optional[torch.Tensor], chunk: torch.Tensor, *, depth: Optional[int] = None,
+                          prefill_depth: Optional[int] = None, cache_mode: Optional[str] = None,
+                          cache=None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+        """The PPL protocol's two passes: prefill ``prefix`` [b, m] at ``prefill_depth`` (default
+        ``depth``) into a cache, then one parallel pass over ``chunk`` [b, n] at ``depth`` whose
+        tokens read the prefix through the cached banks (terminal: one bank per layer) and each
+        other per recurrence, as in training. Returns FP32 logits over the padded head
+        ``(last_prefix_logits [b, V] — the prediction of chunk[:, 0] — , chunk_logits [b, n, V])``.
+        Pass ``cache`` (already holding the prefix; ``prefix`` None) to skip the prefill; the
+        cache then also holds ``chunk``."""
+        depth = check_depth(depth if depth is not None else self.depth, "--depth")
+        pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
+        last = None
+        if cache is None:
+            if prefix is None:
+                raise ValueError("score_with_prefix: pass a prefix or a filled cache")
+            cache = self.model.new_cache(check_mode(cache_mode or self.cache_mode, "--cache"))
+            last = self.model(prefix.to(self.device), past_key_values=cache, use_cache=True,
+                              num_recurrences=pdepth, logits_to_keep=1).logits[:, -1].float()
+        logits = self.model(chunk.to(self.device), past_key_values=cache, use_cache=True,
+                            num_recurrences=depth).logits.float()
+        return last, logits
+
+    # ------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]], *, max_new_tokens: int = 64,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
+                 greedy: Optional[bool] = None, stop: Sequence[str] = (), stop_at_eos: bool = True,
+                 prefill_depth: Optional[int] = None, decode_depth: Optional[int] = None,
+                 cache_mode: Optional[str] = None, return_logits: bool = False) -> GenerationOutput:
+        """Generate continuations of one prompt (str / ids) or a batch of them.
+
+        Decoding: greedy when ``temperature == 0`` or ``greedy``; else sampling with temperature,
+        ``top_k`` (0 = off), ``top_p`` (1 = off) and ``seed`` (reproducible). A row stops at EOS
+        (``stop_at_eos``), at the first ``stop`` string (the text is cut before it), after
+        ``max_new_tokens``, or when its length reaches ``max_context`` (finish reason ``context``).
+        """
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        if max_new_tokens < 1:
+            raise ConfigError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
+        mode = check_mode(cache_mode or self.cache_mode, "--cache")
+        stop = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
+        gen = None
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little"))
+
+        t0 = self._sync_time()
+        state = self.prefill(batch, depth=prefill_depth, decode_depth=decode_depth, cache_mode=mode)
+        t1 = self._sync_time()
+        n = state.batch_size
+        prompt_lens = [int(x) for x in state.lengths.tolist()]
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        texts, reasons = [""] * n, [""] * n
+        rows = list(range(n))  # original row of each state row
+        peak = state.cache.kv_bytes()
+        steps = 0
+        eos = self.eos_id
+        while True:
+            nxt = pick_tokens(state.logits, params, gen).tolist()
+            keep = []
+            for j, row in enumerate(rows):
+                tok = int(nxt[j])
+                if return_logits:
+                    out_logits[row].append(state.logits[j].cpu())
+                if stop_at_eos and eos is not None and tok == eos:
+                    reasons[row] = "eos"
+                    continue
+                out_ids[row].append(tok)
+                if stop:
+                    text = self.decode_text(out_ids[row])
+                    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+                    if cut >= 0:
+                        texts[row], reasons[row] = text[:cut], "stop"
+                        continue
+                if len(out_ids[row]) >= max_new_tokens:
+                    reasons[row] = "length"
+                elif prompt_lens[row] + len(out_ids[row]) > self.max_context:
+                    reasons[row] = "context"  # feeding this token would exceed the context
+                else:
+                    keep.append(j)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                state = state.select(keep)
+                rows = [rows[j] for j in keep]
+                nxt = [nxt[j] for j in keep]
+            self.decode(state, torch.tensor(nxt, dtype=torch.long))
+            steps += 1
+            peak = max(peak, state.cache.kv_bytes())
+        t2 = self._sync_time()
+        results = []
+        for row in range(n):
+            text = texts[row] if reasons[row] == "stop" else self.decode_text(out_ids[row])
+            logits = torch.stack(out_logits[row]) if return_logits and out_logits[row] else None
+            results.append(GenerationResult(text, out_ids[row], prompt_lens[row], reasons[row], logits))
+        generated = sum(len(r.token_ids) for r in results)
+        measured = cache_stats(state.cache).bytes_per_token
+        stats = GenerationStats(
+            cache_mode=mode, prefill_depth=state.prefill_depth, decode_depth=state.decode_depth, batch_size=n,
+            prompt_tokens=sum(prompt_lens), generated_tokens=generated, decode_steps=steps,
+            prefill_s=t1 - t0, decode_s=t2 - t1, prefill_tokens_per_s=sum(prompt_lens) / max(t1 - t0, 1e-9),
+            decode_tokens_per_s=generated / max(t2 - t1, 1e-9), kv_bytes_peak=int(peak),
+            kv_bytes_per_token=int(measured),
+            kv_bytes_per_token_per_visit=self.kv_bytes_per_token("per_visit", state.decode_depth),
+            kv_bytes_per_token_terminal=self.kv_bytes_per_token("terminal", state.decode_depth))
+        return GenerationOutput(results, stats)
+
+    def _sync_time(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def describe(self) -> dict:
+        """JSON-able summary: source, shapes, budgets, memory per token."""
+        cfg = self.config
+        return {"source": {k: v for k, v in self.source.items() if k != "run_config"},
+                "arch": cfg.arch, "injection": cfg.injection, "hidden_size": cfg.hidden_size,
+                "layers": [cfg.n_prelude, cfg.n_core, cfg.n_coda] if cfg.looped else cfg.num_hidden_layers,
+                "vocab_size": self.vocab_size, "dtype": str(self.dtype).replace("torch.", ""),
+                "device": str(self.device), "depth": self.depth, "prefill_depth": self.prefill_depth,
+                "decode_depth": self.decode_depth, "cache_mode": self.cache_mode, "max_context": self.max_context,
+                "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, self.decode_depth) for m in MODES}}
+
+
+def _load_tokenizer(path):
+    if path is None:
+        return None
+    from megaloop.data.tokenizer import Tokenizer
+
+    return Tokenizer(path)
+
+
+__all__ = ["DecodeState", "GenerationOutput", "GenerationResult", "GenerationStats", "InferenceEngine",
+           "SamplingParams", "is_hf_folder", "load_model_from_checkpoint", "pick_tokens", "resolve_device",
+           "resolve_dtype"]

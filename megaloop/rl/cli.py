@@ -1,0 +1,107 @@
+"""``megaloop rl`` / ``tools/rl_train.py``: GRPO with endpoint reuse on a verifiable task.
+
+    python tools/rl_train.py --model runs/tiny/checkpoints --out hf/tiny-rl --task arithmetic \\
+        --arm reuse --recurrences 5 --neumann-b 5 --steps 50 --group-size 8 --prompts 4
+
+``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;
+``--out`` receives an HF folder (weights, code files, tokenizer, ``megaloop_rl.json`` with the
+config and final metrics) and ``metrics.jsonl`` (one record per step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from megaloop.rl.reuse import ARMS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloop rl", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="megaloop checkpoint or HF folder")
+    p.add_argument("--out", required=True, help="output HF folder")
+    p.add_argument("--task", default="arithmetic", help="arithmetic | arithmetic-pm | gsm8k:PATH.jsonl | exact:PATH.jsonl")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the model's)")
+    p.add_argument("--arm", choices=ARMS, default="reuse")
+    p.add_argument("--recurrences", type=int, default=5, help="R (rollout prefill/decode, recompute/bptt depth)")
+    p.add_argument("--neumann-b", type=int, default=5, help="b of Neumann-(b-1) for reuse/recompute")
+    p.add_argument("--bptt-window", type=int, default=None, help="bptt arm: truncate to the last b recurrences")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--cache-mode", choices=("terminal", "per_visit"), default="terminal")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--loss-norm", choices=("sequence", "token"), default="sequence")
+    p.add_argument("--no-scale-rewards", action="store_true", help="centre advantages without dividing by the std")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    return p
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from megaloop.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
+    from megaloop.rl.io import load_model, load_tokenizer, save_hf
+    from megaloop.rl.tasks import make_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = GRPOConfig(arm=args.arm, num_recurrences=args.recurrences, neumann_b=args.neumann_b,
+                         bptt_window=args.bptt_window, group_size=args.group_size, prompts_per_step=args.prompts,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         cache_mode=args.cache_mode, scale_rewards=not args.no_scale_rewards,
+                         loss_norm=args.loss_norm, kl_coef=args.kl_coef, lr=args.lr,
+                         weight_decay=args.weight_decay, clip_grad=args.clip_grad or None, steps=args.steps,
+                         seed=args.seed)
+        task = make_task(args.task)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    model, source = load_model(args.model, num_recurrences=args.recurrences)
+    tok = load_tokenizer(args.tokenizer, fallback_dir=args.model if source["kind"] == "hf" else None)
+    if tok is None and source.get("tokenizer"):
+        tok = load_tokenizer(source["tokenizer"])
+    if tok is None:
+        print(f"error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
+        return 2
+    model.to(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = out / "metrics.jsonl"
+    metrics.unlink(missing_ok=True)
+    t0 = time.time()
+    trainer = GRPOTrainer(model, tok, task, cfg)
+    history = trainer.train(metrics_path=metrics)
+    model.config.num_recurrences = cfg.num_recurrences
+    summary = {"source": source, "task": args.task, "config": config_dict(cfg), "seconds": round(time.time() - t0, 2),
+               "final": history[-1] if history else None,
+               "reward_mean_first": history[0]["reward_mean"] if history else None,
+               "reward_mean_last": history[-1]["reward_mean"] if history else None}
+    save_hf(model.cpu(), out, tok, extra=summary)
+    print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
