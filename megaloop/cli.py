@@ -7,6 +7,7 @@ the field / file at fault (before any compute where possible).
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import warnings
@@ -42,11 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_eval_parser(sub)
     add_generate_parser(sub)
+    for name, (_, text) in DELEGATED.items():  # listed in --help; handled by their own parsers
+        sub.add_parser(name, help=text, add_help=False)
     return p
+
+
+# subcommands whose arguments belong to the tool's own parser: `megaloop rl --help`
+DELEGATED = {"rl": ("megaloop.rl.cli", "GRPO with endpoint reuse (SPEC §9)"),
+             "distill-prefill": ("megaloop.distill.cli", "train a distilled-prefill student (SPEC §10)")}
 
 
 def main(argv: list[str] | None = None) -> None:
     _quiet()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in DELEGATED:
+        sys.exit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
     args = build_parser().parse_args(argv)
     from megaloop.config_utils import ConfigError
     from megaloop.train.checkpoint import CheckpointError

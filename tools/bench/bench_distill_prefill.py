@@ -1,0 +1,94 @@
+"""Prefill latency: distilled student (SPEC §10) vs the teacher at R recurrences (terminal cache).
+
+Teacher prefill = ``model(prompt, past_key_values=new terminal cache, num_recurrences=R,
+logits_to_keep=1)``; student prefill = :func:`megaloop.distill.prefill_student.student_prefill`
+(prelude → student (a copy of the core, applied once) → one teacher recurrence → coda, same
+terminal cache, last-token logits). Both fill the identical cache layout; decoding afterwards is
+the same. Weights are random (latency does not depend on them). Reported: median / min latency
+over ``--repeats`` interleaved rounds after one warm-up, their ratio, and the layer-pass ratio
+``(n_prelude + n_student + n_core + n_coda) / (n_prelude + R·n_core + n_coda)``. Usage:
+    python tools/bench/bench_distill_prefill.py [--hidden 256 --seq 512 --batch 1 --depth 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from common import write_result
+
+from megaloop.distill.prefill_student import PrefillStudent, student_prefill
+from megaloop.hf.configuration_megaloop import MegaloopConfig
+from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--injection", default="parcae_nonorm")
+    p.add_argument("--name", default="distill_prefill")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
+                         injection=args.injection, max_position_embeddings=args.seq)
+    model = MegaloopForCausalLM(cfg).to(device).eval()
+    student = PrefillStudent.from_teacher(model).eval()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
+
+    @torch.no_grad()
+    def teacher():
+        cache = model.new_cache("terminal")
+        model(ids, past_key_values=cache, num_recurrences=args.depth, logits_to_keep=1)
+        return cache
+
+    def stud():
+        return student_prefill(model, student, ids)[1]
+
+    runs = {"teacher": teacher, "student": stud}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    banks = {}
+    for rep in range(args.repeats + 1):
+        for name, run in runs.items():
+            sync()
+            t0 = time.perf_counter()
+            cache = run()
+            sync()
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+            banks[name] = {"num_banks": cache.num_banks(), "kv_bytes_per_token": cache.kv_bytes_per_token()}
+    assert banks["teacher"] == banks["student"], banks
+    res = {name: {"median_s": statistics.median(t), "min_s": min(t), **banks[name]} for name, t in times.items()}
+    n_student = student.num_layers
+    res["ratio_median"] = res["student"]["median_s"] / res["teacher"]["median_s"]
+    res["ratio_min"] = res["student"]["min_s"] / res["teacher"]["min_s"]
+    res["speedup_median"] = 1 / res["ratio_median"]
+    res["layer_pass_ratio"] = ((cfg.n_prelude + n_student + cfg.n_core + cfg.n_coda)
+                               / (cfg.n_prelude + args.depth * cfg.n_core + cfg.n_coda))
+    for k in ("teacher", "student"):
+        print(f"{k:8s} median {res[k]['median_s']*1e3:8.1f} ms  min {res[k]['min_s']*1e3:8.1f} ms")
+    print(f"student/teacher latency: median {res['ratio_median']:.3f}, min {res['ratio_min']:.3f} "
+          f"(layer passes {res['layer_pass_ratio']:.3f})")
+    config = {**vars(args), "device": device, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
+              "n_coda": cfg.n_coda, "student_layers": n_student, "intermediate_size": cfg.intermediate_size}
+    write_result(args.name, config, res, "python tools/bench/bench_distill_prefill.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()
