@@ -26,11 +26,20 @@ def megatron_world():
     # left initialised for the whole session (tear-down races with gloo at exit otherwise)
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env() -> dict:
+    """This process's environment without torch.distributed launcher variables."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+
+
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600, env: dict | None = None) -> str:
     """Run ``script`` under torchrun with ``nproc`` gloo processes; return its output or fail."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    full_env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=full_env)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:

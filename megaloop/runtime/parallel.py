@@ -73,15 +73,16 @@ def init_distributed(dims: ParallelDims, seed: int, timeout_s: int = 600) -> Non
     if not cuda:
         apply_cpu_compat()
     if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if cuda else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.distributed.init_process_group(
-            backend="nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s)
-        )
+        if "RANK" in os.environ:  # torchrun / srun
+            torch.distributed.init_process_group(backend=backend, timeout=timeout)
+        else:  # a plain single process; the environment is left untouched for child processes
+            torch.distributed.init_process_group(
+                backend=backend, timeout=timeout, rank=0, world_size=1,
+                init_method=f"tcp://127.0.0.1:{_free_port()}")
     world = torch.distributed.get_world_size()
     if world != dims.world:
         raise ConfigError(f"parallel: launched with {world} processes but config expects {dims.world}")

@@ -1,13 +1,12 @@
 """`lm_eval --model hf` runs a local task on an exported HF folder (trust_remote_code)."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_env
 
 TASKS = ROOT / "megaloop" / "eval" / "tasks"
 
@@ -22,7 +21,7 @@ def test_lm_eval_hf_backend_on_export(megatron_world, trained_run, tmp_path):
     inc = tmp_path / "tasks"
     inc.mkdir()
     (inc / "megaloop_toy_mc.yaml").write_text(yaml.safe_dump(spec))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+    env = {**clean_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
     cmd = [str(Path(sys.executable).with_name("lm_eval")), "--model", "hf", "--model_args",
            f"pretrained={out},trust_remote_code=True,dtype=float32", "--tasks", "megaloop_toy_mc",

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, clean_env
 
 SMALL = ["train.global_batch_size=8", "train.micro_batch_size=4", "optim.warmup_steps=1",
          "depth.warmup_updates=0", "train.eval_batches=1", "logging.progress=false"]
@@ -25,7 +25,7 @@ def train_cmd(run_dir: Path, *overrides: str, nproc: int = 1, resume: str | None
 
 
 def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
+    return {**clean_env(), "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
 
 
 def run_train(run_dir: Path, *overrides: str, nproc: int = 1, resume: str | None = None,
