@@ -252,6 +252,8 @@ class Trainer:
                    tokens_per_s=gtokens / dt, tflops=tflops, model_flops=flops)
         if self.peak:
             rec["mfu"] = tflops / self.peak
+        if torch.cuda.is_available():
+            rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return rec
 
     def _prior_metrics(self, m: dict) -> dict:
