@@ -180,3 +180,21 @@ megaloop_scale_overrides() {
   read -r -a extra <<<"$EXTRA_ARGS"
   OVERRIDES+=("${extra[@]}")
 }
+
+
+# The body of slurm/train_{S,M,L}.sh: knob defaults for preset $1, then set-up and training.
+megaloop_scale_main() {
+  CONFIG="${CONFIG:-$1}"
+  RUN_DIR="${RUN_DIR:-runs/$1}"
+  TP="${TP:-1}"
+  PP="${PP:-1}"
+  VPP="${VPP:-}"
+  DATA_PATH="${DATA_PATH:-default}"
+  VAL_PATH="${VAL_PATH:-}"
+  WANDB_MODE="${WANDB_MODE:-offline}"
+  WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
+  EXTRA_ARGS="${EXTRA_ARGS:-}"
+  megaloop_setup
+  megaloop_scale_overrides
+  megaloop_train "$CONFIG" "$RUN_DIR" "${OVERRIDES[@]}"
+}

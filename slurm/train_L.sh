@@ -29,17 +29,4 @@ done
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 
-CONFIG="${CONFIG:-L}"
-RUN_DIR="${RUN_DIR:-runs/L}"
-TP="${TP:-1}"
-PP="${PP:-1}"
-VPP="${VPP:-}"
-DATA_PATH="${DATA_PATH:-default}"
-VAL_PATH="${VAL_PATH:-}"
-WANDB_MODE="${WANDB_MODE:-offline}"
-WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
-EXTRA_ARGS="${EXTRA_ARGS:-}"
-
-megaloop_setup
-megaloop_scale_overrides
-megaloop_train "$CONFIG" "$RUN_DIR" "${OVERRIDES[@]}"
+megaloop_scale_main L
