@@ -18,16 +18,11 @@ import sys
 import time
 
 import torch
-from common import write_result
+from common import sync, write_result
 
 from megaloop.distill.prefill_student import PrefillStudent, student_prefill
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main():

@@ -18,17 +18,12 @@ import sys
 import time
 
 import torch
-from common import write_result
+from common import sync, write_result
 
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.rl.parts import HFLoopedParts
 from megaloop.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
-
-
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def main():

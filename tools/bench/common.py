@@ -35,6 +35,14 @@ def write_result(name: str, config: dict, results, command: str) -> Path:
     return out
 
 
+def sync() -> None:
+    """Wait for queued GPU work (no-op on CPU) before reading a timer."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def single_process_megatron(seed: int = 1234) -> None:
     from megaloop.runtime.parallel import ParallelDims, init_distributed
 
