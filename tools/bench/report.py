@@ -42,9 +42,14 @@ def _row(d: dict) -> tuple[str, str] | None:
         return ("CPU compatibility layer: tiny step with forward under the redirect mode / without",
                 f"**{_f(r['mode_cost_ratio'])}×**")
     if name == "rl_reuse":
-        return ("RL update, endpoint reuse vs full BPTT", json.dumps(r.get("summary", r))[:200])
+        s = r["summary"]
+        return ("RL update (Neumann endpoint reuse): time R=32 / R=5; speed-up over full BPTT",
+                f"reuse R32/R5: **{_f(s['reuse_time_ratio_R32_over_R5'])}×** (BPTT {_f(s['bptt_time_ratio_R32_over_R5'])}×); "
+                f"reuse vs BPTT at R=5: **{_f(s['speedup_reuse_over_bptt_R5'])}×** faster, at R=32 "
+                f"{_f(s['speedup_reuse_over_bptt_R32'], 1)}×")
     if name == "distill_prefill":
-        return ("Distilled prefill vs teacher prefill at R=5", json.dumps(r.get("summary", r))[:200])
+        return ("Distilled prefill: student / teacher prefill latency at R=5",
+                f"**{_f(r['ratio_median'])}×** ({_f(r['speedup_median'])}× faster)")
     if name == "loader":
         best = max(r, key=lambda x: x["tokens_per_s"]) if isinstance(r, list) else None
         return ("Loader alone (best case)", f"{best['tokens_per_s']:,} tokens/s ({best['dataset']}, "
