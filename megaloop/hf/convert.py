@@ -7,7 +7,7 @@ this one process), maps the weights onto :mod:`megaloop.hf.modeling_megaloop`, a
     out/config.json                  MegaloopConfig + auto_map (AutoConfig, AutoModelForCausalLM)
     out/model.safetensors            (or model-0000x-of-0000n.safetensors + index above ~2 GB)
     out/configuration_megaloop.py    copied modeling code (imports only torch + transformers)
-    out/modeling_megaloop.py
+    out/modeling_megaloop.py, out/cache_megaloop.py
     out/generation_config.json       eos/bos/pad; padded vocab ids suppressed
     out/tokenizer.json, tokenizer_config.json, special_tokens_map.json   (when a tokenizer is found)
     out/megaloop_conversion.json     source checkpoint, step, validation errors
@@ -45,7 +45,7 @@ from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 TOLERANCE = 1e-4
 HF_DIR = Path(__file__).resolve().parent
-CODE_FILES = ("configuration_megaloop.py", "modeling_megaloop.py")
+CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "modeling_megaloop.py")
 AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,

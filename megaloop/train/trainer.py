@@ -151,8 +151,7 @@ class Trainer:
     def save(self) -> Path:
         path = self.ckpt.save(self.step, self.model, self.optimizer, self._common())
         self.last_saved = self.step
-        if self.rank == 0:
-            self.metrics.message(f"saved checkpoint {path}") if hasattr(self, "metrics") else None
+        self.metrics.message(f"saved checkpoint {path}")
         return path
 
     def _load(self, path: Path) -> None:

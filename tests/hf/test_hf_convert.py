@@ -110,7 +110,7 @@ def test_conversion_validates_and_writes_folder(converted):
         assert rep["validation"]["error"] <= TOL, (name, rep["validation"])
         assert rep["reload"]["max_abs"] <= 1e-6
         hf = item["hf"]
-        for f in ("config.json", "model.safetensors", "configuration_megaloop.py", "modeling_megaloop.py",
+        for f in ("config.json", "model.safetensors", "configuration_megaloop.py", "modeling_megaloop.py", "cache_megaloop.py",
                   "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
             assert (hf / f).is_file(), f"{name}: {f} missing"
         cfg = json.loads((hf / "config.json").read_text())
