@@ -28,7 +28,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # mosaicml-streaming pulls PyPI torchvision, whose compiled ops do not load beside CPU torch
   # 2.13.0; megaloop.data installs the tiny import shim streaming needs instead (see README).
   "$VENV/bin/python" -m pip uninstall -y -q torchvision >/dev/null 2>&1 || true
-  "$VENV/bin/python" -c "import megaloop, megatron.core, megaloop.data, streaming" \
+  "$VENV/bin/python" -W ignore -c "import megaloop, megatron.core, megaloop.data, streaming" \
       || { echo "[megaloop] install check failed" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
