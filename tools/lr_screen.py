@@ -384,11 +384,11 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
     if manifest is not None:
         seq = manifest.get("seq_len")
         info.update({k: manifest.get(k) for k in ("kind", "seq_len", "num_sequences", "fingerprint")})
-        if seq is not None and seq != base.model.seq_len:
+        if seq is not None and seq > base.model.seq_len:
             raise UsageError(
-                f"--screen-set: {screen_set} holds {seq}-token sequences but model.seq_len is "
-                f"{base.model.seq_len}, and megaloop train evaluates at model.seq_len; build the set "
-                f"with data_prep/build_eval_sets.py --screen-seq-len {base.model.seq_len}")
+                f"--screen-set: {screen_set} holds {seq}-token sequences, longer than model.seq_len "
+                f"{base.model.seq_len}; build the set with data_prep/build_eval_sets.py "
+                f"--screen-seq-len {base.model.seq_len} (or shorter: evaluation runs at the set's length)")
         if manifest.get("kind") not in (None, "screen"):
             log(f"warning: {screen_set} is a {manifest.get('kind')!r} set, not an LR-screen set")
         if eval_batches is None and manifest.get("num_sequences"):

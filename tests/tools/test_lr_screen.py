@@ -110,6 +110,10 @@ def test_screen_set_seq_len_is_checked(tool, tmp_path: Path, capsys) -> None:
                       "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"data.val_path={scr}" in out and "train.eval_batches=3" in out  # ceil(20 / mbs 8)
+    # a shorter set is fine: the trainer evaluates at the set's own length
+    (scr / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 64, "num_sequences": 20}))
+    assert tool.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
+                      "--out", str(tmp_path / "o"), "--dry-run"]) == 0
 
 
 def test_dry_run_defaults(tool, tmp_path: Path, capsys) -> None:
@@ -120,7 +124,9 @@ def test_dry_run_defaults(tool, tmp_path: Path, capsys) -> None:
               "data.val_path=default:screen", "--resume auto", f"--run-dir {tmp_path}/s/lr_0.00141"):
         assert s in out, s
     assert "train.max_steps" not in out  # the full run's horizon is kept
-    assert "inside the LR warm-up" in out  # S: warm-up 1000 > stop 768
+    assert "inside the LR warm-up" not in out  # S: warm-up 500 < stop 768
+    assert tool.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run", "--stop-after", "400"]) == 0
+    assert "inside the LR warm-up" in capsys.readouterr().out
     assert not (tmp_path / "s").exists()  # a dry run writes nothing
 
 

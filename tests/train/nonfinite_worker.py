@@ -17,8 +17,8 @@ if __name__ == "__main__":  # checkpoint saving spawns a helper process that re-
     orig = Trainer._run_schedule
 
 
-    def poisoned(self, mbs, forward_only):
-        ce = orig(self, mbs, forward_only)
+    def poisoned(self, mbs, forward_only, **kwargs):
+        ce = orig(self, mbs, forward_only, **kwargs)
         if not forward_only and self.step + 1 in bad:
             ce[0, 0] = float("nan")
         return ce
