@@ -1,0 +1,140 @@
+"""LR screens, part 3: collecting results, results.csv/json, the plot and the console report."""
+
+
+import argparse
+import csv
+import os
+import shlex
+import time
+from pathlib import Path
+from typing import Any
+
+
+from megaloop.screen.core import (Screen, TERMINAL, WHOLE_SET, _finite, log, lr_tag, point_state, write_json)
+
+
+# ====================================================================================== report
+def collect(screen: Screen, active: dict[float, str] | None = None) -> list[dict]:
+    points = []
+    for i, lr in enumerate(screen.lrs):
+        st = point_state(screen.run_dir(lr), screen.end_step)
+        if active and lr in active and st["status"] not in TERMINAL:
+            st["status"] = "queued"
+        points.append({"index": i, "lr": lr, **st, "target_steps": screen.end_step,
+                       "run_dir": str(screen.run_dir(lr))})
+    return points
+
+
+def _fmt(x: Any, spec: str = ".4f") -> str:
+    return format(x, spec) if _finite(x) else ("" if x is None else str(x))
+
+
+def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str | None) -> dict:
+    out = screen.out
+    cols = ["index", "lr", "status", "val_ce", "val_ppl", "val_depth", "steps", "target_steps",
+            "final_loss", "exit_code", "best", "run_dir"]
+    tmp = out / ".results.csv.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=cols)
+        w.writeheader()
+        for p in points:
+            w.writerow({**{k: p.get(k) for k in cols}, "lr": lr_tag(p["lr"]),
+                        "val_ce": _fmt(p["val_ce"], ".6f"), "val_ppl": _fmt(p["val_ppl"], ".4f"),
+                        "final_loss": _fmt(p["final_loss"], ".6f"),
+                        "best": int(p["index"] == sel["best_index"])})
+    os.replace(tmp, out / "results.csv")
+    result = {
+        "config": screen.config, "grid": screen.lrs, "stop_after": screen.stop_after,
+        "max_steps": screen.max_steps, "eval_depth": screen.eval_depth,
+        "eval_batches": None if screen.eval_batches == WHOLE_SET else screen.eval_batches,
+        "screen_set": screen.screen_info, "overrides": screen.overrides, "points": points,
+        "best": None if sel["best_index"] is None else
+        {"index": sel["best_index"], "lr": sel["best_lr"], "val_ce": sel["best_val_ce"],
+         "run_dir": points[sel["best_index"]]["run_dir"]},
+        "interior": sel["interior"], "edge": sel["edge"], "complete": sel["complete"],
+        "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
+        "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    write_json(out / "results.json", result)
+    return result
+
+
+def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover
+        log("matplotlib is not installed: no screen.png")
+        return None
+    done = [p for p in points if p["status"] == "done"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    if done:
+        ax.plot([p["lr"] for p in done], [p["val_ce"] for p in done], "o-", color="tab:blue",
+                label="finished")
+    ces = [p["val_ce"] for p in done]
+    top = (max(ces) + 0.05 * (max(ces) - min(ces) + 1e-3)) if ces else 1.0
+    bad = [p for p in points if p["status"] == "diverged"]
+    if bad:
+        ax.plot([p["lr"] for p in bad], [top] * len(bad), "x", color="tab:red", ms=9, mew=2,
+                label="diverged")
+    if sel["best_index"] is not None:
+        b = points[sel["best_index"]]
+        ax.plot([b["lr"]], [b["val_ce"]], "*", color="gold" if sel["interior"] else "tab:red", ms=18,
+                mec="black", zorder=5, label=f"best {lr_tag(b['lr'])}: {b['val_ce']:.4f}")
+    for lr in screen.lrs:
+        ax.axvline(lr, color="0.9", lw=0.8, zorder=0)
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel(f"validation CE at R={screen.eval_depth} (screen set)")
+    title = f"LR screen: {Path(screen.config).stem}, {screen.end_step} of {screen.max_steps} updates"
+    if sel["edge"]:
+        title += f"\nBEST ON THE {sel['edge'].upper()} EDGE: extend the grid"
+    ax.set_title(title, fontsize=10, color="tab:red" if sel["edge"] else "black")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    ax.grid(True, which="major", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def proposal_command(args: argparse.Namespace, screen: Screen, grid: list[float]) -> str:
+    cmd = ["python", "tools/lr_screen.py", "--config", screen.config,
+           "--grid", ",".join(lr_tag(x) for x in grid), "--launcher", args.launcher,
+           "--out", str(screen.out), "--stop-after", str(screen.stop_after),
+           "--eval-depth", str(screen.eval_depth)]
+    if args.screen_set is not None:
+        cmd += ["--screen-set", args.screen_set]
+    if args.eval_batches is not None:
+        cmd += ["--eval-batches", str(args.eval_batches)]
+    if screen.overrides:
+        cmd += ["--", *screen.overrides]
+    return shlex.join(cmd)
+
+
+def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) -> None:
+    print(f"\nLR screen {screen.config}: stop after {screen.end_step} of {screen.max_steps} updates, "
+          f"val CE at R={screen.eval_depth} on {screen.screen_set}")
+    print(f"  {'lr':>10}  {'status':<11} {'steps':>11}  {'val_ce':>9}  {'val_ppl':>10}")
+    for p in points:
+        mark = "  <- best" if p["index"] == sel["best_index"] else ""
+        print(f"  {lr_tag(p['lr']):>10}  {p['status']:<11} {p['steps']:>5}/{p['target_steps']:<5}  "
+              f"{_fmt(p['val_ce']):>9}  {_fmt(p['val_ppl'], '.2f'):>10}{mark}")
+    if sel["best_index"] is None:
+        print("  no finished point yet")
+    elif sel["interior"]:
+        print(f"  best lr {lr_tag(sel['best_lr'])} (val_ce {sel['best_val_ce']:.4f}) is interior to the grid")
+    else:
+        bar = "!" * 78
+        r = sel["ratio"]
+        print(f"\n{bar}\n!! WARNING: best lr {lr_tag(sel['best_lr'])} is on the {sel['edge'].upper()} EDGE "
+              f"of the grid: the optimum is NOT bracketed.\n"
+              f"!! Extend the grid by one log step (x{r:.3g}) beyond that edge; finished points are reused:\n"
+              f"!!   proposed grid: {','.join(lr_tag(x) for x in sel['proposed_grid'])}\n"
+              f"!!   {proposal}\n{bar}")
+    if not sel["complete"]:
+        n = sum(p["status"] not in TERMINAL for p in points)
+        print(f"  {n} point(s) not finished: the selection is provisional")
