@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megaloop.rl.parts import HFLoopedParts

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from megaloop.rl.parts import HFLoopedParts
 from megaloop.rl.reuse import ARMS, backward

@@ -7,7 +7,7 @@ import common  # noqa: F401  (sets sys.path, silences warnings)
 import torch
 from common import check, gather_tp, init_world, rel_err, set_layout
 
-from megaloop.model.build import build_model, unwrap
+from megaloop.model.build import build_model
 from megaloop.model.config import INJECTIONS, ModelConfig
 from megaloop.train.grads import finalize_grads
 

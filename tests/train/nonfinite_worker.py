@@ -3,7 +3,6 @@
 import sys
 import warnings
 
-import torch
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
