@@ -46,3 +46,29 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
         tail = "\n".join(l for l in out.splitlines() if "warn" not in l.lower())[-6000:]
         pytest.fail(f"torchrun {Path(script).name} x{nproc} failed (exit {proc.returncode}):\n{tail}")
     return out
+
+
+def isolated_cache(tmp_path_factory):
+    """Point MEGALOOP_CACHE at a fresh directory for a test session (data tests use it autouse)."""
+    old = os.environ.get("MEGALOOP_CACHE")
+    os.environ["MEGALOOP_CACHE"] = str(tmp_path_factory.mktemp("megaloop_cache"))
+    yield
+    if old is None:
+        os.environ.pop("MEGALOOP_CACHE", None)
+    else:
+        os.environ["MEGALOOP_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_teacher(tmp_path_factory):
+    """(model, hf_dir): a tiny byte-level looped model trained briefly (tests/rl, tests/distill)."""
+    import torch
+
+    from tests.rl.helpers import cached_teacher
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return cached_teacher(tmp_path_factory.getbasetemp())
+    finally:
+        torch.set_num_threads(n)

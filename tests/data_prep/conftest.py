@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import isolated_cache
 
 WORDS = ("the of and to in is was for on that with as by at from his her an which are this be "
          "had were not but have it one their all there when can out who more been if its also "
@@ -53,16 +54,8 @@ def write_tree(root: Path, seed: int = 0) -> dict[tuple[str, str], list[str]]:
     return texts
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _isolated_megaloop_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Keep shard caches of these tests out of the user's ~/.cache/megaloop."""
-    old = os.environ.get("MEGALOOP_CACHE")
-    os.environ["MEGALOOP_CACHE"] = str(tmp_path_factory.mktemp("megaloop_cache"))
-    yield
-    if old is None:
-        os.environ.pop("MEGALOOP_CACHE", None)
-    else:
-        os.environ["MEGALOOP_CACHE"] = old
+# keep shard caches of these tests out of the user's ~/.cache/megaloop
+_isolated_megaloop_cache = pytest.fixture(scope="session", autouse=True)(isolated_cache)
 
 
 @pytest.fixture(scope="session")
