@@ -63,6 +63,11 @@ class Trainer:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.M = cfg.train.num_microbatches(self.dp)
+        if (par.vpp or 1) > 1 and self.M % par.pp:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"train.global_batch_size: interleaved pipelining needs the {self.M} microbatches "
+                              f"per step to be a multiple of parallel.pp={par.pp}")
         self.mbs = cfg.train.micro_batch_size
         self.seq = cfg.model.seq_len
 
@@ -275,12 +280,16 @@ class Trainer:
             m.eval()
         it = iter(build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
                                     dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir))
+        n = self.cfg.train.eval_batches
+        group = self.dims.pp if (self.dims.vpp or 1) > 1 else 1  # interleaving runs whole groups
+        n = -(-n // group) * group
         mbs = []
-        for i in range(self.cfg.train.eval_batches):
+        for i in range(n):
             try:
                 mbs.append(dict(next(it), depth=depth, noise_seed=None, index=i))
             except StopIteration:
                 break
+        mbs = mbs[:len(mbs) // group * group]
         try:
             with torch.no_grad():
                 ce = self._run_schedule(mbs, forward_only=True, seq_len=self.val_seq) if mbs else None

@@ -11,14 +11,16 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     d = tmp_path_factory.mktemp("pp1")
-    run_train(d, "train.max_steps=3", "train.save_interval=0")
+    run_train(d, "train.max_steps=3", "train.save_interval=0", "train.micro_batch_size=2")  # 4 microbatches
     return metrics(d)
 
 
 @pytest.mark.parametrize("layout,nproc", [(["parallel.pp=2"], 2),
-                                          (["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4)])
+                                          (["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"], 4),
+                                          (["parallel.pp=4", "parallel.vpp=2"], 4)])  # interleaved 1F1B
 def test_pipeline_matches_pp1(tmp_path, reference, layout, nproc):
-    run_train(tmp_path, "train.max_steps=3", "train.save_interval=0", *layout, nproc=nproc)
+    run_train(tmp_path, "train.max_steps=3", "train.save_interval=0", "train.micro_batch_size=2", *layout,
+              nproc=nproc)
     got = metrics(tmp_path)
     assert [r["depths"] for r in got] == [r["depths"] for r in reference]
     assert len({d for r in got for d in r["depths"]}) > 1, "want a mix of depths"
