@@ -75,3 +75,11 @@ def test_bad_config_fails_before_compute(tmp_path):
     proc = run_train(tmp_path, "parallel.tp=2", expect=2)  # 1 process cannot host tp=2
     assert "world size 1" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_wandb_offline_logging(tmp_path):
+    """logging.wandb=offline writes a local wandb run beside metrics.jsonl (no network)."""
+    run_train(tmp_path, "train.max_steps=2", "train.save_interval=0", "logging.wandb=offline")
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
