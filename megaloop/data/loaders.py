@@ -153,7 +153,8 @@ class TrainLoader:
         nw = self.cfg.num_workers
         return DataLoader(ds, batch_size=self.micro_batch_size, num_workers=nw,
                           collate_fn=self._collate, drop_last=True, persistent_workers=False,
-                          prefetch_factor=self.cfg.prefetch_factor if nw else None)
+                          prefetch_factor=self.cfg.prefetch_factor if nw else None,
+                          pin_memory=torch.cuda.is_available())  # async host-to-device copies
 
     def _drop_resume(self) -> None:
         """Unlink streaming's resume record once read (it re-opens, and leaks, it every epoch)."""
@@ -244,7 +245,8 @@ class EvalLoader:
                                  with_source)
         self._loader = DataLoader(_EvalItems(self._ds, self._indices, self._real),
                                   batch_size=micro_batch_size, shuffle=False,
-                                  num_workers=num_workers, collate_fn=self._collate)
+                                  num_workers=num_workers, collate_fn=self._collate,
+                                  pin_memory=torch.cuda.is_available())
 
     def __len__(self) -> int:
         return self.num_batches

@@ -349,14 +349,19 @@ def _pad_multiple(v: int) -> int:
 
 
 # ============================================================================ validation
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
 def compare_logits(native, hf_model, *, depth: int, vocab: int, seq_len: int, num_seqs: int = 2,
                    seed: int = 0) -> dict[str, float]:
     """Max abs / rel logit error of HF vs native on random sequences (both in their current dtype)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)
-    ref = native(ids, depth=depth).float()
-    got = hf_model(input_ids=ids, use_cache=False, num_recurrences=depth).logits.float()
+    ref = native(ids.to(_device_of(native)), depth=depth).float().cpu()
+    got = hf_model(input_ids=ids.to(_device_of(hf_model)), use_cache=False,
+                   num_recurrences=depth).logits.float().cpu()
     if ref.shape != got.shape:
         raise ConversionError(f"validation: logits shape {tuple(got.shape)} (HF) != {tuple(ref.shape)} (native)")
     diff = (ref - got).abs().max().item()
@@ -450,7 +455,8 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
                                    num_recurrences=depth, special=special)
     with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
         hf_model = MegaloopForCausalLM(hf_cfg)
-    sd = {k: v.float() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
+    # the native model sits on this machine's compute device; the HF model is built on the CPU
+    sd = {k: v.float().cpu() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
     missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
     if missing or unexpected:
         raise ConversionError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")

@@ -10,6 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megaloop.model.config import ModelConfig
 from megaloop.model.looped import LoopedGPT
 from megaloop.model.specs import transformer_config
+from megaloop.runtime.parallel import compute_device
 
 
 def build_model(cfg: ModelConfig, *, vocab_size: int, tp: int, pp: int, vpp: int | None,
@@ -19,8 +20,11 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, tp: int, pp: int, vpp: int
 
     Chunk ``v`` of pipeline rank ``k`` is virtual stage ``v·pp + k``; the first holds the
     embedding and prelude, the last the coda and head, every one a core replica. With ``ddp``,
-    each chunk is wrapped in megatron's DistributedDataParallel (fp32 grad buffers).
+    each chunk is wrapped in megatron's DistributedDataParallel (fp32 grad buffers). Weights are
+    initialised on the CPU (layout-independent seeds) and then moved to :func:`compute_device`
+    before the bf16 wrapper and DDP, as megatron's ``get_model`` does.
     """
+    device = compute_device()
     tc = transformer_config(cfg, tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
     nchunks = vpp or 1
     rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -29,7 +33,7 @@ def build_model(cfg: ModelConfig, *, vocab_size: int, tp: int, pp: int, vpp: int
         pre = rank == 0 and v == 0
         post = rank == pp - 1 and v == nchunks - 1
         m = LoopedGPT(cfg, tc, vocab_size, pre_process=pre, post_process=post,
-                      vp_stage=v if nchunks > 1 else None, seed=seed)
+                      vp_stage=v if nchunks > 1 else None, seed=seed).to(device)
         if cfg.bf16:
             from megatron.core.transformer.module import Float16Module
 

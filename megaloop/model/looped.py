@@ -20,6 +20,7 @@ backpropagated injection.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from functools import lru_cache
 from itertools import count
 
 import torch
@@ -46,10 +47,12 @@ except ImportError:  # pragma: no cover
         return nullcontext()
 
 
+@lru_cache(maxsize=16)
 def eval_noise(seed: int, start: int, stop: int, dim: int) -> torch.Tensor:
     """Evaluation-time state init for positions start..stop-1: row t ~ N(0, 1)^dim drawn from a
     CPU generator seeded with ``seed * 1_000_003 + t``. Depends only on the position (not on the
-    batch, sequence length or layout), so incremental decoding and the HF export reproduce it."""
+    batch, sequence length or layout), so incremental decoding and the HF export reproduce it.
+    Cached (one generator per position is slow at s=2048); callers must not modify the result."""
     rows = [torch.randn(dim, generator=torch.Generator().manual_seed(seed * 1_000_003 + t))
             for t in range(start, stop)]
     return torch.stack(rows) if rows else torch.zeros(0, dim)

@@ -99,6 +99,14 @@ def init_distributed(dims: ParallelDims, seed: int, timeout_s: int = 600) -> Non
     seed_everything(seed)
 
 
+def compute_device() -> torch.device:
+    """Where this rank's model, batches and collective buffers live: its CUDA device when CUDA is
+    present (NCCL needs device tensors), else the CPU (gloo)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))

@@ -88,9 +88,15 @@ def sharded_state(model_chunks: list, optimizer=None, *, is_loading: bool) -> di
     return sd
 
 
+def _is_torch_adam(opt) -> bool:
+    """The workarounds below target torch's Adam/AdamW (megatron's fallback without apex/TE);
+    TE's and apex's FusedAdam keep ``step`` in the param groups and are left alone."""
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
 def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
     chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    return [o.optimizer for o in chain if hasattr(o, "optimizer")]
+    return [o.optimizer for o in chain if _is_torch_adam(getattr(o, "optimizer", None))]
 
 
 def _ensure_adam_state(optimizer) -> None:
@@ -125,7 +131,8 @@ def _keep_adam_step_on_load(optimizer):
     patched = []
     for opt in chain:
         orig = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if orig is None or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        if (orig is None or not _is_torch_adam(getattr(opt, "optimizer", None))
+                or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
             continue
 
         def fixed(model_param, tensors, _orig=orig, _opt=opt):

@@ -29,7 +29,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
-from megaloop.runtime.parallel import ParallelDims, init_distributed, stable_seed, world_size_from_env
+from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
+                                       world_size_from_env)
 from megaloop.train.checkpoint import CheckpointManager
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
@@ -60,6 +61,7 @@ class Trainer:
         self.dims = ParallelDims(world=world_size_from_env(), tp=par.tp, pp=par.pp, vpp=par.vpp)
         init_distributed(self.dims, cfg.train.seed)
         self.rank = torch.distributed.get_rank()
+        self.device = compute_device()  # model, batches and collective buffers (NCCL: the GPU)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.M = cfg.train.num_microbatches(self.dp)
@@ -180,8 +182,13 @@ class Trainer:
             # that global position makes the draw independent of the DP size
             seeds = [stable_seed(self.cfg.train.seed, "h0", step, i, j * self.dp + self.dp_rank)
                      for j in range(self.mbs)]
-            out.append(dict(batch, depth=r, noise_seed=seeds, index=i))
+            out.append(dict(self._to_device(batch), depth=r, noise_seed=seeds, index=i))
         return out
+
+    def _to_device(self, batch: dict) -> dict:
+        """Batch tensors onto this rank's device (pinned host memory: asynchronous copies)."""
+        nb = self.device.type == "cuda"
+        return {k: v.to(self.device, non_blocking=nb) if torch.is_tensor(v) else v for k, v in batch.items()}
 
     def _forward_step(self, data_iterator, model):
         mb = next(data_iterator)
@@ -200,8 +207,9 @@ class Trainer:
         return ce_sum, n.to(torch.int), {"lm loss": torch.stack([ce_sum.detach(), n])}
 
     def _run_schedule(self, mbs: list[dict], forward_only: bool, seq_len: int | None = None) -> torch.Tensor:
-        """Run megatron's schedule over ``mbs``; returns global [M, 2] (CE sum, tokens) per microbatch."""
-        self._ce = torch.zeros(len(mbs), 2, dtype=torch.float64)
+        """Run megatron's schedule over ``mbs``; returns global [M, 2] (CE sum, tokens) per
+        microbatch, float64 on the CPU (the one host synchronisation of a step)."""
+        self._ce = torch.zeros(len(mbs), 2, dtype=torch.float64, device=self.device)
         seq = (seq_len or self.seq) * (2 if self.cfg.model.looped and self.dims.pp > 1 else 1)
         iters = [iter(mbs) for _ in self.model]
         get_forward_backward_func()(
@@ -212,7 +220,7 @@ class Trainer:
         torch.distributed.all_reduce(ce, group=parallel_state.get_data_parallel_group())
         if self.dims.pp > 1:
             torch.distributed.all_reduce(ce, group=parallel_state.get_pipeline_model_parallel_group())
-        return ce
+        return ce.cpu()
 
     # ================================================================ train step
     def train_step(self) -> dict:
@@ -244,6 +252,8 @@ class Trainer:
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
             rec.update(self._prior_metrics(self.sampler.update(depths, ce_sums, counts)))
         self.step += 1
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # the step's kernels are done before its time is taken
         step_tokens = int(counts.sum().item()) if math.isfinite(loss) else 0
         gtokens = cfg.train.global_batch_size * self.seq
         self.tokens += gtokens
@@ -286,7 +296,7 @@ class Trainer:
         mbs = []
         for i in range(n):
             try:
-                mbs.append(dict(next(it), depth=depth, noise_seed=None, index=i))
+                mbs.append(dict(self._to_device(next(it)), depth=depth, noise_seed=None, index=i))
             except StopIteration:
                 break
         mbs = mbs[:len(mbs) // group * group]
@@ -306,7 +316,7 @@ class Trainer:
         self._stop_signal = signum
 
     def _should_stop_for_signal(self) -> bool:
-        flag = torch.tensor([1 if self._stop_signal else 0], dtype=torch.int32)
+        flag = torch.tensor([1 if self._stop_signal else 0], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 

@@ -1,5 +1,6 @@
 """Interrupted + resumed runs equal uninterrupted ones (bitwise on CPU); bad checkpoints fail clearly."""
 
+import math
 import shutil
 import signal
 import subprocess
@@ -31,6 +32,20 @@ def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     run_train(tmp_path, *STEPS, resume="auto")
     _same(metrics(tmp_path), uninterrupted)
+
+
+def test_bf16_distributed_optimizer_resume_is_bitwise(tmp_path):
+    """The GPU presets' precision path (bf16 params in megatron's Float16Module, FP32 master
+    weights in the distributed optimizer) stops and resumes exactly too."""
+    bf16 = ["train.max_steps=6", "train.save_interval=0", "model.bf16=true",
+            "parallel.distributed_optimizer=true"]
+    full = tmp_path / "full"
+    run_train(full, *bf16)
+    run_train(tmp_path / "cut", *bf16, "train.stop_after=2")
+    run_train(tmp_path / "cut", *bf16, resume="auto")
+    _same(metrics(tmp_path / "cut"), metrics(full))
+    losses = [r["loss"] for r in metrics(full)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
 
 
 def test_sigterm_checkpoints_and_requeues(tmp_path, uninterrupted):
