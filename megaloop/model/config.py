@@ -10,6 +10,7 @@ INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq
 STATE_INITS = ("normal", "zero")
 ARCHS = ("looped", "untied")
 IMPLS = ("auto", "local", "transformer_engine")
+LOCAL_ATTENTION = ("sdpa", "megatron")
 FP8_FORMATS = ("hybrid", "e4m3")
 
 
@@ -46,6 +47,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-5
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
+    local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
     fp8: str | None = None  # hybrid | e4m3 (needs TE and an FP8-capable GPU)
     bf16: bool = False  # bf16 params/compute with fp32 main params in the optimizer
 
@@ -67,6 +69,7 @@ class ModelConfig:
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
         require(self.vocab_pad_multiple >= 1, "model.vocab_pad_multiple", "must be >= 1")
         require(self.transformer_impl in IMPLS, "model.transformer_impl", f"one of {IMPLS}")
+        require(self.local_attention in LOCAL_ATTENTION, "model.local_attention", f"one of {LOCAL_ATTENTION}")
         require(self.fp8 is None or self.fp8 in FP8_FORMATS, "model.fp8", f"null or one of {FP8_FORMATS}")
         if self.arch == "looped":
             require(self.n_prelude >= 0, "model.n_prelude", "must be >= 0")

@@ -8,6 +8,7 @@ are the same for both (the local spec maps its norms onto TE's fused-norm names)
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 import importlib.util
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -80,6 +83,33 @@ class DEQInjectedSelfAttention(SelfAttention):
         return out + self.linear_qkv_inject(self._inject_e)[0], bias
 
 
+class SDPACoreAttention(DotProductAttention):
+    """megatron's local core attention computed by ``F.scaled_dot_product_attention`` (fused
+    flash/memory-efficient kernels on CPU and GPU instead of explicit [b, n, s, s] scores).
+
+    query [sq, b, n/tp, hd], key/value [sk, b, g/tp, hd] -> context [sq, b, n·hd/tp]. Causal
+    (``attn_mask_type`` causal; megaloop's models only build causal masks, so a given
+    ``attention_mask`` is that causal mask and is not re-read). GQA groups are expanded by SDPA.
+    """
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None or self.softmax_offset is not None:
+            raise NotImplementedError("SDPACoreAttention: packed sequences, attention bias and softmax "
+                                      "offsets are not supported (use megatron's DotProductAttention)")
+        if attention_mask is not None and attention_mask.shape[-2:] != (query.shape[0], key.shape[0]):
+            raise ValueError(f"SDPACoreAttention: mask {tuple(attention_mask.shape)} does not match "
+                             f"{query.shape[0]} queries x {key.shape[0]} keys")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hd]
+        p = self.attention_dropout.p if self.training else 0.0
+        causal = (attn_mask_type or self.attn_mask_type) == AttnMaskType.causal
+        with tensor_parallel.get_cuda_rng_tracker().fork() if p > 0 else nullcontext():
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal,
+                                                 scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1])
+        sq, b = query.shape[0], query.shape[1]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
 def use_transformer_engine(cfg: ModelConfig) -> bool:
     """Resolve ``transformer_impl``: TE only with CUDA and an importable TE."""
     if cfg.transformer_impl == "local":
@@ -103,6 +133,8 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
     else:
         spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        if cfg.local_attention == "sdpa":
+            spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.input_layernorm = RMSNorm
         spec.submodules.pre_mlp_layernorm = RMSNorm
     if deq_inject:

@@ -74,9 +74,13 @@ class Trainer:
         self.seq = cfg.model.seq_len
 
         from megaloop.data import build_train_loader
+        from megaloop.data.errors import DataError
 
-        self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
-                                         dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
+        try:
+            self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
+                                             dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
+        except DataError as err:
+            raise DataError(f"data.path={cfg.data.path}: {err}") from None
         manifest = getattr(self.loader, "manifest", {}) or {}
         self.vocab = cfg.model.vocab_size or int(manifest.get("vocab_size", 0))
         if self.vocab <= 0:
@@ -136,7 +140,12 @@ class Trainer:
         from megaloop.config_utils import ConfigError
         from megaloop.data.streaming import load_manifest
 
-        seq = int(load_manifest(str(path), self.cfg.data.cache_dir).get("seq_len") or self.seq)
+        from megaloop.data.errors import DataError
+
+        try:
+            seq = int(load_manifest(str(path), self.cfg.data.cache_dir).get("seq_len") or self.seq)
+        except DataError as err:
+            raise DataError(f"data.val_path={path}: {err}") from None
         if seq > self.seq:
             raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than "
                               f"model.seq_len={self.seq}")

@@ -89,6 +89,8 @@ def test_bad_config_fails_before_compute(tmp_path):
     assert "model.injection" in proc.stderr
     proc = run_train(tmp_path, "parallel.tp=2", expect=2)  # 1 process cannot host tp=2
     assert "world size 1" in proc.stderr
+    proc = run_train(tmp_path, f"data.path={tmp_path / 'no_such_data'}", expect=2)
+    assert f"data.path={tmp_path / 'no_such_data'}" in proc.stderr and "does not exist" in proc.stderr
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -36,11 +36,11 @@ def main():
     args = p.parse_args()
     single_process_megatron()
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megaloop.model.config import ModelConfig
     from megaloop.model.looped import LoopedGPT
     from megaloop.model.specs import layer_spec, transformer_config
+    from megaloop.runtime.cpu_compat import without_redirect
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -51,7 +51,7 @@ def main():
     looped = LoopedGPT(looped_cfg, tc, vocab_size=args.vocab, seed=0).to(dev, dtype)
     gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
     gtc = transformer_config(gpt_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
-    spec = layer_spec(gpt_cfg) if dev == "cuda" else get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = layer_spec(gpt_cfg)  # the looped model's layers: TE on GPU, local + SDPA attention on CPU
     gpt = GPTModel(config=gtc, transformer_layer_spec=spec, vocab_size=looped.vocab_size,
                    max_sequence_length=args.seq, position_embedding_type="rope",
                    share_embeddings_and_output_weights=False).to(dev, dtype)
@@ -64,8 +64,10 @@ def main():
             looped.zero_grad(set_to_none=True)
         return run
 
-    def step_gpt():
-        gpt(ids, pos, None, labels=ids).mean().backward()
+    def step_gpt():  # like LoopedGPT.forward, outside the CPU layer's redirect mode (no-op on GPU)
+        with without_redirect():
+            loss = gpt(ids, pos, None, labels=ids).mean()
+        loss.backward()
         gpt.zero_grad(set_to_none=True)
 
     arms = {"gpt12": step_gpt, "looped_r5_b5": step_looped(5), "looped_r5_b2": step_looped(2)}

@@ -25,6 +25,12 @@ def _row(d: dict) -> tuple[str, str] | None:
         return (f"Loop overhead ({c.get('device')}): looped R=5 step / megatron GPTModel 12 layers, d={c['hidden']}, "
                 f"s={c['seq']}, b={c['batch']}",
                 f"b=R: **{_f(r['ratio_looped_b5_over_gpt12'])}×**, b=2: {_f(r['ratio_looped_b2_over_gpt12'])}×")
+    if name.startswith("vs_plain_pytorch"):
+        t = r["model_tflops"]
+        return (f"Train step, megaloop (megatron-core layers) / plain-PyTorch looped model, same shape and FLOPs "
+                f"({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, full BPTT)",
+                f"step time **{_f(r['ratio_megaloop_over_plain_step_time'])}×** (model TFLOP/s "
+                f"{t['megaloop']:.3g} vs {t['plain_pytorch']:.3g})")
     if name == "tbptt_memory":
         s = r["summary"]
         return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
@@ -57,10 +63,36 @@ def _row(d: dict) -> tuple[str, str] | None:
     return None
 
 
+def _gpu_check_row(d: dict) -> tuple[str, str] | None:
+    """tools/gpu_check.sh's summary (copied to results/gpu_check.json on a GPU machine)."""
+    if d.get("mode") != "gpu":
+        return None
+    parts = []
+    for run, r in sorted((d.get("train") or {}).items()):
+        m = r.get("median") or {}
+        if m.get("tokens_per_s"):
+            mfu = f", MFU {100 * m['mfu']:.1f} %" if m.get("mfu") else ""
+            mem = f", peak {m['peak_mem_gib']:.1f} GiB" if m.get("peak_mem_gib") else ""
+            parts.append(f"{r.get('config') or ''} {run}: **{m['tokens_per_s']:,.0f} tokens/s**{mfu}{mem}")
+    lo = d.get("loop_overhead") or {}
+    if lo.get("ratio_looped_b5_over_gpt12"):
+        parts.append(f"loop overhead b=R {_f(lo['ratio_looped_b5_over_gpt12'])}×")
+    lg = d.get("logits") or {}
+    if "fp32_max_abs_err" in lg:
+        parts.append(f"GPU vs CPU FP32 logits max|Δ| {lg['fp32_max_abs_err']:.1e}")
+    return ("GPU check (`tools/gpu_check.sh`): training throughput, MFU, peak memory", "; ".join(parts))
+
+
 def render() -> str:
     lines = ["| benchmark | result | machine, date | command |", "|---|---|---|---|"]
     for path in sorted((HERE / "results").glob("*.json")):
         d = json.loads(path.read_text())
+        if path.stem == "gpu_check":
+            row = _gpu_check_row(d)
+            if row:
+                lines.append(f"| {row[0]} | {row[1]} | {d.get('device_name')}, {str(d.get('date', ''))[:10]} | "
+                             "`bash tools/gpu/fetch_wheels.sh` here, then `bash tools/gpu_check.sh` on the GPU |")
+            continue
         row = _row(d) if "benchmark" in d else None
         if row is None:
             continue

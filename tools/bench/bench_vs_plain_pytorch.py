@@ -1,0 +1,100 @@
+"""Training-step throughput per FLOP: megaloop's LoopedGPT (megatron-core layers; the local spec on
+CPU, Transformer Engine on GPU) vs a plain-PyTorch looped model of the same shape and weights.
+
+The plain model is megaloop's own Hugging Face export class (``MegaloopForCausalLM``: nn.Linear,
+``F.scaled_dot_product_attention``, a Python loop over recurrences), i.e. the style of the public
+looped-LM research codebases. Both arms run the same depth R with full backpropagation through
+all R recurrences (identical model FLOPs), so the step-time ratio is the throughput-per-FLOP ratio.
+Arms are alternated; medians are compared. Usage:
+    python tools/bench/bench_vs_plain_pytorch.py [--hidden 256 --heads 4 --seq 256 --batch 4 --depth 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+from common import single_process_megatron, write_result
+
+
+def timed(fn, sync) -> float:
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--bf16", action="store_true")
+    args = p.parse_args()
+    single_process_megatron()
+    from megaloop.hf.convert import hf_config_from_native, native_to_hf_state_dict
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.model.config import ModelConfig
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import transformer_config
+    from megaloop.train.flops import microbatch_flops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
+                      injection="parcae_nonorm", b_max=args.depth)
+    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    native = LoopedGPT(cfg, tc, vocab_size=args.vocab, seed=0)
+    # the plain model's weights: the same seeded initialisation built with the local spec (on CPU
+    # these are exactly the native model's weights; on GPU the native model uses TE layers)
+    ref_cfg = dataclasses.replace(cfg, bf16=False, transformer_impl="local")
+    cpu_ref = LoopedGPT(ref_cfg, transformer_config(ref_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                        vocab_size=args.vocab, seed=0)
+    hf_cfg = hf_config_from_native(cfg, vocab_size=native.vocab_size, num_recurrences=args.depth)
+    plain = MegaloopForCausalLM(hf_cfg)
+    missing, unexpected = plain.load_state_dict(native_to_hf_state_dict(cpu_ref.state_dict(), cfg), strict=False)
+    assert not unexpected and all("inv_freq" in k or "rotary" in k for k in missing), (missing, unexpected)
+    del cpu_ref
+    native = native.to(dev, dtype).train()
+    plain = plain.to(dev, dtype).train()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev,
+                        generator=torch.Generator(device=dev).manual_seed(0))
+
+    def step_native():
+        native(ids, labels=ids, depth=args.depth, backprop=args.depth, noise_seed=0).mean().backward()
+        native.zero_grad(set_to_none=True)
+
+    def step_plain():
+        plain(input_ids=ids, labels=ids, use_cache=False, num_recurrences=args.depth).loss.backward()
+        plain.zero_grad(set_to_none=True)
+
+    arms = {"megaloop": step_native, "plain_pytorch": step_plain}
+    for fn in arms.values():  # warm-up
+        fn()
+    times = {k: [] for k in arms}
+    for _ in range(args.reps):
+        for k, fn in arms.items():
+            times[k].append(timed(fn, sync))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    flops = microbatch_flops(cfg, native.vocab_size, args.seq, args.batch * args.seq, args.depth, args.depth)
+    res = {"median_step_s": med, "model_flops_per_step": flops,
+           "model_tflops": {k: flops / v / 1e12 for k, v in med.items()},
+           "ratio_megaloop_over_plain_step_time": med["megaloop"] / med["plain_pytorch"],
+           "params": sum(p.numel() for p in native.parameters())}
+    print(res)
+    cmd = "python tools/bench/bench_vs_plain_pytorch.py " + " ".join(
+        f"--{k} {v}" for k, v in vars(args).items() if not isinstance(v, bool)) + (" --bf16" if args.bf16 else "")
+    write_result("vs_plain_pytorch" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res, cmd)
+
+
+if __name__ == "__main__":
+    main()
