@@ -49,6 +49,7 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
     local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
     fp8: str | None = None  # hybrid | e4m3 (needs TE and an FP8-capable GPU)
+    recompute: bool = False  # full activation recomputation of every layer visit that backpropagates
     bf16: bool = False  # bf16 params/compute with fp32 main params in the optimizer
 
     def __post_init__(self) -> None:
@@ -71,6 +72,8 @@ class ModelConfig:
         require(self.transformer_impl in IMPLS, "model.transformer_impl", f"one of {IMPLS}")
         require(self.local_attention in LOCAL_ATTENTION, "model.local_attention", f"one of {LOCAL_ATTENTION}")
         require(self.fp8 is None or self.fp8 in FP8_FORMATS, "model.fp8", f"null or one of {FP8_FORMATS}")
+        require(not (self.recompute and self.fp8), "model.recompute",
+                "not supported with model.fp8 (a recomputed forward would update FP8 scaling statistics twice)")
         if self.arch == "looped":
             require(self.n_prelude >= 0, "model.n_prelude", "must be >= 0")
             require(self.n_core >= 1, "model.n_core", "a looped model needs n_core >= 1")

@@ -25,6 +25,7 @@ from itertools import count
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from torch.utils.checkpoint import checkpoint
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -62,8 +63,9 @@ class LayerStack(MegatronModule):
     """Physical transformer layers with globally unique ``layer_number`` s (1-based)."""
 
     def __init__(self, config: TransformerConfig, spec, numbers: list[int], vp_stage: int | None,
-                 seed: int, name: str, first_index: int = 0):
+                 seed: int, name: str, first_index: int = 0, recompute: bool = False):
         super().__init__(config=config)
+        self.recompute = recompute
         offset = get_transformer_layer_offset(
             config, vp_stage, parallel_state.get_pipeline_model_parallel_rank())
         for i, number in enumerate(numbers):
@@ -81,11 +83,29 @@ class LayerStack(MegatronModule):
     def __iter__(self):
         return iter(self._modules.values())
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None = None,
+                inject: torch.Tensor | None = None) -> torch.Tensor:
+        """[s, b, d] -> [s, b, d]; ``inject`` = e for DEQ-QKV layers. With ``recompute`` (model.recompute),
+        each layer's activations are recomputed in backward instead of kept (torch non-reentrant
+        checkpointing; RNG state restored; the injection is an input, so it is there again)."""
+        recompute = self.recompute and self.training and torch.is_grad_enabled()
         for layer in self:
-            with get_fp8_context(self.config, layer.layer_number - 1):
-                x, _ = layer(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+            if recompute:
+                x = checkpoint(self._layer, layer, x, rope, mask, inject, use_reentrant=False)
+            else:
+                x = self._layer(layer, x, rope, mask, inject)
         return x
+
+    def _layer(self, layer, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | None,
+               inject: torch.Tensor | None) -> torch.Tensor:
+        if inject is not None:
+            layer.self_attention.set_injection(inject)
+        try:
+            with get_fp8_context(self.config, layer.layer_number - 1):
+                return layer(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)[0]
+        finally:
+            if inject is not None:
+                layer.self_attention.set_injection(None)
 
 
 def split_recurrences(r: int, stages: int, pre: float, core: float, post: float) -> list[tuple[int, int]]:
@@ -143,22 +163,22 @@ class LoopedGPT(LanguageModule):
         if cfg.looped:
             if pre_process and cfg.n_prelude:
                 self.prelude = LayerStack(config, spec, list(range(1, cfg.n_prelude + 1)),
-                                          vp_stage, seed, "prelude")
+                                          vp_stage, seed, "prelude", recompute=cfg.recompute)
             first_core = cfg.n_prelude + 1
             inject_spec = layer_spec(cfg, deq_inject=cfg.injection == "deq_qkv")
-            self.core = LayerStack(config, inject_spec,
-                                   list(range(first_core, first_core + cfg.n_core)), vp_stage, seed, "core")
+            self.core = LayerStack(config, inject_spec, list(range(first_core, first_core + cfg.n_core)),
+                                   vp_stage, seed, "core", recompute=cfg.recompute)
             torch.manual_seed(stable_seed(seed, "injection"))
             self.injection = build_injection(cfg.injection, config)
             self._mark_core_replicas()
             if post_process and cfg.n_coda:
                 first_coda = first_core + cfg.n_core
                 self.coda = LayerStack(config, spec, list(range(first_coda, first_coda + cfg.n_coda)),
-                                       vp_stage, seed, "coda")
+                                       vp_stage, seed, "coda", recompute=cfg.recompute)
         else:
             lo, hi = self._untied_layer_range(cfg.num_layers)
             self.layers = LayerStack(config, spec, list(range(lo + 1, hi + 1)), vp_stage, seed, "layers",
-                                     first_index=lo)
+                                     first_index=lo, recompute=cfg.recompute)
         if post_process:
             self.final_norm = RMSNorm(config, cfg.hidden_size, eps=cfg.norm_eps)
             torch.manual_seed(stable_seed(seed, "output_layer"))
@@ -239,15 +259,8 @@ class LoopedGPT(LanguageModule):
     def recur(self, h: torch.Tensor, e: torch.Tensor, ctx, rope: torch.Tensor) -> torch.Tensor:
         """One recurrence h^{r+1} = exit(Γ(Inject(h^r, e)))."""
         z = self.injection(h, ctx)
-        if self.injection.uses_qkv_injection:
-            for layer in self.core:
-                layer.self_attention.set_injection(e)
-        try:
-            z = self.core(z, rope, self.causal_mask(z.shape[0], z.device))
-        finally:
-            if self.injection.uses_qkv_injection:
-                for layer in self.core:
-                    layer.self_attention.set_injection(None)
+        z = self.core(z, rope, self.causal_mask(z.shape[0], z.device),
+                      inject=e if self.injection.uses_qkv_injection else None)
         return self.injection.exit(z)
 
     def run_recurrences(self, h: torch.Tensor, e: torch.Tensor, lo: int, hi: int, depth: int,

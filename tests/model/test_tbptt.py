@@ -99,3 +99,33 @@ def test_param_count_matches_built_model(megatron_world, injection):
     model = _model(injection)
     counted = param_count(model.cfg, 64)["total"]
     assert counted == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("injection", ["parcae_nonorm", "deq_qkv"])
+def test_recompute_gives_the_same_gradients(megatron_world, injection):
+    """model.recompute (activation checkpointing of every layer visit) changes memory, not maths;
+    DEQ-QKV's injected e is a checkpoint input, so the recomputed forward sees it too."""
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    grads, losses = [], []
+    for recompute in (False, True):
+        cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, b_max=10,
+                          recompute=recompute)
+        model = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                          vocab_size=64, seed=3)
+        loss = model(ids, labels=ids, depth=5, backprop=3, noise_seed=7).sum()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(_grads(model))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    for n, g in grads[0].items():
+        assert (g is None) == (grads[1][n] is None), n
+        if g is not None:
+            assert torch.allclose(g, grads[1][n], rtol=1e-5, atol=1e-7), n
+    assert grads[1]["core.0.self_attention.linear_qkv.weight"].abs().sum() > 0
+
+
+def test_recompute_with_fp8_is_refused():
+    from megaloop.config_utils import ConfigError
+
+    with pytest.raises(ConfigError, match="model.recompute"):
+        ModelConfig(hidden_size=32, num_heads=2, recompute=True, fp8="hybrid")
