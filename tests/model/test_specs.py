@@ -1,0 +1,40 @@
+"""Layer specs: the SDPA core attention equals megatron's explicit-scores attention."""
+
+import pytest
+import torch
+
+from megaloop.model.config import ModelConfig
+from megaloop.model.looped import LoopedGPT
+from megaloop.model.specs import SDPACoreAttention, transformer_config
+
+
+def _model(attention: str, groups: int | None):
+    cfg = ModelConfig(hidden_size=64, num_heads=4, num_query_groups=groups, seq_len=16,
+                      injection="deq_qkv", local_attention=attention)
+    return LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                     vocab_size=128, seed=11)
+
+
+@pytest.mark.parametrize("groups", [None, 2, 1])  # MHA, GQA, MQA
+def test_sdpa_attention_matches_megatron_attention(megatron_world, groups):
+    ids = torch.randint(0, 128, (3, 16), generator=torch.Generator().manual_seed(2))
+    out, grads = {}, {}
+    for attention in ("sdpa", "megatron"):
+        model = _model(attention, groups)
+        uses_sdpa = isinstance(next(iter(model.core)).self_attention.core_attention, SDPACoreAttention)
+        assert uses_sdpa == (attention == "sdpa")
+        loss = model(ids, labels=ids, depth=4, backprop=2, noise_seed=3)
+        loss.sum().backward()
+        out[attention] = loss.detach()
+        grads[attention] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(out["sdpa"], out["megatron"], rtol=1e-5, atol=1e-5)
+    assert grads["sdpa"].keys() == grads["megatron"].keys()
+    for n, g in grads["sdpa"].items():
+        torch.testing.assert_close(g, grads["megatron"][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_unknown_local_attention_is_refused():
+    from megaloop.config_utils import ConfigError
+
+    with pytest.raises(ConfigError, match="model.local_attention"):
+        ModelConfig(hidden_size=32, num_heads=2, local_attention="flash")
