@@ -6,5 +6,24 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/_setup.sh"
 cd "$ROOT"
 export WANDB_MODE=offline
+# A second interpreter with transformers 5.x and no megaloop: the HF export must load and generate
+# there too (tests/hf/test_hf_transformers5.py). Set MEGALOOP_TF5_PYTHON to use another one.
+if [ -z "${MEGALOOP_TF5_PYTHON:-}" ]; then
+  TF5_VENV="${MEGALOOP_TF5_VENV:-$ROOT/.venv-tf5}"
+  TF5_PINS="torch==2.13.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0"
+  if [ ! -f "$TF5_VENV/.megaloop-stamp" ] || [ "$(cat "$TF5_VENV/.megaloop-stamp")" != "$TF5_PINS" ]; then
+    echo "[megaloop] creating $TF5_VENV (transformers 5, for the HF export test)"
+    "$PY" -m venv "$TF5_VENV"
+    # shellcheck disable=SC2086  # the pins are separate words
+    if ! "$TF5_VENV/bin/python" -m pip install -q --disable-pip-version-check $TF5_PINS \
+        >"$TF5_VENV/.install.log" 2>&1; then
+      tail -20 "$TF5_VENV/.install.log" >&2
+      echo "[megaloop] pip install into $TF5_VENV failed" >&2
+      exit 1
+    fi
+    echo "$TF5_PINS" > "$TF5_VENV/.megaloop-stamp"
+  fi
+  export MEGALOOP_TF5_PYTHON="$TF5_VENV/bin/python"
+fi
 export MEGALOOP_CACHE="${MEGALOOP_CACHE:-$ROOT/.cache/megaloop}"
 python -m pytest tests -q --timeout 900 "$@"

@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from .configuration_megaloop import MegaloopConfig
 
 
+def one_cache(past_key_values, cache):
+    """The cache passed under either name: ``past_key_values`` (transformers 4.x, 5.x) or ``cache``
+    (the name recent transformers 5.x use in generate() and model outputs)."""
+    if past_key_values is not None and cache is not None and past_key_values is not cache:
+        raise ValueError("pass the cache as past_key_values or as cache, not both")
+    return cache if cache is not None else past_key_values
+
+
 class _Bank:
     """Growable K/V storage [b, kv_heads, capacity, hd] of one bank; ``n`` tokens are valid."""
 
@@ -58,6 +66,12 @@ class MegaloopCache:
     num_recurrences=P)`` (prefill); then ``model(next_token, past_key_values=cache,
     num_recurrences=D)`` per decoded token. ``generate`` creates one from ``config.kv_cache_mode``.
     """
+
+    # Flags transformers' generate() reads on its caches (5.x): never compiled around, no past-recording
+    # rollback (so no deferred stop checks / assisted decoding), attention (not linear-recurrent) layers.
+    is_compileable = False
+    is_croppable = False
+    is_linear = (False,)
 
     def __init__(self, config: MegaloopConfig, mode: Optional[str] = None):
         self.mode = mode or config.kv_cache_mode

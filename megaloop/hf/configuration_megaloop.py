@@ -11,7 +11,10 @@ Depth and cache behaviour are plain config fields, so they can be overridden at 
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
+try:  # transformers >= 5 (the old spelling remains there as an alias)
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
 
 INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv")
 ARCHS = ("looped", "untied")
@@ -19,7 +22,7 @@ STATE_INITS = ("normal", "zero")
 KV_CACHE_MODES = ("terminal", "per_visit")
 
 
-class MegaloopConfig(PretrainedConfig):
+class MegaloopConfig(PreTrainedConfig):
     r"""Shapes, recipe and inference budgets of a megaloop model.
 
     Architecture (``arch="looped"``): embedding → ``n_prelude`` layers (output ``e``) → state
@@ -59,7 +62,7 @@ class MegaloopConfig(PretrainedConfig):
     """
 
     model_type = "megaloop"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
         self,

@@ -415,7 +415,8 @@ def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
     eos, bos = name(info["eos"]), name(info["bos"])
     pad = name(info["pad"]) or eos
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos, pad_token=pad,
-                                  model_max_length=max_len)
+                                  model_max_length=max_len,
+                                  model_input_names=["input_ids", "attention_mask"])  # no token_type_ids
     tok.save_pretrained(str(out))
 
 
@@ -480,7 +481,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
     out.mkdir(parents=True, exist_ok=True)
     target = DTYPES[dtype]
     hf_model.to(target)
-    hf_model.config.torch_dtype = target
+    hf_model.config.dtype = target  # `torch_dtype` is deprecated since transformers 4.56
     gen = hf_model.generation_config
     gen.bos_token_id, gen.eos_token_id = special["bos"], special["eos"]
     gen.pad_token_id = special["pad"] if special["pad"] is not None else special["eos"]

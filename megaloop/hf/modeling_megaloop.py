@@ -34,11 +34,12 @@ new tokens' depth-``r`` KV, causally, plus the cached prefix banks); afterwards 
 Depth of a forward: ``num_recurrences`` when passed; else a one-token forward over a non-empty
 cache uses ``decode_recurrences`` and any other forward ``prefill_recurrences`` (both default to
 ``config.num_recurrences``). Without a cache (``use_cache=False``) a forward is the native
-parallel forward at that depth.
+parallel forward at that depth. Runs under transformers 4.57 and 5.x (APIs detected by feature).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from typing import Optional, Union
 
@@ -48,10 +49,14 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .cache_megaloop import MegaloopCache, _Bank  # noqa: F401  (re-exported)
+from .cache_megaloop import MegaloopCache, _Bank, one_cache  # noqa: F401  (re-exported)
 from .configuration_megaloop import MegaloopConfig
 
 EVAL_NOISE_STRIDE = 1_000_003
+# transformers APIs that differ (4.57 … 5.x), detected by feature: recent 5.x name the outputs' cache field
+# ``cache`` (``past_key_values`` warns); 5.x generate() passes ``next_sequence_length``, 4.x ``cache_position``.
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+GENERATE_V5 = "next_sequence_length" in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -91,7 +96,6 @@ def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
 
-# ----------------------------------------------------------------------------- cache
 # ----------------------------------------------------------------------------- modules
 class MegaloopRMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
@@ -212,12 +216,11 @@ class DiagonalInjection(nn.Module):
 
     def reset_parameters(self) -> None:
         delta0 = 0.5 * math.log(5.0) if self.variant in ("parcae_decay", "orthoinj") else 1.0
-        with torch.no_grad():
-            self.delta_raw.fill_(inverse_softplus(delta0))
-            self.alpha_log.zero_()
-            self.proj.copy_(torch.eye(self.proj.shape[0]))
-            if self.norm_weight is not None:
-                self.norm_weight.fill_(1.0)
+        nn.init.constant_(self.delta_raw, inverse_softplus(delta0))
+        nn.init.zeros_(self.alpha_log)
+        nn.init.eye_(self.proj)
+        if self.norm_weight is not None:
+            nn.init.ones_(self.norm_weight)
 
     def prepare(self, e):
         e_t = rms_norm(e, self.norm_weight, self.eps) if self.norm_weight is not None else e
@@ -268,25 +271,27 @@ class MegaloopPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = False
     _no_split_modules = ["MegaloopLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
 
     def _init_weights(self, module: nn.Module) -> None:
+        # torch.nn.init on the parameters themselves (never ``.data``): transformers 5.x guards these
+        # functions so that weights already loaded from a checkpoint are not re-initialized.
         std = self.config.initializer_range
         if isinstance(module, HuginnInjection):
             module.adapter.reset_parameters()  # torch's default Linear init (as the native model)
         elif isinstance(module, nn.Linear):
-            module.weight.data.normal_(0.0, std)
+            nn.init.normal_(module.weight, 0.0, std)
             if module.bias is not None:
-                module.bias.data.zero_()
+                nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            module.weight.data.normal_(0.0, std)
+            nn.init.normal_(module.weight, 0.0, std)
         elif isinstance(module, MegaloopRMSNorm):
-            module.weight.data.fill_(1.0)
+            nn.init.ones_(module.weight)
         elif isinstance(module, DiagonalInjection):
             module.reset_parameters()
         elif isinstance(module, MegaloopAttention) and module.inject:
             for lin in (module.q_inject, module.k_inject, module.v_inject):
-                lin.weight.data.normal_(0.0, self.config.deq_std)
+                nn.init.normal_(lin.weight, 0.0, self.config.deq_std)
 
 
 class MegaloopModel(MegaloopPreTrainedModel):
@@ -390,17 +395,18 @@ class MegaloopModel(MegaloopPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         num_recurrences: Optional[int] = None,
+        cache: Optional[MegaloopCache] = None,
         **kwargs,
     ) -> Union[tuple, BaseModelOutputWithPast]:
         cfg = self.config
         use_cache = cfg.use_cache if use_cache is None else use_cache
         output_hidden_states = output_hidden_states if output_hidden_states is not None else cfg.output_hidden_states
-        return_dict = return_dict if return_dict is not None else cfg.use_return_dict
+        return_dict = return_dict if return_dict is not None else getattr(cfg, "return_dict", True)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids or inputs_embeds")
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, s, _ = x.shape
-        cache = past_key_values
+        cache = one_cache(past_key_values, cache)
         if cache is not None and not (hasattr(cache, "read") and hasattr(cache, "commit")):  # not a MegaloopCache
             if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
                 cache = None  # an empty generic HF cache: replace it with ours
@@ -458,8 +464,8 @@ class MegaloopModel(MegaloopPreTrainedModel):
         x = self.norm(x)
         if not return_dict:
             return tuple(t for t in (x, cache, tuple(states) if states else None) if t is not None)
-        return BaseModelOutputWithPast(last_hidden_state=x, past_key_values=cache,
-                                       hidden_states=tuple(states) if states else None)
+        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=tuple(states) if states else None,
+                                       **{CACHE_FIELD: cache})
 
 
 class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
@@ -470,7 +476,8 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
     the last layer's output.
     """
 
-    _tied_weights_keys = ["lm_head.weight"]
+    # a dict (target -> source) for transformers 5; 4.x iterates it like the old list of targets
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config: MegaloopConfig):
         super().__init__(config)
@@ -528,17 +535,22 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         num_recurrences: Optional[int] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        cache: Optional[MegaloopCache] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
         **kwargs,
     ) -> Union[tuple, CausalLMOutputWithPast]:
         """Logits [b, s, vocab_size]; ``labels`` (HF convention, shifted inside, -100 ignored) add
-        the mean CE. ``num_recurrences`` overrides the depth budget of this call."""
-        return_dict = return_dict if return_dict is not None else self.config.use_return_dict
+        the mean CE. ``num_recurrences`` overrides the depth budget of this call. The cache may be
+        passed as ``past_key_values`` or ``cache``; ``token_type_ids`` (from tokenizers) are ignored."""
+        return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
+        past_key_values = one_cache(past_key_values, cache)
         if labels is not None and use_cache is None and past_key_values is None:
             use_cache = False  # a scoring/training forward needs no cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          output_hidden_states=output_hidden_states, return_dict=True,
                          num_recurrences=num_recurrences)
+        past_key_values = getattr(out, CACHE_FIELD)
         h = out.last_hidden_state
         if isinstance(logits_to_keep, int):
             h = h[:, -logits_to_keep:] if logits_to_keep else h
@@ -551,37 +563,38 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
             shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
             loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
         if not return_dict:
-            rest = (logits, out.past_key_values, out.hidden_states)
-            rest = tuple(t for t in rest if t is not None)
+            rest = tuple(t for t in (logits, past_key_values, out.hidden_states) if t is not None)
             return ((loss,) + rest) if loss is not None else rest
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values,
-                                      hidden_states=out.hidden_states)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
+                                      **{CACHE_FIELD: past_key_values})
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None,
-                                      inputs_embeds=None, use_cache=True, **kwargs):
+                                      inputs_embeds=None, use_cache=True, cache=None, next_sequence_length=None,
+                                      is_first_iteration=None, cache_position=None, **kwargs):
+        """Inputs of one generate() step for transformers 4.x (``past_key_values``, ``cache_position``)
+        and 5.x (``cache`` or ``past_key_values``, ``next_sequence_length``, ``is_first_iteration``)."""
+        past_key_values = one_cache(past_key_values, cache)
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past:
-            input_ids = input_ids[:, past:]
-            inputs_embeds = None
+        if GENERATE_V5:  # tokens to run: the new ones (None = all the given ones)
+            n = next_sequence_length
+            use_embeds = inputs_embeds is not None and bool(is_first_iteration)
+        else:
+            n = cache_position.shape[0] if cache_position is not None else (input_ids.shape[1] - past or None)
+            use_embeds = inputs_embeds is not None and past == 0
+        keep = slice(-n, None) if n else slice(None)
+        inputs_embeds, input_ids = (inputs_embeds[:, keep], None) if use_embeds else (None, input_ids[:, keep])
         position_ids = kwargs.get("position_ids")
         if position_ids is None and attention_mask is not None and not bool(attention_mask.all()):
             # left padding: positions count real tokens only (rotary and eval state init)
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         if position_ids is not None:
-            n = input_ids.shape[1] if inputs_embeds is None else inputs_embeds.shape[1]
-            position_ids = position_ids[:, -n:]
-        inputs = {"input_ids": input_ids if inputs_embeds is None else None, "inputs_embeds": inputs_embeds,
+            position_ids = position_ids[:, -(input_ids if inputs_embeds is None else inputs_embeds).shape[1]:]
+        inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds,
                   "past_key_values": past_key_values, "attention_mask": attention_mask,
                   "position_ids": position_ids, "use_cache": use_cache}
-        for key in ("num_recurrences", "logits_to_keep", "output_hidden_states"):
-            if key in kwargs:
-                inputs[key] = kwargs[key]
-        return inputs
-
-    @staticmethod
-    def _reorder_cache(past_key_values: MegaloopCache, beam_idx: torch.LongTensor) -> MegaloopCache:
-        past_key_values.reorder_cache(beam_idx)
-        return past_key_values
+        extra = ("num_recurrences", "logits_to_keep", "output_hidden_states")
+        inputs.update({k: v for k, v in kwargs.items() if k in extra})
+        return inputs  # (beam search reorders the cache through MegaloopCache.reorder_cache)
 
 
 __all__ = ["MegaloopCache", "MegaloopForCausalLM", "MegaloopModel", "MegaloopPreTrainedModel", "eval_noise"]
