@@ -12,6 +12,9 @@ ARCHS = ("looped", "untied")
 IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTION = ("sdpa", "megatron")
 FP8_FORMATS = ("hybrid", "e4m3")
+# tensorwise (current scaling) is the default: delayed scaling reduces amaxes over the amax group at
+# every fp8_autocast exit, i.e. once per layer *visit* here (the core runs R times per step)
+FP8_RECIPES = ("tensorwise", "delayed", "mxfp8", "blockwise")
 
 
 @dataclass
@@ -49,6 +52,7 @@ class ModelConfig:
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
     local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
     fp8: str | None = None  # hybrid | e4m3 (needs TE and an FP8-capable GPU)
+    fp8_recipe: str = "tensorwise"  # TE scaling recipe (megatron's fp8_recipe); see FP8_RECIPES
     recompute: bool = False  # full activation recomputation of every layer visit that backpropagates
     bf16: bool = False  # bf16 params/compute with fp32 main params in the optimizer
 
@@ -72,6 +76,10 @@ class ModelConfig:
         require(self.transformer_impl in IMPLS, "model.transformer_impl", f"one of {IMPLS}")
         require(self.local_attention in LOCAL_ATTENTION, "model.local_attention", f"one of {LOCAL_ATTENTION}")
         require(self.fp8 is None or self.fp8 in FP8_FORMATS, "model.fp8", f"null or one of {FP8_FORMATS}")
+        require(self.fp8_recipe in FP8_RECIPES, "model.fp8_recipe", f"one of {FP8_RECIPES}")
+        if self.fp8:  # TE FP8 GEMMs need feature dims that are multiples of 16
+            require(self.hidden_size % 16 == 0 and self.ffn_size % 16 == 0, "model.fp8",
+                    f"hidden_size {self.hidden_size} and SwiGLU width {self.ffn_size} must be multiples of 16")
         require(not (self.recompute and self.fp8), "model.recompute",
                 "not supported with model.fp8 (a recomputed forward would update FP8 scaling statistics twice)")
         if self.arch == "looped":

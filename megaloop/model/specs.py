@@ -116,8 +116,8 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
         return False
     has_te = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
     if has_te:
-        try:
-            import transformer_engine  # noqa: F401  # binary wheels can raise RuntimeError
+        try:  # the PyTorch extension, not only the package (binary wheels can raise RuntimeError)
+            import transformer_engine.pytorch  # noqa: F401
         except Exception:  # pragma: no cover - GPU only
             has_te = False
     if cfg.transformer_impl == "transformer_engine" and not has_te:
@@ -153,6 +153,8 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
     te = use_transformer_engine(cfg)
     if cfg.fp8 and not te:
         raise ConfigError("model.fp8: FP8 needs Transformer Engine on a CUDA device")
+    if cfg.fp8 and (cfg.ffn_size // tp) % 16:
+        raise ConfigError(f"model.fp8: the SwiGLU width per TP rank ({cfg.ffn_size} / {tp}) must be a multiple of 16")
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     tc = TransformerConfig(
         num_layers=max(cfg.physical_layers, pp),
@@ -188,7 +190,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         cross_entropy_loss_fusion=False,
         deallocate_pipeline_outputs=False,
         fp8=cfg.fp8,
-        fp8_recipe="delayed" if cfg.fp8 else None,
+        fp8_recipe=cfg.fp8_recipe if cfg.fp8 else None,
     )
     tc.deq_std = cfg.deq_std  # read by DEQInjectedSelfAttention
     return tc

@@ -152,6 +152,18 @@ def _keep_adam_step_on_load(optimizer):
             del opt._set_main_param_and_optimizer_states
 
 
+def load_model_state(module: torch.nn.Module, state: dict, *, strict: bool, where: str) -> None:
+    """``load_state_dict`` that tolerates missing ``*._extra_state`` entries: Transformer Engine
+    modules without sharded state (e.g. TE's core attention) still report ``_extra_state`` in
+    ``state_dict()``, but megatron never saves it (as Megatron-LM's own loader tolerates). Any other
+    missing or unexpected key fails under ``strict``, naming the checkpoint."""
+    res = module.load_state_dict(state, strict=False)
+    missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+    if strict and (missing or res.unexpected_keys):
+        raise CheckpointError(f"checkpoint {where} does not match the model: missing {missing[:8]}, "
+                              f"unexpected {list(res.unexpected_keys)[:8]}")
+
+
 def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
@@ -287,7 +299,7 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: "
                                   f"{str(err).splitlines()[0] if str(err) else ''}") from err
         for i, chunk in enumerate(model_chunks):
-            unwrap(chunk).load_state_dict(loaded[f"model{i}"], strict=strict)
+            load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:
             with _keep_adam_step_on_load(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])

@@ -72,6 +72,11 @@ class Trainer:
                               f"per step to be a multiple of parallel.pp={par.pp}")
         self.mbs = cfg.train.micro_batch_size
         self.seq = cfg.model.seq_len
+        if cfg.model.fp8 and (self.seq * self.mbs) % 16:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"model.fp8: tokens per microbatch (seq_len {self.seq} x micro_batch_size "
+                              f"{self.mbs}) must be a multiple of 16 for FP8 GEMMs")
 
         from megaloop.data import build_train_loader
         from megaloop.data.errors import DataError
@@ -149,6 +154,9 @@ class Trainer:
         if seq > self.seq:
             raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than "
                               f"model.seq_len={self.seq}")
+        if self.cfg.model.fp8 and (seq * self.mbs) % 16:
+            raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences; with model.fp8, "
+                              f"seq x micro_batch_size {self.mbs} must be a multiple of 16")
         return str(path), seq
 
     def _end_step(self) -> int:

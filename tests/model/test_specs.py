@@ -38,3 +38,15 @@ def test_unknown_local_attention_is_refused():
 
     with pytest.raises(ConfigError, match="model.local_attention"):
         ModelConfig(hidden_size=32, num_heads=2, local_attention="flash")
+
+
+def test_fp8_settings_are_validated_before_compute():
+    from megaloop.config_utils import ConfigError
+
+    with pytest.raises(ConfigError, match="model.fp8_recipe"):
+        ModelConfig(hidden_size=32, num_heads=2, fp8_recipe="bogus")
+    with pytest.raises(ConfigError, match="model.fp8: hidden_size 40"):
+        ModelConfig(hidden_size=40, num_heads=2, fp8="hybrid")
+    with pytest.raises(ConfigError, match="model.fp8: FP8 needs Transformer Engine"):  # no TE/CUDA here
+        transformer_config(ModelConfig(hidden_size=32, num_heads=2, fp8="hybrid"), tp=1, pp=1, vpp=None,
+                           sequence_parallel=False)
