@@ -1,0 +1,33 @@
+"""TxT360 file discovery on the published layout (a CommonCrawl dump level above the buckets)."""
+
+import gzip
+import json
+
+from megaloop.data.txt360 import NO_BUCKET, discover, read_jsonl
+
+
+def _write(path, texts, gz=False):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = "".join(json.dumps({"text": t, "meta": {"n": i}}) + "\n" for i, t in enumerate(texts))
+    if gz:
+        with gzip.open(path, "wt", encoding="utf-8") as f:
+            f.write(lines)
+    else:
+        path.write_text(lines)
+
+
+def test_published_layout_with_dump_level(tmp_path):
+    root = tmp_path / "TxT360"
+    _write(root / "data/common-crawl/CC-MAIN-2013-20/1-1/chunk_000_0000.jsonl.gz", ["a", "b"], gz=True)
+    _write(root / "data/common-crawl/CC-MAIN-2013-48/2-5/chunk_000_0001.jsonl.gz", ["c"], gz=True)
+    _write(root / "data/arxiv/11-100/0_0.jsonl", ["d"])
+    _write(root / "data/wiki/en/extra.jsonl", ["e"])  # no bucket directory
+    found = {f.part: (f.source, f.bucket) for f in discover(root)}
+    assert found == {
+        "common-crawl/CC-MAIN-2013-20/1-1/chunk_000_0000": ("common-crawl", "1-1"),
+        "common-crawl/CC-MAIN-2013-48/2-5/chunk_000_0001": ("common-crawl", "2-5"),
+        "arxiv/11-100/0_0": ("arxiv", "11-100"),
+        "wiki/en/extra": ("wiki", NO_BUCKET),
+    }
+    cc = next(f for f in discover(root, sources=["common-crawl"]) if f.bucket == "1-1")
+    assert [t for _, t in read_jsonl(cc.path)] == ["a", "b"]
