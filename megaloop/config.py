@@ -139,6 +139,10 @@ class RunConfig:
         require(self.optim.warmup_steps < self.train.max_steps or self.optim.warmup_steps == 0,
                 "optim.warmup_steps", f"{self.optim.warmup_steps} must be < train.max_steps "
                 f"({self.train.max_steps}), the schedule horizon")
+        tokens = self.model.seq_len * self.train.micro_batch_size
+        require(not self.model.fp8 or tokens % 16 == 0, "model.fp8",
+                f"tokens per microbatch (seq_len {self.model.seq_len} x train.micro_batch_size "
+                f"{self.train.micro_batch_size}) must be a multiple of 16 for FP8 GEMMs")
         if self.model.looped and self.depth.kind == "fixed":
             require(self.depth.depth >= 1, "depth.depth", "must be >= 1")
 

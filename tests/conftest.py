@@ -26,6 +26,17 @@ def megatron_world():
     # left initialised for the whole session (tear-down races with gloo at exit otherwise)
 
 
+@pytest.fixture
+def one_thread():
+    """Run the test with one intra-op thread (small models: threads only add scheduling noise)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 

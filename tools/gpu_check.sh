@@ -128,14 +128,17 @@ train_run() {
 
 RUNS_EXPECTED=("$PREC")
 train_run "$PREC" "$T_TRAIN"  # the S preset is bf16, the smoke mode's tiny preset FP32
-if "$PY" -c "import transformer_engine" >/dev/null 2>&1; then
+if "$PY" -c "import json, sys; sys.exit(not json.load(open(sys.argv[1])).get('transformer_engine'))" \
+    "$OUT/device.json" 2>/dev/null; then  # the probe asked the trainer's own TE check
   RUNS_EXPECTED+=(fp8)
   train_run fp8 "$T_FP8" model.fp8=hybrid
 else
-  echo "== train_fp8 skipped: transformer_engine does not import"
+  echo "== train_fp8 skipped: the trainer would not use Transformer Engine here (see device.json)"
 fi
 
-run_step loop_overhead "$T_BENCH" "$PY" tools/gpu/run_bench.py "$OUT" "${BENCH_ARGS[@]}"
+# the result goes to $OUT (only $OUT comes back from the GPU machine; never over the committed CPU file)
+run_step loop_overhead "$T_BENCH" env MEGALOOP_BENCH_RESULTS="$OUT" "$PY" tools/bench/bench_loop_overhead.py \
+  "${BENCH_ARGS[@]}"
 
 set +e
 summarize --runs "${RUNS_EXPECTED[@]}"

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, config_dict,
                                                   evaluate_student, save_student, token_stream, train_student,
                                                   window_batches)
-    from megaloop.rl.io import load_model, load_tokenizer
+    from megaloop.rl.io import load_model, model_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if not teacher.config.looped:
         print("error: the teacher is not a looped model", file=sys.stderr)
         return 2
-    tok = load_tokenizer(args.tokenizer, fallback_dir=args.teacher if source["kind"] == "hf" else None)
-    if tok is None and source.get("tokenizer"):
-        tok = load_tokenizer(source["tokenizer"])
+    tok = model_tokenizer(args.tokenizer, args.teacher, source)
     if tok is None:
         print(f"error: no tokenizer found for {args.teacher}; pass --tokenizer", file=sys.stderr)
         return 2

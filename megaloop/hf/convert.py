@@ -524,7 +524,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     from megaloop.config import RunConfig
     from megaloop.model.build import build_model, unwrap
     from megaloop.runtime.parallel import ParallelDims, init_distributed
-    from megaloop.train.checkpoint import CheckpointManager
+    from megaloop.train.checkpoint import CheckpointError, CheckpointManager, load_model_state
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -539,10 +539,10 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
                             seed=seed, ddp=False)
     native = unwrap(chunks[0])
     sd = hf_to_native_state_dict(model.state_dict(), cfg)
-    missing, unexpected = native.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise ConversionError(f"HF -> megaloop mapping mismatch: missing {missing}, unexpected {unexpected}")
+    try:
+        load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
     run = RunConfig(model=mcfg)
     return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                          "source": str(hf_dir)})

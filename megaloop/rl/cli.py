@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megaloop.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
-    from megaloop.rl.io import load_model, load_tokenizer, save_hf
+    from megaloop.rl.io import load_model, model_tokenizer, save_hf
     from megaloop.rl.tasks import make_task
 
     if args.threads:
@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     model, source = load_model(args.model, num_recurrences=args.recurrences)
-    tok = load_tokenizer(args.tokenizer, fallback_dir=args.model if source["kind"] == "hf" else None)
-    if tok is None and source.get("tokenizer"):
-        tok = load_tokenizer(source["tokenizer"])
+    tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
         print(f"error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
         return 2

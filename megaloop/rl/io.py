@@ -41,6 +41,15 @@ def load_tokenizer(spec: str | Path | None, fallback_dir: str | Path | None = No
     return _load(spec)
 
 
+def model_tokenizer(explicit: str | Path | None, model_path: str | Path, source: dict) -> TextTokenizer | None:
+    """The tokenizer for a model from :func:`load_model`: ``explicit`` (``--tokenizer``), else the
+    HF folder's own, else the one its checkpoint's run used; None if none is found."""
+    tok = load_tokenizer(explicit, fallback_dir=model_path if source["kind"] == "hf" else None)
+    if tok is None and source.get("tokenizer"):
+        tok = load_tokenizer(source["tokenizer"])
+    return tok
+
+
 def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, num_recurrences: int | None = None):
     """``(MegaloopForCausalLM in eval mode, source description)`` from an HF folder or a megaloop
     checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``; converted in memory, no validation)."""

@@ -72,11 +72,6 @@ class Trainer:
                               f"per step to be a multiple of parallel.pp={par.pp}")
         self.mbs = cfg.train.micro_batch_size
         self.seq = cfg.model.seq_len
-        if cfg.model.fp8 and (self.seq * self.mbs) % 16:
-            from megaloop.config_utils import ConfigError
-
-            raise ConfigError(f"model.fp8: tokens per microbatch (seq_len {self.seq} x micro_batch_size "
-                              f"{self.mbs}) must be a multiple of 16 for FP8 GEMMs")
 
         from megaloop.data import build_train_loader
         from megaloop.data.errors import DataError

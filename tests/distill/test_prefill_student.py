@@ -16,12 +16,7 @@ from megaloop.rl.tasks import ByteTokenizer
 from tests.rl.helpers import corpus_ids, tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _random_teacher(injection="parcae_nonorm", **kw):

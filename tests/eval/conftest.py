@@ -11,17 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import ROOT
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):  # every evaluation test (tests/conftest.py)
     yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

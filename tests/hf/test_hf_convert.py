@@ -27,12 +27,7 @@ VARIANTS = {  # name -> ModelConfig overrides
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def make_tokenizer(path: Path) -> Path:

@@ -18,12 +18,7 @@ from tests.inference.helpers import make_engine
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_prefill_is_the_parallel_pass_then_terminal_banks():

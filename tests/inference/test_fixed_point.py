@@ -13,12 +13,7 @@ from megaloop.inference.fixed_point import Criteria, LoopedStepper, check_span, 
 from tests.inference.helpers import make_model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _map(fn):

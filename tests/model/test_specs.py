@@ -50,3 +50,8 @@ def test_fp8_settings_are_validated_before_compute():
     with pytest.raises(ConfigError, match="model.fp8: FP8 needs Transformer Engine"):  # no TE/CUDA here
         transformer_config(ModelConfig(hidden_size=32, num_heads=2, fp8="hybrid"), tp=1, pp=1, vpp=None,
                            sequence_parallel=False)
+    from megaloop.config import RunConfig, TrainConfig
+
+    with pytest.raises(ConfigError, match="model.fp8: tokens per microbatch"):
+        RunConfig(model=ModelConfig(hidden_size=32, num_heads=2, seq_len=9, fp8="hybrid"),
+                  train=TrainConfig(global_batch_size=1, micro_batch_size=1))

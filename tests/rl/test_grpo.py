@@ -16,12 +16,7 @@ from megaloop.rl.tasks import (ArithmeticTask, ByteTokenizer, CallableRewardTask
                                FinalNumberReward, JsonlTask, RewardFn, make_task)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def digit_share(example: Example, completion: str) -> float:

@@ -11,12 +11,7 @@ from megaloop.rl.reuse import (SavedTensorMeter, bptt_backward, cosine, endpoint
                                reuse_backward)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class ToyParts:

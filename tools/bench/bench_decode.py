@@ -13,7 +13,7 @@ import statistics
 import time
 
 import torch
-from common import write_result
+from common import command, device, sync, write_result
 
 
 def main():
@@ -29,12 +29,11 @@ def main():
     from megaloop.hf.configuration_megaloop import MegaloopConfig
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     cfg = MegaloopConfig(vocab_size=4096, hidden_size=args.hidden, num_attention_heads=args.heads,
                          max_position_embeddings=args.prompt + args.new + 8)
     model = MegaloopForCausalLM(cfg).to(dev).eval()
     ids = torch.randint(0, 4096, (args.batch, args.prompt), device=dev)
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
 
     @torch.no_grad()
     def run(mode, depth):
@@ -75,7 +74,7 @@ def main():
     print(summary)
     write_result("decode" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev},
                  {"rows": rows, "summary": summary},
-                 "python tools/bench/bench_decode.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()))
+                 command("bench_decode.py", args))
 
 
 if __name__ == "__main__":

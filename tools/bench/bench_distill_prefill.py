@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
-from common import sync, write_result
+from common import command, model_args, sync, write_result
+from common import device as compute_device
 
 from megaloop.distill.prefill_student import PrefillStudent, student_prefill
 from megaloop.hf.configuration_megaloop import MegaloopConfig
@@ -27,11 +27,7 @@ from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1)
+    model_args(p, seq=512, batch=1)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
@@ -39,7 +35,7 @@ def main():
     p.add_argument("--name", default="distill_prefill")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = compute_device()
     torch.manual_seed(0)
     cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
                          injection=args.injection, max_position_embeddings=args.seq)
@@ -82,7 +78,7 @@ def main():
           f"(layer passes {res['layer_pass_ratio']:.3f})")
     config = {**vars(args), "device": device, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
               "n_coda": cfg.n_coda, "student_layers": n_student, "intermediate_size": cfg.intermediate_size}
-    write_result(args.name, config, res, "python tools/bench/bench_distill_prefill.py " + " ".join(sys.argv[1:]))
+    write_result(args.name, config, res, command("bench_distill_prefill.py", args))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ loader is built, ``--warmup`` batches are drawn (first-batch latency reported se
 includes copying/decompressing shards into the cache slot), then batches are drawn for
 ``--seconds``; tokens/s = batches x micro_batch_size x seq_len / elapsed. Epoch boundaries inside
 the window are included (they restart DataLoader workers), so this is a true steady state.
-Writes JSON to ``tools/bench/results/loader.json`` (config, machine, command, results).
+Writes ``tools/bench/results/loader.json`` through ``common.write_result``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import shlex
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from common import command, write_result
 
 
 def bench_one(path: str, seq_len: int, mbs: int, workers: int, warmup: int, seconds: float,
@@ -66,11 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=2048, help="synthetic set sequence length")
     p.add_argument("--mbs", type=int, default=8, help="synthetic set micro-batch size")
     p.add_argument("--cache-dir", default=None, help="default: $MEGALOOP_CACHE or ~/.cache/megaloop")
-    p.add_argument("--out", default=str(HERE / "results" / "loader.json"))
     args = p.parse_args(argv)
 
     import numpy
-    import torch
 
     from megaloop.data import ensure_default_dataset  # first: makes `import streaming` work
     import streaming
@@ -97,32 +92,21 @@ def main(argv: list[str] | None = None) -> int:
             r["dataset"] = name
             results.append(r)
             print(json.dumps(r), flush=True)
-    report = {
-        "benchmark": "megaloop train loader throughput (steady state, after warm-up)",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "datasets": {
-            "default": {"path": str(default_root / "train"), "build_or_load_s": round(t_default, 3),
-                        **{k: json.loads((default_root / "train" / "manifest.json").read_text())[k]
-                           for k in ("num_sequences", "total_tokens", "seq_len", "vocab_size")}},
-            "synthetic": {"path": str(synth), "write_or_load_s": round(t_synth, 3),
-                          **{k: synth_man[k] for k in ("num_sequences", "total_tokens", "seq_len",
-                                                       "vocab_size", "compression")}},
-        },
-        "machine": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                    "torch": torch.__version__, "streaming": streaming.__version__,
-                    "numpy": numpy.__version__, "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                    "loadavg_1_5_15min_before_after": [load_before,
-                                                       [round(x, 2) for x in os.getloadavg()]]},
-        "command": shlex.join([sys.executable, *sys.argv]),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "results": results,
+    datasets = {
+        "default": {"build_or_load_s": round(t_default, 3),
+                    **{k: json.loads((default_root / "train" / "manifest.json").read_text())[k]
+                       for k in ("num_sequences", "total_tokens", "seq_len", "vocab_size")}},
+        "synthetic": {"write_or_load_s": round(t_synth, 3),
+                      **{k: synth_man[k] for k in ("num_sequences", "total_tokens", "seq_len",
+                                                   "vocab_size", "compression")}},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    config = {k: v for k, v in vars(args).items() if k != "cache_dir"}
+    config.update(datasets=datasets, streaming=streaming.__version__, numpy=numpy.__version__,
+                  loadavg_1_5_15min_before_after=[load_before, [round(x, 2) for x in os.getloadavg()]])
+    write_result("loader", config, results, command("bench_loader.py", argparse.Namespace(**{
+        k: v for k, v in vars(args).items() if k != "cache_dir"})))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -10,27 +10,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from common import single_process_megatron, write_result
-
-
-def timed(fn, sync):
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
+from common import command, device, model_args, single_process_megatron, timed, write_result
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    model_args(p, seq=256, batch=4)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args()
@@ -42,9 +29,8 @@ def main():
     from megaloop.model.specs import layer_spec, transformer_config
     from megaloop.runtime.cpu_compat import without_redirect
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
     looped_cfg = ModelConfig(**common, injection="parcae_nonorm", b_max=64)
     tc = transformer_config(looped_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
@@ -76,7 +62,7 @@ def main():
     times = {k: [] for k in arms}
     for _ in range(args.reps):
         for k, fn in arms.items():
-            times[k].append(timed(fn, sync))
+            times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"median_step_s": med,
            "ratio_looped_b5_over_gpt12": med["looped_r5_b5"] / med["gpt12"],
@@ -85,8 +71,7 @@ def main():
                       "gpt12": sum(p.numel() for p in gpt.parameters())}}
     print(res)
     write_result("loop_overhead" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res,
-                 "python tools/bench/bench_loop_overhead.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                       if not isinstance(v, bool)) + (" --bf16" if args.bf16 else ""))
+                 command("bench_loop_overhead.py", args))
 
 
 if __name__ == "__main__":

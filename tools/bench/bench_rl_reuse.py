@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 
 import torch
-from common import sync, write_result
+from common import command, model_args, sync, write_result
+from common import device as compute_device
 
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
@@ -28,11 +28,7 @@ from megaloop.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompu
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=2)
+    model_args(p, seq=128, batch=2)
     p.add_argument("--b", type=int, default=5, help="Neumann terms (b=5: Neumann-4)")
     p.add_argument("--depths", type=int, nargs="+", default=[5, 32])
     p.add_argument("--repeats", type=int, default=5)
@@ -41,7 +37,7 @@ def main():
     p.add_argument("--name", default="rl_reuse")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = compute_device()
     torch.manual_seed(0)
     cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
                          injection=args.injection, max_position_embeddings=args.seq)
@@ -108,7 +104,7 @@ def main():
     config = {**vars(args), "device": device, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core, "n_coda": cfg.n_coda,
               "intermediate_size": cfg.intermediate_size, "loss": "GRPO surrogate on the second half of each sequence"}
     write_result(args.name, config, {"runs": results, "summary": summary},
-                 "python tools/bench/bench_rl_reuse.py " + " ".join(sys.argv[1:]))
+                 command("bench_rl_reuse.py", args))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import single_process_megatron, write_result
+from common import command, device, model_args, single_process_megatron, write_result
 
 
 class SavedBytes:
@@ -45,10 +45,7 @@ def measure(model, ids, depth, window):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
+    model_args(p, seq=256, batch=4)
     p.add_argument("--depths", default="4,8,16,32")
     args = p.parse_args()
     single_process_megatron()
@@ -58,9 +55,9 @@ def main():
 
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, b_max=64)
     tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = LoopedGPT(cfg, tc, vocab_size=4096, seed=0).to(dev)
-    ids = torch.randint(0, 4096, (args.batch, args.seq), device=dev)
+    dev = device()
+    model = LoopedGPT(cfg, tc, vocab_size=args.vocab, seed=0).to(dev)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
     rows = []
     for depth in map(int, args.depths.split(",")):
         for label, window in (("b=4", min(4, depth)), ("b=r", depth)):
@@ -73,8 +70,7 @@ def main():
                "br_depth32_over_depth8": by[(32, "b=r")] / by[(8, "b=r")]}
     print(summary)
     write_result("tbptt_memory", vars(args), {"rows": rows, "summary": summary},
-                 "python tools/bench/bench_tbptt_memory.py " + " ".join(
-                     f"--{k} {v}" for k, v in vars(args).items()))
+                 command("bench_tbptt_memory.py", args))
 
 
 if __name__ == "__main__":

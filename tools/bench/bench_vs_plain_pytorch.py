@@ -14,27 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 
 import torch
-from common import single_process_megatron, write_result
-
-
-def timed(fn, sync) -> float:
-    sync()
-    t = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t
+from common import command, device, model_args, single_process_megatron, timed, write_result
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
+    model_args(p, seq=256, batch=4)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--bf16", action="store_true")
@@ -47,18 +34,19 @@ def main() -> None:
     from megaloop.model.specs import transformer_config
     from megaloop.train.flops import microbatch_flops
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
                       injection="parcae_nonorm", b_max=args.depth)
     tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     native = LoopedGPT(cfg, tc, vocab_size=args.vocab, seed=0)
-    # the plain model's weights: the same seeded initialisation built with the local spec (on CPU
-    # these are exactly the native model's weights; on GPU the native model uses TE layers)
-    ref_cfg = dataclasses.replace(cfg, bf16=False, transformer_impl="local")
-    cpu_ref = LoopedGPT(ref_cfg, transformer_config(ref_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
-                        vocab_size=args.vocab, seed=0)
+    # the plain model's weights: the native model's (local-spec names); with TE layers (GPU), the same
+    # seeded initialisation built once more with the local spec
+    cpu_ref = native
+    if native._te:
+        ref_cfg = dataclasses.replace(cfg, transformer_impl="local")
+        cpu_ref = LoopedGPT(ref_cfg, transformer_config(ref_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                            vocab_size=args.vocab, seed=0)
     hf_cfg = hf_config_from_native(cfg, vocab_size=native.vocab_size, num_recurrences=args.depth)
     plain = MegaloopForCausalLM(hf_cfg)
     missing, unexpected = plain.load_state_dict(native_to_hf_state_dict(cpu_ref.state_dict(), cfg), strict=False)
@@ -83,7 +71,7 @@ def main() -> None:
     times = {k: [] for k in arms}
     for _ in range(args.reps):
         for k, fn in arms.items():
-            times[k].append(timed(fn, sync))
+            times[k].append(timed(fn))
     med = {k: statistics.median(v) for k, v in times.items()}
     flops = microbatch_flops(cfg, native.vocab_size, args.seq, args.batch * args.seq, args.depth, args.depth)
     res = {"median_step_s": med, "model_flops_per_step": flops,
@@ -91,9 +79,8 @@ def main() -> None:
            "ratio_megaloop_over_plain_step_time": med["megaloop"] / med["plain_pytorch"],
            "params": sum(p.numel() for p in native.parameters())}
     print(res)
-    cmd = "python tools/bench/bench_vs_plain_pytorch.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if not isinstance(v, bool)) + (" --bf16" if args.bf16 else "")
-    write_result("vs_plain_pytorch" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res, cmd)
+    write_result("vs_plain_pytorch" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res,
+                 command("bench_vs_plain_pytorch.py", args))
 
 
 if __name__ == "__main__":

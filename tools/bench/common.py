@@ -1,4 +1,6 @@
-"""Shared helpers for benchmarks: machine description, JSON results, single-process megatron."""
+"""Shared helpers for benchmarks: model-shape arguments, timing, machine description, JSON results
+(``tools/bench/results/``, or ``$MEGALOOP_BENCH_RESULTS`` to keep ad-hoc runs off the committed
+files), the command that reproduces a run, single-process megatron."""
 
 from __future__ import annotations
 
@@ -11,9 +13,47 @@ import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "tools" / "bench" / "results"
+RESULTS = Path(os.environ.get("MEGALOOP_BENCH_RESULTS") or ROOT / "tools" / "bench" / "results")
 sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
+
+
+def model_args(p, *, seq: int, batch: int, hidden: int = 256, heads: int = 4, vocab: int = 4096) -> None:
+    """The model-shape options every model benchmark takes (defaults per benchmark)."""
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--heads", type=int, default=heads)
+    p.add_argument("--seq", type=int, default=seq)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--vocab", type=int, default=vocab)
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def timed(fn) -> float:
+    """Seconds one call of ``fn`` takes, GPU work included."""
+    sync()
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def command(script: str, args) -> str:
+    """The command line that reproduces a run with the parsed ``args`` (flags for true booleans)."""
+    parts = [f"python tools/bench/{script}"]
+    for k, v in vars(args).items():
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            parts += [flag] if v else []
+        elif isinstance(v, (list, tuple)):
+            parts += [flag, *map(str, v)]
+        else:
+            parts += [flag, str(v)]
+    return " ".join(parts)
 
 
 def machine() -> dict:

@@ -75,12 +75,14 @@ def main() -> None:
         except Exception as err:  # noqa: BLE001 - report every kind of import failure
             errors.append(f"import {mod} failed: {type(err).__name__}: {err}")
     info["module_paths"] = where
-    try:
-        import transformer_engine  # noqa: F401
+    try:  # the trainer's own decision (TE's PyTorch extension importable and CUDA present)
+        from megaloop.model.config import ModelConfig
+        from megaloop.model.specs import use_transformer_engine
 
-        info["transformer_engine"] = True
-    except Exception:  # noqa: BLE001
+        info["transformer_engine"] = use_transformer_engine(ModelConfig(hidden_size=64, num_heads=4))
+    except Exception as err:  # noqa: BLE001
         info["transformer_engine"] = False
+        errors.append(f"Transformer Engine check failed: {type(err).__name__}: {err}")
     info["errors"] = errors
     Path(args.out).write_text(json.dumps(info, indent=1))
     print(json.dumps(info))

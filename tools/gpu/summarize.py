@@ -5,7 +5,7 @@
 Reads OUT/steps.tsv (name, exit code, seconds per step), OUT/device.json (tools/gpu/probe.py),
 OUT/logits.json (tools/gpu/logits_check.py), OUT/train_<run>/metrics.jsonl (one JSON object per
 optimizer step, written by the trainer with train.log_interval=1) and OUT/loop_overhead*.json
-(tools/bench/bench_loop_overhead.py via tools/gpu/run_bench.py). Each training run gets the
+(tools/bench/bench_loop_overhead.py with MEGALOOP_BENCH_RESULTS=OUT). Each training run gets the
 median of every metric in METRICS over its steps after the first ``--warmup``. Prints a short
 report, writes summary.json, and exits 1 (listing the problems) when a step failed, an expected
 part is missing, a median is not finite, or the GPU FP32 logits disagree with the CPU reference.

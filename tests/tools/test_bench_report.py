@@ -1,0 +1,33 @@
+"""#8 acceptance: the README's benchmark table is what tools/bench/report.py renders from the JSON
+results in the repo, and every result states its configuration, machine, date and command."""
+
+import json
+import sys
+
+from tests.conftest import ROOT
+
+BENCH = ROOT / "tools" / "bench"
+
+
+def test_readme_table_is_rendered_from_the_results():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(BENCH))
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split(report.BEGIN, 1)[1].split(report.END, 1)[0].strip()
+    assert table == report.render().strip()
+
+
+def test_every_result_states_configuration_machine_and_command():
+    results = sorted((BENCH / "results").glob("*.json"))
+    assert len(results) >= 8
+    for path in results:
+        d = json.loads(path.read_text())
+        if path.stem == "gpu_check":  # tools/gpu_check.sh's summary has its own layout
+            assert d["device_name"] and d["date"] and d["train"]
+            continue
+        assert d["config"] and d["machine"] and d["date"], path.name
+        script = d["command"].split()[1]
+        assert d["command"].startswith("python tools/bench/bench_") and (ROOT / script).is_file(), path.name
