@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megaloop.config import load_config
     from megaloop.train.trainer import Trainer
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, arm=args.arm)
     return Trainer(cfg, args.run_dir, resume=args.resume).run()
 
 
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", default="tiny", help="preset name (tiny, S, M, L, untied4, ...) or YAML path")
     t.add_argument("--run-dir", default="runs/default", help="metrics.jsonl, config.yaml, checkpoints/")
     t.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint in RUN_DIR, or a path")
+    t.add_argument("--arm", default=None,
+                   help="a paper arm from megaloop/configs/arms.yaml (fixed5, pln5, learned, u64, untied12, ...), "
+                        "applied after the preset and before the overrides")
     t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=20 model.injection=orthoinj")
     t.set_defaults(fn=cmd_train)
     # eval ppl|sweep|fixed-point|harness and generate: the pure-PyTorch model loaded from a native
@@ -53,12 +56,28 @@ DELEGATED = {"rl": ("megaloop.rl.cli", "GRPO with endpoint reuse (SPEC §9)"),
              "distill-prefill": ("megaloop.distill.cli", "train a distilled-prefill student (SPEC §10)")}
 
 
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse the command line; ``train``'s dotlist overrides may stand anywhere on it
+    (``train a=1 --run-dir X b=2``): argparse hands back the ones after an option as extras, and
+    those that look like ``key=value`` join the overrides in order."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        is_train = getattr(args, "cmd", None) == "train"
+        overrides = [x for x in extra if is_train and "=" in x and not x.startswith("-")]
+        rest = [x for x in extra if x not in overrides]
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = list(args.overrides) + overrides
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
         sys.exit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     from megaloop.config_utils import ConfigError
     from megaloop.train.checkpoint import CheckpointError
     from megaloop.train.trainer import NonFiniteLossError

@@ -17,6 +17,7 @@ from megaloop.depth.config import DepthConfig
 from megaloop.model.config import ModelConfig
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+ARMS_FILE = CONFIG_DIR / "arms.yaml"  # the paper's arms: override sets, not a preset
 SCHEDULES = ("wsd", "cosine", "constant")
 NONFINITE = ("skip", "abort")
 WANDB_MODES = ("disabled", "offline", "online")
@@ -85,7 +86,7 @@ class TrainConfig:
     save_interval: int = 50
     keep_checkpoints: int = 2
     eval_interval: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # validation covers eval_batches × global_batch_size sequences (MixVal order); 0 = all
     eval_depth: int = 5
     nonfinite: str = "skip"  # skip the update (and count it) or abort
     max_nonfinite: int = 10  # abort after this many consecutive non-finite steps
@@ -103,6 +104,7 @@ class TrainConfig:
         require(self.save_interval >= 0, "train.save_interval", "must be >= 0")
         require(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
         require(self.eval_depth >= 1, "train.eval_depth", "must be >= 1")
+        require(self.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0 = the whole validation set)")
 
     def num_microbatches(self, dp: int) -> int:
         per = self.micro_batch_size * dp
@@ -145,6 +147,9 @@ class RunConfig:
                 f"{self.train.micro_batch_size}) must be a multiple of 16 for FP8 GEMMs")
         if self.model.looped and self.depth.kind == "fixed":
             require(self.depth.depth >= 1, "depth.depth", "must be >= 1")
+        # an untied model has no recurrence: a sampled or learned depth would only feed the prior noise
+        require(self.model.looped or self.depth.kind == "fixed", "depth.kind",
+                f"model.arch=untied has no recurrence depth; use depth.kind=fixed (got {self.depth.kind!r})")
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -158,14 +163,28 @@ def resolve_config_path(name_or_path: str) -> Path:
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
     q = CONFIG_DIR / f"{name_or_path}.yaml"
-    if not q.exists():
-        known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+    if not q.exists() or q == ARMS_FILE:
+        known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml") if x != ARMS_FILE)
         raise ConfigError(f"config {name_or_path!r}: no such file or preset (presets: {', '.join(known)})")
     return q
 
 
-def load_config(name_or_path: str, overrides: list[str] | None = None) -> RunConfig:
-    """Preset name or YAML path, plus ``section.key=value`` overrides -> validated RunConfig."""
+def paper_arms() -> dict[str, dict]:
+    """The paper's experiment arms (``megaloop/configs/arms.yaml``): name -> {about, overrides}."""
+    return yaml.safe_load(ARMS_FILE.read_text())["arms"]
+
+
+def arm_overrides(name: str) -> list[str]:
+    """Dotlist overrides of one paper arm (``--arm NAME``); ConfigError naming the arm if unknown."""
+    arms = paper_arms()
+    if name not in arms:
+        raise ConfigError(f"--arm {name!r}: unknown arm; one of {', '.join(arms)} ({ARMS_FILE.name})")
+    return list(arms[name]["overrides"])
+
+
+def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str | None = None) -> RunConfig:
+    """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
+    overrides -> validated RunConfig."""
     data = load_yaml(resolve_config_path(name_or_path))
-    apply_dotlist(data, overrides or [])
+    apply_dotlist(data, (arm_overrides(arm) if arm else []) + list(overrides or []))
     return from_dict(RunConfig, data)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -224,17 +224,24 @@ class EvalLoader:
 
     def __init__(self, path: str, *, seq_len: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
-                 mask_document_boundaries: bool = False, with_source: bool = False) -> None:
+                 mask_document_boundaries: bool = False, with_source: bool = False,
+                 indices: Sequence[int] | None = None) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
         self.path = _resolve_path(path, seq_len, cache_dir, "val")
         src = _Source(self.path, seq_len, cache_dir)
         self.manifest: dict = src.manifest
-        self.num_samples = n = src.num_samples
+        self.num_samples = src.num_samples
+        plan = list(range(src.num_samples)) if indices is None else [int(i) for i in indices]
+        bad = [i for i in plan if not 0 <= i < src.num_samples]
+        if bad:
+            raise DataError(f"{self.path}: sample index {bad[0]} out of range (dataset has {src.num_samples})")
+        n = len(plan)
         lo, hi = dp_rank * n // dp_size, (dp_rank + 1) * n // dp_size
         per_rank = -(-n // dp_size)
         self.num_batches = -(-per_rank // micro_batch_size)
         total = self.num_batches * micro_batch_size
-        mine = list(range(lo, hi))
+        mine = plan[lo:hi]
+        self._rows = list(range(lo, hi)) + [-1] * (total - len(mine))  # positions in the plan; -1 = padding
         self._indices = mine + [mine[0] if mine else 0] * (total - len(mine))
         self._real = [True] * len(mine) + [False] * (total - len(mine))
         self._ds, fd = src.open(shuffle=False, shuffle_seed=0, batch_size=micro_batch_size,
@@ -250,6 +257,11 @@ class EvalLoader:
 
     def __len__(self) -> int:
         return self.num_batches
+
+    def rank_rows(self) -> list[list[int]]:
+        """Per batch, each row's position in the evaluated plan (``indices``), -1 for padding rows."""
+        b = len(self._rows) // max(self.num_batches, 1)
+        return [self._rows[k * b:(k + 1) * b] for k in range(self.num_batches)]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return iter(self._loader)
@@ -275,10 +287,35 @@ def build_train_loader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, 
 def build_eval_loader(path: str | Path, *, seq_len: int, micro_batch_size: int, dp_rank: int,
                       dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
                       mask_document_boundaries: bool = False,
-                      with_source: bool = False) -> EvalLoader:
+                      with_source: bool = False, indices: Sequence[int] | None = None) -> EvalLoader:
     """Deterministic, unshuffled, finite loader; ``default`` = embedded validation set,
-    ``default:screen`` = embedded LR-screen set. ``with_source`` adds ``batch["source"]``."""
+    ``default:screen`` = embedded LR-screen set. ``with_source`` adds ``batch["source"]``.
+    ``indices``: evaluate these samples in this order (default: all, in file order); each DP rank
+    takes a contiguous slice."""
     return EvalLoader(str(path), seq_len=seq_len, micro_batch_size=micro_batch_size,
                       dp_rank=dp_rank, dp_size=dp_size, cache_dir=cache_dir,
                       num_workers=num_workers, mask_document_boundaries=mask_document_boundaries,
-                      with_source=with_source)
+                      with_source=with_source, indices=indices)
+
+
+def read_sources(path: str | Path, *, seq_len: int, cache_dir: str | None = None) -> list[str]:
+    """The ``source`` column of every sample of an eval set, in file order ("" where absent)."""
+    loader = EvalLoader(str(path), seq_len=seq_len, micro_batch_size=1, dp_rank=0, dp_size=1,
+                        cache_dir=cache_dir)
+    try:
+        return [str(loader._ds[i].get("source", "") or "") for i in range(loader.num_samples)]
+    finally:
+        loader.close()
+
+
+def source_balanced_order(sources: Sequence[str]) -> list[int]:
+    """Sample indices interleaving sources round-robin (sources sorted by name, each in file order):
+    any prefix of the result is as balanced across sources as its length allows (MixVal)."""
+    by: dict[str, list[int]] = {}
+    for i, name in enumerate(sources):
+        by.setdefault(name, []).append(i)
+    queues = [by[k] for k in sorted(by)]
+    out: list[int] = []
+    for k in range(max((len(q) for q in queues), default=0)):
+        out.extend(q[k] for q in queues if k < len(q))
+    return out

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from megaloop.config_utils import require
 
 DEPTH_KINDS = ("fixed", "pln", "learned")
-PRIOR_INITS = ("pln", "uniform", "uniform_1_10")
+PRIOR_INITS = ("pln", "uniform", "uniform_1_10")  # or "from:PATH" (another run's learned prior)
+INIT_FROM = "from:"
 REWARD_ARMS = ("exp", "neglog", "negexp", "raw_ce")
+CORRELATIONS = ("microbatch", "step")
 
 
 @dataclass
@@ -25,7 +27,7 @@ class DepthConfig:
     sigma: float = 0.5  # PLN log-normal std
     cap: int = 64  # PLN cap
     r_max: int = 64  # learned prior support 1..r_max
-    init: str = "pln"  # learned prior init: pln | uniform | uniform_1_10
+    init: str = "pln"  # learned prior init: pln | uniform | uniform_1_10 | from:RUN_DIR_OR_CHECKPOINT
     reward: str = "exp"  # exp (= exp(-ℓ), default) | neglog | negexp | raw_ce
     entropy_coef: float = 0.01  # λ_H
     mean_coef: float = 1.0  # λ_m
@@ -36,6 +38,9 @@ class DepthConfig:
     warmup_updates: int = 32
     ema_decay: float = 0.95  # ν
     frozen: bool = False
+    # microbatch: one independent draw per microbatch (SPEC §4, the paper's runs); step: one draw per
+    # optimizer step shared by all its microbatches (as Huginn's and Parcae's trainers do)
+    correlation: str = "microbatch"
 
     def __post_init__(self) -> None:
         require(self.kind in DEPTH_KINDS, "depth.kind", f"unknown kind {self.kind!r}; one of {DEPTH_KINDS}")
@@ -46,7 +51,12 @@ class DepthConfig:
         require(1.0 < self.mean < self.cap or self.kind != "pln", "depth.mean",
                 f"must lie in (1, cap={self.cap}), got {self.mean}")
         require(self.r_max >= 1, "depth.r_max", f"must be >= 1, got {self.r_max}")
-        require(self.init in PRIOR_INITS, "depth.init", f"unknown init {self.init!r}; one of {PRIOR_INITS}")
+        require(self.init in PRIOR_INITS or (self.init_from is not None and self.init_from != ""), "depth.init",
+                f"unknown init {self.init!r}; one of {PRIOR_INITS} or {INIT_FROM}PATH (a run dir or checkpoint)")
+        require(self.init_from is None or self.kind == "learned", "depth.init",
+                f"{self.init!r} starts a learned prior from another run; it needs depth.kind=learned, got {self.kind!r}")
+        require(self.correlation in CORRELATIONS, "depth.correlation",
+                f"unknown correlation {self.correlation!r}; one of {CORRELATIONS}")
         require(self.reward in REWARD_ARMS, "depth.reward", f"unknown reward {self.reward!r}; one of {REWARD_ARMS}")
         require(self.lr > 0, "depth.lr", f"must be > 0, got {self.lr}")
         require(0.0 <= self.ema_decay < 1.0, "depth.ema_decay", f"must be in [0, 1), got {self.ema_decay}")
@@ -63,6 +73,11 @@ class DepthConfig:
             require(self.init != "pln" or self.r_max >= 2, "depth.r_max", "init=pln needs r_max >= 2")
             require(1.0 <= self.target_mean <= self.r_max, "depth.target_mean",
                     f"must lie in [1, r_max={self.r_max}], got {self.target_mean}")
+
+    @property
+    def init_from(self) -> str | None:
+        """PATH of ``init=from:PATH`` (None for the built-in inits)."""
+        return self.init[len(INIT_FROM):].strip() if self.init.startswith(INIT_FROM) else None
 
     @property
     def max_depth(self) -> int:

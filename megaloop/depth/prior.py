@@ -74,12 +74,22 @@ class LearnedDepthPrior:
     gradient, hence zero Adam moments, and never change. The prior lives on the CPU in float64.
     """
 
-    def __init__(self, cfg: DepthConfig) -> None:
+    def __init__(self, cfg: DepthConfig, init_state: dict[str, Any] | None = None) -> None:
+        """``init_state`` (``depth.init=from:PATH``, see :mod:`megaloop.depth.init_from`): logits and
+        active support to start from; ``None`` with ``from:`` starts uniform until a checkpoint of this
+        run is loaded (resume), which brings its own logits and support."""
         require(cfg.kind == "learned", "depth.kind", f"LearnedDepthPrior needs kind='learned', got {cfg.kind!r}")
         self.cfg = cfg
         r_max = cfg.r_max
         self.active = torch.ones(r_max, dtype=torch.bool)
-        if cfg.init == "pln":
+        self.init_source: str | None = None
+        if cfg.init_from is not None:
+            init = torch.zeros(r_max, dtype=torch.float64)
+            if init_state is not None:
+                self.active = init_state["active"].clone()
+                init = init_state["logits"].clone()
+                self.init_source = init_state.get("checkpoint")
+        elif cfg.init == "pln":
             init = pln_probs(cfg.mean, cfg.sigma, r_max).log()  # φ₀ = log p_PLN capped at r_max
         elif cfg.init == "uniform":
             init = torch.zeros(r_max, dtype=torch.float64)
@@ -247,6 +257,9 @@ class LearnedDepthPrior:
                 f"checkpoint prior has r_max={state['r_max']}, config has {self.cfg.r_max}")
         # (choice) init/reward may differ (e.g. resuming with another arm is allowed), support may not.
         active = torch.as_tensor(state["active"], dtype=torch.bool)
+        if self.cfg.init_from is not None:  # the support came from the other run; the checkpoint has it
+            self.active = active.clone()
+            self._active_idx = torch.nonzero(self.active).flatten()
         require(bool(torch.equal(active, self.active)), "depth.init",
                 f"checkpoint prior's active support differs from init={self.cfg.init!r}")
         with torch.no_grad():

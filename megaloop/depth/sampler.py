@@ -44,13 +44,20 @@ class DepthSampler:
     ``probs()`` has length ``cfg.max_depth`` (``depth`` / ``cap`` / ``r_max``), index ``k`` = depth ``k+1``.
     """
 
-    def __init__(self, cfg: DepthConfig, seed: int) -> None:
+    def __init__(self, cfg: DepthConfig, seed: int, *, load_init: bool = True) -> None:
+        """``load_init=False`` skips reading ``depth.init=from:PATH`` (a resumed run's checkpoint
+        brings the prior)."""
         self.cfg = cfg
         self.seed = int(seed)
         self.prior: LearnedDepthPrior | None = None
         self.static: DepthDistribution | None = None
         if cfg.kind == "learned":
-            self.prior = LearnedDepthPrior(cfg)
+            init_state = None
+            if cfg.init_from is not None and load_init:
+                from megaloop.depth.init_from import load_prior_init
+
+                init_state = load_prior_init(cfg.init_from, cfg.r_max)
+            self.prior = LearnedDepthPrior(cfg, init_state)
         elif cfg.kind == "pln":
             self.static = pln(cfg.mean, cfg.sigma, cfg.cap)
         else:
@@ -71,8 +78,10 @@ class DepthSampler:
         return self.prior.entropy() if self.prior is not None else self.static.entropy()
 
     def plan(self, step: int, num_microbatches: int) -> list[int]:
-        """Depths of the ``num_microbatches`` microbatches of optimizer step ``step`` (i.i.d., 1-based).
+        """Depths of the ``num_microbatches`` microbatches of optimizer step ``step`` (1-based).
 
+        ``depth.correlation=microbatch``: i.i.d. per microbatch; ``step``: one draw repeated for every
+        microbatch of the step (the draw equals the first microbatch's draw under ``microbatch``).
         Pure function of ``(seed, step)`` and the current distribution; call it after the previous
         step's :meth:`update` so the learned prior's latest logits are used.
         """
@@ -82,6 +91,8 @@ class DepthSampler:
             return [self.cfg.depth] * num_microbatches
         gen = torch.Generator(device="cpu")
         gen.manual_seed(step_seed(self.seed, step))
+        if self.cfg.correlation == "step":
+            return sample_categorical(self.probs(), 1, gen) * num_microbatches
         return sample_categorical(self.probs(), num_microbatches, gen)
 
     def update(

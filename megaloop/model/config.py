@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megaloop.config_utils import require
 
-INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv")
+INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv", "orthoinj_early")
 STATE_INITS = ("normal", "zero")
 ARCHS = ("looped", "untied")
 IMPLS = ("auto", "local", "transformer_engine")
@@ -39,6 +39,9 @@ class ModelConfig:
     vocab_pad_multiple: int = 128  # padded vocab is a multiple of this (independent of TP)
     seq_len: int = 256
     injection: str = "parcae_nonorm"
+    # huginn_linear's parameter-free core-exit RMSNorm; false = the paper's "without exit
+    # normalization" diagnostic (S PLN-25 diverged at every tested LR). Only huginn_linear has one.
+    exit_norm: bool = True
     state_init: str = "normal"  # training-time h^0: N(0, state_init_std²) or zeros
     state_init_std: float = 0.02
     eval_state_init: str = "normal"
@@ -67,6 +70,8 @@ class ModelConfig:
                     "model.num_query_groups", f"must divide num_heads {self.num_heads}")
         require(self.injection in INJECTIONS, "model.injection",
                 f"unknown injection {self.injection!r}; one of {INJECTIONS}")
+        require(self.exit_norm or self.injection == "huginn_linear", "model.exit_norm",
+                f"only huginn_linear has a core-exit norm to switch off (injection={self.injection!r})")
         for f in ("state_init", "eval_state_init"):
             require(getattr(self, f) in STATE_INITS, f"model.{f}", f"one of {STATE_INITS}")
         require(self.b_max >= 1, "model.b_max", f"must be >= 1, got {self.b_max}")

@@ -47,9 +47,10 @@ class Injection(MegatronModule):
 class HuginnLinear(Injection):
     """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm)."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, exit_norm: bool = True):
         super().__init__(config)
         d = config.hidden_size
+        self.exit_norm = exit_norm
         self.adapter = torch.nn.Linear(2 * d, d, bias=True, dtype=config.params_dtype)
         self._tag()
 
@@ -57,7 +58,7 @@ class HuginnLinear(Injection):
         return self.adapter(torch.cat([h, e], dim=-1))
 
     def exit(self, h: torch.Tensor) -> torch.Tensor:
-        return rms_norm_noparam(h)
+        return rms_norm_noparam(h) if self.exit_norm else h
 
 
 class ParcaeDiagonal(Injection):
@@ -65,7 +66,10 @@ class ParcaeDiagonal(Injection):
 
     ``variant``: ``parcae_decay`` (ẽ = RMSNorm_g(e), Δ₀ = ½ log 5 → retention 1/√5),
     ``parcae_nonorm`` (ẽ = e, Δ₀ = 1), ``orthoinj`` (ẽ = e, Δ₀ = ½ log 5, carry-over projected
-    orthogonally to q). W starts at I, α at 1. Δ_raw, α_log and W take no weight decay.
+    orthogonally to q), ``orthoinj_early`` (the paper's earlier OrthoInj of its M LR screen: Δ₀ = 1
+    and "the raw input e as its anchor", read here as projecting the carry-over orthogonally to e
+    instead of q — the paper gives no equation). W starts at I, α at 1. Δ_raw, α_log and W take no
+    weight decay.
     """
 
     def __init__(self, config: TransformerConfig, variant: str, ortho_eps: float = 1e-6):
@@ -96,13 +100,18 @@ class ParcaeDiagonal(Injection):
         e_t = F.rms_norm(e, (e.shape[-1],), self.norm_weight, self.config.layernorm_epsilon) \
             if self.norm_weight is not None else e
         q = (self.delta() * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
-        return {"q": q, "lam": self.retention().to(e.dtype)}
+        ctx = {"q": q, "lam": self.retention().to(e.dtype)}
+        if self.variant == "orthoinj_early":
+            ctx["e"] = e
+        return ctx
 
     def forward(self, h: torch.Tensor, ctx: dict[str, torch.Tensor]) -> torch.Tensor:
         q, lam = ctx["q"], ctx["lam"]
         carry = lam * h
         if self.variant == "orthoinj":
             carry = project_out(carry, q, self.ortho_eps)
+        elif self.variant == "orthoinj_early":
+            carry = project_out(carry, ctx["e"], self.ortho_eps)
         return carry + q
 
 
@@ -122,10 +131,10 @@ class DEQQKV(Injection):
         return h
 
 
-def build_injection(name: str, config: TransformerConfig) -> Injection:
+def build_injection(name: str, config: TransformerConfig, exit_norm: bool = True) -> Injection:
     if name == "huginn_linear":
-        return HuginnLinear(config)
-    if name in ("parcae_decay", "parcae_nonorm", "orthoinj"):
+        return HuginnLinear(config, exit_norm=exit_norm)
+    if name in ("parcae_decay", "parcae_nonorm", "orthoinj", "orthoinj_early"):
         return ParcaeDiagonal(config, name)
     if name == "deq_qkv":
         return DEQQKV(config)

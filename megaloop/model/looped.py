@@ -169,7 +169,7 @@ class LoopedGPT(LanguageModule):
             self.core = LayerStack(config, inject_spec, list(range(first_core, first_core + cfg.n_core)),
                                    vp_stage, seed, "core", recompute=cfg.recompute)
             torch.manual_seed(stable_seed(seed, "injection"))
-            self.injection = build_injection(cfg.injection, config)
+            self.injection = build_injection(cfg.injection, config, exit_norm=cfg.exit_norm)
             self._mark_core_replicas()
             if post_process and cfg.n_coda:
                 first_coda = first_core + cfg.n_core

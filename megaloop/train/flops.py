@@ -39,7 +39,7 @@ def forward_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int, depth: i
     if not cfg.looped:
         return cfg.num_layers * layer, 0.0, head
     once = (cfg.n_prelude + cfg.n_coda) * layer
-    if cfg.injection in ("parcae_decay", "parcae_nonorm", "orthoinj"):
+    if cfg.injection in ("parcae_decay", "parcae_nonorm", "orthoinj", "orthoinj_early"):
         once += 2.0 * cfg.hidden_size * cfg.hidden_size  # q = Δ ⊙ W ẽ, once per pass
     return once, cfg.n_core * layer + injection_flops_per_token(cfg), head
 

@@ -45,6 +45,17 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
+def _fresh_counters() -> dict:
+    """Run totals kept in every metrics record and checkpoint (exact across resumes)."""
+    return {"model_flops_total": 0.0, "target_tokens_total": 0, "skipped_steps_total": 0, "depth_counts": {}}
+
+
+def _copy_counters(c: dict) -> dict:
+    out = dict(c)
+    out["depth_counts"] = {k: int(v) for k, v in sorted(c["depth_counts"].items(), key=lambda kv: int(kv[0]))}
+    return out
+
+
 class Trainer:
     """Builds everything from a :class:`RunConfig` and trains. ``run()`` returns the exit code."""
 
@@ -62,6 +73,11 @@ class Trainer:
         init_distributed(self.dims, cfg.train.seed)
         self.rank = torch.distributed.get_rank()
         self.device = compute_device()  # model, batches and collective buffers (NCCL: the GPU)
+        # checkpoint to resume and the depth sampler first: a bad --resume path or depth.init=from:PATH
+        # fails before data and model are built (a resumed run's checkpoint brings its own prior)
+        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+        resume_path = self.ckpt.resolve(self.resume) if self.resume else None
+        self.sampler = DepthSampler(cfg.depth, cfg.train.seed, load_init=resume_path is None)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.M = cfg.train.num_microbatches(self.dp)
@@ -114,14 +130,11 @@ class Trainer:
         overrides[ParamKey(attr="no_weight_decay")] = {"wd_mult": 0.0}  # Δ_raw, α_log, W (SPEC §2)
         self.optimizer = get_megatron_optimizer(ocfg, self.model, config_overrides=overrides)
         self.scheduler = build_scheduler(self.optimizer, o, cfg.train.max_steps)
-        self.sampler = DepthSampler(cfg.depth, cfg.train.seed)
-        self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         self.step, self.tokens, self.nonfinite_run = 0, 0, 0
+        self.counters = _fresh_counters()
         self.last_saved = -1
-        if self.resume:
-            path = self.ckpt.resolve(self.resume)
-            if path is not None:
-                self._load(path)
+        if resume_path is not None:
+            self._load(resume_path)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
@@ -165,7 +178,7 @@ class Trainer:
                                             group=parallel_state.get_data_parallel_group())
         return {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(),
                 "sampler": self.sampler.state_dict(), "loader": states, "nonfinite_run": self.nonfinite_run,
-                "config": self.cfg.to_dict()}
+                "counters": _copy_counters(self.counters), "config": self.cfg.to_dict()}
 
     def save(self) -> Path:
         path = self.ckpt.save(self.step, self.model, self.optimizer, self._common())
@@ -177,6 +190,9 @@ class Trainer:
         common = self.ckpt.load(path, self.model, self.optimizer)
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
+        # checkpoints older than the counters: totals restart here and say from which step they count
+        self.counters = _copy_counters(common["counters"]) if "counters" in common else \
+            dict(_fresh_counters(), counted_from_step=self.step)
         self.scheduler.load_state_dict(common["scheduler"])
         self.sampler.load_state_dict(common["sampler"])
         states = common["loader"]
@@ -216,6 +232,10 @@ class Trainer:
         n = mask.sum()
         self._ce[mb["index"], 0] += ce_sum.detach().double()
         self._ce[mb["index"], 1] += n.double()
+        if getattr(self, "_src", None) is not None and "source_idx" in mb:  # validation: per source
+            rows = mb["source_idx"] >= 0
+            per_row = torch.stack([(output.detach().float() * mask).sum(1), mask.sum(1)], 1).double()
+            self._src.index_add_(0, mb["source_idx"][rows], per_row[rows])
         return ce_sum, n.to(torch.int), {"lm loss": torch.stack([ce_sum.detach(), n])}
 
     def _run_schedule(self, mbs: list[dict], forward_only: bool, seq_len: int | None = None) -> torch.Tensor:
@@ -228,11 +248,14 @@ class Trainer:
             forward_step_func=self._forward_step, data_iterator=iters if len(iters) > 1 else iters[0],
             model=self.model, num_microbatches=len(mbs), seq_length=seq,
             micro_batch_size=self.mbs, forward_only=forward_only)
-        ce = self._ce
-        torch.distributed.all_reduce(ce, group=parallel_state.get_data_parallel_group())
+        return self._reduce(self._ce)
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over data-parallel ranks and share from the last pipeline stage; float64 on the CPU."""
+        torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
         if self.dims.pp > 1:
-            torch.distributed.all_reduce(ce, group=parallel_state.get_pipeline_model_parallel_group())
-        return ce.cpu()
+            torch.distributed.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+        return t.cpu()
 
     # ================================================================ train step
     def train_step(self) -> dict:
@@ -273,9 +296,15 @@ class Trainer:
         flops = sum(microbatch_flops(cfg.model, unwrap(self.model[0]).vocab_size, self.seq,
                                      self.mbs * self.seq * self.dp, r, cfg.model.b_max) for r in depths)
         tflops = flops / dt / self.dims.world / 1e12
+        c = self.counters
+        c["model_flops_total"] += flops
+        c["target_tokens_total"] += step_tokens
+        c["skipped_steps_total"] += 0 if math.isfinite(loss) else 1
+        for r in depths:
+            c["depth_counts"][str(r)] = c["depth_counts"].get(str(r), 0) + 1
         rec.update(tokens=self.tokens, target_tokens=step_tokens, lr=self.optimizer.param_groups[0]["lr"],
                    grad_norm=grad_norm, mean_depth=sum(depths) / len(depths), step_time_s=dt,
-                   tokens_per_s=gtokens / dt, tflops=tflops, model_flops=flops)
+                   tokens_per_s=gtokens / dt, tflops=tflops, model_flops=flops, **_copy_counters(c))
         if self.peak:
             rec["mfu"] = tflops / self.peak
         if torch.cuda.is_available():
@@ -293,35 +322,61 @@ class Trainer:
         return out
 
     # ================================================================ eval
+    def _val_plan(self) -> tuple[list[int], list[str], list[int]]:
+        """MixVal order (computed once): the global sample indices to evaluate, the sorted source
+        names and each index's source id. Sources are interleaved round-robin (each source's samples
+        in file order), and the first ``train.eval_batches × global_batch_size`` of that order are
+        evaluated (0, or a set smaller than that: the whole set) — the same sequences at every
+        TP/PP/DP layout and micro-batch size."""
+        if getattr(self, "_val_cache", None) is None:
+            from megaloop.data.loaders import read_sources, source_balanced_order
+
+            sources = read_sources(self.val_path, seq_len=self.val_seq, cache_dir=self.cfg.data.cache_dir)
+            names = sorted(set(sources))
+            order = source_balanced_order(sources)
+            k = self.cfg.train.eval_batches * self.cfg.train.global_batch_size
+            order = order[:k] if k > 0 else order
+            self._val_cache = (order, names, [names.index(sources[i]) for i in order])
+        return self._val_cache
+
     def evaluate(self, depth: int | None = None) -> dict:
+        """Validation CE at ``depth`` (default ``train.eval_depth``) on the MixVal plan, with its
+        per-source breakdown (``val_ce_per_source``, token-weighted within each source)."""
         if self.val_path is None:
             return {}
         from megaloop.data import build_eval_loader
         depth = depth or self.cfg.train.eval_depth
+        order, names, src_ids = self._val_plan()
+        loader = build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
+                                   dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
+                                   indices=order)
+        mbs = []
+        for i, (batch, rows) in enumerate(zip(loader, loader.rank_rows())):
+            ids = torch.tensor([src_ids[j] if j >= 0 else -1 for j in rows], dtype=torch.long)
+            mbs.append(dict(self._to_device(batch), depth=depth, noise_seed=None, index=i,
+                            source_idx=ids.to(self.device)))
+        loader.close()
+        group = self.dims.pp if (self.dims.vpp or 1) > 1 else 1  # interleaving runs whole groups
+        while mbs and len(mbs) % group:  # pad with fully masked copies (they count zero tokens)
+            pad = dict(mbs[-1], index=len(mbs), loss_mask=torch.zeros_like(mbs[-1]["loss_mask"]))
+            mbs.append(pad)
         for m in self.model:
             m.eval()
-        it = iter(build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
-                                    dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir))
-        n = self.cfg.train.eval_batches
-        group = self.dims.pp if (self.dims.vpp or 1) > 1 else 1  # interleaving runs whole groups
-        n = -(-n // group) * group
-        mbs = []
-        for i in range(n):
-            try:
-                mbs.append(dict(self._to_device(next(it)), depth=depth, noise_seed=None, index=i))
-            except StopIteration:
-                break
-        mbs = mbs[:len(mbs) // group * group]
+        self._src = torch.zeros(len(names), 2, dtype=torch.float64, device=self.device)
         try:
             with torch.no_grad():
                 ce = self._run_schedule(mbs, forward_only=True, seq_len=self.val_seq) if mbs else None
+                src = self._reduce(self._src)
         finally:
+            self._src = None
             for m in self.model:
                 m.train()
         if ce is None:
             return {}
         val = float(ce[:, 0].sum() / ce[:, 1].sum().clamp_min(1))
-        return {"val_ce": val, "val_ppl": math.exp(min(val, 50.0)), "val_depth": depth}
+        per_source = {n: float(src[k, 0] / src[k, 1]) for k, n in enumerate(names) if src[k, 1] > 0}
+        return {"val_ce": val, "val_ppl": math.exp(min(val, 50.0)), "val_depth": depth,
+                "val_ce_per_source": per_source, "val_sequences": len(order)}
 
     # ================================================================ loop
     def _on_signal(self, signum, _frame) -> None:

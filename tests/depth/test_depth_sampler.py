@@ -122,3 +122,16 @@ def test_assert_plan_synchronised_two_gloo_ranks() -> None:
     results = {(r, bad): msg for r, bad, msg in (q.get() for _ in range(4))}
     assert results[(0, False)] == results[(1, False)] == "ok"
     assert all("group rank 1 (global rank 1)" in results[(r, True)] for r in range(2))
+
+
+def test_step_correlation_shares_one_draw_per_step() -> None:
+    """depth.correlation=step: every microbatch of a step runs at one depth, the draw the
+    per-microbatch mode gives its first microbatch; steps still differ."""
+    per_mb = DepthSampler(DepthConfig(kind="learned"), seed=3)
+    per_step = DepthSampler(DepthConfig(kind="learned", correlation="step"), seed=3)
+    plans = [per_step.plan(s, 8) for s in range(20)]
+    assert all(len(set(p)) == 1 and len(p) == 8 for p in plans)
+    assert [p[0] for p in plans] == [per_mb.plan(s, 8)[0] for s in range(20)]
+    assert len({p[0] for p in plans}) > 1
+    with pytest.raises(ConfigError, match="depth.correlation"):
+        DepthConfig(kind="learned", correlation="rank")

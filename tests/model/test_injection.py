@@ -63,3 +63,40 @@ def test_orthoinj_module_forward_keeps_q(megatron_world):
     q = ctx["q"]
     along = (zeta.double() * q.double()).sum(-1) / (q.double() ** 2).sum(-1)
     assert torch.allclose(along, torch.ones_like(along), atol=1e-5)
+
+
+def test_huginn_exit_norm_switch(megatron_world):
+    """model.exit_norm=false (the paper's diagnostic) makes the core exit the identity; the default
+    normalises each token to unit RMS."""
+    from megaloop.model.injection import HuginnLinear
+
+    h = torch.randn(4, 2, 16) * 3.0
+    normed = HuginnLinear(_cfg(), exit_norm=True).exit(h)
+    assert torch.allclose(normed.pow(2).mean(-1), torch.ones(4, 2), atol=1e-4)
+    assert torch.equal(HuginnLinear(_cfg(), exit_norm=False).exit(h), h)
+
+
+def test_exit_norm_only_for_huginn():
+    import pytest
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.model.config import ModelConfig
+
+    with pytest.raises(ConfigError, match="model.exit_norm"):
+        ModelConfig(injection="parcae_nonorm", exit_norm=False)
+    ModelConfig(injection="huginn_linear", exit_norm=False)
+
+
+def test_orthoinj_early_projects_against_e(megatron_world):
+    """The earlier OrthoInj: Δ₀ = 1 and the carry-over projected orthogonally to the raw input e."""
+    inj = ParcaeDiagonal(_cfg(), "orthoinj_early", ortho_eps=0.0)
+    assert torch.allclose(inj.delta().double(), torch.ones(16, dtype=torch.float64), atol=1e-6)
+    with torch.no_grad():
+        inj.proj.copy_(torch.randn(16, 16))  # so that q and e point in different directions
+    e, h = torch.randn(4, 2, 16, dtype=torch.float32), torch.randn(4, 2, 16)
+    ctx = inj.prepare(e)
+    carry = inj(h, ctx) - ctx["q"]
+    along_e = (carry.double() * e.double()).sum(-1) / (e.double() ** 2).sum(-1)
+    assert along_e.abs().max() < 1e-5
+    along_q = (carry.double() * ctx["q"].double()).sum(-1).abs()
+    assert along_q.max() > 1e-3  # not the q-projection of `orthoinj`

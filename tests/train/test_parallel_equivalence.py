@@ -38,6 +38,12 @@ def _prior_logits(run_dir):
     return torch.as_tensor(common["sampler"]["prior"]["logits"])
 
 
+def _val_sources():
+    from megaloop.data.loaders import read_sources
+
+    return set(read_sources("default", seq_len=128))
+
+
 def test_data_parallel_matches_single_replica(tmp_path):
     """DP=2 (micro-batch 2) vs DP=1 (micro-batch 4), same global batch and depths: same losses
     and the same prior logits after 3 steps (the prior sees the globally reduced CE)."""
@@ -51,6 +57,13 @@ def test_data_parallel_matches_single_replica(tmp_path):
     assert [r["depths"] for r in a] == [r["depths"] for r in b]
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= TOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+    # MixVal: the same source-balanced validation sequences at both layouts, every source scored
+    va, vb = a[-1], b[-1]
+    assert va["val_sequences"] == vb["val_sequences"] == 8  # eval_batches=1 × global batch 8
+    assert abs(va["val_ce"] - vb["val_ce"]) <= TOL * va["val_ce"]
+    assert set(va["val_ce_per_source"]) == set(vb["val_ce_per_source"]) == set(_val_sources())
+    for src, ce in va["val_ce_per_source"].items():
+        assert abs(ce - vb["val_ce_per_source"][src]) <= TOL * ce
     la, lb = _prior_logits(one), _prior_logits(two)
     assert torch.allclose(la, lb, rtol=0, atol=1e-6)
     assert not torch.equal(la, torch.zeros_like(la))

@@ -22,7 +22,8 @@ def uninterrupted(tmp_path_factory):
 
 
 def _same(a, b):
-    keys = ("step", "loss", "depths", "prior_probs", "lr", "tokens")
+    keys = ("step", "loss", "depths", "prior_probs", "lr", "tokens", "model_flops_total",
+            "target_tokens_total", "depth_counts")
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
 
 
@@ -32,6 +33,29 @@ def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     run_train(tmp_path, *STEPS, resume="auto")
     _same(metrics(tmp_path), uninterrupted)
+
+
+def test_counters_count_every_step_across_log_interval_and_resume(tmp_path, uninterrupted):
+    """With log_interval > 1 the cumulative counters still cover every step, and a resumed run
+    continues them from its checkpoint: the last record equals the per-step sums of an
+    uninterrupted log_interval=1 run (Table 2's FLOPs column needs this)."""
+    run_train(tmp_path, *STEPS, "train.log_interval=3", "train.stop_after=4")
+    assert [r["step"] for r in metrics(tmp_path)] == [3, 4]
+    run_train(tmp_path, *STEPS, "train.log_interval=3", resume="auto")
+    last = metrics(tmp_path)[-1]
+    assert last["step"] == 8
+    assert last["model_flops_total"] == pytest.approx(sum(r["model_flops"] for r in uninterrupted), rel=1e-12)
+    assert last["target_tokens_total"] == sum(r["target_tokens"] for r in uninterrupted)
+    hist = {}
+    for r in uninterrupted:
+        for d in r["depths"]:
+            hist[str(d)] = hist.get(str(d), 0) + 1
+    assert last["depth_counts"] == dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    from megaloop.train.summary import summarize
+
+    s = summarize(tmp_path)
+    assert s["steps"] == 8 and s["model_flops"] == last["model_flops_total"]
+    assert s["microbatches"] == sum(len(r["depths"]) for r in uninterrupted)
 
 
 def test_bf16_distributed_optimizer_resume_is_bitwise(tmp_path):

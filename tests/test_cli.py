@@ -1,0 +1,27 @@
+"""`megaloop` command line: overrides anywhere on the line, paper arms, errors exit 2."""
+
+import pytest
+
+from megaloop.cli import main, parse_args
+
+
+def test_overrides_may_come_before_and_after_options():
+    args = parse_args(["train", "train.max_steps=3", "--run-dir", "runs/x", "model.b_max=2",
+                       "--arm", "pln5", "depth.cap=32"])
+    assert args.run_dir == "runs/x" and args.arm == "pln5"
+    assert args.overrides == ["train.max_steps=3", "model.b_max=2", "depth.cap=32"]
+
+
+def test_unknown_arguments_still_fail():
+    with pytest.raises(SystemExit) as err:
+        parse_args(["train", "--run-dir", "x", "--no-such-flag"])
+    assert err.value.code == 2
+    with pytest.raises(SystemExit):  # only `train` takes dotlist overrides
+        parse_args(["eval", "ppl", "--checkpoint", "x", "a=1"])
+
+
+def test_unknown_arm_exits_2_naming_it(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["train", "--arm", "no_such_arm", "--run-dir", "unused"])
+    assert err.value.code == 2
+    assert "--arm 'no_such_arm'" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+"""tools/run_summary.py: run totals from the cumulative counters of metrics.jsonl."""
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def _write(run, recs, tail=""):
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs) + tail)
+
+
+def _rec(step, **kw):
+    base = {"step": step, "loss": 5.0 - step, "tokens": 100 * step, "target_tokens_total": 99 * step,
+            "model_flops_total": 1e9 * step, "depth_counts": {"2": step, "5": 2 * step},
+            "prior_probs": [0.1, 0.2, 0.3, 0.2, 0.2], "prior_mean_depth": 3.2, "prior_entropy": 1.5}
+    return {**base, **kw}
+
+
+def _tool(*args):
+    return subprocess.run([sys.executable, str(ROOT / "tools" / "run_summary.py"), *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_summary_totals_best_and_last_val(tmp_path):
+    run = tmp_path / "run"
+    recs = [_rec(10, val_ce=3.0), _rec(20, val_ce=2.5, val_ce_per_source={"a": 2.4, "b": 2.6}),
+            _rec(30, val_ce=2.7)]
+    _write(run, recs, tail='{"step": 40, "lo')  # a last line cut by a kill is ignored
+    proc = _tool(run, "--json", tmp_path / "s.json")
+    assert proc.returncode == 0, proc.stderr
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["steps"] == 30 and s["model_flops"] == 3e10 and s["tokens"] == 3000
+    assert s["depth_counts"] == {"2": 30, "5": 60} and s["microbatches"] == 90
+    assert abs(s["mean_depth_drawn"] - 4.0) < 1e-12
+    assert (s["best_val_ce"], s["best_val_step"], s["last_val_ce"]) == (2.5, 20, 2.7)
+    assert s["val_ce_per_source"] == {"a": 2.4, "b": 2.6}
+    assert s["prior"]["p5"] == 0.2
+    assert proc.stdout.strip().splitlines()[-1].startswith("steps=30 tokens=3,000 model_flops=3e+10")
+
+
+def test_resumed_duplicate_steps_take_the_later_record(tmp_path):
+    run = tmp_path / "run"
+    _write(run, [_rec(1), _rec(2, loss=9.0), _rec(2, loss=1.0)])
+    from megaloop.train.summary import summarize
+
+    assert summarize(run)["final_loss"] == 1.0
+
+
+def test_bad_run_dirs_exit_2(tmp_path):
+    proc = _tool(tmp_path / "nothing")
+    assert proc.returncode == 2 and "no metrics.jsonl" in proc.stderr
+    _write(tmp_path / "old", [{"step": 1, "loss": 2.0}])
+    proc = _tool(tmp_path / "old")
+    assert proc.returncode == 2 and "model_flops_total" in proc.stderr
