@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Main job on the embedded default: set up .venv (first run only), then train the `tiny` looped
-# model on the embedded corpus on CPU (or a GPU if present) and print the loss curve.
+# model on the embedded corpus on CPU (or a GPU if present), print the loss curve, and end with a
+# depth sweep (validation PPL at R = 1, 2, 4, 8, 16 and the terminal-sharing penalty; table + PNG).
 # Extra arguments are passed to `megaloop train` (e.g. train.max_steps=40).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,3 +22,6 @@ if "val_ce" in last:
     print(f"validation CE at depth {last.get('val_depth')}: {last['val_ce']:.3f} (ppl {last['val_ppl']:.1f})")
 print(f"run directory: {sys.argv[1]} (metrics.jsonl, config.yaml, checkpoints/)")
 PY
+# The loop at work: PPL vs recurrence depth (parallel pass, terminal-sharing and per-visit protocols)
+megaloop eval sweep --checkpoint "$RUN_DIR" --depths "${SWEEP_DEPTHS:-1,2,4,8,16}" --sharing \
+    --max-seqs "${SWEEP_SEQS:-32}" --json "$RUN_DIR/depth_sweep.json" --plot "$RUN_DIR/depth_sweep.png"

@@ -147,6 +147,9 @@ class RunConfig:
                 f"{self.train.micro_batch_size}) must be a multiple of 16 for FP8 GEMMs")
         if self.model.looped and self.depth.kind == "fixed":
             require(self.depth.depth >= 1, "depth.depth", "must be >= 1")
+
+    def check_trainable(self) -> None:
+        """Checks that apply to starting training (not to loading an old run's config for evaluation)."""
         # an untied model has no recurrence: a sampled or learned depth would only feed the prior noise
         require(self.model.looped or self.depth.kind == "fixed", "depth.kind",
                 f"model.arch=untied has no recurrence depth; use depth.kind=fixed (got {self.depth.kind!r})")

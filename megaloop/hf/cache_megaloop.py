@@ -83,6 +83,7 @@ class MegaloopCache:
         self.visits = 0  # core visit banks per layer (per_visit); 1 in terminal mode once filled
         self.length = 0
         self.batch_size: Optional[int] = None
+        self.exit_depths: list[torch.Tensor] = []  # adaptive decode steps: per-row depths [b] (CPU)
 
     # ------------------------------------------------------------ HF cache protocol
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -96,6 +97,7 @@ class MegaloopCache:
             k, v = bank.view()
             idx = beam_idx.to(k.device)
             bank.k, bank.v = k.index_select(0, idx), v.index_select(0, idx)
+        self.exit_depths = [d.index_select(0, beam_idx.cpu()) for d in self.exit_depths]
         self.batch_size = int(beam_idx.numel())
 
     def crop(self, max_length: int) -> None:

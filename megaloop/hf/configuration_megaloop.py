@@ -16,7 +16,7 @@ try:  # transformers >= 5 (the old spelling remains there as an alias)
 except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as PreTrainedConfig
 
-INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv")
+INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv", "orthoinj_early")
 ARCHS = ("looped", "untied")
 STATE_INITS = ("normal", "zero")
 KV_CACHE_MODES = ("terminal", "per_visit")
@@ -42,6 +42,7 @@ class MegaloopConfig(PreTrainedConfig):
             ``deq_qkv``.
         rms_norm_eps: eps of the learned RMSNorms (layer norms, final norm, Parcae input norm).
         exit_norm_eps: eps of the parameter-free core-exit RMSNorm (``huginn_linear``).
+        exit_norm: whether ``huginn_linear`` applies that exit norm (false: the paper's diagnostic).
         ortho_eps: ε of the OrthoInj projection ``v − q(qᵀv)/(qᵀq + ε)``.
         rope_theta: rotary base.
         max_position_embeddings: training sequence length (informational; rotary extrapolates).
@@ -57,6 +58,9 @@ class MegaloopConfig(PreTrainedConfig):
         kv_cache_mode: ``terminal`` (one KV bank per physical layer and token; core layers keep
             the token's terminal recurrence) or ``per_visit`` (``n_prelude + n_core·R + n_coda``
             banks per token).
+        exit_criterion / min_depth / max_depth: adaptive per-token depth of one-token decode steps
+            (``adaptive_megaloop.py``): ``"latent:1e-3"``, ``"kl:1e-4"`` or ``"argmax:3"`` (None =
+            fixed depth); recurrences 2 ≤ ``min_depth`` ≤ depth ≤ ``max_depth`` (None = decode depth).
         tie_word_embeddings: head shares the embedding matrix.
         initializer_range / deq_std: init stds (used only for freshly constructed models).
     """
@@ -80,6 +84,7 @@ class MegaloopConfig(PreTrainedConfig):
         injection: str = "parcae_nonorm",
         rms_norm_eps: float = 1e-5,
         exit_norm_eps: float = 1e-6,
+        exit_norm: bool = True,
         ortho_eps: float = 1e-6,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 256,
@@ -91,6 +96,9 @@ class MegaloopConfig(PreTrainedConfig):
         prefill_recurrences: int | None = None,
         decode_recurrences: int | None = None,
         kv_cache_mode: str = "terminal",
+        exit_criterion: str | None = None,
+        min_depth: int = 2,
+        max_depth: int | None = None,
         initializer_range: float = 0.02,
         deq_std: float = 0.02,
         tie_word_embeddings: bool = False,
@@ -115,6 +123,7 @@ class MegaloopConfig(PreTrainedConfig):
         self.injection = injection
         self.rms_norm_eps = float(rms_norm_eps)
         self.exit_norm_eps = float(exit_norm_eps)
+        self.exit_norm = bool(exit_norm)
         self.ortho_eps = float(ortho_eps)
         self.rope_theta = float(rope_theta)
         self.max_position_embeddings = int(max_position_embeddings)
@@ -126,6 +135,9 @@ class MegaloopConfig(PreTrainedConfig):
         self.prefill_recurrences = None if prefill_recurrences is None else int(prefill_recurrences)
         self.decode_recurrences = None if decode_recurrences is None else int(decode_recurrences)
         self.kv_cache_mode = kv_cache_mode
+        self.exit_criterion = exit_criterion or None
+        self.min_depth = int(min_depth)
+        self.max_depth = None if max_depth is None else int(max_depth)
         self.initializer_range = float(initializer_range)
         self.deq_std = float(deq_std)
         self.use_cache = use_cache
@@ -157,6 +169,11 @@ class MegaloopConfig(PreTrainedConfig):
         for f in ("num_recurrences", "prefill_recurrences", "decode_recurrences"):
             v = getattr(self, f)
             need(v is None or v >= 1, f, f"must be >= 1, got {v}")
+        need(self.exit_criterion is None or ":" in str(self.exit_criterion), "exit_criterion",
+             f"expected NAME:VALUE (e.g. latent:1e-3), got {self.exit_criterion!r}")
+        need(self.min_depth >= 2, "min_depth", f"must be >= 2, got {self.min_depth}")
+        need(self.max_depth is None or self.max_depth >= self.min_depth, "max_depth",
+             f"must be >= min_depth {self.min_depth}, got {self.max_depth}")
         if self.looped:
             need(self.n_core >= 1, "n_core", "a looped model needs n_core >= 1")
             need(self.n_prelude >= 0 and self.n_coda >= 0, "n_prelude", "layer counts must be >= 0")

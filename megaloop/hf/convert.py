@@ -45,7 +45,8 @@ from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 TOLERANCE = 1e-4
 HF_DIR = Path(__file__).resolve().parent
-CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "modeling_megaloop.py")
+CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
+              "modeling_megaloop.py")
 AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -315,7 +316,7 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         hidden_size=mcfg.hidden_size, num_attention_heads=mcfg.num_heads, num_key_value_heads=mcfg.groups,
         intermediate_size=mcfg.ffn_size, arch=mcfg.arch, n_prelude=mcfg.n_prelude, n_core=mcfg.n_core,
         n_coda=mcfg.n_coda, num_hidden_layers=mcfg.physical_layers, injection=mcfg.injection,
-        rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base, max_position_embeddings=mcfg.seq_len,
+        exit_norm=mcfg.exit_norm, rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base, max_position_embeddings=mcfg.seq_len,
         state_init=mcfg.state_init, state_init_std=mcfg.state_init_std, eval_state_init=mcfg.eval_state_init,
         eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std,
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
@@ -335,7 +336,8 @@ def native_config_from_hf(cfg: MegaloopConfig):
         ffn_hidden_size=cfg.intermediate_size, n_prelude=cfg.n_prelude, n_core=cfg.n_core, n_coda=cfg.n_coda,
         num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
         vocab_pad_multiple=_pad_multiple(pad), seq_len=max(2, cfg.max_position_embeddings),
-        injection=cfg.injection, state_init=cfg.state_init, state_init_std=cfg.state_init_std,
+        injection=cfg.injection, exit_norm=bool(getattr(cfg, "exit_norm", True)),
+        state_init=cfg.state_init, state_init_std=cfg.state_init_std,
         eval_state_init=cfg.eval_state_init, eval_seed=cfg.eval_seed, init_std=cfg.initializer_range,
         deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
         norm_eps=cfg.rms_norm_eps, transformer_impl="local")

@@ -31,6 +31,11 @@ new tokens' depth-``r`` KV, causally, plus the cached prefix banks); afterwards 
   run deeper than the cached ones, recurrence ``r`` reads each cached token's visit
   ``min(r, R_token − 1)``. Token-by-token per-visit decoding equals the plain parallel forward.
 
+Adaptive per-token depth (``exit_criterion="latent:1e-3"``, ``min_depth``, ``max_depth`` as forward /
+``generate`` kwargs or config fields): one-token steps over a filled cache stop each row's recurrence
+when its state settles (``adaptive_megaloop.py``); ``cache.exit_depths`` logs the per-row depths.
+Injections live in ``injection_megaloop.py``.
+
 Depth of a forward: ``num_recurrences`` when passed; else a one-token forward over a non-empty
 cache uses ``decode_recurrences`` and any other forward ``prefill_recurrences`` (both default to
 ``config.num_recurrences``). Without a cache (``use_cache=False``) a forward is the native
@@ -49,8 +54,11 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from .adaptive_megaloop import ExitPolicy, adaptive_forward
 from .cache_megaloop import MegaloopCache, _Bank, one_cache  # noqa: F401  (re-exported)
 from .configuration_megaloop import MegaloopConfig
+from .injection_megaloop import (DEQInjection, DiagonalInjection, HuginnInjection,  # noqa: F401  (re-exported)
+                                 build_injection, inverse_softplus, rms_norm)
 
 EVAL_NOISE_STRIDE = 1_000_003
 # transformers APIs that differ (4.57 … 5.x), detected by feature: recent 5.x name the outputs' cache field
@@ -60,15 +68,6 @@ GENERATE_V5 = "next_sequence_length" in inspect.signature(GenerationMixin.prepar
 
 
 # ----------------------------------------------------------------------------- helpers
-def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (torch's fused op where available)."""
-    if hasattr(F, "rms_norm"):
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    xf = x.float()  # pragma: no cover - torch < 2.4
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return y * weight if weight is not None else y
-
-
 def eval_noise(seed: int, start: int, stop: int, dim: int) -> torch.Tensor:
     """Eval-time state-init rows for absolute positions ``start..stop-1`` ([n, dim], FP32, CPU):
     row ``t`` ~ N(0, 1) drawn from a CPU generator seeded with ``seed * 1_000_003 + t``."""
@@ -90,10 +89,6 @@ def apply_rotary(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate-half rotary embedding of t [b, heads, s, hd]."""
     t1, t2 = torch.chunk(t, 2, dim=-1)
     return t * cos + torch.cat((-t2, t1), dim=-1) * sin
-
-
-def inverse_softplus(y: float) -> float:
-    return y + math.log(-math.expm1(-y))
 
 
 # ----------------------------------------------------------------------------- modules
@@ -174,95 +169,6 @@ class MegaloopLayer(nn.Module):
         a, kv = self.self_attn(self.input_layernorm(x), rope, mask, past, e)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), kv
-
-
-class HuginnInjection(nn.Module):
-    """ζ = W [h; e] + b; core exit: parameter-free RMSNorm in FP32."""
-
-    uses_qkv_injection = False
-
-    def __init__(self, config: MegaloopConfig):
-        super().__init__()
-        self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
-        self.exit_eps = config.exit_norm_eps
-
-    def prepare(self, e):
-        return e
-
-    def forward(self, h, e):
-        return self.adapter(torch.cat([h, e], dim=-1))
-
-    def exit(self, h):
-        return rms_norm(h.float(), None, self.exit_eps).to(h.dtype)
-
-
-class DiagonalInjection(nn.Module):
-    """Parcae-style ζ = Λ⊙h + q, Λ = exp(−softplus(Δ_raw)·exp(α_log)), q = softplus(Δ_raw)⊙(W ẽ);
-    ``parcae_decay``: ẽ = RMSNorm_g(e); ``orthoinj``: carry projected orthogonally to q (FP32)."""
-
-    uses_qkv_injection = False
-
-    def __init__(self, config: MegaloopConfig):
-        super().__init__()
-        d = config.hidden_size
-        self.variant = config.injection
-        self.eps = config.rms_norm_eps
-        self.ortho_eps = config.ortho_eps
-        self.delta_raw = nn.Parameter(torch.zeros(d))
-        self.alpha_log = nn.Parameter(torch.zeros(d))
-        self.proj = nn.Parameter(torch.eye(d))
-        self.norm_weight = nn.Parameter(torch.ones(d)) if self.variant == "parcae_decay" else None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        delta0 = 0.5 * math.log(5.0) if self.variant in ("parcae_decay", "orthoinj") else 1.0
-        nn.init.constant_(self.delta_raw, inverse_softplus(delta0))
-        nn.init.zeros_(self.alpha_log)
-        nn.init.eye_(self.proj)
-        if self.norm_weight is not None:
-            nn.init.ones_(self.norm_weight)
-
-    def prepare(self, e):
-        e_t = rms_norm(e, self.norm_weight, self.eps) if self.norm_weight is not None else e
-        delta = F.softplus(self.delta_raw.float())
-        q = (delta * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
-        lam = torch.exp(-delta * torch.exp(self.alpha_log.float())).to(e.dtype)
-        return q, lam
-
-    def forward(self, h, ctx):
-        q, lam = ctx
-        carry = lam * h
-        if self.variant == "orthoinj":
-            qf, vf = q.float(), carry.float()
-            coef = (qf * vf).sum(-1, keepdim=True) / ((qf * qf).sum(-1, keepdim=True) + self.ortho_eps)
-            carry = (vf - coef * qf).to(carry.dtype)
-        return carry + q
-
-    def exit(self, h):
-        return h
-
-
-class DEQInjection(nn.Module):
-    """No entrance injection (ζ = h); e enters Q/K/V of every core layer."""
-
-    uses_qkv_injection = True
-
-    def prepare(self, e):
-        return e
-
-    def forward(self, h, ctx):
-        return h
-
-    def exit(self, h):
-        return h
-
-
-def build_injection(config: MegaloopConfig) -> nn.Module:
-    if config.injection == "huginn_linear":
-        return HuginnInjection(config)
-    if config.injection in ("parcae_decay", "parcae_nonorm", "orthoinj"):
-        return DiagonalInjection(config)
-    return DEQInjection()
 
 
 # ----------------------------------------------------------------------------- models
@@ -521,6 +427,12 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         elsize = torch.empty((), dtype=dtype or self.dtype).element_size()
         return banks * 2 * cfg.num_key_value_heads * cfg.head_dim * elsize
 
+    def exit_policy(self, exit_criterion=None, min_depth=None, max_depth=None) -> Optional[ExitPolicy]:
+        """Adaptive-depth policy of these arguments, else of the config; None = fixed depth."""
+        cfg, spec = self.config, exit_criterion if exit_criterion is not None else self.config.exit_criterion
+        return ExitPolicy.parse(spec, min_depth=min_depth or cfg.min_depth,
+                                max_depth=max_depth or cfg.max_depth or cfg.decode_depth) if spec else None
+
     # ------------------------------------------------------------ forward
     def forward(
         self,
@@ -537,13 +449,21 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         logits_to_keep: Union[int, torch.Tensor] = 0,
         cache: Optional[MegaloopCache] = None,
         token_type_ids: Optional[torch.Tensor] = None,
+        exit_criterion: Optional[str] = None,
+        min_depth: Optional[int] = None,
+        max_depth: Optional[int] = None,
         **kwargs,
     ) -> Union[tuple, CausalLMOutputWithPast]:
         """Logits [b, s, vocab_size]; ``labels`` (HF convention, shifted inside, -100 ignored) add
         the mean CE. ``num_recurrences`` overrides the depth budget of this call. The cache may be
-        passed as ``past_key_values`` or ``cache``; ``token_type_ids`` (from tokenizers) are ignored."""
+        passed as ``past_key_values`` or ``cache``; ``token_type_ids`` (from tokenizers) are ignored.
+        ``exit_criterion`` (or the config's): one-token steps over a filled cache run adaptive depth."""
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
         past_key_values = one_cache(past_key_values, cache)
+        policy = self.exit_policy(exit_criterion, min_depth, max_depth)
+        if (policy is not None and hasattr(past_key_values, "commit") and input_ids is not None
+                and input_ids.shape[1] == 1 and past_key_values.get_seq_length() > 0):
+            return adaptive_forward(self, input_ids, past_key_values, policy, attention_mask, position_ids)
         if labels is not None and use_cache is None and past_key_values is None:
             use_cache = False  # a scoring/training forward needs no cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -592,7 +512,8 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds,
                   "past_key_values": past_key_values, "attention_mask": attention_mask,
                   "position_ids": position_ids, "use_cache": use_cache}
-        extra = ("num_recurrences", "logits_to_keep", "output_hidden_states")
+        extra = ("num_recurrences", "logits_to_keep", "output_hidden_states", "exit_criterion", "min_depth",
+                 "max_depth")
         inputs.update({k: v for k, v in kwargs.items() if k in extra})
         return inputs  # (beam search reorders the cache through MegaloopCache.reorder_cache)
 

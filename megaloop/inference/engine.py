@@ -23,6 +23,9 @@ Use::
     state = eng.prefill([[5, 6, 7]], depth=8)            # parallel pass, keeps terminal banks
     logits = eng.decode(state, torch.tensor([9]), depth=4)  # one decode step per call
 
+    out = eng.generate("Looped models", exit_criterion="latent:1e-3", max_depth=32)  # adaptive depth
+    out.results[0].depths, out.stats.mean_depth, out.stats.depth_histogram  # see inference/adaptive.py
+
 Batches are left-padded: padding keys are masked, positions (rotary and the eval-time state
 init) count real tokens only, so a sequence gives the same tokens alone or in a batch.
 """
@@ -32,15 +35,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from megaloop.config_utils import ConfigError
+from megaloop.inference.adaptive import DepthLog, ExitPolicy, adaptive_decode, exit_policy
 from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, kv_bytes_per_token,
                                          memory_report, select_rows)
+from megaloop.inference.sampling import SamplingParams, pick_tokens
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
@@ -134,6 +139,7 @@ class DecodeState:
     logits: torch.Tensor  # [b, vocab] FP32 logits of the last position (real vocabulary only)
     prefill_depth: int
     decode_depth: int
+    last_depths: Optional[torch.Tensor] = None  # [b] depths of the last adaptive decode step
 
     @property
     def batch_size(self) -> int:
@@ -156,6 +162,7 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # eos | stop | length | context
     logits: Optional[torch.Tensor] = None  # [generated, vocab] when return_logits
+    depths: Optional[list[int]] = None  # adaptive: recurrences of each fed token (decode steps)
 
 
 @dataclass
@@ -175,6 +182,11 @@ class GenerationStats:
     kv_bytes_per_token: int  # measured, per cached token of one sequence
     kv_bytes_per_token_per_visit: int  # predicted for the full per-visit cache at decode depth
     kv_bytes_per_token_terminal: int  # predicted for terminal sharing
+    exit_criterion: Optional[str] = None  # adaptive depth (decode_depth is then its max_depth)
+    finished_rows: Optional[str] = None  # mask | compact
+    mean_depth: Optional[float] = None  # over the adaptive decode steps
+    depth_histogram: Optional[dict] = None  # depth -> tokens
+    row_recurrences: Optional[int] = None  # core (row, recurrence) evaluations computed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,43 +200,6 @@ class GenerationOutput:
     @property
     def texts(self) -> list[str]:
         return [r.text for r in self.results]
-
-
-@dataclass
-class SamplingParams:
-    """``temperature == 0`` (or ``greedy``) → argmax; else softmax(logits/T) after top-k / top-p."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: Optional[int] = None
-    greedy: bool = field(init=False, default=True)
-
-    def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ConfigError(f"--temperature: must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k: must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"--top-p: must be in (0, 1], got {self.top_p}")
-        self.greedy = self.temperature == 0
-
-
-def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Next tokens [b] from logits [b, V] (the real vocabulary)."""
-    if params.greedy:
-        return logits.argmax(-1)
-    scores = logits.float() / params.temperature
-    if params.top_k and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
-        probs = sorted_scores.softmax(-1)
-        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
-        drop[:, 0] = False
-        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- engine
@@ -241,11 +216,16 @@ class InferenceEngine:
         cache_mode: default KV-cache mode, ``terminal`` or ``per_visit``.
         max_context: longest sequence (prompt + generated) accepted; default the training
             sequence length (``config.max_position_embeddings``).
+        exit_criterion / min_depth / max_depth / finished_rows: default adaptive-depth policy of
+            decode steps (:mod:`megaloop.inference.adaptive`; None = fixed decode depth); then
+            ``generate`` and ``score_with_prefix`` decode adaptively, depths go to ``depth_log``.
     """
 
     def __init__(self, model, tokenizer=None, *, depth: Optional[int] = None, prefill_depth: Optional[int] = None,
                  decode_depth: Optional[int] = None, cache_mode: str = "terminal",
-                 max_context: Optional[int] = None, source: Optional[dict] = None):
+                 max_context: Optional[int] = None, source: Optional[dict] = None,
+                 exit_criterion: Optional[str] = None, min_depth: Optional[int] = None,
+                 max_depth: Optional[int] = None, finished_rows: str = "mask"):
         self.model = model.eval()
         self.tokenizer = tokenizer
         cfg = model.config
@@ -258,6 +238,15 @@ class InferenceEngine:
         if self.max_context < 1:
             raise ConfigError(f"--max-context: must be >= 1, got {max_context}")
         self.source = source or {}
+        self.exit = self.policy(exit_criterion, min_depth, max_depth, finished_rows)
+        self.depth_log = DepthLog()
+
+    def policy(self, exit_criterion=None, min_depth=None, max_depth=None, finished_rows=None) -> Optional[ExitPolicy]:
+        """The adaptive policy of these options (ConfigError on bad ones); all None → the engine's."""
+        if exit_criterion is None and min_depth is None and max_depth is None and finished_rows is None:
+            return getattr(self, "exit", None)
+        return exit_policy(exit_criterion, min_depth=min_depth, max_depth=max_depth,
+                           default_max_depth=self.decode_depth, finished_rows=finished_rows or "mask")
 
     # ------------------------------------------------------------ construction
     @classmethod
@@ -407,9 +396,11 @@ class InferenceEngine:
         return DecodeState(cache, mask, lens, self._suppress_padding(out.logits[:, -1]), depth, ddepth)
 
     @torch.no_grad()
-    def decode(self, state: DecodeState, tokens: torch.Tensor, *, depth: Optional[int] = None) -> torch.Tensor:
-        """Feed one token per row ([b]) at the decode budget; updates ``state``; returns FP32 logits
-        [b, V] over the real vocabulary."""
+    def decode(self, state: DecodeState, tokens: torch.Tensor, *, depth: Optional[int] = None,
+               policy: Optional[ExitPolicy] = None) -> torch.Tensor:
+        """Feed one token per row ([b]) at the decode budget — or, with an :class:`ExitPolicy`, at
+        adaptive per-row depth (``state.last_depths``, ``depth_log``); updates ``state``; returns FP32
+        logits [b, V] over the real vocabulary."""
         depth = check_depth(depth if depth is not None else state.decode_depth, "--decode-depth")
         tokens = tokens.reshape(-1, 1).to(self.device)
         b = tokens.shape[0]
@@ -418,24 +409,30 @@ class InferenceEngine:
         mask = state.attention_mask
         if mask is not None:
             mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=mask.device)], dim=1)
-        out = self.model(tokens, attention_mask=mask, position_ids=state.lengths.reshape(b, 1),
-                         past_key_values=state.cache, use_cache=True, num_recurrences=depth)
+        if policy is not None:
+            logits, state.last_depths, work = adaptive_decode(self.model, tokens, state.cache, policy, mask,
+                                                              state.lengths.reshape(b, 1))
+            self.depth_log.add(state.last_depths, work)
+        else:
+            logits = self.model(tokens, attention_mask=mask, position_ids=state.lengths.reshape(b, 1),
+                                past_key_values=state.cache, use_cache=True, num_recurrences=depth).logits
         state.attention_mask = mask
         state.lengths = state.lengths + 1
-        state.logits = self._suppress_padding(out.logits[:, -1])
+        state.logits = self._suppress_padding(logits[:, -1])
         return state.logits
 
     @torch.no_grad()
     def score_with_prefix(self, prefix: Optional[torch.Tensor], chunk: torch.Tensor, *, depth: Optional[int] = None,
                           prefill_depth: Optional[int] = None, cache_mode: Optional[str] = None,
-                          cache=None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                          cache=None, policy: Optional[ExitPolicy] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The PPL protocol's two passes: prefill ``prefix`` [b, m] at ``prefill_depth`` (default
         ``depth``) into a cache, then one parallel pass over ``chunk`` [b, n] at ``depth`` whose
         tokens read the prefix through the cached banks (terminal: one bank per layer) and each
         other per recurrence, as in training. Returns FP32 logits over the padded head
         ``(last_prefix_logits [b, V] — the prediction of chunk[:, 0] — , chunk_logits [b, n, V])``.
         Pass ``cache`` (already holding the prefix; ``prefix`` None) to skip the prefill; the
-        cache then also holds ``chunk``."""
+        cache then also holds ``chunk``. With a ``policy`` (default the engine's ``exit``) the chunk
+        is fed token by token at adaptive depth (teacher forcing; depths in ``depth_log``)."""
         depth = check_depth(depth if depth is not None else self.depth, "--depth")
         pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
         last = None
@@ -445,9 +442,16 @@ class InferenceEngine:
             cache = self.model.new_cache(check_mode(cache_mode or self.cache_mode, "--cache"))
             last = self.model(prefix.to(self.device), past_key_values=cache, use_cache=True,
                               num_recurrences=pdepth, logits_to_keep=1).logits[:, -1].float()
-        logits = self.model(chunk.to(self.device), past_key_values=cache, use_cache=True,
-                            num_recurrences=depth).logits.float()
-        return last, logits
+        policy = policy or self.exit
+        if policy is None:
+            return last, self.model(chunk.to(self.device), past_key_values=cache, use_cache=True,
+                                    num_recurrences=depth).logits.float()
+        steps = []
+        for j in range(chunk.shape[1]):
+            logits, depths, work = adaptive_decode(self.model, chunk[:, j:j + 1].to(self.device), cache, policy)
+            self.depth_log.add(depths, work)
+            steps.append(logits.float())
+        return last, torch.cat(steps, dim=1)
 
     # ------------------------------------------------------------ generation
     @torch.no_grad()
@@ -455,13 +459,17 @@ class InferenceEngine:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: Optional[int] = None,
                  greedy: Optional[bool] = None, stop: Sequence[str] = (), stop_at_eos: bool = True,
                  prefill_depth: Optional[int] = None, decode_depth: Optional[int] = None,
-                 cache_mode: Optional[str] = None, return_logits: bool = False) -> GenerationOutput:
+                 cache_mode: Optional[str] = None, return_logits: bool = False, exit_criterion: Optional[str] = None,
+                 min_depth: Optional[int] = None, max_depth: Optional[int] = None,
+                 finished_rows: Optional[str] = None) -> GenerationOutput:
         """Generate continuations of one prompt (str / ids) or a batch of them.
 
         Decoding: greedy when ``temperature == 0`` or ``greedy``; else sampling with temperature,
         ``top_k`` (0 = off), ``top_p`` (1 = off) and ``seed`` (reproducible). A row stops at EOS
         (``stop_at_eos``), at the first ``stop`` string (the text is cut before it), after
         ``max_new_tokens``, or when its length reaches ``max_context`` (finish reason ``context``).
+        ``exit_criterion`` (``latent:1e-3`` …, ``min_depth``, ``max_depth``, ``finished_rows``; default
+        the engine's policy, ``"none"`` = fixed depth): decode steps at adaptive per-token depth.
         """
         if isinstance(prompts, torch.Tensor):
             prompts = prompts.tolist()
@@ -471,12 +479,15 @@ class InferenceEngine:
             raise ConfigError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
         mode = check_mode(cache_mode or self.cache_mode, "--cache")
+        policy = self.policy(exit_criterion, min_depth, max_depth, finished_rows)
+        log = DepthLog()
         stop = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
         gen = None
         if not params.greedy:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little"))
 
+        work0 = self.depth_log.row_recurrences
         t0 = self._sync_time()
         state = self.prefill(batch, depth=prefill_depth, decode_depth=decode_depth, cache_mode=mode)
         t1 = self._sync_time()
@@ -484,6 +495,7 @@ class InferenceEngine:
         prompt_lens = [int(x) for x in state.lengths.tolist()]
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        out_depths: list[list[int]] = [[] for _ in range(n)]
         texts, reasons = [""] * n, [""] * n
         rows = list(range(n))  # original row of each state row
         peak = state.cache.kv_bytes()
@@ -518,7 +530,11 @@ class InferenceEngine:
                 state = state.select(keep)
                 rows = [rows[j] for j in keep]
                 nxt = [nxt[j] for j in keep]
-            self.decode(state, torch.tensor(nxt, dtype=torch.long))
+            self.decode(state, torch.tensor(nxt, dtype=torch.long), policy=policy)
+            if policy is not None:
+                log.add(state.last_depths)
+                for row, d in zip(rows, state.last_depths.tolist()):
+                    out_depths[row].append(int(d))
             steps += 1
             peak = max(peak, state.cache.kv_bytes())
         t2 = self._sync_time()
@@ -526,7 +542,8 @@ class InferenceEngine:
         for row in range(n):
             text = texts[row] if reasons[row] == "stop" else self.decode_text(out_ids[row])
             logits = torch.stack(out_logits[row]) if return_logits and out_logits[row] else None
-            results.append(GenerationResult(text, out_ids[row], prompt_lens[row], reasons[row], logits))
+            results.append(GenerationResult(text, out_ids[row], prompt_lens[row], reasons[row], logits,
+                                            out_depths[row] if policy is not None else None))
         generated = sum(len(r.token_ids) for r in results)
         measured = cache_stats(state.cache).bytes_per_token
         stats = GenerationStats(
@@ -537,6 +554,11 @@ class InferenceEngine:
             kv_bytes_per_token=int(measured),
             kv_bytes_per_token_per_visit=self.kv_bytes_per_token("per_visit", state.decode_depth),
             kv_bytes_per_token_terminal=self.kv_bytes_per_token("terminal", state.decode_depth))
+        if policy is not None:
+            stats.decode_depth, stats.exit_criterion = policy.max_depth, policy.spec
+            stats.finished_rows = "compact" if policy.compaction else "mask"
+            stats.mean_depth, stats.depth_histogram = log.mean, log.histogram
+            stats.row_recurrences = self.depth_log.row_recurrences - work0
         return GenerationOutput(results, stats)
 
     def _sync_time(self) -> float:
@@ -553,6 +575,9 @@ class InferenceEngine:
                 "vocab_size": self.vocab_size, "dtype": str(self.dtype).replace("torch.", ""),
                 "device": str(self.device), "depth": self.depth, "prefill_depth": self.prefill_depth,
                 "decode_depth": self.decode_depth, "cache_mode": self.cache_mode, "max_context": self.max_context,
+                "exit": None if self.exit is None else {"criterion": self.exit.spec, "min_depth": self.exit.min_depth,
+                                                        "max_depth": self.exit.max_depth,
+                                                        "compaction": self.exit.compaction},
                 "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, self.decode_depth) for m in MODES}}
 
 

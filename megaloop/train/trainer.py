@@ -68,6 +68,7 @@ class Trainer:
     # ================================================================ setup
     def setup(self) -> None:
         cfg = self.cfg
+        cfg.check_trainable()
         par = cfg.parallel
         self.dims = ParallelDims(world=world_size_from_env(), tp=par.tp, pp=par.pp, vpp=par.vpp)
         init_distributed(self.dims, cfg.train.seed)

@@ -24,6 +24,8 @@ VARIANTS = {  # name -> ModelConfig overrides
     "orthoinj": dict(injection="orthoinj", bf16=True),  # bf16 run: tensors upcast to FP32 on conversion
     "deq_qkv": dict(injection="deq_qkv", num_query_groups=2, n_prelude=2),
     "untied": dict(arch="untied", num_layers=3),
+    "huginn_no_exit_norm": dict(injection="huginn_linear", exit_norm=False),  # paper-only variants
+    "orthoinj_early": dict(injection="orthoinj_early"),
 }
 
 

@@ -1,0 +1,50 @@
+"""Token selection for generation: greedy, temperature, top-k / top-p sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megaloop.config_utils import ConfigError
+
+
+@dataclass
+class SamplingParams:
+    """``temperature == 0`` (or ``greedy``) → argmax; else softmax(logits/T) after top-k / top-p."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    greedy: bool = field(init=False, default=True)
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ConfigError(f"--temperature: must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k: must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"--top-p: must be in (0, 1], got {self.top_p}")
+        self.greedy = self.temperature == 0
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """Next tokens [b] from logits [b, V] (the real vocabulary)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    scores = logits.float() / params.temperature
+    if params.top_k and params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
+        drop[:, 0] = False
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+__all__ = ["SamplingParams", "pick_tokens"]
