@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,11 +33,22 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
     p.add_argument("--max-context", type=int, default=None, help="longest sequence (default: training seq_len)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--exit", default=None, metavar="CRIT:VALUE",
+                   help="adaptive per-token decode depth: latent:1e-3 | kl:1e-4 | argmax:3 (default: fixed depth)")
+    p.add_argument("--min-depth", type=int, default=None, help="adaptive: earliest exit (>= 2, default 2)")
+    p.add_argument("--max-depth", type=int, default=None, help="adaptive: depth cap (default: decode depth)")
+    p.add_argument("--finished-rows", choices=("mask", "compact"), default="mask",
+                   help="adaptive: finished batch rows keep computing (mask) or drop out (compact)")
     if data:
         p.add_argument("--data", default="default",
-                       help="'default' (embedded validation set) or an MDS validation directory")
+                       help="'default' (embedded validation set), an MDS validation directory, or a text file "
+                            "(.txt/.raw: one document; .jsonl[.gz]/.parquet: one per row) tokenised with the "
+                            "checkpoint's tokenizer")
+        p.add_argument("--text-field", default="text", help="JSONL field / parquet column of a text --data file")
         p.add_argument("--max-seqs", type=int, default=None, help="evaluate at most N sequences")
-        p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: manifest / model)")
+        p.add_argument("--seq-len", type=int, default=None,
+                       help="tokens per evaluation sequence (paper: 8192; default: the MDS set's length, else "
+                            "the training seq_len); beyond the training length RoPE positions are extrapolated")
         p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
@@ -47,6 +59,8 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
     _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default="both")
+    p.add_argument("--prefix-len", type=int, default=None,
+                   help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
     p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
     p.set_defaults(fn=cmd_eval_ppl)
 
@@ -54,12 +68,15 @@ def add_eval_parser(sub) -> None:
     _common(p)
     p.add_argument("--depths", default="1,2,4,5,8,16,32,64", help="comma-separated depths")
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
+    p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
     p.set_defaults(fn=cmd_eval_sweep)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
     _common(p)
-    p.set_defaults(max_seqs=4)
+    p.add_argument("--per-source", type=int, default=None,
+                   help="spans per validation source (default 16, the paper's 16 × 19 = 304; needs a 'source' "
+                        "column; 0: the first --max-seqs rows)")
     p.add_argument("--prefix-len", type=int, default=None, help="prefix tokens per span (default seq_len-1)")
     p.add_argument("--max-steps", type=int, default=1024, help="recurrence limit per solve (<= 1024)")
     p.add_argument("--control-depth", type=int, default=5, help="depth of the finite-prefix control (0: off)")
@@ -71,7 +88,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. megaloop_toy_mc")
     p.add_argument("--limit", type=float, default=None, help="examples per task (or fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=16, help="continuations per scoring pass")
+    p.add_argument("--batch-size", type=int, default=16, help="continuations per scoring pass / decode batch")
+    p.add_argument("--scoring", choices=("decode", "parallel"), default=None,
+                   help="loglikelihood scoring: decode (default; prefill the context at P, then one continuation "
+                        "token at a time at D through the cache, as in the paper) or parallel (one pass at R; "
+                        "faster; the default with --cache none)")
     p.add_argument("--include-path", action="append", default=[], help="extra folder of task YAMLs")
     p.add_argument("--include-defaults", action="store_true", help="also index lm-eval's built-in tasks")
     p.set_defaults(fn=cmd_eval_harness)
@@ -105,6 +126,10 @@ def _check_args(args: argparse.Namespace) -> None:
             check_depth(value, "--" + name.replace("_", "-"))
     if getattr(args, "max_seqs", None) is not None and args.max_seqs < 1:
         raise ConfigError(f"--max-seqs: must be >= 1, got {args.max_seqs}")
+    if getattr(args, "seq_len", None) is not None and args.seq_len < 4:
+        raise ConfigError(f"--seq-len: must be >= 4, got {args.seq_len}")
+    if getattr(args, "per_source", None) is not None and args.per_source < 0:
+        raise ConfigError(f"--per-source: must be >= 0 (0: off), got {args.per_source}")
     if getattr(args, "max_context", None) is not None and args.max_context < 1:
         raise ConfigError(f"--max-context: must be >= 1, got {args.max_context}")
     if getattr(args, "threads", None):
@@ -123,14 +148,31 @@ def _engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Op
     return InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
                                 tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
                                 decode_depth=args.decode_depth, cache_mode=cache_mode,
-                                max_context=args.max_context)
+                                max_context=args.max_context, exit_criterion=getattr(args, "exit", None),
+                                min_depth=getattr(args, "min_depth", None), max_depth=getattr(args, "max_depth", None),
+                                finished_rows=getattr(args, "finished_rows", "mask"))
 
 
-def _data(args: argparse.Namespace, engine):
+_WARNED: set = set()
+
+
+def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
+    """The evaluation set of ``--data``; sequences longer than the training length raise the
+    engine's context (RoPE extrapolation, warned once) unless ``--max-context`` was given."""
     from megaloop.eval.ppl import load_eval_data
 
-    return load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs, vocab_size=engine.vocab_size,
-                          default_seq_len=engine.config.max_position_embeddings)
+    data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
+                          vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
+                          encode=engine.encode if engine.tokenizer is not None else None, eos_id=engine.eos_id,
+                          text_field=args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None))
+    trained = int(engine.config.max_position_embeddings)
+    if data.seq_len > engine.max_context and args.max_context is None:
+        engine.max_context = data.seq_len
+    if data.seq_len > trained and (trained, data.seq_len) not in _WARNED:
+        _WARNED.add((trained, data.seq_len))
+        print(f"warning: {data.seq_len}-token sequences exceed the training seq_len {trained}: RoPE positions "
+              f"{trained}..{data.seq_len - 1} were never trained and are extrapolated", file=sys.stderr)
+    return data
 
 
 def _fmt(x: Any, digits: int = 4) -> str:
@@ -173,7 +215,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     engine = _engine(args)
     data = _data(args, engine)
     res = evaluate_ppl(engine, data, depth=args.depth, prefill_depth=args.prefill_depth, protocols=protocols,
-                       batch_size=args.batch_size)
+                       batch_size=args.batch_size, prefix_len=args.prefix_len)
     rows = []
     if res.native_ppl is not None:
         rows.append(["native (all positions)", res.native_ppl, res.tokens_native, "—"])
@@ -181,14 +223,18 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     for mode in ("terminal", "per_visit"):
         value = getattr(res, f"{mode}_ppl")
         if value is not None:
-            rows.append([f"{mode} cache (prefill half at P={res.prefill_depth})", value, res.tokens_scored,
+            rows.append([f"{mode} cache (prefill {res.prefix_len} at P={res.prefill_depth})", value, res.tokens_scored,
                          res.kv_bytes_per_token[mode]])
-    _table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens ({data.source})",
+    _table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
+           f"({data.source})",
            ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
     if res.sharing_penalty_pct is not None:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
+    if engine.exit is not None:
+        print(f"adaptive decode ({engine.exit.spec}, second half scored token by token): {engine.depth_log.summary()}")
     _write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
-                            **res.to_dict()})
+                            **res.to_dict(),
+                            **({"adaptive_depths": engine.depth_log.to_dict()} if engine.exit is not None else {})})
     return 0
 
 
@@ -200,7 +246,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     engine = _engine(args)
     data = _data(args, engine)
     res = depth_sweep(engine, data, depths, sharing=args.sharing, prefill_depth=args.prefill_depth,
-                      batch_size=args.batch_size)
+                      batch_size=args.batch_size, prefix_len=args.prefix_len)
     cols = ["R", "native PPL"] + (["terminal PPL", "per-visit PPL", "penalty %"] if args.sharing else [])
     rows = [[r["depth"], r["native_ppl"]] + ([r["terminal_ppl"], r["per_visit_ppl"], r["sharing_penalty_pct"]]
                                              if args.sharing else []) for r in res["rows"]]
@@ -215,7 +261,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
-    from megaloop.inference.fixed_point import Criteria, fixed_point_report
+    from megaloop.inference.fixed_point import Criteria, fixed_point_report, select_per_source
 
     _check_args(args)
     criteria = Criteria(max_steps=args.max_steps)
@@ -224,13 +270,28 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     engine = _engine(args, dtype="fp32")  # SPEC §8: FP32, reference attention
     if not engine.config.looped:
         raise ConfigError("fixed-point checks need a looped model (arch=looped)")
-    data = _data(args, engine)
+    per_source = args.per_source
+    data = _data(args, engine, max_seqs=None if per_source != 0 else (args.max_seqs or 4))
+    if data.sources is None and per_source:
+        raise ConfigError(f"--per-source: {data.source} has no 'source' column (pass --per-source 0 to take "
+                          f"the first --max-seqs rows)")
+    if data.sources is None:  # no source column, --per-source not given: the first rows
+        per_source = 0
+        print(f"note: {data.source} has no 'source' column: taking its first {args.max_seqs or 4} rows",
+              file=sys.stderr)
     plen = args.prefix_len if args.prefix_len is not None else data.seq_len - 1
     if not 1 <= plen <= data.seq_len - 1:
         raise ConfigError(f"--prefix-len: must be in [1, {data.seq_len - 1}], got {plen}")
-    spans = data.tokens[:, :plen + 1]
+    if per_source != 0:
+        per_source = per_source or 16
+        rows_idx = select_per_source(data.sources, per_source, args.max_seqs)
+        sources = [data.sources[i] for i in rows_idx]
+    else:
+        rows_idx = list(range(min(data.num_seqs, args.max_seqs or 4)))
+        sources = [data.sources[i] for i in rows_idx] if data.sources is not None else None
+    spans = data.tokens[rows_idx, :plen + 1]
     rep = fixed_point_report(engine.model, spans, criteria, control_depth=args.control_depth or None,
-                             zero_init=not args.no_zero_init)
+                             zero_init=not args.no_zero_init, sources=sources)
     rows = [["spans qualified (prefix, joint, current all qualify)", f"{rep['num_qualified']} / {rep['num_spans']}"]]
     for k in ("prefix", "joint", "current"):
         d = rep["depth"][k]
@@ -249,20 +310,29 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
             rows.append([f"rejected {k} solves: {reason}", n])
     _table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
            ["check", "value"], rows)
+    if "per_source" in rep:
+        _table(f"Fixed points per source ({per_source} spans per source)",
+               ["source", "spans", "qualified", "joint depth median", "state gap median / max", "KL median / max"],
+               [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
+                 f"{_fmt(r['state_gap']['median'])} / {_fmt(r['state_gap']['max'])}",
+                 f"{_fmt(r['kl']['median'])} / {_fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
     _write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
-                            "prefix_len": plen, **rep})
+                            "prefix_len": plen, "per_source_k": per_source or None, **rep})
     return 0
 
 
 def cmd_eval_harness(args: argparse.Namespace) -> int:
     from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
 
+    from megaloop.eval.decode_score import check_scoring
+
     _check_args(args)
+    check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
     engine = _engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     lm = MegaloopLM(engine, depth=args.depth, prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
-                    cache_mode=args.cache, batch_size=args.batch_size)
+                    cache_mode=args.cache, scoring=args.scoring, batch_size=args.batch_size)
     limit = args.limit
     if limit is not None and limit >= 1:
         limit = int(limit)
@@ -273,7 +343,8 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
             if isinstance(v, (int, float)) and k != "sample_len":
                 rows.append([task, k, v, metrics.get("sample_len")])
     c = res["config"]
-    _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, R={c['depth']})",
+    how = f"D={c['decode_depth']} token by token" if c["scoring"] == "decode" else f"R={c['depth']} parallel"
+    _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
            ["task", "metric", "value", "n"], rows)
     _write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res})
     return 0
@@ -297,6 +368,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
           f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
           f"peak {s.kv_bytes_peak} B")
+    if s.exit_criterion:
+        hist = " ".join(f"{d}:{c}" for d, c in s.depth_histogram.items())
+        print(f"adaptive {s.exit_criterion} ({s.finished_rows}): mean depth {s.mean_depth:.2f}, depth:tokens {hist}")
     _write_json(args.json, {"command": "generate", "engine": engine.describe(),
                             "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
                                          "finish_reason": r.finish_reason}

@@ -37,17 +37,18 @@ def parse_depths(text: str | Sequence[int]) -> list[int]:
 
 def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, *, sharing: bool = False,
                 prefill_depth: Optional[int] = None, batch_size: int = 4, reference_depth: Optional[int] = None,
-                log=None) -> dict:
+                log=None, prefix_len: Optional[int] = None) -> dict:
     """Rows ``{depth, native_ppl, [terminal_ppl, per_visit_ppl, sharing_penalty_pct]}`` plus
     ``reference_depth`` (default the engine's depth, i.e. the training/eval depth) and
-    ``extrapolation_pct`` = 100·(PPL at the deepest depth / PPL at the reference − 1)."""
+    ``extrapolation_pct`` = 100·(PPL at the deepest depth / PPL at the reference − 1).
+    ``prefix_len``: tokens prefilled by the sharing protocols (default half the sequence)."""
     depths = parse_depths(depths)
     ref = check_depth(reference_depth or engine.depth, "--reference-depth")
     protocols = ("native", "terminal", "per_visit") if sharing else ("native",)
     rows = []
     for d in sorted(set(depths) | {ref}):
         res = evaluate_ppl(engine, data, depth=d, prefill_depth=prefill_depth, protocols=protocols,
-                           batch_size=batch_size)
+                           batch_size=batch_size, prefix_len=prefix_len)
         row = {"depth": d, "native_ppl": res.native_ppl, "seconds": res.seconds, "in_sweep": d in depths}
         if sharing:
             row.update(terminal_ppl=res.terminal_ppl, per_visit_ppl=res.per_visit_ppl,
@@ -61,7 +62,7 @@ def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, 
     return {"depths": depths, "rows": [r for r in rows if r["in_sweep"]], "reference_depth": ref,
             "reference_native_ppl": by_depth[ref]["native_ppl"], "deepest": deepest,
             "extrapolation_pct": extrap, "num_seqs": data.num_seqs, "seq_len": data.seq_len,
-            "sharing": sharing}
+            "prefix_len": res.prefix_len, "sharing": sharing}
 
 
 def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence depth") -> Path:

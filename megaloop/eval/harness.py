@@ -1,18 +1,22 @@
 """lm-eval adapter: an ``lm_eval.api.model.LM`` over the :class:`InferenceEngine`.
 
-Scoring uses terminal KV sharing with chosen budgets, like the PPL protocol: a request's context
-is prefilled at ``prefill_depth`` (parallel pass) into a cache, and the continuation is scored in
-one parallel pass at ``depth`` whose tokens read the context through the cached banks
-(``cache_mode="terminal"``; ``per_visit`` keeps every visit; ``none`` = plain parallel forward
-over context + continuation). Requests with the same context share one prefill (multiple-choice
-options are scored as one batch over copies of the cache). ``generate_until`` decodes with
-the engine (prefill budget, then ``decode_depth`` per token).
+Scoring follows the paper's protocol by default (``scoring="decode"``): a request's context is
+prefilled at ``prefill_depth`` (parallel pass) into a KV cache (``cache_mode="terminal"``: the
+terminal banks only; ``per_visit``: every visit), then the continuation is decoded one token at
+a time at ``decode_depth`` through that cache, batched across requests and continuations
+(:mod:`megaloop.eval.decode_score`). ``scoring="parallel"`` is the faster alternative: one
+parallel pass over the continuation at ``depth`` reading the context through the cache
+(``cache_mode="none"``: one plain parallel forward over context + continuation; parallel only).
+``loglikelihood_rolling`` scores its windows the same way; ``generate_until`` decodes with the
+engine (``prefill_depth``, then ``decode_depth`` per token).
 
 Local tasks ship in ``megaloop/eval/tasks`` (``megaloop_toy_mc``: 24 questions, JSONL beside the
-YAML). :func:`run_harness` indexes that folder with ``TaskManager(include_path=...)`` and rewrites
-relative ``dataset_kwargs.data_files`` of those YAMLs to absolute paths, so everything loads
-offline through the ``json`` builder. Importing this module registers the model as ``megaloop``
-for lm-eval's Python API: ``simple_evaluate(model="megaloop", model_args="checkpoint=DIR,depth=5",
+YAML, read by a ``custom_dataset`` loader that resolves it against the YAML's folder, so plain
+``lm_eval --include_path megaloop/eval/tasks`` works from any directory). :func:`run_harness`
+indexes that folder with ``TaskManager(include_path=...)``; plain YAMLs of ``--include-path``
+folders get their relative ``dataset_kwargs.data_files`` made absolute (relative to the YAML).
+Everything loads offline through the ``json`` builder. Importing this module registers the model
+as ``megaloop`` for lm-eval's Python API: ``simple_evaluate(model="megaloop", model_args="checkpoint=DIR,depth=5",
 tasks=task_specs(["megaloop_toy_mc"], [TASKS_DIR]), task_manager=...)``.
 """
 
@@ -22,10 +26,9 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-import torch
-
 from megaloop.config_utils import ConfigError
-from megaloop.inference.kv_cache import check_depth, select_rows
+from megaloop.eval.decode_score import check_scoring
+from megaloop.inference.kv_cache import check_depth
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 CACHE_MODES = ("terminal", "per_visit", "none")
@@ -46,17 +49,22 @@ class MegaloopLM(LM):
 
     Args:
         engine: the engine (or pass ``checkpoint=`` / ``hf=`` through ``create_from_arg_string``).
-        depth: scoring depth R of continuation passes (default the engine's).
-        prefill_depth: depth of context prefill (default ``depth``).
-        decode_depth: per-token depth of ``generate_until`` (default the engine's decode depth).
+        depth: depth R of ``parallel`` continuation passes (default the engine's).
+        prefill_depth: depth P of context prefill (default ``depth`` when given, else the
+            engine's prefill depth).
+        decode_depth: per-token depth D of ``decode`` scoring and ``generate_until`` (default
+            ``depth`` when given, else the engine's decode depth).
         cache_mode: ``terminal`` (default), ``per_visit`` or ``none``.
-        batch_size: continuations scored per pass.
+        scoring: ``decode`` (default; token by token through the cache) or ``parallel``
+            (default with ``cache_mode="none"``).
+        batch_size: continuations scored per pass (rows decoded together).
         max_gen_toks: default generation length.
     """
 
     def __init__(self, engine=None, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
                  depth: Optional[int] = None, prefill_depth: Optional[int] = None,
-                 decode_depth: Optional[int] = None, cache_mode: str = "terminal", batch_size: int = 16,
+                 decode_depth: Optional[int] = None, cache_mode: str = "terminal",
+                 scoring: Optional[str] = None, batch_size: int = 16,
                  max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", **_ignored):
         super().__init__()
         if engine is None:
@@ -71,11 +79,11 @@ class MegaloopLM(LM):
             raise ConfigError(f"--cache: one of {CACHE_MODES}, got {cache_mode!r}")
         self.engine = engine
         self.depth = check_depth(depth if depth is not None else engine.depth, "--depth")
-        self.prefill_depth = check_depth(prefill_depth if prefill_depth is not None else self.depth,
-                                         "--prefill-depth")
-        self.decode_depth = check_depth(decode_depth if decode_depth is not None else engine.decode_depth,
-                                        "--decode-depth")
+        default = self.depth if depth is not None else None
+        self.prefill_depth = check_depth(_first(prefill_depth, default, engine.prefill_depth), "--prefill-depth")
+        self.decode_depth = check_depth(_first(decode_depth, default, engine.decode_depth), "--decode-depth")
         self.cache_mode = cache_mode
+        self.scoring = check_scoring(scoring or ("parallel" if cache_mode == "none" else "decode"), cache_mode)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 16
         self.max_gen_toks = int(max_gen_toks)
         self._device = engine.device
@@ -130,62 +138,16 @@ class MegaloopLM(LM):
         room = limit + 1 - len(cont)  # inputs: ctx + cont[:-1]
         return ctx[-max(1, room):], cont
 
-    @torch.no_grad()
-    def _score_group(self, ctx: list[int], conts: list[list[int]]) -> list[tuple[float, bool]]:
-        """Log-likelihood and greedy flag of each continuation of one context."""
-        eng = self.engine
-        dev = eng.device
-        ctx_t = torch.tensor([ctx], dtype=torch.long, device=dev)
-        out: list[tuple[float, bool]] = []
-        if self.cache_mode == "none":
-            for i in range(0, len(conts), self.batch_size):
-                chunk = conts[i:i + self.batch_size]
-                width = max(len(c) for c in chunk) - 1
-                ids = torch.full((len(chunk), len(ctx) + width), eng.pad_id, dtype=torch.long)
-                for j, c in enumerate(chunk):  # right padding never reaches earlier positions
-                    ids[j, :len(ctx) + len(c) - 1] = torch.tensor(ctx + c[:-1])
-                logits = eng.forward(ids, self.depth)
-                for j, c in enumerate(chunk):
-                    out.append(self._logprob(logits[j, len(ctx) - 1:len(ctx) - 1 + len(c)], c))
-            return out
-        cache = eng.model.new_cache(self.cache_mode)
-        first = eng.model(ctx_t, past_key_values=cache, use_cache=True, num_recurrences=self.prefill_depth,
-                          logits_to_keep=1).logits.float()[0, -1]  # predicts each continuation's first token
-        for i in range(0, len(conts), self.batch_size):
-            chunk = conts[i:i + self.batch_size]
-            width = max(len(c) for c in chunk) - 1
-            rest = None
-            if width > 0:
-                ids = torch.full((len(chunk), width), eng.pad_id, dtype=torch.long, device=dev)
-                for j, c in enumerate(chunk):
-                    if len(c) > 1:
-                        ids[j, :len(c) - 1] = torch.tensor(c[:-1])
-                rows = select_rows(cache, [0] * len(chunk))
-                rest = eng.model(ids, past_key_values=rows, use_cache=True,
-                                 num_recurrences=self.depth).logits.float()
-            for j, c in enumerate(chunk):
-                lg = first[None] if rest is None else torch.cat([first[None], rest[j, :len(c) - 1]])
-                out.append(self._logprob(lg, c))
-        return out
-
-    def _logprob(self, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
-        """Sum of log p(cont) from logits [len(cont), V] and whether cont is the greedy choice."""
-        v = self.engine.vocab_size
-        lp = torch.log_softmax(logits[:, :v].float(), -1)
-        target = torch.tensor(cont, device=lp.device)
-        total = float(lp.gather(-1, target[:, None]).sum())
-        greedy = bool((lp.argmax(-1) == target).all())
-        return total, greedy
-
     def _loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
-        groups: dict[tuple, list[int]] = {}
-        for i, (ctx, cont) in enumerate(pairs):
-            groups.setdefault(tuple(ctx), []).append(i)
-        results: list[Optional[tuple[float, bool]]] = [None] * len(pairs)
-        for ctx, idx in groups.items():
-            for i, res in zip(idx, self._score_group(list(ctx), [pairs[i][1] for i in idx])):
-                results[i] = res
-        return results  # type: ignore[return-value]
+        """Scores of (context ids, continuation ids) pairs in this adapter's scoring mode."""
+        from megaloop.eval.decode_score import decode_loglikelihood, parallel_loglikelihood
+
+        if self.scoring == "decode":
+            return decode_loglikelihood(self.engine, pairs, prefill_depth=self.prefill_depth,
+                                        decode_depth=self.decode_depth, cache_mode=self.cache_mode,
+                                        batch_size=self.batch_size)
+        return parallel_loglikelihood(self.engine, pairs, depth=self.depth, prefill_depth=self.prefill_depth,
+                                      cache_mode=self.cache_mode, batch_size=self.batch_size)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []
@@ -201,21 +163,24 @@ class MegaloopLM(LM):
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """Sum of log p over each text's disjoint rolling windows (EOS-conditioned first window);
+        the windows of all requests are scored together in this adapter's scoring mode."""
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-        out = []
-        for req in requests:
+        pairs, owner = [], []
+        for n, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=tokens, prefix_token=self.eot_token_id, max_seq_len=self.max_length, context_len=1)]
-            total = 0.0
-            for ctx, cont in windows:
-                if not ctx:  # first window: condition on EOS
-                    ctx = [self.eot_token_id]
-                total += self._loglikelihood_tokens([self._truncate(ctx, cont)])[0][0]
-            out.append(total)
+            for ctx, cont in (make_disjoint_window(w) for w in get_rolling_token_windows(
+                    token_list=tokens, prefix_token=self.eot_token_id, max_seq_len=self.max_length,
+                    context_len=1)):
+                pairs.append(self._truncate(list(ctx) or [self.eot_token_id], list(cont)))
+                owner.append(n)
+        totals = [0.0] * len(requests)
+        for n, (lp, _) in zip(owner, self._loglikelihood_tokens(pairs) if pairs else []):
+            totals[n] += lp
+        for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
-        return out
+        return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         out = []
@@ -240,6 +205,10 @@ class MegaloopLM(LM):
         return out
 
 
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
 def _parse(value: str) -> Any:
     for cast in (int, float):
         try:
@@ -250,35 +219,49 @@ def _parse(value: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- tasks
-def _local_task_files(include_path: Sequence[Path]) -> dict[str, Path]:
+class _FunctionTag(str):
+    """A ``!function module.name`` value of an lm-eval YAML (kept as text)."""
+
+
+def _read_task_yaml(path: Path):
+    """A task YAML as a dict; lm-eval's ``!function`` tags become :class:`_FunctionTag`; None
+    when unreadable."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, tag, node: _FunctionTag(loader.construct_scalar(node)))
+    try:
+        return yaml.load(path.read_text(), Loader=Loader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError:
+        return None
+
+
+def _local_task_files(include_path: Sequence[Path]) -> dict[str, Path]:
     out = {}
     for root in include_path:
         for f in sorted(Path(root).rglob("*.yaml")):
-            try:
-                cfg = yaml.safe_load(f.read_text())
-            except yaml.YAMLError:
-                continue  # lm-eval YAMLs with !function tags: left to lm-eval's own loader
+            cfg = _read_task_yaml(f)
             if isinstance(cfg, dict) and isinstance(cfg.get("task"), str):
                 out[cfg["task"]] = f
     return out
 
 
 def task_specs(tasks: Sequence[str], include_path: Sequence[Path]) -> list:
-    """lm-eval task specs: tasks defined by YAMLs under ``include_path`` become inline dicts
-    whose relative ``data_files`` are made absolute (relative to their YAML); other names pass
-    through to lm-eval's index."""
-    import yaml
-
+    """lm-eval task specs: tasks defined by plain YAMLs under ``include_path`` become inline
+    dicts whose relative ``data_files`` are made absolute (relative to their YAML). Names of
+    YAMLs with ``!function`` entries (e.g. the shipped tasks, whose ``custom_dataset`` loaders
+    resolve their data beside the YAML themselves) and of other tasks pass through to lm-eval's
+    own index and loader."""
     local = _local_task_files(include_path)
     specs: list = []
     for name in tasks:
         f = local.get(name)
-        if f is None:
+        cfg = _read_task_yaml(f) if f is not None else None
+        if cfg is None or any(isinstance(v, _FunctionTag) for v in cfg.values()):
             specs.append(name)
             continue
-        cfg = yaml.safe_load(f.read_text())
         files = (cfg.get("dataset_kwargs") or {}).get("data_files")
         if files is not None:
             def absolute(p):
@@ -338,7 +321,7 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
                          if k not in ("alias", "name") and "stderr" not in k}
     return {"results": results, "n_samples": (out or {}).get("n-samples", {}),
             "config": {"depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
-                       "cache_mode": lm.cache_mode, "limit": limit, "num_fewshot": num_fewshot}}
+                       "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot}}
 
 
 __all__ = ["MegaloopLM", "TASKS_DIR", "resolve_tasks", "run_harness", "task_specs"]

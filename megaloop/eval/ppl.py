@@ -1,9 +1,11 @@
 """Perplexity under the paper's protocol (SPEC §7) and the sharing penalty.
 
-For every evaluation sequence of ``L`` tokens (8,192 in the paper; the eval set's length here):
+For every evaluation sequence of ``L`` tokens (the paper: ``L = 8,192`` with a 4,096-token prefix,
+:data:`PAPER_SEQ_LEN` / :data:`PAPER_PREFIX_LEN`; here ``--seq-len`` / ``--prefix-len``, default the
+eval set's length and half of it):
 
-1. **prefill** the first half ``x[:L/2]`` at the prefill depth ``P`` — the parallel pass, as in
-   training — into a KV cache;
+1. **prefill** the first half ``x[:L/2]`` (``prefix_len`` tokens) at the prefill depth ``P`` — the
+   parallel pass, as in training — into a KV cache;
 2. **score** the second half ``x[L/2:]`` in *one* parallel pass at depth ``R``: its tokens read the
    prefix through the cached banks, and each other per recurrence as in training. The scored
    predictions are those made at positions ``L/2 .. L-1`` (targets ``x[L/2+1 .. L]``; the
@@ -18,6 +20,11 @@ is exactly the plain parallel forward over the whole sequence. Hence
 measures what terminal sharing costs at this depth (Lemma 1: small when the prefix banks have
 settled and the current-token update contracts; it is not zero in general). ``native`` PPL is
 the plain parallel forward at depth ``R`` over all positions (the training-style metric).
+
+Sequences longer than the model's training ``seq_len`` (``config.max_position_embeddings``) use
+RoPE positions the model never saw (no rescaling is applied): PPL then mixes length
+extrapolation with what is being measured, so compare such numbers only across models with the
+same training length. ``PPLResult.rope_extrapolated`` records it.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from megaloop.config_utils import ConfigError
 from megaloop.inference.kv_cache import check_depth, check_mode
 
 PROTOCOLS = ("native", "terminal", "per_visit")
+PAPER_SEQ_LEN = 8192  # the paper's PPL sequences ...
+PAPER_PREFIX_LEN = PAPER_SEQ_LEN // 2  # ... with the first half prefilled
 
 
 def sharing_penalty(ppl_terminal: float, ppl_full: float) -> float:
@@ -45,12 +54,14 @@ def sharing_penalty(ppl_terminal: float, ppl_full: float) -> float:
 # ----------------------------------------------------------------------------- data
 @dataclass
 class EvalData:
-    """Evaluation sequences held in memory: ``tokens``/``labels`` [n, L] int64, ``loss_mask`` [n, L]."""
+    """Evaluation sequences held in memory: ``tokens``/``labels`` [n, L] int64, ``loss_mask`` [n, L];
+    ``sources`` the per-row ``source`` column of the set (None when it has none)."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
     source: str = ""
+    sources: Optional[list[str]] = None
 
     @property
     def num_seqs(self) -> int:
@@ -65,40 +76,41 @@ class EvalData:
             yield self.tokens[i:i + batch_size], self.labels[i:i + batch_size], self.loss_mask[i:i + batch_size]
 
 
-def _manifest_seq_len(path: str) -> Optional[int]:
+def _manifest(path: str) -> dict:
     import json
 
     m = Path(path) / "manifest.json"
     if m.is_file():
         try:
-            return int(json.loads(m.read_text()).get("seq_len"))
-        except (ValueError, TypeError, json.JSONDecodeError):
-            return None
-    return None
+            return json.loads(m.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+    return {}
 
 
-def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Optional[int] = None,
-                   vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
-                   cache_dir: Optional[str] = None) -> EvalData:
-    """Validation sequences from ``data``: ``default`` (the embedded corpus' validation set, built
-    for ``seq_len`` or ``default_seq_len``), ``default:screen``, or an MDS directory (its
-    manifest's ``seq_len`` unless ``seq_len`` is given). At most ``max_seqs`` real rows (padding
-    rows of the loader are dropped). ``vocab_size`` checks the ids fit the model."""
+def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str]) -> None:
+    """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s."""
+    tok = manifest.get("tokenizer")
+    have = manifest.get("tokenizer_sha256") or (tok.get("sha256") if isinstance(tok, dict) else None)
+    if sha256 and have and have != sha256:
+        raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, the checkpoint's "
+                          f"tokenizer is {sha256[:12]}… (rebuild the set, or pass the matching --tokenizer)")
+
+
+def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],
+               tokenizer_sha256: Optional[str] = None):
+    """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set."""
     from megaloop.data import build_eval_loader
 
-    if max_seqs is not None and max_seqs < 1:
-        raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
-    if data == "default" or data.startswith("default:"):
-        length = seq_len or default_seq_len
-    else:
-        if "://" not in data and not Path(data).exists():
-            raise ConfigError(f"--data: {data} does not exist (an MDS validation directory or 'default')")
-        length = seq_len or _manifest_seq_len(data) or default_seq_len
-    if not length or length < 4:
-        raise ConfigError(f"--seq-len: need a sequence length >= 4 for {data}, got {length}")
     loader = build_eval_loader(data, seq_len=int(length), micro_batch_size=8, dp_rank=0, dp_size=1,
-                               cache_dir=cache_dir)
-    toks, labs, masks = [], [], []
+                               cache_dir=cache_dir, with_source=True)
+    try:
+        _check_tokenizer(data, loader.manifest, tokenizer_sha256)
+    except ConfigError:
+        loader.close()
+        raise
+    has_source = "source" in (loader.manifest.get("columns") or {})
+    toks, labs, masks, srcs = [], [], [], []
     have = 0
     try:
         for batch in loader:
@@ -106,6 +118,7 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
             toks.append(batch["tokens"][real])
             labs.append(batch["labels"][real])
             masks.append(batch["loss_mask"][real])
+            srcs.extend(s for s, ok in zip(batch["source"], real.tolist()) if ok)
             have += int(real.sum())
             if max_seqs is not None and have >= max_seqs:
                 break
@@ -113,7 +126,81 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         loader.close()
     if not have:
         raise ConfigError(f"--data: {data} holds no evaluation sequences")
-    out = EvalData(torch.cat(toks)[:max_seqs], torch.cat(labs)[:max_seqs], torch.cat(masks)[:max_seqs], str(data))
+    return (torch.cat(toks), torch.cat(labs), torch.cat(masks), (srcs if has_source else None),
+            int(loader.manifest["eos_id"]))
+
+
+def repack(tokens: torch.Tensor, sources: Optional[list[str]],
+           seq_len: int) -> tuple[torch.Tensor, Optional[list[str]]]:
+    """Rows [n, L0] re-cut into ``seq_len``-token rows: the rows of each source (all rows when
+    ``sources`` is None) are concatenated in order and cut; tails shorter than ``seq_len`` drop."""
+    groups: dict[Optional[str], list[int]] = {}
+    for i in range(tokens.shape[0]):
+        groups.setdefault(sources[i] if sources is not None else None, []).append(i)
+    out, out_src = [], []
+    for src, rows in groups.items():
+        stream = tokens[rows].reshape(-1)
+        n = stream.numel() // seq_len
+        out.append(stream[:n * seq_len].reshape(n, seq_len))
+        out_src.extend([src] * n)
+    packed = torch.cat(out) if out else torch.zeros(0, seq_len, dtype=torch.long)
+    return packed, (out_src if sources is not None else None)
+
+
+def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Optional[int] = None,
+                   vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
+                   cache_dir: Optional[str] = None, encode=None, eos_id: Optional[int] = None,
+                   text_field: str = "text", tokenizer_sha256: Optional[str] = None) -> EvalData:
+    """Validation sequences from ``data``:
+
+    * ``default`` (the embedded corpus' validation set, built for ``seq_len`` or
+      ``default_seq_len``) or ``default:screen``;
+    * an MDS directory: at its manifest's ``seq_len``; a different ``seq_len`` re-cuts its rows
+      (consecutive rows of one ``source`` concatenated, see :func:`repack`);
+    * a text file (``.txt``/``.raw``, ``.jsonl[.gz]``, ``.parquet``; :mod:`megaloop.eval.text_data`),
+      tokenised with ``encode`` (the checkpoint's tokenizer) at ``seq_len`` or ``default_seq_len``.
+
+    At most ``max_seqs`` real rows (padding rows of the loader are dropped). ``vocab_size``
+    checks the ids fit the model; ``tokenizer_sha256`` (the checkpoint's tokenizer file) must
+    match the tokenizer an MDS set's manifest records. ``sources`` holds the set's ``source`` column when it has one."""
+    from megaloop.eval.text_data import load_text_data, text_format
+
+    if max_seqs is not None and max_seqs < 1:
+        raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
+    if seq_len is not None and seq_len < 4:
+        raise ConfigError(f"--seq-len: need a sequence length >= 4, got {seq_len}")
+    is_default = data == "default" or data.startswith("default:")
+    if not is_default and "://" not in data and not Path(data).exists():
+        raise ConfigError(f"--data: {data} does not exist (an MDS validation directory, a text file or 'default')")
+    if not is_default and text_format(data) is not None and Path(data).is_file():
+        if encode is None:
+            raise ConfigError(f"--data: {data} is a text file: the checkpoint needs a tokenizer (--tokenizer)")
+        length = seq_len or default_seq_len
+        if not length or length < 4:
+            raise ConfigError(f"--seq-len: need a sequence length >= 4 for {data}, got {length}")
+        out = load_text_data(data, encode=encode, eos_id=eos_id, seq_len=int(length), max_seqs=max_seqs,
+                             text_field=text_field)
+    else:
+        stored = None if is_default else _manifest(data).get("seq_len")
+        length = (seq_len or default_seq_len) if is_default else (stored or seq_len or default_seq_len)
+        if not length or length < 4:
+            raise ConfigError(f"--seq-len: need a sequence length >= 4 for {data}, got {length}")
+        want = seq_len if (seq_len and stored and seq_len != stored) else None
+        tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs, cache_dir,
+                                                        tokenizer_sha256)
+        if want:
+            from megaloop.eval.text_data import shifted_targets
+
+            tokens, sources = repack(tokens, sources, int(want))
+            if tokens.shape[0] == 0:
+                raise ConfigError(f"--seq-len: {data} holds {stored}-token rows too few to re-cut into one "
+                                  f"{want}-token sequence per source")
+            tokens, sources = tokens[:max_seqs], (sources[:max_seqs] if sources is not None else None)
+            labels, mask = shifted_targets(tokens, eos)
+        else:
+            tokens, labels, mask = tokens[:max_seqs], labels[:max_seqs], mask[:max_seqs]
+            sources = sources[:max_seqs] if sources is not None else None
+        out = EvalData(tokens, labels, mask, str(data), sources)
     if vocab_size is not None and int(out.tokens.max()) >= vocab_size:
         raise ConfigError(f"--data: {data} holds token id {int(out.tokens.max())} >= the model's vocabulary "
                           f"{vocab_size}: tokenized with a different tokenizer?")
@@ -137,7 +224,10 @@ class PPLResult:
     prefill_depth: int
     num_seqs: int
     seq_len: int
-    split: int  # prefix length; the second half is scored
+    split: int  # prefix length (= prefix_len); the rest is scored
+    prefix_len: int = 0  # tokens prefilled per sequence
+    training_seq_len: int = 0  # the model's training sequence length (RoPE positions seen in training)
+    rope_extrapolated: bool = False  # seq_len > training_seq_len: later positions are extrapolated
     tokens_native: int = 0
     tokens_scored: int = 0  # second-half tokens scored by the cache protocols
     native_ppl: Optional[float] = None  # parallel forward, all positions
@@ -157,10 +247,13 @@ def _ppl(nll: float, n: float) -> Optional[float]:
 
 
 def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill_depth: Optional[int] = None,
-                 protocols: Sequence[str] = PROTOCOLS, batch_size: int = 4, split: Optional[int] = None) -> PPLResult:
+                 protocols: Sequence[str] = PROTOCOLS, batch_size: int = 4, split: Optional[int] = None,
+                 prefix_len: Optional[int] = None) -> PPLResult:
     """PPL of ``data`` at ``depth`` (default the engine's) under ``protocols``: ``native``
-    (plain parallel forward), ``terminal`` and ``per_visit`` (half-prefill protocol, prefix at
-    ``prefill_depth``, default ``depth``). The sharing penalty needs both cache protocols."""
+    (plain parallel forward), ``terminal`` and ``per_visit`` (prefill the first ``prefix_len``
+    tokens — default half the sequence; ``split`` is the old name — at ``prefill_depth``, default
+    ``depth``, and score the rest). The sharing penalty needs both cache protocols. Sequences
+    longer than the engine's ``max_context`` are refused (raise it to extrapolate RoPE)."""
     depth = check_depth(depth if depth is not None else engine.depth, "--depth")
     pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
     for p in protocols:
@@ -169,9 +262,10 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
     if batch_size < 1:
         raise ConfigError(f"--batch-size: must be >= 1, got {batch_size}")
     L = data.seq_len
-    split = int(split if split is not None else L // 2)
+    given = prefix_len if prefix_len is not None else split
+    split = int(given if given is not None else L // 2)
     if not 1 <= split < L:
-        raise ConfigError(f"split: prefix length must be in [1, {L}), got {split}")
+        raise ConfigError(f"--prefix-len: must be in [1, {L}) for {L}-token sequences, got {split}")
     engine.check_context(L, "evaluation sequence")
     t0 = time.perf_counter()
     sums = {k: [0.0, 0.0] for k in ("native", "native_half", "terminal", "per_visit")}
@@ -192,7 +286,9 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
             sums[mode][0] += nll
             sums[mode][1] += n
             del logits
+    trained = int(engine.config.max_position_embeddings)
     res = PPLResult(depth=depth, prefill_depth=pdepth, num_seqs=data.num_seqs, seq_len=L, split=split,
+                    prefix_len=split, training_seq_len=trained, rope_extrapolated=L > trained,
                     tokens_native=int(sums["native"][1]),
                     tokens_scored=int(max(sums["terminal"][1], sums["per_visit"][1], sums["native_half"][1])),
                     native_ppl=_ppl(*sums["native"]), native_ppl_second_half=_ppl(*sums["native_half"]),
@@ -212,5 +308,5 @@ def protocols_for(cache: str, native: bool = True) -> tuple[str, ...]:
     return (("native",) if native else ()) + modes
 
 
-__all__ = ["EvalData", "PPLResult", "PROTOCOLS", "evaluate_ppl", "load_eval_data", "protocols_for",
-           "sharing_penalty"]
+__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "evaluate_ppl",
+           "load_eval_data", "protocols_for", "repack", "sharing_penalty"]

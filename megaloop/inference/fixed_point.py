@@ -316,42 +316,73 @@ def _stats(values: list[float]) -> dict:
     return {"n": len(values), "median": float(statistics.median(values)), "max": float(max(values))}
 
 
+def _summary(rows: list[dict], control_depth: Optional[int], zero_init: bool) -> dict:
+    """Counts, rejection reasons, depth / gap / KL statistics of span rows (qualified ones)."""
+    q = [r for r in rows if r["qualified"]]
+    out = {
+        "num_spans": len(rows), "num_qualified": len(q),
+        "qualified_solves": {k: sum(r[k]["qualified"] for r in rows) for k in ("prefix", "joint", "current")},
+        "rejections": {k: dict(Counter(r[k]["reason"] for r in rows if not r[k]["qualified"]))
+                       for k in ("prefix", "joint", "current")},
+        "depth": {k: _stats([r[k]["steps"] for r in q]) for k in ("prefix", "joint", "current")},
+        "state_gap": _stats([r["state_gap"] for r in q]), "kl": _stats([r["kl"] for r in q]),
+        "prefix_gap": _stats([r["prefix_gap"] for r in q]),
+        "top1_agreement": (sum(r["top1_agree"] for r in q) / len(q)) if q else None,
+    }
+    if zero_init:
+        out["zero_init_state_gap"] = _stats([r["zero_init"]["state_gap"] for r in q if r["zero_init"]["qualified"]])
+    if control_depth:
+        ctl = [r for r in q if r["control"]["qualified"]]
+        out["control"] = {"depth": int(control_depth), "qualified": len(ctl),
+                          "state_gap": _stats([r["control"]["state_gap"] for r in ctl]),
+                          "kl": _stats([r["control"]["kl"] for r in ctl])}
+    return out
+
+
 def fixed_point_report(model, spans: Sequence[Sequence[int]] | torch.Tensor, criteria: Optional[Criteria] = None,
-                       control_depth: Optional[int] = 5, zero_init: bool = True, log=None) -> dict:
+                       control_depth: Optional[int] = 5, zero_init: bool = True, log=None,
+                       sources: Optional[Sequence[str]] = None) -> dict:
     """Run :func:`check_span` on every span and summarise the qualified ones: counts, rejection
-    reasons per solve, median / max solve depths, state gaps, KLs, control gaps."""
+    reasons per solve, median / max solve depths, state gaps, KLs, control gaps. With
+    ``sources`` (one name per span) each row records its source and ``per_source`` holds the
+    same summary for every source (in first-seen order)."""
     c = criteria or Criteria()
+    if sources is not None and len(sources) != len(spans):
+        raise ValueError(f"fixed_point_report: {len(sources)} sources for {len(spans)} spans")
     model = fp32_model(model)
     rows = []
     for i, span in enumerate(spans):
         row = check_span(model, span, c, control_depth, zero_init)
         row["index"] = i
+        if sources is not None:
+            row["source"] = str(sources[i])
         rows.append(row)
         if log:
             log(row)
-    q = [r for r in rows if r["qualified"]]
-    reasons = {k: dict(Counter(r[k]["reason"] for r in rows if not r[k]["qualified"]))
-               for k in ("prefix", "joint", "current")}
-    report = {
-        "criteria": asdict(c), "num_spans": len(rows), "num_qualified": len(q),
-        "qualified_solves": {k: sum(r[k]["qualified"] for r in rows) for k in ("prefix", "joint", "current")},
-        "rejections": reasons,
-        "depth": {k: _stats([r[k]["steps"] for r in q]) for k in ("prefix", "joint", "current")},
-        "state_gap": _stats([r["state_gap"] for r in q]), "kl": _stats([r["kl"] for r in q]),
-        "prefix_gap": _stats([r["prefix_gap"] for r in q]),
-        "top1_agreement": (sum(r["top1_agree"] for r in q) / len(q)) if q else None,
-        "spans": rows,
-    }
-    if zero_init:
-        report["zero_init_state_gap"] = _stats([r["zero_init"]["state_gap"] for r in q
-                                                if r["zero_init"]["qualified"]])
-    if control_depth:
-        ctl = [r for r in q if r["control"]["qualified"]]
-        report["control"] = {"depth": int(control_depth), "qualified": len(ctl),
-                             "state_gap": _stats([r["control"]["state_gap"] for r in ctl]),
-                             "kl": _stats([r["control"]["kl"] for r in ctl])}
+    report = {"criteria": asdict(c), **_summary(rows, control_depth, zero_init), "spans": rows}
+    if sources is not None:
+        names = list(dict.fromkeys(str(x) for x in sources))
+        report["per_source"] = {n: _summary([r for r in rows if r["source"] == n], control_depth, zero_init)
+                                for n in names}
     return report
 
 
+def select_per_source(sources: Sequence[str], per_source: int, limit: Optional[int] = None) -> list[int]:
+    """Row indices of the first ``per_source`` rows of every source (sources in first-seen
+    order; the paper: 16 spans from each of 19 validation sources = 304). ``limit`` caps the
+    total, taking sources round-robin so the cut stays balanced."""
+    if per_source < 1:
+        raise ValueError(f"per_source must be >= 1, got {per_source}")
+    by_source: dict[str, list[int]] = {}
+    for i, s in enumerate(sources):
+        rows = by_source.setdefault(str(s), [])
+        if len(rows) < per_source:
+            rows.append(i)
+    picked = [rows[k] for k in range(per_source) for rows in by_source.values() if k < len(rows)]
+    if limit is not None:
+        picked = picked[:limit]
+    return sorted(picked, key=lambda i: (list(by_source).index(str(sources[i])), i))
+
+
 __all__ = ["Criteria", "LoopedStepper", "Solve", "check_span", "fixed_point_report", "fp32_model", "kv_change",
-           "reference_attention", "rel_change", "solve"]
+           "reference_attention", "rel_change", "select_per_source", "solve"]

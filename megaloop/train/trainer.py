@@ -139,11 +139,27 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
+            self._keep_tokenizer(manifest)
         self.peak = device_peak_tflops(cfg.train.peak_tflops)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                      total_steps=self._end_step(), start_step=self.step,
                                      config_dict=cfg.to_dict())
         self.loader_iter = iter(self.loader)
+
+    def _keep_tokenizer(self, manifest: dict) -> None:
+        """Copy the data's tokenizer.json into the run directory once: evaluation and HF export
+        find it there (``hf.convert.find_tokenizer``) even after the data, or the embedded default
+        corpus of a newer megaloop, changes."""
+        import os
+        import shutil
+
+        src = (manifest.get("tokenizer") or {}).get("path")
+        dst = self.run_dir / "tokenizer.json"
+        if not src or dst.exists() or not Path(src).is_file():
+            return
+        tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
 
     def _resolve_val(self, path: str | None) -> tuple[str | None, int]:
         """Validation set and its sequence length (may be shorter than the model's: RoPE)."""

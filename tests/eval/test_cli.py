@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+
+TEXT = Path(__file__).parent / "data" / "looped_models.txt"
 
 
 @pytest.fixture
@@ -30,12 +33,14 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
     assert code == 0 and "sharing penalty" in out and "terminal cache" in out
     res = json.loads((tmp_path / "ppl.json").read_text())
     assert res["num_seqs"] == 2 and res["terminal_ppl"] != res["per_visit_ppl"]
+    assert (res["seq_len"], res["prefix_len"], res["rope_extrapolated"]) == (128, 64, False)
     assert res["engine"]["kv_bytes_per_token"]["terminal"] * 2 == res["engine"]["kv_bytes_per_token"]["per_visit"]
 
     code, out, _ = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1,4",
-                       "--json", str(tmp_path / "sweep.json"))
+                       "--prefix-len", "32", "--json", str(tmp_path / "sweep.json"))
     assert code == 0 and "extrapolation" in out and (tmp_path / "sweep.png").is_file()
-    assert [r["depth"] for r in json.loads((tmp_path / "sweep.json").read_text())["rows"]] == [1, 4]
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["depth"] for r in sweep["rows"]] == [1, 4] and sweep["prefix_len"] == 32
 
     code, out, _ = cli("eval", "fixed-point", "--checkpoint", ck, "--max-seqs", "1", "--prefix-len", "12",
                        "--json", str(tmp_path / "fp.json"))
@@ -70,10 +75,79 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "harness", "--checkpoint", "{run}", "--tasks", "nope"], "unknown task(s) ['nope']"),
     (["eval", "fixed-point", "--checkpoint", "{run}", "--max-steps", "2000"], "at most 1024 recurrences"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{missing}"], "--data: {missing} does not exist"),
+    (["eval", "ppl", "--checkpoint", "{run}", "--data", "{short}"], "--data: {short} tokenises to"),
+    (["eval", "ppl", "--checkpoint", "{run}", "--data", "{text}", "--prefix-len", "128"],
+     "--prefix-len: must be in [1, 128)"),
+    (["eval", "fixed-point", "--checkpoint", "{run}", "--data", "{text}", "--per-source", "4"],
+     "--per-source: {text} has no 'source' column"),
+    (["eval", "harness", "--checkpoint", "{run}", "--tasks", "megaloop_toy_mc", "--cache", "none", "--scoring",
+      "decode"], "--scoring decode: token-by-token decoding needs a KV cache"),
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):
-    fill = {"missing": str(tmp_path / "missing"), "run": str(trained_run)}
+    (tmp_path / "short.txt").write_text("A few words only.")
+    fill = {"missing": str(tmp_path / "missing"), "run": str(trained_run), "short": str(tmp_path / "short.txt"),
+            "text": str(TEXT)}
     code, _, err = cli(*[a.format(**fill) for a in argv])
     assert code == 2
     lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]
     assert len(lines) == 1 and message.format(**fill) in lines[0], err[-2000:]
+
+
+def test_ppl_on_a_text_file_at_an_explicit_protocol_length(cli, trained_run, tmp_path):
+    out = tmp_path / "ppl.json"
+    code, stdout, err = cli("eval", "ppl", "--checkpoint", str(trained_run), "--data", str(TEXT), "--seq-len", "256",
+                            "--prefix-len", "64", "--json", str(out))
+    assert code == 0 and "first 64 prefilled" in stdout
+    res = json.loads(out.read_text())
+    lengths = (res["seq_len"], res["prefix_len"], res["training_seq_len"], res["rope_extrapolated"])
+    assert lengths == (256, 64, 128, True)
+    assert res["num_seqs"] >= 2 and res["tokens_scored"] == res["num_seqs"] * (256 - 64 - 1)
+    assert res["data"] == str(TEXT) and res["terminal_ppl"] > 1
+    assert err.count("RoPE positions 128..255 were never trained and are extrapolated") == 1
+
+
+def test_fixed_point_spans_per_source(cli, trained_run, tmp_path):
+    from megaloop.eval.ppl import load_eval_data
+
+    out = tmp_path / "fp.json"
+    code, stdout, _ = cli("eval", "fixed-point", "--checkpoint", str(trained_run), "--per-source", "2",
+                          "--prefix-len", "8", "--control-depth", "0", "--no-zero-init", "--json", str(out))
+    assert code == 0 and "per source" in stdout
+    fp = json.loads(out.read_text())
+    names = list(dict.fromkeys(load_eval_data("default", default_seq_len=128).sources))  # the set's sources
+    assert len(names) >= 2 and fp["num_spans"] == 2 * len(names) and fp["per_source_k"] == 2
+    assert {k: v["num_spans"] for k, v in fp["per_source"].items()} == dict.fromkeys(names, 2)
+    assert [r["source"] for r in fp["spans"]] == [n for n in names for _ in range(2)]
+    assert sum(v["num_qualified"] for v in fp["per_source"].values()) == fp["num_qualified"]
+
+
+def test_harness_scoring_modes_on_the_cli(cli, trained_run, tmp_path):
+    results = {}
+    for scoring in ("decode", "parallel"):
+        out = tmp_path / f"{scoring}.json"
+        code, stdout, _ = cli("eval", "harness", "--checkpoint", str(trained_run), "--tasks", "megaloop_toy_mc",
+                              "--limit", "4", "--scoring", scoring, "--decode-depth", "2", "--json", str(out))
+        assert code == 0
+        results[scoring] = json.loads(out.read_text())["config"]
+    assert results["decode"]["scoring"] == "decode" and results["decode"]["decode_depth"] == 2
+    assert results["parallel"]["scoring"] == "parallel"
+
+
+def test_adaptive_exit_options_reach_ppl_harness_and_generate(cli, trained_run, tmp_path):
+    """--exit (issue 15) through every command: a huge ε stops every decoded token at --min-depth."""
+    ck = str(trained_run)
+    code, out, _ = cli("generate", "--checkpoint", ck, "--prompt", "The", "--max-new-tokens", "4",
+                       "--exit", "latent:1e9", "--min-depth", "2", "--max-depth", "8", "--json", str(tmp_path / "g.json"))
+    assert code == 0 and "adaptive latent" in out and "mean depth 2.00" in out
+    g = json.loads((tmp_path / "g.json").read_text())
+    assert g["engine"]["exit"]["criterion"].startswith("latent") and g["stats"]["mean_depth"] == 2.0
+    code, out, _ = cli("eval", "ppl", "--checkpoint", ck, "--max-seqs", "1", "--no-native", "--cache", "terminal",
+                       "--exit", "latent:1e9", "--max-depth", "8", "--json", str(tmp_path / "p.json"))
+    assert code == 0 and "adaptive decode" in out
+    p = json.loads((tmp_path / "p.json").read_text())
+    assert p["adaptive_depths"]["mean_depth"] == 2.0 and p["adaptive_depths"]["tokens"] > 0
+    code, out, _ = cli("eval", "harness", "--checkpoint", ck, "--tasks", "megaloop_toy_mc", "--limit", "2",
+                       "--exit", "kl:1e9", "--max-depth", "6")
+    assert code == 0
+    code, _, err = cli("generate", "--checkpoint", ck, "--prompt", "x", "--exit", "nope:1")
+    assert code == 2 and "--exit" in err

@@ -21,6 +21,7 @@ def test_local_multiple_choice_task_end_to_end(trained_engine):
     m = res["results"]["megaloop_toy_mc"]
     assert 0.0 <= m["acc"] <= 1.0 and 0.0 <= m["acc_norm"] <= 1.0 and m["sample_len"] == 24
     assert res["config"]["cache_mode"] == "terminal" and res["config"]["depth"] == trained_engine.depth
+    assert res["config"]["scoring"] == "decode"  # the paper's protocol is the default
 
 
 def test_scoring_modes(trained_engine):
@@ -52,8 +53,19 @@ def test_unknown_tasks_and_modes():
     with pytest.raises(ConfigError, match=r"unknown task\(s\) \['no_such_task'\]; local tasks: \['megaloop_toy_mc'\]"):
         resolve_tasks(["no_such_task"])
     manager, specs = resolve_tasks(["megaloop_toy_mc"])
-    files = specs[0]["dataset_kwargs"]["data_files"]["test"]
-    assert files.endswith("megaloop/eval/tasks/megaloop_toy_mc.jsonl") and files.startswith("/")
+    assert specs == ["megaloop_toy_mc"] and "megaloop_toy_mc" in manager.all_tasks  # loaded by lm-eval itself
+
+
+def test_plain_include_path_yaml_gets_absolute_data_files(tmp_path):
+    from megaloop.eval.harness import TASKS_DIR
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mc.jsonl").write_text((TASKS_DIR / "megaloop_toy_mc.jsonl").read_text())
+    text = (TASKS_DIR / "megaloop_toy_mc.yaml").read_text()
+    text = text.replace("task: megaloop_toy_mc", "task: my_mc").replace("megaloop_toy_mc.jsonl", "data/mc.jsonl")
+    (tmp_path / "my_mc.yaml").write_text("\n".join(l for l in text.splitlines() if "custom_dataset" not in l))
+    _, specs = resolve_tasks(["my_mc"], [tmp_path])
+    assert specs[0]["dataset_kwargs"]["data_files"]["test"] == str(tmp_path / "data" / "mc.jsonl")
 
 
 def test_bad_lm_arguments(trained_engine):

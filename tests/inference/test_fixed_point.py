@@ -139,3 +139,24 @@ def test_report_summarises_qualified_spans():
     assert rep["control"]["qualified"] == 3 and len(rep["spans"]) == 3
     with pytest.raises(ConfigError, match="at least 2 tokens"):
         check_span(model.float(), [3])
+
+
+def test_spans_per_source_and_per_source_summary():
+    from megaloop.inference.fixed_point import select_per_source
+
+    sources = ["a", "a", "b", "a", "c", "b", "a", "b"]
+    assert select_per_source(sources, 2) == [0, 1, 2, 5, 4]  # first 2 of each, sources in first-seen order
+    assert select_per_source(sources, 16) == [0, 1, 3, 6, 2, 5, 7, 4]
+    assert select_per_source(sources, 2, limit=4) == [0, 1, 2, 4]  # round-robin cut: a, b, c, then a
+    with pytest.raises(ValueError, match="per_source"):
+        select_per_source(sources, 0)
+    model = contractive_model()
+    ids = torch.randint(2, 32, (3, 6), generator=torch.Generator().manual_seed(8))
+    rep = fixed_point_report(model, ids, control_depth=None, zero_init=False, sources=["x", "y", "x"])
+    assert [r["source"] for r in rep["spans"]] == ["x", "y", "x"]
+    assert list(rep["per_source"]) == ["x", "y"]
+    assert rep["per_source"]["x"]["num_spans"] == 2 and rep["per_source"]["y"]["num_spans"] == 1
+    assert sum(v["num_qualified"] for v in rep["per_source"].values()) == rep["num_qualified"] == 3
+    assert rep["per_source"]["y"]["state_gap"]["max"] == rep["spans"][1]["state_gap"]
+    with pytest.raises(ValueError, match="2 sources for 3 spans"):
+        fixed_point_report(model, ids, sources=["x", "y"])

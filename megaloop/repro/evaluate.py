@@ -1,0 +1,220 @@
+"""One arm's evaluation plan: depth sweep (+ sharing penalty) and local harness tasks.
+
+Runs the ``megaloop eval`` commands as subprocesses on the arm's final checkpoint and writes
+
+* ``RUN/eval/sweep.json`` + ``sweep.png``: ``megaloop eval sweep --depth R --depths ... --sharing``
+  (native PPL at every depth, terminal / per-visit PPL and the sharing penalty
+  100·(PPL_terminal/PPL_per_visit − 1) at every depth, extrapolation 100·(PPL@max/PPL@R − 1));
+  untied arms (no recurrence) are scored at R only;
+* ``RUN/eval/harness.json``: ``megaloop eval harness --tasks ...`` (terminal cache, depth R);
+* ``RUN/eval/summary.json``: the checkpoint step, the plan's digest, each stage's status and the
+  extracted metrics (see ``summarize``), and the machine that evaluated.
+
+A stage is skipped when the summary records it for the same checkpoint step and plan digest, so
+an interrupted evaluation redoes only the missing stages. Also a command for slurm array tasks::
+
+    python -m megaloop.repro.evaluate --plan OUT/plan.json --arm NAME [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from megaloop.repro.spec import Arm, EvalPlan, Plan
+
+SUMMARY = "summary.json"
+RunFn = Callable[[list[str], Path, dict], int]  # (argv, log file, env) -> exit status
+
+
+def checkpoint_step(run_dir: Path) -> int | None:
+    """Step of the newest complete checkpoint of ``run_dir`` (None: no checkpoint)."""
+    import warnings
+
+    with warnings.catch_warnings():  # megatron's "Transformer Engine / Apex not installed" notices
+        warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
+        from megaloop.train.checkpoint import CheckpointManager
+
+    latest = CheckpointManager(run_dir / "checkpoints").latest()
+    if latest is None:
+        return None
+    try:
+        return int(json.loads((latest / "megaloop.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return int(latest.name.split("_")[-1])
+
+
+def machine() -> dict:
+    """What evaluated (and, in both launchers, trained) the arm: CPU model, cores, accelerators."""
+    info = {"platform": platform.platform(terse=True), "python": platform.python_version(),
+            "cpus": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        info["cpu"] = platform.processor() or "unknown"
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def _run_plain(argv: list[str], log: Path, env: dict) -> int:
+    with open(log, "a") as f:
+        f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(argv)}\n")
+        f.flush()
+        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | None, device: str,
+                   python: str = sys.executable) -> dict[str, list[str]]:
+    """``{stage: argv}`` of the arm's evaluation (``sweep`` and, with harness tasks, ``harness``)."""
+    out = run_dir / "eval"
+    head = [python, "-m", "megaloop.cli", "eval"]
+    common = ["--checkpoint", str(run_dir), "--depth", str(plan.depth), "--device", device]
+    if threads:
+        common += ["--threads", str(threads)]
+    depths = plan.depths if arm.looped else [plan.depth]
+    sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, depths)), "--data", plan.data,
+             "--batch-size", str(plan.batch_size), "--json", str(out / "sweep.json"),
+             "--plot", str(out / "sweep.png")]
+    if plan.sharing:
+        sweep.append("--sharing")
+    if plan.max_seqs:
+        sweep += ["--max-seqs", str(plan.max_seqs)]
+    cmds = {"sweep": sweep}
+    if plan.harness:
+        h = [*head, "harness", *common, "--tasks", ",".join(plan.harness), "--json", str(out / "harness.json")]
+        if plan.harness_limit:
+            h += ["--limit", str(plan.harness_limit)]
+        cmds["harness"] = h
+    return cmds
+
+
+def summarize(run_dir: Path, plan: EvalPlan, looped: bool) -> dict:
+    """Metrics from the stage JSONs: ``native_ppl, terminal_ppl, per_visit_ppl,
+    sharing_penalty_pct`` at R, ``extrapolation_pct`` (looped only), ``sweep`` rows,
+    ``downstream`` (mean ``acc`` over the harness tasks) and ``harness`` (task -> metrics)."""
+    out: dict = {}
+    sweep_path = run_dir / "eval" / "sweep.json"
+    if sweep_path.is_file():
+        sw = json.loads(sweep_path.read_text())
+        rows = [{k: r.get(k) for k in ("depth", "native_ppl", "terminal_ppl", "per_visit_ppl",
+                                       "sharing_penalty_pct")} for r in sw["rows"]]
+        at_r = next((r for r in rows if r["depth"] == plan.depth), {})
+        out.update(native_ppl=at_r.get("native_ppl", sw.get("reference_native_ppl")),
+                   terminal_ppl=at_r.get("terminal_ppl"), per_visit_ppl=at_r.get("per_visit_ppl"),
+                   sharing_penalty_pct=at_r.get("sharing_penalty_pct"), sweep=rows,
+                   extrapolation_pct=sw.get("extrapolation_pct") if looped and sw.get("deepest", 0) > plan.depth
+                   else None, extrapolation_depth=sw.get("deepest"), eval_seqs=sw.get("num_seqs"),
+                   eval_seq_len=sw.get("seq_len"))
+    harness_path = run_dir / "eval" / "harness.json"
+    if harness_path.is_file():
+        res = json.loads(harness_path.read_text()).get("results", {})
+        out["harness"] = res
+        accs = [m["acc"] for m in res.values() if isinstance(m.get("acc"), (int, float))]
+        out["downstream"] = sum(accs) / len(accs) if accs else None
+    return out
+
+
+def evaluate_arm(run_dir: Path, arm: Arm, plan: EvalPlan, *, max_steps: int, threads: int | None = None,
+                 device: str = "auto", run: RunFn = _run_plain, log: Callable[[str], None] = print) -> dict:
+    """Run the missing stages of ``arm``'s evaluation; returns the summary (``complete`` True
+    when every stage succeeded). Refuses (``RuntimeError``) a run that has not finished training."""
+    run_dir = Path(run_dir)
+    step = checkpoint_step(run_dir)
+    if step is None or step < max_steps:
+        raise RuntimeError(f"arm {arm.name}: training not finished (checkpoint step {step}, "
+                           f"train.max_steps {max_steps}); resume it first")
+    out = run_dir / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    digest = plan.digest()
+    path = out / SUMMARY
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    if summary.get("step") != step or summary.get("eval_digest") != digest:
+        summary = {"step": step, "eval_digest": digest, "stages": {}}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    ok = True
+    for stage, argv in stage_commands(run_dir, arm, plan, threads=threads, device=device).items():
+        if summary["stages"].get(stage) == "ok" and (out / f"{stage}.json").is_file():
+            log(f"{arm.name}: eval {stage} already done (step {step})")
+            continue
+        t0 = time.time()
+        code = run(argv, out / f"{stage}.log", env)
+        summary["stages"][stage] = "ok" if code == 0 else f"exit {code}"
+        what = "done" if code == 0 else f"FAILED (exit {code}, see {out / (stage + '.log')})"
+        log(f"{arm.name}: eval {stage} {what} in {time.time() - t0:.0f}s")
+        _write(path, summary)
+        if code != 0:
+            ok = False
+            break
+    summary["metrics"] = summarize(run_dir, plan, arm.looped)
+    summary["machine"] = machine()
+    summary["complete"] = ok
+    _write(path, summary)
+    return summary
+
+
+def eval_done(run_dir: Path, plan: EvalPlan, step: int | None) -> bool:
+    """True when ``run_dir``'s evaluation is complete for checkpoint ``step`` and this plan."""
+    path = Path(run_dir) / "eval" / SUMMARY
+    if step is None or not path.is_file():
+        return False
+    try:
+        s = json.loads(path.read_text())
+    except ValueError:
+        return False
+    return bool(s.get("complete")) and s.get("step") == step and s.get("eval_digest") == plan.digest()
+
+
+def _write(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n")
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of slurm array tasks (after training): evaluate one arm of ``--plan``."""
+    p = argparse.ArgumentParser(prog="python -m megaloop.repro.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--plan", required=True, help="OUT/plan.json written by tools/reproduce.py")
+    p.add_argument("--arm", required=True, help="arm name")
+    p.add_argument("--run-dir", help="the arm's run directory (default OUT/arms/ARM)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the eval commands")
+    p.add_argument("--device", default="auto", help="cpu, cuda, auto (default)")
+    args = p.parse_args(argv)
+    plan_path = Path(args.plan)
+    try:
+        plan = Plan.from_dict(json.loads(plan_path.read_text()))
+        arm = plan.arm(args.arm)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"megaloop.repro.evaluate: error: --plan/--arm: cannot read arm {args.arm!r} from {plan_path}: "
+              f"{err!r}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir) if args.run_dir else plan_path.parent / "arms" / arm.name
+    try:
+        s = evaluate_arm(run_dir, arm, plan.eval, max_steps=plan.settings["max_steps"], threads=args.threads,
+                         device=args.device, log=lambda m: print(f"[reproduce] {m}", flush=True))
+    except RuntimeError as err:
+        print(f"megaloop.repro.evaluate: error: {err}", file=sys.stderr)
+        return 1
+    return 0 if s["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""Collect an experiment's arms into ``results.json`` and render ``report.md`` and the PNGs.
+
+``collect`` reads every arm's ``metrics.jsonl`` (training FLOPs, tokens, final prior, curves) and
+``eval/summary.json`` (PPL at R, sharing penalty, extrapolation, sweep rows, downstream);
+``render`` needs nothing but that results dict, so a report can be re-rendered from a copied
+``results.json`` (``tools/reproduce.py --render OUT/results.json``). Figures:
+
+* ``ppl_vs_depth.png``: native PPL against recurrences per looped arm (untied: a flat line);
+* ``prior_evolution.png``: prior mean depth, p(5) and entropy over training, and the final p(r);
+* ``training_curves.png``: training loss (EMA-smoothed) and the trainer's validation CE.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from megaloop.repro.evaluate import SUMMARY, machine
+from megaloop.repro.runner import arm_state, run_dir, write_json
+from megaloop.repro.spec import METRICS, Plan
+from megaloop.screen.core import read_metrics
+
+TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
+         "prior_p5", "prior_entropy", "downstream")
+MAX_CURVE_POINTS = 400
+MAX_PRIOR_ROWS = 120
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _thin(n: int, keep: int) -> list[int]:
+    """Indices of at most ``keep`` evenly spaced items of ``n`` (always the last)."""
+    if n <= keep:
+        return list(range(n))
+    idx = sorted({round(i * (n - 1) / (keep - 1)) for i in range(keep)})
+    return idx
+
+
+def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
+    """Figures of one arm's training log (rows deduplicated by step: a resume re-logs steps)."""
+    by_step: dict[int, dict] = {}
+    for r in rows:
+        by_step[r["step"]] = r
+    rows = [by_step[s] for s in sorted(by_step)]
+    out: dict[str, Any] = {"steps": rows[-1]["step"] if rows else 0}
+    if not rows:
+        return out
+    last = rows[-1]
+    if _finite(last.get("model_flops_total")):
+        out["train_flops"], out["flops_source"] = float(last["model_flops_total"]), "model_flops_total"
+    elif any(_finite(r.get("model_flops")) for r in rows):
+        out["train_flops"] = float(sum(r["model_flops"] for r in rows if _finite(r.get("model_flops"))))
+        out["flops_source"] = "sum of logged model_flops"
+    out["tokens"] = out["steps"] * tokens_per_step
+    out["train_seconds"] = float(sum(r["step_time_s"] for r in rows if _finite(r.get("step_time_s"))))
+    out["final_loss"] = last.get("loss")
+    val = [r for r in rows if _finite(r.get("val_ce"))]
+    out["val_ce"] = val[-1]["val_ce"] if val else None
+    if looped and isinstance(last.get("prior_probs"), list):
+        probs = last["prior_probs"]
+        out["prior_mean"] = last.get("prior_mean_depth", sum((i + 1) * p for i, p in enumerate(probs)))
+        out["prior_p5"] = probs[4] if len(probs) >= 5 else 0.0
+        out["prior_entropy"] = last.get("prior_entropy")
+        out["prior_probs"] = probs
+    if isinstance(last.get("depth_counts"), dict):
+        out["depth_counts"] = last["depth_counts"]
+    keep = _thin(len(rows), MAX_CURVE_POINTS)
+    out["curve"] = {"step": [rows[i]["step"] for i in keep], "loss": [rows[i].get("loss") for i in keep],
+                    "val_step": [r["step"] for r in val], "val_ce": [r["val_ce"] for r in val]}
+    pri = [r for r in rows if isinstance(r.get("prior_probs"), list)] if looped else []
+    if pri:
+        keep = _thin(len(pri), MAX_PRIOR_ROWS)
+        out["prior_history"] = {"step": [pri[i]["step"] for i in keep],
+                                "mean": [pri[i].get("prior_mean_depth") for i in keep],
+                                "entropy": [pri[i].get("prior_entropy") for i in keep],
+                                "probs": [pri[i]["prior_probs"] for i in keep]}
+    return out
+
+
+def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launcher: dict | None = None) -> dict:
+    """Results of every arm of ``plan`` in ``out`` (``active``: arms still in slurm -> job id)."""
+    import json
+
+    active = active or {}
+    arms, machines = [], []
+    for arm in plan.arms:
+        rd = run_dir(out, arm)
+        st = arm_state(out, plan, arm)
+        status = "queued" if arm.name in active and st["status"] != "done" else st["status"]
+        entry: dict[str, Any] = {"name": arm.name, "label": arm.label, "looped": arm.looped,
+                                 "depth_kind": arm.depth_kind, "overrides": arm.overrides, "status": status,
+                                 "step": st["step"], "exit_code": st["exit_code"], "run_dir": str(rd)}
+        entry["train"] = train_summary(read_metrics(rd / "metrics.jsonl"), plan.settings["tokens_per_step"],
+                                       arm.looped)
+        metrics = {k: entry["train"].get(k) for k in ("train_flops", "prior_mean", "prior_p5", "prior_entropy",
+                                                       "val_ce", "final_loss")}
+        summary_path = rd / "eval" / SUMMARY
+        if summary_path.is_file():
+            try:
+                s = json.loads(summary_path.read_text())
+            except ValueError:
+                s = {}
+            if s.get("step") == st["step"]:  # never report an evaluation of an older checkpoint
+                metrics.update({k: v for k, v in (s.get("metrics") or {}).items()})
+                entry["eval_complete"] = bool(s.get("complete"))
+                if s.get("machine"):
+                    machines.append(s["machine"])
+        entry["metrics"] = metrics
+        arms.append(entry)
+    return {"experiment": plan.experiment, "description": plan.description, "source": plan.source,
+            "scale": plan.scale, "config": plan.config, "note": plan.note, "settings": plan.settings,
+            "extras": plan.extras, "eval": plan.eval.to_dict(),
+            "claims": [c.__dict__ for c in plan.claims], "arms": arms,
+            "machine": machines[0] if machines else machine(), "launcher": launcher or {},
+            "complete": all(a["status"] == "done" for a in arms), "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_results(out: Path, results: dict) -> Path:
+    path = Path(out) / "results.json"
+    write_json(path, results)
+    return path
+
+
+# ----------------------------------------------------------------------------- formatting
+def fmt(metric: str, x: Any) -> str:
+    """Text of one table cell (``—`` for a missing value)."""
+    if not _finite(x):
+        return "—" if x is None else str(x)
+    x = x + 0.0  # no "-0.000"
+    if abs(x) < 5e-4 and not metric.endswith("_pct") and metric != "train_flops":
+        x = 0.0
+    if metric.endswith("_pct"):
+        return f"{x:+.2f}"
+    if metric == "train_flops":
+        return f"{x:.3e}"
+    if metric in ("prior_p5", "downstream"):
+        return f"{x:.3f}"
+    if metric in ("prior_mean", "prior_entropy", "val_ce", "final_loss"):
+        return f"{x:.3f}"
+    return f"{x:.2f}" if abs(x) < 1e5 else f"{x:.4g}"
+
+
+def label(results: dict, metric: str) -> str:
+    """Column label of ``metric`` (the extrapolation names the sweep's deepest depth)."""
+    if metric == "extrapolation_pct":
+        return f"R={max(results['eval']['depths'])} extrap. %"
+    return METRICS[metric]
+
+
+def _rel(a: Any, b: Any) -> float | None:
+    return 100.0 * (a / b - 1.0) if _finite(a) and _finite(b) and b != 0 else None
+
+
+def claim_measured(claim: dict, arms: dict[str, dict], labels: dict[str, str] | None = None) -> str:
+    """The measured figure of one claim row, e.g. ``b2: R=64 extrap. % +1.20, sharing penalty % +0.30``."""
+    labels = labels or METRICS
+    parts = []
+    for name in claim["arms"]:
+        m = arms[name]["metrics"] if name in arms else {}
+        if claim.get("relative_to"):
+            ref = arms.get(claim["relative_to"], {}).get("metrics", {})
+            vals = ", ".join(f"{labels[k]} {fmt('x_pct', _rel(m.get(k), ref.get(k)))} %" for k in claim["metrics"])
+            parts.append(f"{name} vs {claim['relative_to']}: {vals}")
+        else:
+            vals = ", ".join(f"{labels[k]} {fmt(k, m.get(k))}" for k in claim["metrics"])
+            parts.append(f"{name}: {vals}")
+    return "; ".join(parts)
+
+
+def _md_escape(s: str) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(results: dict) -> str:
+    s, ev = results["settings"], results["eval"]
+    m = results.get("machine") or {}
+    mach = f"{m.get('cpu', 'unknown CPU')}, {m.get('cpus', '?')} logical CPUs"
+    if m.get("gpus"):
+        mach += ", " + ", ".join(m["gpus"])
+    mach += f"; {m.get('platform', '')}, Python {m.get('python', '?')}, torch {m.get('torch', '?')}"
+    la = results.get("launcher") or {}
+    lines = [f"# Experiment `{results['experiment']}` at scale `{results['scale']}`", ""]
+    if results.get("description"):
+        lines += [results["description"], ""]
+    tokens = s["max_steps"] * s["tokens_per_step"]
+    lines += [
+        f"- **Scale**: `{results['scale']}` (preset `{results['config']}`); {s['max_steps']:,} steps x "
+        f"{s['global_batch_size']} x {s['seq_len']} tokens = {tokens:,} tokens per arm"
+        + (f"; {results['note']}" if results.get("note") else ""),
+        f"- **Same for every arm**: seed {s['seed']}, data `{s['data_path']}` (shuffle {s['shuffle']}, "
+        f"shuffle seed {s['shuffle_seed']}), so the same data order",
+        f"- **Evaluation**: R={ev['depth']} (training depth), sweep {ev['depths']}, "
+        f"{'terminal vs per-visit KV' if ev['sharing'] else 'no sharing'}, "
+        f"{ev['max_seqs'] or 'all'} validation sequences of `{ev['data']}`; downstream = mean acc of "
+        f"{', '.join(ev['harness']) or 'no tasks'}",
+        f"- **Machine**: {mach}",
+    ]
+    if la:
+        lines.append("- **Launcher**: " + ", ".join(f"{k} {v}" for k, v in la.items()))
+    lines += [f"- Source: `{Path(results['source']).name}`; updated {results['updated']}"
+              + ("" if results["complete"] else " — **incomplete: some arms are not finished**"), ""]
+    head = ["arm"] + [label(results, k) for k in TABLE]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for a in results["arms"]:
+        name = a["label"] if a["label"] == a["name"] else f"{a['label']} (`{a['name']}`)"
+        if a["status"] != "done":
+            name += f" [{a['status']}]"
+        lines.append("| " + " | ".join([_md_escape(name)] + [fmt(k, a["metrics"].get(k)) for k in TABLE]) + " |")
+    lines += ["", "Sharing penalty = 100·(PPL_terminal/PPL_per-visit − 1) at R; R=64 extrapolation = "
+              "100·(PPL@R_max/PPL@R − 1) (native); training FLOPs are model FLOPs (SPEC §6); prior columns "
+              "are the final depth distribution (p(5) = probability of depth 5).", ""]
+    arms = {a["name"]: a for a in results["arms"]}
+    labels = {k: label(results, k) for k in METRICS}
+    if results.get("claims"):
+        lines += ["## Paper claims (SPEC §12) beside this run", "",
+                  "The paper's figures are for its S/M/L models; at a small scale compare directions, not values.",
+                  "", "| # | claim | paper | measured here |", "|---|---|---|---|"]
+        for c in results["claims"]:
+            lines.append(f"| {c['id']} | {_md_escape(c['claim'])} | {_md_escape(c['paper'])} | "
+                         f"{_md_escape(claim_measured(c, arms, labels))} |")
+        lines.append("")
+    lines += ["## Runs", "", "| arm | status | steps | tokens | train s | final loss | val CE | overrides |",
+              "|---|---|---|---|---|---|---|---|"]
+    for a in results["arms"]:
+        t = a["train"]
+        own = [o for o in a["overrides"] if not o.startswith(("logging.", "train.eval_depth="))]
+        lines.append(f"| `{a['name']}` | {a['status']} | {t.get('steps', 0)} | {t.get('tokens', 0):,} | "
+                     f"{fmt('s', t.get('train_seconds'))} | {fmt('final_loss', t.get('final_loss'))} | "
+                     f"{fmt('val_ce', t.get('val_ce'))} | `{_md_escape(' '.join(own))}` |")
+    lines += ["", "![PPL vs depth](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
+              "![training curves](training_curves.png)", ""]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- figures
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_depth(results: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    depths = results["eval"]["depths"]
+    for a in results["arms"]:
+        rows = [r for r in a["metrics"].get("sweep") or [] if _finite(r.get("native_ppl"))]
+        if not rows:
+            continue
+        if a["looped"]:
+            ax.plot([r["depth"] for r in rows], [r["native_ppl"] for r in rows], "o-", ms=3, label=a["label"])
+        else:
+            ax.axhline(rows[0]["native_ppl"], ls="--", lw=1, color="grey")
+            ax.text(depths[0], rows[0]["native_ppl"], f" {a['label']}", fontsize=7, va="bottom", color="grey")
+    ax.axvline(results["eval"]["depth"], color="black", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths)
+    ax.set_xticklabels([str(d) for d in depths])
+    ax.set_xlabel("recurrences R (evaluation)")
+    ax.set_ylabel("native validation PPL")
+    ax.set_title(f"{results['experiment']} ({results['scale']}): PPL vs depth", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_prior(results: dict, path: Path, max_depth: int = 20) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), dpi=110)
+    (a_mean, a_p5), (a_ent, a_final) = axes
+    any_prior = False
+    for a in results["arms"]:
+        h = a["train"].get("prior_history")
+        if not h:
+            continue
+        any_prior = True
+        a_mean.plot(h["step"], h["mean"], label=a["label"])
+        a_p5.plot(h["step"], [p[4] if len(p) >= 5 else 0.0 for p in h["probs"]], label=a["label"])
+        a_ent.plot(h["step"], h["entropy"], label=a["label"])
+        final = h["probs"][-1][:max_depth]
+        a_final.plot(range(1, len(final) + 1), final, "o-", ms=3, label=a["label"])
+    for ax, title in ((a_mean, "prior mean depth"), (a_p5, "p(5)"), (a_ent, "prior entropy (nats)"),
+                      (a_final, f"final p(r), r <= {max_depth}")):
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("depth r" if ax is a_final else "step")
+    if any_prior:
+        a_mean.legend(fontsize=7)
+    else:
+        a_mean.text(0.5, 0.5, "no depth prior logged", ha="center", transform=a_mean.transAxes)
+    fig.suptitle(f"{results['experiment']} ({results['scale']}): depth prior over training", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _ema(xs: list, decay: float = 0.9) -> list:
+    out, m = [], None
+    for x in xs:
+        if not _finite(x):
+            out.append(None)
+            continue
+        m = x if m is None else decay * m + (1 - decay) * x
+        out.append(m)
+    return out
+
+
+def plot_curves(results: dict, path: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for a in results["arms"]:
+        c = a["train"].get("curve")
+        if not c or not c["step"]:
+            continue
+        (line,) = ax.plot(c["step"], _ema(c["loss"]), lw=1.2, label=a["label"])
+        if c["val_step"]:
+            ax.plot(c["val_step"], c["val_ce"], "D", ms=5, color=line.get_color())
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training CE (EMA 0.9); ◆ validation CE")
+    ax.set_title(f"{results['experiment']} ({results['scale']}): training curves", fontsize=10)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def render(results: dict, out: Path) -> list[Path]:
+    """Write ``report.md`` and the three PNGs into ``out``; returns their paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "report.md"
+    md.write_text(render_markdown(results))
+    return [md, plot_depth(results, out / "ppl_vs_depth.png"), plot_prior(results, out / "prior_evolution.png"),
+            plot_curves(results, out / "training_curves.png")]
+
+
+def print_table(results: dict) -> None:
+    """The main table on the console (plain text)."""
+    cols = ["arm", "status"] + [label(results, k) for k in TABLE]
+    rows = [[a["name"], a["status"]] + [fmt(k, a["metrics"].get(k)) for k in TABLE] for a in results["arms"]]
+    widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
+    print(f"\n{results['experiment']} at scale {results['scale']}:")
+    for r in [cols] + rows:
+        print("  " + "  ".join(str(x).rjust(w) if i > 1 else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
+
+
+__all__ = ["collect", "claim_measured", "fmt", "print_table", "render", "render_markdown", "train_summary",
+           "write_results"]

@@ -1,0 +1,417 @@
+"""Experiment files: a YAML of arms (name -> config overrides), scales and an evaluation plan.
+
+Schema (every key but ``arms`` optional; unknown keys are errors)::
+
+    name: tbptt                         # default: the file's stem
+    description: "..."
+    common: "depth.kind=fixed depth.depth=5"   # overrides of every arm (string or list)
+    scales:                             # default: tiny/S/M/L -> the preset of that name
+      tiny: {config: tiny, overrides: "train.max_steps=300", note: "budget ...", eval: {max_seqs: 32}}
+      S: {config: S}
+    eval: {depth: 5, depths: [1, 2, 4, 5, 8, 16, 32, 64], sharing: true, harness: [megaloop_toy_mc]}
+    arms:                               # mapping (duplicate names are errors) or a list of {name: ...}
+      b2_huginn: "model.injection=huginn_linear model.b_max=2"
+      b4_huginn: {label: "b=4, Huginn-Linear", overrides: [...], scales: {tiny: "..."}}
+    claims:                             # SPEC §12 rows printed beside the measured figure
+      - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn]}
+      - {id: C9, ..., metrics: [native_ppl], arms: [looped], relative_to: untied12}
+
+An arm's overrides are applied in the order: scale, ``common``, the arm's, the arm's per-scale
+ones, the command line's extras; then the tool's own (``train.eval_depth``, logging). Seeds, data
+and the step/batch budget are the experiment's, never an arm's (same seed and data order for all
+arms): arm overrides of ``train.seed``, ``train.max_steps``, ``train.global_batch_size`` or
+``data.*`` are rejected. Every arm is validated with ``megaloop.config.load_config`` before
+anything runs; errors are ``SpecError`` (a ``ConfigError``: exit status 2) naming file and arm.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaloop.config_utils import ConfigError
+
+EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
+ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}$")  # used as the arm's run-directory name
+DEFAULT_SCALES = ("tiny", "S", "M", "L")
+TOP_KEYS = ("name", "description", "common", "scales", "eval", "arms", "claims")
+SCALE_KEYS = ("config", "overrides", "eval", "note")
+ARM_KEYS = ("label", "overrides", "scales")
+CLAIM_KEYS = ("id", "claim", "paper", "metrics", "arms", "relative_to")
+# fixed across arms: same seed, data order and budget (set them in `common` or a scale instead)
+ARM_FORBIDDEN = ("train.seed", "train.max_steps", "train.global_batch_size", "data.")
+# keys that do not change what an arm computes (an arm may be resumed with other values)
+IDENTITY_IGNORED = ("train.stop_after", "train.save_interval", "train.keep_checkpoints", "logging.")
+METRICS = {  # results key -> report column
+    "native_ppl": "native PPL@R", "terminal_ppl": "terminal PPL", "per_visit_ppl": "per-visit PPL",
+    "sharing_penalty_pct": "sharing penalty %", "extrapolation_pct": "R=64 extrap. %",
+    "train_flops": "training FLOPs", "prior_mean": "prior mean", "prior_p5": "p(5)",
+    "prior_entropy": "prior entropy", "downstream": "downstream acc", "val_ce": "val CE (trainer)",
+    "final_loss": "final loss",
+}
+
+
+class SpecError(ConfigError):
+    """An experiment file is invalid; the message names the file (and the arm)."""
+
+
+# ----------------------------------------------------------------------------- YAML
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (YAML would keep the last silently)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise SpecError(f"duplicate key {key!r} (lines {seen[key] + 1} and {key_node.start_mark.line + 1})")
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _overrides(value: Any, where: str) -> list[str]:
+    """A string (shell-split) or a list of ``key=value`` strings -> list; checks the shape."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = shlex.split(value)
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        items = list(value)
+    else:
+        raise SpecError(f"{where}: overrides must be a string or a list of key=value strings, got {value!r}")
+    for ov in items:
+        key = ov.split("=", 1)[0]
+        if "=" not in ov or "." not in key or not key.strip():
+            raise SpecError(f"{where}: override {ov!r} is not section.key=value")
+    return items
+
+
+def _keys(ov: list[str]) -> list[str]:
+    return [x.split("=", 1)[0].strip() for x in ov]
+
+
+def identity_overrides(overrides: list[str]) -> list[str]:
+    """The overrides that define what an arm computes (run-control keys dropped)."""
+    return [o for o, k in zip(overrides, _keys(overrides)) if not k.startswith(IDENTITY_IGNORED)]
+
+
+# ----------------------------------------------------------------------------- plan pieces
+@dataclass
+class EvalPlan:
+    """What every arm is evaluated on. ``depth``: the training depth R (native PPL@R, sharing
+    penalty at R, reference of the extrapolation); ``depths``: the sweep (its max is the
+    extrapolation depth); ``max_seqs``: validation sequences (None: the whole set)."""
+
+    depth: int = 5
+    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 5, 8, 16, 32, 64])
+    sharing: bool = True
+    data: str = "default"
+    max_seqs: int | None = None
+    batch_size: int = 4
+    harness: list[str] = field(default_factory=lambda: ["megaloop_toy_mc"])
+    harness_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
+            raise ConfigError(f"eval.depth: must be an integer >= 1, got {self.depth!r}")
+        if (not isinstance(self.depths, list) or not self.depths
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.depths)):
+            raise ConfigError(f"eval.depths: must be a non-empty list of integers >= 1, got {self.depths!r}")
+        self.depths = sorted(set(self.depths) | {self.depth})  # the training depth is always a row
+        if not isinstance(self.sharing, bool):
+            raise ConfigError(f"eval.sharing: expected true/false, got {self.sharing!r}")
+        if not isinstance(self.data, str) or not self.data:
+            raise ConfigError(f"eval.data: expected 'default' or an MDS validation directory, got {self.data!r}")
+        for name in ("max_seqs", "harness_limit"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"eval.{name}: must be an integer >= 1 or null, got {v!r}")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError(f"eval.batch_size: must be an integer >= 1, got {self.batch_size!r}")
+        if not isinstance(self.harness, list) or not all(isinstance(t, str) and t for t in self.harness):
+            raise ConfigError(f"eval.harness: must be a list of task names, got {self.harness!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def digest(self) -> str:
+        """Stable hash: an arm's evaluation is redone when the plan changes."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def eval_plan(base: dict | None, update: dict | None, where: str) -> EvalPlan:
+    merged = {**(base or {}), **(update or {})}
+    unknown = sorted(set(merged) - set(EvalPlan.__dataclass_fields__))
+    if unknown:
+        raise SpecError(f"{where}: unknown eval key(s) {', '.join(unknown)} "
+                        f"(known: {', '.join(EvalPlan.__dataclass_fields__)})")
+    try:
+        return EvalPlan(**merged)
+    except ConfigError as err:
+        raise SpecError(f"{where}: {err}") from None
+
+
+@dataclass
+class Claim:
+    """A SPEC §12 row: the paper's figure beside the measured ``metrics`` of ``arms`` (with
+    ``relative_to``: the percentage 100·(m(arm)/m(ref) − 1))."""
+
+    id: str
+    claim: str
+    paper: str
+    metrics: list[str]
+    arms: list[str]
+    relative_to: str | None = None
+
+
+@dataclass
+class Arm:
+    name: str
+    label: str
+    overrides: list[str]  # the complete list passed to `megaloop train` (tool's keys last)
+    looped: bool = True
+    depth_kind: str = "fixed"
+
+
+@dataclass
+class Plan:
+    """One experiment resolved at one scale: what the runner trains and the report renders."""
+
+    experiment: str
+    description: str
+    source: str
+    scale: str
+    config: str
+    note: str
+    arms: list[Arm]
+    eval: EvalPlan
+    claims: list[Claim]
+    extras: list[str]
+    settings: dict  # seed, steps, batch, seq_len, ... (identical across arms, checked)
+
+    def arm(self, name: str) -> Arm:
+        for a in self.arms:
+            if a.name == name:
+                return a
+        raise KeyError(name)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eval_digest"] = self.eval.digest()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Plan":
+        return cls(experiment=d["experiment"], description=d["description"], source=d["source"],
+                   scale=d["scale"], config=d["config"], note=d["note"],
+                   arms=[Arm(**a) for a in d["arms"]], eval=EvalPlan(**d["eval"]),
+                   claims=[Claim(**c) for c in d["claims"]], extras=list(d["extras"]), settings=d["settings"])
+
+
+# ----------------------------------------------------------------------------- loading
+def experiment_path(name_or_path: str) -> Path:
+    """A shipped experiment name (``tbptt``) or a YAML path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise SpecError(f"--experiment: {p} does not exist")
+        return p
+    q = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
+    if not q.is_file():
+        known = ", ".join(shipped_experiments())
+        raise SpecError(f"--experiment: no experiment {name_or_path!r} (shipped: {known}; or a YAML path)")
+    return q
+
+
+def shipped_experiments() -> list[str]:
+    return sorted(p.stem for p in EXPERIMENTS_DIR.glob("*.yaml"))
+
+
+def read_experiment(path: Path) -> dict:
+    try:
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except SpecError as err:
+        raise SpecError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise SpecError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read ({err.strerror})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: expected a mapping with an `arms:` section")
+    unknown = sorted(set(data) - set(TOP_KEYS))
+    if unknown:
+        raise SpecError(f"{path}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(TOP_KEYS)})")
+    return data
+
+
+def _raw_arms(data: dict, path: Path) -> list[tuple[str, Any]]:
+    arms = data.get("arms")
+    if arms is None or arms == {} or arms == []:
+        raise SpecError(f"{path}: arms: no arms defined (give `arms:` a mapping of name -> overrides)")
+    if isinstance(arms, dict):
+        items = list(arms.items())
+    elif isinstance(arms, list):
+        items = []
+        for i, a in enumerate(arms):
+            if not isinstance(a, dict) or "name" not in a:
+                raise SpecError(f"{path}: arms[{i}]: expected a mapping with a `name:`")
+            rest = {k: v for k, v in a.items() if k != "name"}
+            items.append((a["name"], rest if rest else None))
+    else:
+        raise SpecError(f"{path}: arms: expected a mapping of name -> overrides, got {type(arms).__name__}")
+    seen: set[str] = set()
+    for name, _ in items:
+        if not isinstance(name, str) or not ARM_NAME.match(name):
+            raise SpecError(f"{path}: arm {name!r}: names are 1-80 characters of letters, digits, '_.+-' "
+                            "(they name the run directory)")
+        if name in seen:
+            raise SpecError(f"{path}: arm {name!r}: duplicate arm name")
+        seen.add(name)
+    return items
+
+
+def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, list[str]]:
+    where = f"{path}: arm {name!r}"
+    if raw is None:
+        raise SpecError(f"{where}: empty arm (give overrides, or [] for the scale's config unchanged)")
+    label = name
+    if isinstance(raw, dict):
+        unknown = sorted(set(raw) - set(ARM_KEYS))
+        if unknown:
+            raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(ARM_KEYS)})")
+        if "overrides" not in raw and "scales" not in raw:
+            raise SpecError(f"{where}: empty arm (no `overrides:`)")
+        label = str(raw.get("label") or name)
+        ov = _overrides(raw.get("overrides"), where)
+        per_scale = raw.get("scales") or {}
+        if not isinstance(per_scale, dict):
+            raise SpecError(f"{where}: scales: expected a mapping of scale -> overrides")
+        ov += _overrides(per_scale.get(scale), f"{where}: scales.{scale}")
+    else:
+        ov = _overrides(raw, where)
+    bad = [k for k in _keys(ov) if k.startswith(ARM_FORBIDDEN)]
+    if bad:
+        raise SpecError(f"{where}: {bad[0]} must be the same for every arm (same seed, data order and "
+                        "budget); set it in `common:` or the scale's overrides")
+    return label, ov
+
+
+def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, str]:
+    scales = data.get("scales")
+    if scales is None:
+        scales = {s: {"config": s} for s in DEFAULT_SCALES}
+    if not isinstance(scales, dict) or not scales:
+        raise SpecError(f"{path}: scales: expected a mapping of scale name -> {{config, overrides, eval}}")
+    if scale not in scales:
+        raise SpecError(f"--scale: {path} has no scale {scale!r} (it has: {', '.join(map(str, scales))})")
+    s = scales[scale] or {}
+    where = f"{path}: scales.{scale}"
+    if not isinstance(s, dict):
+        raise SpecError(f"{where}: expected a mapping with config / overrides / eval / note")
+    unknown = sorted(set(s) - set(SCALE_KEYS))
+    if unknown:
+        raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(SCALE_KEYS)})")
+    config = s.get("config", scale)
+    if not isinstance(config, str):
+        raise SpecError(f"{where}: config: expected a preset name or YAML path, got {config!r}")
+    ev = s.get("eval") or {}
+    if not isinstance(ev, dict):
+        raise SpecError(f"{where}: eval: expected a mapping")
+    return config, _overrides(s.get("overrides"), where), ev, str(s.get("note") or "")
+
+
+def _claims(data: dict, names: set[str], path: Path) -> list[Claim]:
+    out = []
+    for i, c in enumerate(data.get("claims") or []):
+        where = f"{path}: claims[{i}]"
+        if not isinstance(c, dict):
+            raise SpecError(f"{where}: expected a mapping with id / claim / paper / metrics / arms")
+        unknown = sorted(set(c) - set(CLAIM_KEYS))
+        if unknown:
+            raise SpecError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(CLAIM_KEYS)})")
+        missing = [k for k in ("id", "claim", "paper", "metrics", "arms") if k not in c]
+        if missing:
+            raise SpecError(f"{where}: missing {', '.join(missing)}")
+        metrics = c["metrics"] if isinstance(c["metrics"], list) else [c["metrics"]]
+        arms = c["arms"] if isinstance(c["arms"], list) else [c["arms"]]
+        for m in metrics:
+            if m not in METRICS:
+                raise SpecError(f"{where}: unknown metric {m!r} (known: {', '.join(METRICS)})")
+        for a in arms + ([c["relative_to"]] if c.get("relative_to") else []):
+            if a not in names:
+                raise SpecError(f"{where}: arm {a!r} is not an arm of this experiment")
+        out.append(Claim(id=str(c["id"]), claim=str(c["claim"]), paper=str(c["paper"]), metrics=metrics,
+                         arms=arms, relative_to=c.get("relative_to")))
+    return out
+
+
+def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
+              eval_update: dict | None = None, only: list[str] | None = None) -> Plan:
+    """Resolve ``experiment`` (shipped name or YAML path) at ``scale``: every arm's overrides are
+    validated with ``load_config`` (first error: ``SpecError`` naming the file and arm).
+    ``extras``: overrides of every arm (command line); ``eval_update``: eval-plan fields set on
+    the command line; ``only``: train/evaluate only these arms."""
+    from megaloop.config import load_config
+
+    path = experiment_path(experiment)
+    data = read_experiment(path)
+    name = str(data.get("name") or path.stem)
+    config, scale_ov, scale_eval, note = _scale(data, scale, path)
+    common = _overrides(data.get("common"), f"{path}: common")
+    extras = _overrides(list(extras or []), "command-line override")
+    if data.get("eval") is not None and not isinstance(data["eval"], dict):
+        raise SpecError(f"{path}: eval: expected a mapping")
+    plan_eval = eval_plan({**(data.get("eval") or {}), **scale_eval}, eval_update, f"{path}: eval")
+    raw = _raw_arms(data, path)
+    arms, settings = [], None
+    for arm_name, arm_raw in raw:
+        label, arm_ov = _arm_parts(arm_name, arm_raw, scale, path)
+        tool = [f"train.eval_depth={plan_eval.depth}", "logging.progress=false",
+                f"logging.name=repro-{name}-{scale}-{arm_name}"]
+        full = [*scale_ov, *common, *arm_ov, *extras, *tool]
+        try:
+            cfg = load_config(config, full)
+        except ConfigError as err:
+            raise SpecError(f"{path}: arm {arm_name!r}: {err}") from None
+        except (OSError, ValueError) as err:  # e.g. a preset YAML that does not parse
+            raise SpecError(f"{path}: arm {arm_name!r}: {err}") from None
+        mine = {"seed": cfg.train.seed, "max_steps": cfg.train.max_steps, "stop_after": cfg.train.stop_after,
+                "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.model.seq_len,
+                "data_path": cfg.data.path, "shuffle": cfg.data.shuffle, "shuffle_seed": cfg.data.shuffle_seed}
+        if settings is None:
+            settings = mine
+        elif mine != settings:
+            diff = ", ".join(f"{k} {settings[k]!r} vs {mine[k]!r}" for k in mine if mine[k] != settings[k])
+            raise SpecError(f"{path}: arm {arm_name!r}: differs from the first arm in {diff}; seeds, data "
+                            "and budget must be the same for every arm")
+        arms.append(Arm(name=arm_name, label=label, overrides=full, looped=cfg.model.looped,
+                        depth_kind=cfg.depth.kind))
+    if only:
+        names = {a.name for a in arms}
+        for o in only:
+            if o not in names:
+                raise SpecError(f"--arms: {o!r} is not an arm of {path} (arms: {', '.join(a.name for a in arms)})")
+        arms = [a for a in arms if a.name in only]
+    assert settings is not None
+    settings["tokens_per_step"] = settings["global_batch_size"] * settings["seq_len"]
+    claims = _claims(data, {a for a, _ in raw}, path)
+    if only:
+        claims = [c for c in claims if set(c.arms + ([c.relative_to] if c.relative_to else [])) <= set(only)]
+    return Plan(experiment=name, description=str(data.get("description") or "").strip(), source=str(path),
+                scale=scale, config=config, note=note, arms=arms, eval=plan_eval, claims=claims,
+                extras=extras, settings=settings)
+
+
+__all__ = ["Arm", "Claim", "EvalPlan", "METRICS", "Plan", "SpecError", "experiment_path", "identity_overrides",
+           "load_plan", "read_experiment", "shipped_experiments"]

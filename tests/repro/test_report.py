@@ -1,0 +1,103 @@
+"""Report rendering from a results file (megaloop/repro/report.py, tools/reproduce.py --render): the
+paper-layout table, claims beside measured figures, missing values, and the three PNGs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megaloop.repro.report import claim_measured, render_markdown, train_summary
+
+
+def _arm(name: str, label: str, looped: bool, status: str = "done", **metrics) -> dict:
+    sweep = [{"depth": d, "native_ppl": metrics.get("native_ppl", 0) + d} for d in (1, 2, 5, 64)] if looped else \
+        [{"depth": 5, "native_ppl": metrics.get("native_ppl")}]
+    hist = {"step": [1, 2, 3], "mean": [5.0, 5.2, 5.1], "entropy": [1.9, 1.8, 1.7],
+            "probs": [[0.1, 0.1, 0.2, 0.2, 0.4]] * 3} if looped else None
+    train = {"steps": 3, "tokens": 6144, "train_seconds": 1.5, "final_loss": 5.0, "val_ce": 5.5,
+             "curve": {"step": [1, 2, 3], "loss": [7.0, 6.0, 5.0], "val_step": [3], "val_ce": [5.5]}}
+    if hist:
+        train["prior_history"] = hist
+    return {"name": name, "label": label, "looped": looped, "depth_kind": "learned" if looped else "fixed",
+            "overrides": ["train.max_steps=3", "model.injection=orthoinj", "logging.progress=false"],
+            "status": status, "step": 3, "exit_code": 0, "run_dir": f"/x/{name}", "train": train,
+            "metrics": {**metrics, "sweep": sweep}}
+
+
+RESULTS = {
+    "experiment": "injections", "description": "Five injections.", "source": "/a/injections.yaml",
+    "scale": "tiny", "config": "tiny", "note": "CPU direction check",
+    "settings": {"seed": 1234, "max_steps": 3, "stop_after": None, "global_batch_size": 16, "seq_len": 128,
+                 "data_path": "default", "shuffle": True, "shuffle_seed": 1234, "tokens_per_step": 2048},
+    "extras": [], "eval": {"depth": 5, "depths": [1, 2, 5, 64], "sharing": True, "data": "default", "max_seqs": 32,
+                           "batch_size": 4, "harness": ["megaloop_toy_mc"], "harness_limit": None},
+    "claims": [{"id": "C10", "claim": "OrthoInj | beats Parcae-Decay", "paper": "lower val PPL",
+                "metrics": ["terminal_ppl", "downstream"], "arms": ["orthoinj"], "relative_to": "parcae_decay"},
+               {"id": "C1", "claim": "fixed points", "paper": "> 25 %", "metrics": ["extrapolation_pct"],
+                "arms": ["orthoinj"], "relative_to": None}],
+    "arms": [
+        _arm("orthoinj", "OrthoInj", True, native_ppl=100.0, terminal_ppl=101.0, sharing_penalty_pct=0.5,
+             extrapolation_pct=-1.25, train_flops=1.5e12, prior_mean=5.1, prior_p5=0.4, prior_entropy=1.7,
+             downstream=0.5),
+        _arm("parcae_decay", "Parcae-Decay", True, native_ppl=110.0, terminal_ppl=115.0, sharing_penalty_pct=2.0,
+             extrapolation_pct=3.0, train_flops=1.4e12, prior_mean=5.0, prior_p5=0.5, prior_entropy=1.6,
+             downstream=0.25),
+        _arm("untied12", "Untied-12", False, status="partial", native_ppl=None),
+    ],
+    "machine": {"cpu": "Test CPU", "cpus": 2, "platform": "Linux", "python": "3.11", "torch": "2.x"},
+    "launcher": {"local": "2 arm(s) in parallel x 1 thread(s)"}, "complete": False, "updated": "2026-01-01 00:00:00",
+}
+
+
+def test_markdown_table_and_claims() -> None:
+    md = render_markdown(RESULTS)
+    lines = md.splitlines()
+    head = next(line for line in lines if line.startswith("| arm | native PPL@R"))
+    assert head.split(" | ")[1:] == ["native PPL@R", "terminal PPL", "sharing penalty %", "R=64 extrap. %",
+                                     "training FLOPs", "prior mean", "p(5)", "prior entropy", "downstream acc |"]
+    row = next(line for line in lines if line.startswith("| OrthoInj"))
+    assert row == ("| OrthoInj (`orthoinj`) | 100.00 | 101.00 | +0.50 | -1.25 | 1.500e+12 | 5.100 | 0.400 | "
+                   "1.700 | 0.500 |")
+    unfinished = next(line for line in lines if line.startswith("| Untied-12"))
+    assert "[partial]" in unfinished and unfinished.count("—") == 9
+    # scale, steps, tokens, machine and the same-seed statement are in the header
+    assert "3 steps x 16 x 128 tokens = 6,144 tokens per arm" in md and "Test CPU, 2 logical CPUs" in md
+    assert "seed 1234" in md and "incomplete" in md
+    # claims: the paper's figure beside the measured one, relative figures in percent; '|' escaped
+    c10 = next(line for line in lines if line.startswith("| C10"))
+    assert "OrthoInj \\| beats" in c10 and "lower val PPL" in c10
+    assert "orthoinj vs parcae_decay: terminal PPL -12.17 %, downstream acc +100.00 %" in c10
+    assert "orthoinj: R=64 extrap. % -1.25" in next(line for line in lines if line.startswith("| C1 "))
+    assert "`train.max_steps=3 model.injection=orthoinj`" in md  # tool's logging keys not listed
+    arms = {a["name"]: a for a in RESULTS["arms"]}
+    assert "—" in claim_measured({"metrics": ["native_ppl"], "arms": ["untied12"], "relative_to": "orthoinj"}, arms)
+
+
+def test_render_cli_writes_report_and_pngs(tool, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(RESULTS))
+    assert tool.main(["--render", str(src)]) == 0
+    for name in ("ppl_vs_depth.png", "prior_evolution.png", "training_curves.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+    assert (tmp_path / "report.md").read_text() == render_markdown(RESULTS)
+    assert "orthoinj" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert tool.main(["--render", str(bad)]) == 2
+    assert "--render: cannot read" in capsys.readouterr().err
+
+
+def test_train_summary_dedupes_resumed_steps() -> None:
+    rows = [{"step": 1, "loss": 9.0, "model_flops": 2.0, "step_time_s": 1.0},
+            {"step": 2, "loss": 8.0, "model_flops": 2.0, "step_time_s": 1.0},
+            {"step": 2, "loss": 7.5, "model_flops": 2.0, "step_time_s": 1.0},  # re-logged after a resume
+            {"step": 3, "loss": 7.0, "model_flops": 2.0, "step_time_s": 1.0, "val_ce": 6.0,
+             "prior_probs": [0.5, 0.25, 0.125, 0.0625, 0.0625], "prior_mean_depth": 1.94, "prior_entropy": 1.3}]
+    s = train_summary(rows, 100, looped=True)
+    assert s["steps"] == 3 and s["tokens"] == 300 and s["train_flops"] == 6.0
+    assert s["flops_source"] == "sum of logged model_flops" and s["val_ce"] == 6.0
+    assert s["prior_p5"] == 0.0625 and s["prior_mean"] == 1.94 and s["curve"]["loss"] == [9.0, 7.5, 7.0]
+    rows[-1]["model_flops_total"] = 5.5  # the trainer's cumulative count wins
+    assert train_summary(rows, 100, looped=True)["train_flops"] == 5.5
+    assert "prior_mean" not in train_summary(rows, 100, looped=False)

@@ -1,0 +1,189 @@
+"""Arm state, skip / resume decisions and the slurm launcher (megaloop/repro/runner.py) with fake run
+directories and stub sbatch / squeue / srun / torchrun (tests/slurm/stubs.py); no training here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from megaloop.repro.evaluate import SUMMARY
+from megaloop.repro.runner import arm_state, check_identity, run_dir, _mark_started
+from megaloop.repro.spec import SpecError, load_plan
+from tests.conftest import ROOT
+from tests.repro.conftest import fake_checkpoint, fake_metrics
+from tests.slurm.stubs import calls, stub_env
+
+
+def _finish_eval(rd: Path, plan, step: int, complete: bool = True) -> None:
+    (rd / "eval").mkdir(parents=True, exist_ok=True)
+    (rd / "eval" / SUMMARY).write_text(json.dumps({"step": step, "eval_digest": plan.eval.digest(),
+                                                   "complete": complete, "stages": {}, "metrics": {}}))
+
+
+def test_arm_states(user_yaml: Path, tmp_path: Path) -> None:
+    plan = load_plan(str(user_yaml), "test")
+    out = tmp_path / "out"
+    arm = plan.arm("full")
+    rd = run_dir(out, arm)
+    assert arm_state(out, plan, arm)["status"] == "pending"
+    fake_metrics(rd, 1)
+    assert arm_state(out, plan, arm)["status"] == "partial"  # started, no checkpoint yet
+    fake_checkpoint(rd, 1)
+    assert arm_state(out, plan, arm) == {"status": "partial", "step": 1, "exit_code": None}
+    (rd / "repro_exit").write_text("75\n")
+    assert arm_state(out, plan, arm)["status"] == "interrupted"
+    (rd / "repro_exit").write_text("1\n")
+    assert arm_state(out, plan, arm)["status"] == "failed"
+    fake_checkpoint(rd, 2)  # train.max_steps=2 reached
+    assert arm_state(out, plan, arm)["status"] == "trained"  # not evaluated yet
+    _finish_eval(rd, plan, 2, complete=False)
+    assert arm_state(out, plan, arm)["status"] == "trained"  # a failed evaluation is redone
+    _finish_eval(rd, plan, 1)
+    assert arm_state(out, plan, arm)["status"] == "trained"  # evaluated an older checkpoint
+    _finish_eval(rd, plan, 2)
+    assert arm_state(out, plan, arm)["status"] == "done"
+    other = load_plan(str(user_yaml), "test", eval_update={"max_seqs": 1})
+    assert arm_state(out, other, other.arm("full"))["status"] == "trained"  # another eval plan
+
+
+def test_identity_guards_resume(user_yaml: Path, tmp_path: Path) -> None:
+    plan = load_plan(str(user_yaml), "test")
+    out = tmp_path / "out"
+    _mark_started(out, plan, plan.arm("b1"))
+    check_identity(out, plan, plan.arm("b1"))
+    # run-control keys (stop_after, logging) may change between runs of an arm
+    check_identity(out, load_plan(str(user_yaml), "test", ["train.stop_after=1", "logging.wandb=offline"]),
+                   plan.arm("b1"))
+    changed = load_plan(str(user_yaml), "test", ["model.hidden_size=64"])
+    with pytest.raises(SpecError, match=r"arm 'b1' .* other settings .*model.hidden_size=64"):
+        check_identity(out, changed, changed.arm("b1"))
+
+
+def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test")
+    rd = run_dir(out, "full")
+    fake_metrics(rd, 2)
+    fake_checkpoint(rd, 2)
+    _finish_eval(rd, plan, 2)
+    fake_checkpoint(run_dir(out, "b1"), 1)
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "skip full: done" in text and "b1: partial at step 1: resume" in text
+    (cmd,) = [line for line in text.splitlines() if "would run" in line]
+    assert f"--run-dir {run_dir(out, 'b1')} --resume auto" in cmd and "model.b_max=1" in cmd
+    # a different experiment in the same directory is refused
+    (out / "plan.json").write_text(json.dumps({"experiment": "other", "scale": "test"}))
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--dry-run"]) == 2
+    assert "holds experiment 'other'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def stubs(tmp_path: Path, monkeypatch):
+    env = stub_env(tmp_path, STUB_JOB_ID="555")
+    for k in list(os.environ):
+        if k.startswith("SLURM_"):
+            monkeypatch.delenv(k)
+    for k in ("PATH", "STUB_LOG", "STUB_DIR", "STUB_JOB_ID"):
+        monkeypatch.setenv(k, env[k])
+    return tmp_path
+
+
+def _slurm(tool, yaml: Path, out: Path, *extra: str) -> int:
+    return tool.main(["--experiment", str(yaml), "--scale", "test", "--out", str(out), "--launcher", "slurm",
+                      *extra, "--", "parallel.tp=1"])
+
+
+def test_slurm_array_submission(tool, user_yaml: Path, stubs: Path, capsys) -> None:
+    out = stubs / "out"
+    assert _slurm(tool, user_yaml, out, "--parallel", "1", "--sbatch-arg=--partition=gpu") == 0
+    (sb,) = calls(stubs, "sbatch")
+    argv = sb["argv"]
+    assert "--array=0-1%1" in argv and "--parsable" in argv and "--partition=gpu" in argv
+    assert argv[-1] == str(ROOT / "slurm" / "reproduce_array.sh") and f"--output={out}/slurm/%A_%a.out" in argv
+    assert sb["env"]["MEGALOOP_ROOT"] == str(ROOT)
+    args_dir = out / "slurm" / "sub000"
+    for i, name in enumerate(["full", "b1"]):
+        lines = (args_dir / f"arm_{i}.args").read_text().splitlines()
+        assert lines[:3] == ["tiny", str(out / "arms" / name), name]
+        assert lines[-4] == "parallel.tp=1" and "train.eval_depth=2" in lines  # extras, then the tool's
+        assert "--resume" not in lines  # slurm/common.sh always adds --resume auto
+    assert json.loads((out / "slurm" / "jobs.jsonl").read_text())["arms"] == {"0": "full", "1": "b1"}
+    plan = json.loads((out / "plan.json").read_text())
+    assert [a["name"] for a in plan["arms"]] == ["full", "b1"] and plan["eval"]["depth"] == 2
+    capsys.readouterr()
+
+    # while the array is queued, a rerun submits nothing and reports the arms as queued
+    (stubs / "squeue.out").write_text("555_0\n555_1\n")
+    assert _slurm(tool, user_yaml, out) == 0
+    assert len(calls(stubs, "sbatch")) == 1
+    assert capsys.readouterr().out.count("still queued/running in slurm job 555") == 2
+    assert [a["status"] for a in json.loads((out / "results.json").read_text())["arms"]] == ["queued", "queued"]
+
+    # arm `full` finished (trained + evaluated), b1 died: only b1 is resubmitted, in its own folder
+    (stubs / "squeue.out").write_text("")
+    loaded = load_plan(str(user_yaml), "test", ["parallel.tp=1"])
+    fake_metrics(run_dir(out, "full"), 2)
+    fake_checkpoint(run_dir(out, "full"), 2)
+    _finish_eval(run_dir(out, "full"), loaded, 2)
+    assert _slurm(tool, user_yaml, out, "--wait", "--poll", "0.01") == 1  # b1 never trains under stubs
+    sb2 = calls(stubs, "sbatch")[-1]
+    assert "--array=1" in sb2["argv"]
+    assert sorted(p.name for p in (out / "slurm" / "sub001").iterdir()) == ["arm_1.args"]
+    res = json.loads((out / "results.json").read_text())
+    assert [a["status"] for a in res["arms"]] == ["done", "pending"] and res["complete"] is False
+
+
+def test_slurm_dry_run(tool, user_yaml: Path, stubs: Path, capsys) -> None:
+    assert _slurm(tool, user_yaml, stubs / "dry", "--dry-run") == 0
+    text = capsys.readouterr().out
+    assert "sbatch --parsable --array=0-1" in text and "arm 1 b1: megaloop train --config tiny" in text
+    assert not calls(stubs, "sbatch") and not (stubs / "dry").exists()
+
+
+def _array_env(tmp: Path, out: Path, **extra: str) -> dict:
+    eval_stub = tmp / "evalpy"
+    eval_stub.write_text("#!/bin/sh\necho \"$@\" >> \"$STUB_DIR/eval_calls\"\n")
+    eval_stub.chmod(0o755)
+    env = stub_env(tmp, STUB_HOSTS="gpu-a01", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a01", SLURM_NNODES="1",
+                   SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), VENV="none", LOG_DIR=str(tmp / "logs"),
+                   GPUS_PER_NODE="2", REPRO_DIR=str(out), SLURM_ARRAY_TASK_ID="1", PYTHON=str(eval_stub))
+    env.update(extra)
+    return env
+
+
+def test_reproduce_array_script(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "slurm").mkdir(parents=True)
+    (out / "plan.json").write_text("{}")
+    rd = out / "arms" / "b1"
+    (out / "slurm" / "arm_1.args").write_text(f"tiny\n{rd}\nb1\nmodel.b_max=1\ntrain.eval_depth=2\n")
+    script = ["bash", str(ROOT / "slurm" / "reproduce_array.sh")]
+    env = _array_env(tmp_path, out)
+    proc = subprocess.run(script, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tr,) = calls(tmp_path, "torchrun")
+    argv = tr["argv"]
+    assert argv[argv.index("--config") + 1] == "tiny" and argv[argv.index("--run-dir") + 1] == str(rd)
+    assert argv[argv.index("--resume") + 1] == "auto" and argv[-2:] == ["model.b_max=1", "train.eval_depth=2"]
+    assert (rd / "repro_exit").read_text().strip() == "0"
+    assert (tmp_path / "eval_calls").read_text().split() == [
+        "-m", "megaloop.repro.evaluate", "--plan", str(out / "plan.json"), "--arm", "b1", "--run-dir", str(rd)]
+    # training failed: exit status recorded, no evaluation
+    (tmp_path / "eval_calls").unlink()
+    proc = subprocess.run(script, env=dict(env, STUB_TORCHRUN="exit:3"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 3 and (rd / "repro_exit").read_text().strip() == "3"
+    assert not (tmp_path / "eval_calls").exists()
+    # clear errors outside an array job / for an index without an arm file
+    env2 = dict(env)
+    del env2["SLURM_ARRAY_TASK_ID"]
+    proc = subprocess.run(script, env=env2, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "array job" in proc.stderr
+    proc = subprocess.run(script, env=dict(env, SLURM_ARRAY_TASK_ID="7"), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "arm_7.args" in proc.stderr

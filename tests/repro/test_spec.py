@@ -1,0 +1,139 @@
+"""Experiment YAML validation (megaloop/repro/spec.py) through tools/reproduce.py: bad files exit 2
+with one line naming the file and the arm, before anything runs; the shipped experiments are valid
+at every scale and hold the paper's arms."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megaloop.repro.spec import EvalPlan, SpecError, load_plan, shipped_experiments
+from megaloop.config_utils import ConfigError
+from tests.repro.conftest import USER_YAML
+
+
+def _fail(tool, capsys, path: Path, *extra: str) -> str:
+    code = tool.main(["--experiment", str(path), "--scale", "test", "--out", str(path.parent / "out"),
+                      "--dry-run", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("reproduce.py: error: ")
+    assert not (path.parent / "out").exists()  # nothing written
+    return err
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_unknown_override_key_names_file_and_arm(tool, capsys, tmp_path: Path) -> None:
+    p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.b_max=1]}',
+                                           'b1: "model.b_maximum=1"'))
+    err = _fail(tool, capsys, p)
+    assert str(p) in err and "arm 'b1'" in err and "b_maximum" in err
+
+
+def test_bad_override_value_names_field(tool, capsys, tmp_path: Path) -> None:
+    p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', 'full: "model.injection=nope"'))
+    err = _fail(tool, capsys, p)
+    assert "arm 'full'" in err and "model.injection" in err
+
+
+def test_duplicate_arm_names(tool, capsys, tmp_path: Path) -> None:
+    p = _write(tmp_path, USER_YAML.replace('  full: "model.b_max=2"\n', '  full: "model.b_max=2"\n  full: "model.b_max=3"\n'))
+    err = _fail(tool, capsys, p)
+    assert str(p) in err and "duplicate key 'full'" in err
+    listed = USER_YAML.split("arms:")[0] + "arms:\n  - {name: a, overrides: model.b_max=2}\n  - {name: a, overrides: model.b_max=1}\n"
+    err = _fail(tool, capsys, _write(tmp_path, listed))
+    assert "arm 'a': duplicate arm name" in err
+
+
+def test_empty_arms_and_empty_arm(tool, capsys, tmp_path: Path) -> None:
+    no_arms = USER_YAML.split("arms:")[0] + "arms: {}\n"
+    err = _fail(tool, capsys, _write(tmp_path, no_arms))
+    assert "bad.yaml: arms: no arms defined" in err
+    empty = USER_YAML.split("arms:")[0] + "arms:\n  full: \"model.b_max=2\"\n  b1:\n"
+    err = _fail(tool, capsys, _write(tmp_path, empty))
+    assert "arm 'b1': empty arm" in err
+
+
+def test_arms_cannot_change_seed_data_or_budget(tool, capsys, tmp_path: Path) -> None:
+    for ov in ("train.seed=7", "data.shuffle_seed=3", "train.max_steps=9", "train.global_batch_size=8"):
+        p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', f'full: "model.b_max=2 {ov}"'))
+        err = _fail(tool, capsys, p)
+        assert "arm 'full'" in err and ov.split("=")[0] in err and "same for every arm" in err
+
+
+def test_other_file_errors(tool, capsys, tmp_path: Path) -> None:
+    assert "unknown key(s) armz" in _fail(tool, capsys, _write(tmp_path, USER_YAML + "armz: {}\n"))
+    assert "no scale 'test'" in _fail(tool, capsys, _write(tmp_path, USER_YAML.replace("  test:", "  tst:")))
+    assert "arm 'a b'" in _fail(tool, capsys, _write(tmp_path, USER_YAML.replace("  b1:", "  a b:")))
+    bad_claim = USER_YAML.replace("arms: [b1], relative_to: full", "arms: [b1], relative_to: nope")
+    assert "claims[1]: arm 'nope'" in _fail(tool, capsys, _write(tmp_path, bad_claim))
+    assert "eval.depths" in _fail(tool, capsys, _write(tmp_path, USER_YAML.replace("depths: [1, 2, 4]", "depths: []")))
+    assert "not valid YAML" in _fail(tool, capsys, _write(tmp_path, "arms: [\n"))
+    err = _fail(tool, capsys, _write(tmp_path, USER_YAML), "--arms", "full,zzz")
+    assert "--arms: 'zzz'" in err
+    missing = tmp_path / "none.yaml"
+    code = tool.main(["--experiment", str(missing), "--dry-run"])
+    assert code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_command_line_overrides_are_validated_per_arm(tool, capsys, tmp_path: Path) -> None:
+    p = _write(tmp_path, USER_YAML)
+    err = _fail(tool, capsys, p, "--", "model.hidden_size=-3")
+    assert "arm 'full'" in err and "model.hidden_size" in err
+
+
+def test_plan_resolution(user_yaml: Path) -> None:
+    plan = load_plan(str(user_yaml), "test", ["train.stop_after=1"], {"max_seqs": 3})
+    full, b1 = plan.arms
+    assert (full.name, b1.label) == ("full", "b=1")
+    # order: scale, common, arm, command line, the tool's
+    assert full.overrides[:4] == ["train.max_steps=2", "optim.warmup_steps=1", "train.save_interval=1",
+                                  "train.eval_batches=1"]
+    assert full.overrides[4:7] == ["depth.kind=fixed", "depth.depth=2", "model.b_max=2"]
+    assert full.overrides[7] == "train.stop_after=1" and "train.eval_depth=2" in full.overrides
+    assert plan.eval.max_seqs == 3 and plan.eval.depths == [1, 2, 4] and plan.eval.depth == 2
+    assert plan.settings["max_steps"] == 2 and plan.settings["tokens_per_step"] == 16 * 128
+    assert EvalPlan(depth=5, depths=[1, 64]).depths == [1, 5, 64]  # the training depth is always a row
+    assert plan.eval.digest() != EvalPlan(depth=2, depths=[1, 2, 4], max_seqs=4, harness_limit=2,
+                                          batch_size=2).digest()
+    with pytest.raises(ConfigError):
+        EvalPlan(depth=0)
+    with pytest.raises(SpecError, match="--arms"):
+        load_plan(str(user_yaml), "test", only=["nope"])
+
+
+EXPECTED_ARMS = {
+    "tbptt": {"huginn_bR", "huginn_b2", "huginn_b4", "parcae_bR", "parcae_b2", "parcae_b4"},
+    "depth": {"fixed5", "pln5", "learned_h0", "learned_h0.01", "learned_h0.05", "learned_h0.1", "uniform64",
+              "uniform10"},
+    "injections": {"huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv"},
+    "untied": {"looped", "untied4", "untied12"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ARMS))
+def test_shipped_experiments(name: str) -> None:
+    assert set(shipped_experiments()) == set(EXPECTED_ARMS)
+    plans = {s: load_plan(name, s) for s in ("tiny", "S", "M", "L")}
+    for scale, plan in plans.items():
+        assert {a.name for a in plan.arms} == EXPECTED_ARMS[name], scale
+        assert plan.eval.depth == 5 and max(plan.eval.depths) == 64 and plan.eval.sharing
+        assert plan.claims and all(c.id.startswith("C") for c in plan.claims)
+    tiny = plans["tiny"]
+    assert tiny.config == "tiny" and 250 <= tiny.settings["max_steps"] <= 600 and tiny.eval.max_seqs
+    assert plans["S"].settings["max_steps"] == 20000 and plans["L"].settings["global_batch_size"] == 1024
+    arms = {a.name: a for a in tiny.arms}
+    if name == "tbptt":
+        assert all(a.depth_kind == "fixed" and "depth.depth=5" in a.overrides for a in tiny.arms)
+        assert "model.b_max=5" in arms["huginn_bR"].overrides and "model.b_max=2" in arms["parcae_b2"].overrides
+    if name == "depth":
+        assert [a.overrides for a in tiny.arms if a.name == "learned_h0.05"][0].count("depth.entropy_coef=0.05") == 1
+        assert "depth.init=uniform_1_10" in arms["uniform10"].overrides
+    if name == "untied":
+        assert not arms["untied12"].looped and "model.num_layers=12" in arms["untied12"].overrides
