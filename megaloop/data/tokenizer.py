@@ -1,8 +1,9 @@
-"""Tokenizer loading (HF ``tokenizer.json`` or SentencePiece ``.model``) and byte-level BPE training.
+"""Tokenizer loading (HF ``tokenizer.json`` or SentencePiece ``.model``).
 
 ``load_tokenizer(path)`` accepts a ``tokenizer.json`` file, a SentencePiece ``.model`` file, a
-directory holding either, or ``"default"`` (the embedded corpus' tokenizer). The returned object
-encodes *without* adding special tokens; the packer appends EOS itself.
+directory holding either, or ``"default"`` (the embedded corpus' tokenizer, built on first use by
+``megaloop.data.default_tokenizer``). The returned object encodes *without* adding special tokens;
+the packer appends EOS itself. BPE training lives in ``megaloop.data.bpe`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from megaloop.data.bpe import SPECIAL_TOKENS, train_bytelevel_bpe
 from megaloop.data.errors import DataError
 
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
 BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]")
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]")
-# Special tokens of tokenizers trained by megaloop (ids 0, 1, 2 in this order).
-SPECIAL_TOKENS = ("<|endoftext|>", "<|bos|>", "<|pad|>")
+__all__ = ["SPECIAL_TOKENS", "Tokenizer", "file_sha256", "load_tokenizer", "train_bytelevel_bpe"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -151,41 +152,7 @@ def _read_tokenizer_config(directory: Path) -> dict:
 def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
     """Load a tokenizer; ``"default"`` gives the embedded corpus' byte-level BPE tokenizer."""
     if str(path) == "default":
-        from megaloop.data.default_corpus import ensure_default_tokenizer
+        from megaloop.data.default_tokenizer import ensure_default_tokenizer
 
         path = ensure_default_tokenizer()
     return Tokenizer(path, eos_token=eos_token)
-
-
-def train_bytelevel_bpe(texts: Iterable[str], out_dir: str | Path, vocab_size: int = 4096,
-                        min_frequency: int = 2) -> Path:
-    """Train a deterministic byte-level BPE on ``texts``; write an HF-loadable tokenizer dir.
-
-    Writes ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` so both
-    ``load_tokenizer`` and ``transformers.PreTrainedTokenizerFast.from_pretrained(out_dir)`` work.
-    Special tokens: ``<|endoftext|>`` (EOS, id 0), ``<|bos|>`` (1), ``<|pad|>`` (2).
-    Returns the path of ``tokenizer.json``.
-    """
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                  special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    eos, bos, pad = SPECIAL_TOKENS
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": eos, "bos_token": bos, "pad_token": pad, "unk_token": eos}, indent=2))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "bos_token": bos,
-        "pad_token": pad, "unk_token": eos, "model_max_length": 1_000_000,
-        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-    }, indent=2))
-    return out / "tokenizer.json"

@@ -24,9 +24,9 @@ def tiny_config(**overrides):
 
 
 def corpus_ids() -> torch.Tensor:
-    from megaloop.data.default_corpus import corpus_documents
+    from megaloop.data.stdlib_corpus import topic_documents  # English prose, read in ms
 
-    text = "\n\n".join(d["text"] for d in corpus_documents()[:200])
+    text = "\n\n".join(d.text for d in topic_documents()[:200])
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 

@@ -1,0 +1,82 @@
+"""The embedded corpus' tokenizer (cached) and the build-once cache helpers it shares.
+
+``ensure_default_tokenizer`` trains, once per corpus fingerprint, a 4,096-token byte-level BPE on
+a deterministic subsample of the embedded corpus (all prose, a content-hash share of the code) and
+caches it as ``<cache>/default-tokenizer-<key>/``. It does not import ``megaloop.data.tokenizer``
+(which resolves ``"default"`` through this module), so the two never import each other.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Callable
+
+from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
+
+TOKENIZER_VERSION = 2
+# Share of each source's documents the BPE is trained on (by content hash): ~9 MB of text in all,
+# a few seconds of training; the vocabulary sees prose, library code and test code.
+BPE_SAMPLE = {"python-docs": 1.0, "python-code": 0.35, "python-tests": 0.15}
+
+
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """``cache_dir`` or ``$MEGALOOP_CACHE`` or ``~/.cache/megaloop`` (created)."""
+    from megaloop.data.streaming import default_cache_dir
+
+    path = Path(cache_dir) if cache_dir else default_cache_dir()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build(tmp_dir)`` once per ``final`` across processes; publish by rename.
+
+    ``final`` counts as built when it holds ``provenance.json`` (written last by ``build``).
+    """
+    if (final / "provenance.json").is_file():
+        return final
+    with file_lock(final.parent / f".{final.name}.lock"):
+        if (final / "provenance.json").is_file():
+            return final
+        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        try:
+            build(tmp)
+            rmtree_quiet(final)  # a half-built leftover (no provenance.json) from a crash
+            os.rename(tmp, final)
+        finally:
+            rmtree_quiet(tmp)
+    return final
+
+
+def _in_sample(source: str, text: str) -> bool:
+    import hashlib
+
+    share = BPE_SAMPLE.get(source, 0.0)
+    digest = hashlib.blake2b(text.encode(), key=b"megaloop-bpe-sample", digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < share
+
+
+def ensure_default_tokenizer(cache_dir: str | Path | None = None, vocab_size: int = 4096) -> Path:
+    """Train (once, cached) the default byte-level BPE; returns its ``tokenizer.json`` path."""
+    import tokenizers
+
+    from megaloop.data.bpe import train_bytelevel_bpe
+    from megaloop.data.stdlib_corpus import corpus_fingerprint, extract, platform_summary
+
+    fingerprint = corpus_fingerprint()
+    key = json_sha({"v": TOKENIZER_VERSION, "corpus": fingerprint, "vocab": vocab_size,
+                    "sample": BPE_SAMPLE, "tokenizers": tokenizers.__version__})[:16]
+
+    def build(tmp: Path) -> None:
+        docs = [d for d in extract().documents if _in_sample(d.source, d.text)]
+        train_bytelevel_bpe((d.text for d in docs), tmp, vocab_size=vocab_size)
+        atomic_write_json(tmp / "provenance.json", {
+            "corpus": "embedded Python corpus (megaloop.data.stdlib_corpus)",
+            "corpus_sha256": fingerprint, "vocab_size": vocab_size, "sample_share": BPE_SAMPLE,
+            "sample_documents": len(docs), "sample_chars": sum(len(d.text) for d in docs),
+            "trainer": "tokenizers BpeTrainer (byte-level, min_frequency=2)",
+            "tokenizers_version": tokenizers.__version__, **platform_summary()})
+
+    return build_once(cache_root(cache_dir) / f"default-tokenizer-{key}", build) / "tokenizer.json"
