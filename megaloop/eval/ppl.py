@@ -99,11 +99,21 @@ def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str]) -> None:
 
 def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],
                tokenizer_sha256: Optional[str] = None):
-    """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set."""
-    from megaloop.data import build_eval_loader
+    """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set.
 
+    With ``max_seqs`` on a set with a ``source`` column, the rows are the first ``max_seqs`` of the
+    MixVal order (sources interleaved round-robin, as in-training validation), kept in file order:
+    a source-balanced subset instead of the first source's rows."""
+    from megaloop.data import build_eval_loader
+    from megaloop.data.loaders import read_sources, source_balanced_order
+
+    indices = None
+    if max_seqs is not None:
+        srcs_all = read_sources(data, seq_len=int(length), cache_dir=cache_dir)  # "" without a column
+        if len(set(srcs_all)) > 1:
+            indices = sorted(source_balanced_order(srcs_all)[:max_seqs])
     loader = build_eval_loader(data, seq_len=int(length), micro_batch_size=8, dp_rank=0, dp_size=1,
-                               cache_dir=cache_dir, with_source=True)
+                               cache_dir=cache_dir, with_source=True, indices=indices)
     try:
         _check_tokenizer(data, loader.manifest, tokenizer_sha256)
     except ConfigError:

@@ -85,3 +85,19 @@ def test_bad_data_inputs(trained_engine, tmp_path):
         evaluate_ppl(trained_engine, data, depth=0)
     with pytest.raises(ConfigError, match="unknown protocol"):
         evaluate_ppl(trained_engine, data, protocols=("full",))
+
+
+def test_max_seqs_takes_a_source_balanced_subset():
+    """--max-seqs N on a set with a source column: the first N of the MixVal order (sources
+    interleaved), not the first source's rows — the same rule as in-training validation."""
+    from collections import Counter
+
+    from megaloop.data.loaders import read_sources
+    from megaloop.eval.ppl import load_eval_data
+
+    sources = set(read_sources("default", seq_len=128))
+    assert len(sources) >= 2
+    n = 4 * len(sources)
+    data = load_eval_data("default", seq_len=128, max_seqs=n)
+    counts = Counter(data.sources)
+    assert set(counts) == sources and set(counts.values()) == {4}
