@@ -62,14 +62,33 @@ class PrefillStudent(nn.Module):
         self.layers = nn.ModuleList([MegaloopLayer(self.config, inject=deq) for _ in range(self.num_layers)])
 
     @classmethod
-    def from_teacher(cls, teacher, num_layers: Optional[int] = None, init_state: str = "teacher") -> "PrefillStudent":
+    def from_teacher(cls, teacher, num_layers: Optional[int] = None, init_state: str = "teacher",
+                     init: str = "teacher", seed: int = 0) -> "PrefillStudent":
+        """``init="teacher"``: the core's weights (cyclically); ``"random"``: the teacher's own
+        weight initialisation (``_init_weights``, seeded) of the same shape."""
+        if init not in ("teacher", "random"):
+            raise ValueError(f"student init: 'teacher' or 'random', got {init!r}")
         student = cls(teacher.config, num_layers, init_state)
         body = teacher.model
-        student.injection.load_state_dict(body.injection.state_dict())
-        for i, layer in enumerate(student.layers):
-            layer.load_state_dict(body.core[i % len(body.core)].state_dict())
+        if init == "teacher":
+            student.injection.load_state_dict(body.injection.state_dict())
+            for i, layer in enumerate(student.layers):
+                layer.load_state_dict(body.core[i % len(body.core)].state_dict())
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                for module in student.modules():
+                    if hasattr(teacher, "_init_weights"):
+                        teacher._init_weights(module)
+                    elif hasattr(module, "reset_parameters"):
+                        module.reset_parameters()
         p = next(teacher.parameters())
         return student.to(device=p.device, dtype=p.dtype)
+
+    def zero3_external_parameters(self) -> list[nn.Parameter]:
+        """Parameters used outside a submodule ``forward`` (the injection's ``prepare``/``exit``):
+        ZeRO-3 must gather them for the whole student forward."""
+        return list(self.injection.parameters())
 
     def forward(self, e: torch.Tensor, h0: torch.Tensor, rope, mask=None) -> torch.Tensor:
         inj = self.injection
@@ -102,6 +121,15 @@ class DistillConfig:
     calib_batches: int = 8
     seed: int = 0
     log_every: int = 10
+    hidden_loss: bool = True  # the ‖ẑ − z^R‖² / σ_T² term (switch off to train on the KL alone)
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.steps < 0 or self.batch_size < 1 or self.seq_len < 2:
+            raise ValueError("depth, batch_size must be >= 1, seq_len >= 2 and steps >= 0")
+        if self.lambda_kl < 0:
+            raise ValueError(f"lambda_kl must be >= 0, got {self.lambda_kl}")
+        if not self.hidden_loss and self.lambda_kl == 0:
+            raise ValueError("no loss term left: the hidden-state term is off and lambda_kl = 0")
 
 
 @torch.no_grad()
@@ -134,8 +162,9 @@ def calibrate_sigma2(teacher, batches, depth: int) -> float:
 
 def distill_loss(z_hat: torch.Tensor, z_target: torch.Tensor, logits_hat: torch.Tensor,
                  logits_teacher: torch.Tensor, sigma2: float, lambda_kl: float,
-                 vocab: Optional[int] = None) -> tuple[torch.Tensor, dict]:
-    """SPEC §10 loss; returns ``(loss, {"hidden": …, "kl": …})`` (per-token means)."""
+                 vocab: Optional[int] = None, hidden_weight: float = 1.0) -> tuple[torch.Tensor, dict]:
+    """SPEC §10 loss ``hidden_weight · hidden + lambda_kl · kl``; returns ``(loss, {"hidden": …,
+    "kl": …})`` (per-token means; both terms are reported even when switched off)."""
     n, d = z_hat.numel() // z_hat.shape[-1], z_hat.shape[-1]
     hidden = (z_hat.float() - z_target.float()).pow(2).sum() / (n * d * sigma2)
     if vocab is not None:
@@ -143,7 +172,12 @@ def distill_loss(z_hat: torch.Tensor, z_target: torch.Tensor, logits_hat: torch.
     logp = torch.log_softmax(logits_teacher.float(), -1)
     logq = torch.log_softmax(logits_hat.float(), -1)
     kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-    loss = hidden + lambda_kl * kl if lambda_kl else hidden
+    if hidden_weight and lambda_kl:
+        loss = hidden_weight * hidden + lambda_kl * kl
+    elif lambda_kl:
+        loss = lambda_kl * kl
+    else:
+        loss = hidden_weight * hidden
     return loss, {"hidden": float(hidden.detach()), "kl": float(kl.detach())}
 
 
@@ -161,12 +195,14 @@ def _frozen(model: nn.Module):
     return _Ctx()
 
 
-def student_step_loss(teacher, parts, student, ids, cfg: DistillConfig, sigma2: float):
+def student_step_loss(teacher, parts, student, ids, cfg: DistillConfig, sigma2: float, forward=None):
+    """Loss of one batch; ``forward`` calls the student (default ``student``; a DeepSpeed engine)."""
     e, h0, z_t, logits_t = teacher_targets(teacher, parts, student, ids, cfg.depth)
-    z_hat = student(e, h0, parts.rope(e))
+    z_hat = (forward or student)(e, h0, parts.rope(e))
     logits_hat = parts.readout(z_hat)
     vocab = getattr(teacher.config, "tokenizer_vocab_size", None)
-    return distill_loss(z_hat, z_t, logits_hat, logits_t, sigma2, cfg.lambda_kl, vocab)
+    return distill_loss(z_hat, z_t, logits_hat, logits_t, sigma2, cfg.lambda_kl, vocab,
+                        hidden_weight=1.0 if cfg.hidden_loss else 0.0)
 
 
 @torch.no_grad()
@@ -194,45 +230,72 @@ def evaluate_student(teacher, student, batches, cfg: DistillConfig, sigma2: floa
     return {k: v / max(n, 1) for k, v in acc.items()}
 
 
+def lr_at(cfg: DistillConfig, step: int) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio · lr``."""
+    frac = step / max(cfg.steps - 1, 1)
+    scale = min(1.0, (step + 1) / max(cfg.warmup, 1))
+    scale *= cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+    return cfg.lr * scale
+
+
 def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tensor], cfg: DistillConfig, *,
                   sigma2: Optional[float] = None, calib: Optional[list[torch.Tensor]] = None,
-                  log: Optional[Callable[[str], None]] = print, metrics_path=None) -> dict:
+                  log: Optional[Callable[[str], None]] = print, metrics_path=None, engine=None,
+                  start_step: int = 0, save: Optional[Callable[[int], None]] = None,
+                  save_every: int = 0) -> dict:
     """Train ``student`` in place against the frozen ``teacher`` (kept in eval mode, weights untouched).
 
-    ``batches`` yields token ids [b, s]; σ_T² is calibrated on ``calib`` (default: the first
+    ``batches`` yields the *global* batch of token ids [b, s]; under a data-parallel ``engine``
+    (:mod:`megaloop.post.engine`) rank ``r`` trains on rows ``[r·b/W, (r+1)·b/W)`` and the engine
+    averages the gradients, so the update equals one process on the whole batch. ``start_step``
+    (resume) skips that many batches of a fresh stream; ``save(step)`` runs every ``save_every``
+    steps and at the end. σ_T² is calibrated on ``calib`` (default: the first
     ``cfg.calib_batches`` batches of the stream) unless given. Returns ``{"sigma2", "history"}``."""
+    from megaloop.post.engine import PlainEngine
+
     teacher.eval()
     parts = HFLoopedParts(teacher)
     if sigma2 is None:
         if calib is None:
             calib = [next(batches) for _ in range(cfg.calib_batches)]
         sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
-    opt = torch.optim.AdamW(student.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    engine = engine or PlainEngine(student, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                                   clip_grad=cfg.clip_grad)
+    if cfg.batch_size % engine.world:
+        raise ValueError(f"batch_size {cfg.batch_size} does not split over {engine.world} processes")
+    rows = cfg.batch_size // engine.world
+    lo = engine.rank * rows
+    for _ in range(start_step):
+        next(batches)
     history = []
     f = open(metrics_path, "a") if metrics_path else None
     t0 = time.perf_counter()
     try:
         with _frozen(teacher):
             student.train()
-            for step in range(cfg.steps):
-                frac = step / max(cfg.steps - 1, 1)
-                scale = min(1.0, (step + 1) / max(cfg.warmup, 1))
-                scale *= cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-                for g in opt.param_groups:
-                    g["lr"] = cfg.lr * scale
-                ids = next(batches)
-                loss, terms = student_step_loss(teacher, parts, student, ids, cfg, sigma2)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                gn = float(torch.nn.utils.clip_grad_norm_(student.parameters(), cfg.clip_grad or float("inf")))
-                opt.step()
-                rec = {"step": step, "loss": float(loss.detach()), **terms, "grad_norm": gn,
-                       "lr": cfg.lr * scale, "seconds": time.perf_counter() - t0}
+            for step in range(start_step, cfg.steps):
+                lr = lr_at(cfg, step)
+                engine.set_lr(lr)
+                ids = next(batches)[lo:lo + rows]
+                loss, terms = student_step_loss(teacher, parts, student, ids, cfg, sigma2, forward=engine.forward)
+                engine.backward(loss)
+                gn = engine.step()
+                if engine.world > 1:
+                    from megaloop.post.engine import all_reduce_sum
+
+                    tot = all_reduce_sum([float(loss.detach()), terms["hidden"], terms["kl"]], engine.world)
+                    loss_v, terms = tot[0] / engine.world, {"hidden": tot[1] / engine.world, "kl": tot[2] / engine.world}
+                else:
+                    loss_v = float(loss.detach())
+                rec = {"step": step, "loss": loss_v, **terms, "grad_norm": gn, "lr": lr,
+                       "seconds": time.perf_counter() - t0}
                 history.append(rec)
                 if f:
                     f.write(json.dumps(rec) + "\n")
                 if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
                     log(f"step {step:5d} loss={rec['loss']:.4f} hidden={terms['hidden']:.4f} kl={terms['kl']:.4f}")
+                if save is not None and (step + 1 == cfg.steps or (save_every and (step + 1) % save_every == 0)):
+                    save(step + 1)
     finally:
         student.eval()
         if f:
@@ -242,13 +305,15 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
 
 # ----------------------------------------------------------------------------- prefill and decode
 @torch.no_grad()
-def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_to_keep: int = 1):
+def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_to_keep: int = 1,
+                    attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
     """Prefill ``input_ids`` into a terminal cache through the student; returns ``(logits, cache)``.
 
     prelude → ``ẑ = student(e)`` → one teacher recurrence (its core KV kept as the terminal banks)
     → coda → final norm → head (last ``logits_to_keep`` positions; 0 = all). The cache must be
     empty (a fresh ``model.new_cache("terminal")`` by default); decode afterwards with
-    ``model(next_ids, past_key_values=cache)`` at any depth."""
+    ``model(next_ids, past_key_values=cache)`` at any depth. ``attention_mask`` [b, s] (0 = left
+    padding) and ``position_ids`` [b, s] follow the teacher's own forward."""
     from megaloop.hf.modeling_megaloop import rotary_cos_sin
 
     body, cfg = model.model, model.config
@@ -260,22 +325,26 @@ def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_
         raise ValueError("student prefill needs an empty cache (the student has no KV of earlier tokens)")
     b, s = input_ids.shape
     x = body.embed_tokens(input_ids)
-    positions = torch.arange(s, device=x.device)[None].expand(b, s)
+    if position_ids is None:
+        positions = torch.arange(s, device=x.device)[None].expand(b, s)
+    else:
+        positions = position_ids if position_ids.dim() == 2 else position_ids[None].expand(b, s)
+    mask = body.attention_mask_for(attention_mask, b, s, 0, x.device)
     rope = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
     new: dict = {}
     for i, layer in enumerate(body.prelude):
-        x, new[("prelude", i, 0)] = layer(x, rope, None, None)
+        x, new[("prelude", i, 0)] = layer(x, rope, mask, None)
     e = x
     h0 = torch.zeros_like(e) if getattr(student, "init_state", "teacher") == "zero" else body.init_state(e, positions)
-    z_hat = student(e, h0, rope)
+    z_hat = student(e, h0, rope, mask)
     inj = body.injection
     z = inj(z_hat, inj.prepare(e))
     e_qkv = e if inj.uses_qkv_injection else None
     for i, layer in enumerate(body.core):
-        z, new[("core", i, 0)] = layer(z, rope, None, None, e_qkv)
+        z, new[("core", i, 0)] = layer(z, rope, mask, None, e_qkv)
     h = inj.exit(z)
     for i, layer in enumerate(body.coda):
-        h, new[("coda", i, 0)] = layer(h, rope, None, None)
+        h, new[("coda", i, 0)] = layer(h, rope, mask, None)
     cache.batch_size = b
     cache.commit(new, 1, s)
     h = body.norm(h)
@@ -337,13 +406,16 @@ def load_student(path: str | Path, device=None, dtype=None) -> tuple[PrefillStud
 
 # ----------------------------------------------------------------------------- data
 def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = None) -> torch.Tensor:
-    """1-D token ids: the embedded corpus (``default``), a ``.txt`` file, or a ``.jsonl`` file of
-    ``{"text": ...}`` records; documents joined with EOS."""
+    """1-D token ids: the embedded corpus (``default``: its *training* documents only, so the
+    student never sees the validation/screen text it is evaluated on), a ``.txt`` file, or a
+    ``.jsonl`` file of ``{"text": ...}`` records; documents joined with EOS. ``max_chars`` stops
+    reading (the default corpus has ~33M characters)."""
     texts: list[str]
     if source == "default":
-        from megaloop.data.default_corpus import corpus_documents
+        from megaloop.data.default_corpus import _holdout, corpus_documents
 
-        texts = [d["text"] for d in corpus_documents()]
+        holdout = _holdout()
+        texts = [d["text"] for d in corpus_documents() if holdout.band(d["text"]) == "train"]
     elif source.endswith(".jsonl"):
         with open(source) as f:
             texts = [json.loads(line)["text"] for line in f if line.strip()]

@@ -52,6 +52,12 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
         p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
+def _student(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--student", default=None, metavar="DIR",
+                   help="prefill through this distilled student (megaloop distill-prefill OUT; terminal cache); "
+                        "decoding and scoring stay with the teacher")
+
+
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
     ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | fixed-point | harness")
@@ -59,6 +65,7 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
     _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default="both")
+    _student(p)
     p.add_argument("--prefix-len", type=int, default=None,
                    help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
     p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
@@ -85,6 +92,7 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("harness", help="lm-eval tasks (local megaloop_toy_mc shipped) with terminal sharing")
     _common(p, cache_choices=("terminal", "per_visit", "none"), data=False)
+    _student(p)
     p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. megaloop_toy_mc")
     p.add_argument("--limit", type=float, default=None, help="examples per task (or fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
@@ -102,6 +110,7 @@ def add_generate_parser(sub) -> None:
     """Add ``generate`` to ``sub``."""
     p = sub.add_parser("generate", help="generate text with prefill / decode budgets and a KV-cache mode")
     _common(p, data=False)
+    _student(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     mode = p.add_mutually_exclusive_group()
@@ -145,12 +154,17 @@ def _check_args(args: argparse.Namespace) -> None:
 def _engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):
     from megaloop.inference.engine import InferenceEngine
 
-    return InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
+    engine = InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
                                 tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
                                 decode_depth=args.decode_depth, cache_mode=cache_mode,
                                 max_context=args.max_context, exit_criterion=getattr(args, "exit", None),
                                 min_depth=getattr(args, "min_depth", None), max_depth=getattr(args, "max_depth", None),
                                 finished_rows=getattr(args, "finished_rows", "mask"))
+    if getattr(args, "student", None):
+        from megaloop.distill.student_lm import attach_student
+
+        attach_student(engine, args.student)  # ConfigError naming --student on a bad folder
+    return engine
 
 
 _WARNED: set = set()

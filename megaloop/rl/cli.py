@@ -6,6 +6,13 @@
 ``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;
 ``--out`` receives an HF folder (weights, code files, tokenizer, ``megaloop_rl.json`` with the
 config and final metrics) and ``metrics.jsonl`` (one record per step).
+
+Several processes (``torchrun --nproc_per_node N -m megaloop.cli rl --deepspeed zero2 ...`` or the
+deepspeed launcher) train data-parallel under DeepSpeed ZeRO-1/2 (:mod:`megaloop.post`): each rank
+rolls out its share of the ``--prompts x --group-size`` rows, the advantages are normalised over
+whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoints in
+``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``); ``--resume`` continues from the
+latest one exactly. ``megaloop rl grad-check --model M`` prints the reuse/recompute gradient cosine.
 """
 
 from __future__ import annotations
@@ -46,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                   help="DeepSpeed JSON config (or zero1 | zero2 | the shipped ones): train under a ZeRO engine")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
     return p
 
 
@@ -56,9 +67,26 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "grad-check":
+        from megaloop.rl.grad_check import main as grad_check
+
+        return grad_check(argv[1:])
     args = build_parser().parse_args(argv)
+    from megaloop.config_utils import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as err:
+        print(f"megaloop rl: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megaloop.post.ds_config import load_ds_config
+    from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
     from megaloop.rl.io import load_model, model_tokenizer, save_hf
     from megaloop.rl.tasks import make_task
@@ -77,21 +105,45 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    ds_config = None
+    if args.deepspeed is not None:
+        ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
+                                   world=launched_world(), clip_grad=cfg.clip_grad, stages=(0, 1, 2),
+                                   batch_flag="--prompts x --group-size")
+    info, device = init_post_distributed(args.device, args.deepspeed)
     model, source = load_model(args.model, num_recurrences=args.recurrences)
     tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
         print(f"error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
         return 2
-    model.to(args.device)
+    model.to(device)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    lead = info.rank == 0
     metrics = out / "metrics.jsonl"
-    metrics.unlink(missing_ok=True)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            metrics.unlink(missing_ok=True)
     t0 = time.time()
-    trainer = GRPOTrainer(model, tok, task, cfg)
-    history = trainer.train(metrics_path=metrics)
+    engine = make_engine(model, ds_config, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         clip_grad=cfg.clip_grad)
+    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine)
+    ckpt = out / "checkpoints"
+    if args.resume:
+        if not trainer.load(ckpt):
+            raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+        if lead:
+            print(f"resumed at step {trainer.step_no} from {ckpt}")
+    history = trainer.train(metrics_path=metrics if lead else None,
+                            save_dir=ckpt if (args.save_every or args.resume) else None, save_every=args.save_every)
+    policy = engine.full_state_dict()
+    if not lead:
+        return 0
+    model.load_state_dict(policy)
     model.config.num_recurrences = cfg.num_recurrences
     summary = {"source": source, "task": args.task, "config": config_dict(cfg), "seconds": round(time.time() - t0, 2),
+               "world_size": info.world, "deepspeed": None if ds_config is None else
+               {"config": args.deepspeed, "zero_stage": engine.stage},
                "final": history[-1] if history else None,
                "reward_mean_first": history[0]["reward_mean"] if history else None,
                "reward_mean_last": history[-1]["reward_mean"] if history else None}

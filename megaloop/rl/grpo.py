@@ -33,7 +33,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -89,9 +89,13 @@ class RolloutBatch:
     groups: list[int]  # group (prompt) index of each row
     completions: list[str] = field(default_factory=list)  # decoded text (up to EOS) of each row
     examples: list[Example] = field(default_factory=list)  # the example of each row
+    rows: list[int] = field(default_factory=list)  # global rollout row of each row
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
+def _sample(logits: torch.Tensor, temperature: float, top_k: int | None,
+            gen: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]; ``gen`` one generator for the batch or one per row
+    (per-row streams make a row's sample independent of the batch it is in)."""
     logits = logits.float()
     if temperature <= 0:
         return logits.argmax(-1)
@@ -100,18 +104,26 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int | None, gen: to
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    if isinstance(gen, torch.Generator):
+        return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(gen)])
+
+
+def row_generator(seed: int, step: int, row: int) -> torch.Generator:
+    """The sampling stream of global rollout row ``row`` at ``step`` (the same on any layout)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) * 2_654_435_761 % (2**61 - 1) + row)
 
 
 @torch.no_grad()
 def generate_with_endpoints(model, prompt_ids: torch.Tensor, *, max_new_tokens: int, num_recurrences: int,
                             eos_id: int | None, vocab_limit: int | None = None, temperature: float = 1.0,
                             top_k: int | None = None, cache_mode: str = "terminal",
-                            generator: torch.Generator | None = None):
+                            generator: torch.Generator | Sequence[torch.Generator] | None = None):
     """Sample completions with the KV cache, saving each fed token's endpoint ``z^R``.
 
     Returns ``(completion [B, T], mask [B, T], endpoints [B, P+T-1, d])``; ``T ≤ max_new_tokens``
-    (stops early once every row has emitted EOS). ``vocab_limit`` masks padded vocab rows."""
+    (stops early once every row has emitted EOS). ``vocab_limit`` masks padded vocab rows;
+    ``generator``: one for the batch or one per row."""
     gen = generator or torch.Generator().manual_seed(0)
     cache = model.new_cache(cache_mode)
     out = model(prompt_ids, past_key_values=cache, num_recurrences=num_recurrences, output_hidden_states=True,
@@ -157,36 +169,47 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
 
 
 def rollout(model, tokenizer: TextTokenizer, task: Task, examples: list[Example], cfg: GRPOConfig,
-            generator: torch.Generator) -> list[RolloutBatch]:
-    """Generate ``group_size`` completions per example, score them, return batches by prompt length."""
+            generator: torch.Generator | None = None, *, rows: Sequence[int] | None = None,
+            row_generators: Sequence[torch.Generator] | None = None) -> list[RolloutBatch]:
+    """Generate completions, score them, return batches by prompt length.
+
+    ``rows``: the global rollout rows to generate (row ``j`` is completion ``j % G`` of example
+    ``j // G``; default all ``len(examples) · G``); with ``row_generators`` (one per row) each
+    row samples from its own stream. Advantages are normalised within the groups present here;
+    a data-parallel caller recomputes them over the whole group (:meth:`GRPOTrainer.step`)."""
     device = next(model.parameters()).device
     encoded = [tokenizer.encode(ex.prompt) for ex in examples]
     if any(len(p) == 0 for p in encoded):
         raise ValueError("empty prompt")
+    rows = list(range(len(examples) * cfg.group_size)) if rows is None else list(rows)
+    gens = dict(zip(rows, row_generators)) if row_generators is not None else None
+    if generator is None and gens is None:
+        generator = torch.Generator().manual_seed(0)
     vocab_limit = getattr(model.config, "tokenizer_vocab_size", None)
     by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(encoded):
-        by_len.setdefault(len(p), []).append(i)
+    for j in rows:
+        by_len.setdefault(len(encoded[j // cfg.group_size]), []).append(j)
     batches = []
-    for plen, idx in sorted(by_len.items()):
-        rows = [i for i in idx for _ in range(cfg.group_size)]
-        prompt = torch.tensor([encoded[i] for i in rows], dtype=torch.long, device=device)
+    for plen, batch_rows in sorted(by_len.items()):
+        groups = [j // cfg.group_size for j in batch_rows]
+        prompt = torch.tensor([encoded[i] for i in groups], dtype=torch.long, device=device)
         comp, mask, ends = generate_with_endpoints(
             model, prompt, max_new_tokens=cfg.max_new_tokens, num_recurrences=cfg.num_recurrences,
             eos_id=tokenizer.eos_id, vocab_limit=vocab_limit, temperature=cfg.temperature, top_k=cfg.top_k,
-            cache_mode=cfg.cache_mode, generator=generator)
+            cache_mode=cfg.cache_mode, generator=[gens[j] for j in batch_rows] if gens else generator)
         texts, rewards = [], []
-        for row, i in enumerate(rows):
+        for row, i in enumerate(groups):
             n = int(mask[row].sum())
             toks = [t for t in comp[row, :n].tolist() if t != tokenizer.eos_id]
             text = tokenizer.decode(toks)
             texts.append(text)
             rewards.append(float(task.reward(examples[i], text)))
         r = torch.tensor(rewards, dtype=torch.float32)
-        adv = group_advantages(r, torch.tensor(rows), cfg.scale_rewards)
+        adv = group_advantages(r, torch.tensor(groups), cfg.scale_rewards)
         batches.append(RolloutBatch(ids=torch.cat([prompt, comp], 1), prompt_len=plen, mask=mask.to(device),
-                                    endpoints=ends, rewards=r, advantages=adv.to(device), groups=rows,
-                                    completions=texts, examples=[examples[i] for i in rows]))
+                                    endpoints=ends, rewards=r, advantages=adv.to(device), groups=groups,
+                                    completions=texts, examples=[examples[i] for i in groups],
+                                    rows=batch_rows))
     return batches
 
 
@@ -219,19 +242,42 @@ def surrogate_loss(batch: RolloutBatch, cfg: GRPOConfig, n_seqs: int, n_tokens: 
 
 
 class GRPOTrainer:
+    """GRPO on ``model`` through a :class:`~megaloop.post.engine.PostEngine` (default: one-process AdamW).
+
+    Data parallel (``engine.world > 1``): every rank draws the same prompts, generates and scores
+    its contiguous share of the ``prompts_per_step · group_size`` rollout rows (row streams from
+    :func:`row_generator`, so samples do not depend on the layout), the rewards are gathered and
+    the advantages normalised over each whole group, losses are normalised by the global counts,
+    and the engine averages the ranks' gradients. Prompts and samples are functions of
+    ``(seed, step)``, so resuming at a step replays the uninterrupted run."""
+
     def __init__(self, model, tokenizer: TextTokenizer, task: Task, cfg: GRPOConfig,
-                 log: Callable[[str], None] | None = print):
-        self.model, self.tokenizer, self.task, self.cfg = model.eval(), tokenizer, task, cfg
-        self.parts = HFLoopedParts(model)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-        self.ref = None
+                 log: Callable[[str], None] | None = print, engine=None):
+        from megaloop.post.engine import PlainEngine
+
         if cfg.kl_coef > 0:
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
-        self.rng = random.Random(cfg.seed)
-        self.gen = torch.Generator().manual_seed(cfg.seed)
+        else:
+            self.ref = None
+        self.engine = engine or PlainEngine(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                            clip_grad=cfg.clip_grad)
+        rows = cfg.prompts_per_step * cfg.group_size
+        if rows % self.engine.world:
+            raise ValueError(f"prompts_per_step * group_size = {rows} rollout rows do not split over "
+                             f"{self.engine.world} processes")
+        self.tokenizer, self.task, self.cfg = tokenizer, task, cfg
         self.log = log
         self.step_no = 0
+        self._bind()
+
+    def _bind(self) -> None:
+        self.model = self.engine.compute_module.eval()
+        self.parts = HFLoopedParts(self.model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+    def local_rows(self) -> list[int]:
+        n = self.cfg.prompts_per_step * self.cfg.group_size // self.engine.world
+        return list(range(self.engine.rank * n, (self.engine.rank + 1) * n))
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: RolloutBatch) -> torch.Tensor | None:
@@ -242,11 +288,15 @@ class GRPOTrainer:
 
     def update(self, batches: list[RolloutBatch]) -> dict:
         """One optimizer step over the rollout batches with the configured arm."""
+        from megaloop.post.engine import all_reduce_sum
+
         cfg = self.cfg
-        self.opt.zero_grad(set_to_none=True)
-        n_seqs = sum(b.ids.shape[0] for b in batches)
-        n_tokens = int(sum(float(b.mask.sum()) for b in batches))
+        for p in self.params:
+            p.grad = None
+        n_seqs = cfg.prompts_per_step * cfg.group_size
+        n_local_tokens = sum(float(b.mask.sum()) for b in batches)
         stats, skipped, t0 = [], 0, time.perf_counter()
+        n_tokens = int(all_reduce_sum([n_local_tokens], self.engine.world)[0])
         for batch in batches:
             if cfg.kl_coef == 0 and bool((batch.advantages == 0).all()):
                 skipped += 1  # zero gradient: every group of this batch has equal rewards
@@ -255,45 +305,76 @@ class GRPOTrainer:
             inputs = batch.ids[:, :-1]
             stats.append(backward(cfg.arm, self.parts, inputs, loss_fn, depth=cfg.num_recurrences,
                                   b=cfg.neumann_b, z_end=batch.endpoints, window=cfg.bptt_window))
+        loss, n_stats, skipped_all = all_reduce_sum([sum(s.loss for s in stats), len(stats), skipped],
+                                                   self.engine.world)
         grad_norm = None
-        if stats:
-            if cfg.clip_grad:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.clip_grad))
-            else:
-                grad_norm = float(torch.linalg.vector_norm(torch.stack(
-                    [p.grad.norm() for p in self.params if p.grad is not None])))
-            self.opt.step()
-        out = {"update_s": time.perf_counter() - t0, "loss": sum(s.loss for s in stats),
-               "grad_norm": grad_norm, "batches": len(batches), "skipped_batches": skipped}
+        if n_stats:  # a collective decision: every rank steps, or none
+            grad_norm = self.engine.apply_grads(scale=float(self.engine.world))
+        out = {"update_s": time.perf_counter() - t0, "loss": loss, "grad_norm": grad_norm,
+               "batches": len(batches), "skipped_batches": int(skipped_all)}
         res = [s.residual for s in stats if s.residual is not None]
         if res:
             out["endpoint_residual"] = max(res)
         return out
 
     def step(self) -> dict:
+        from megaloop.post.engine import all_gather_cat
+
         cfg = self.cfg
         t0 = time.perf_counter()
-        examples = self.task.sample(cfg.prompts_per_step, self.rng)
-        batches = rollout(self.model, self.tokenizer, self.task, examples, cfg, self.gen)
+        examples = self.task.sample(cfg.prompts_per_step, random.Random(f"{cfg.seed}:{self.step_no}"))
+        rows = self.local_rows()
+        gens = [row_generator(cfg.seed, self.step_no, j) for j in rows]
+        batches = rollout(self.model, self.tokenizer, self.task, examples, cfg, rows=rows, row_generators=gens)
         t_roll = time.perf_counter() - t0
-        rewards = torch.cat([b.rewards for b in batches])
-        lengths = torch.cat([b.mask.sum(1).cpu() for b in batches])
+        local_r = torch.zeros(len(rows))
+        local_len = torch.zeros(len(rows))
+        for b in batches:
+            idx = torch.tensor(b.rows) - rows[0]
+            local_r[idx] = b.rewards
+            local_len[idx] = b.mask.sum(1).cpu().float()
+        rewards = all_gather_cat(local_r, self.engine.world)
+        lengths = all_gather_cat(local_len, self.engine.world)
+        groups = torch.arange(rewards.numel()) // cfg.group_size
+        adv = group_advantages(rewards, groups, cfg.scale_rewards)
+        for b in batches:
+            b.advantages = adv[torch.tensor(b.rows)].to(b.advantages.device)
         out = {"step": self.step_no, "arm": cfg.arm, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
                "completion_len": float(lengths.mean()), "rollout_s": t_roll}
         out.update(self.update(batches))
-        out["sample"] = {"prompt": examples[0].prompt, "completion": batches[0].completions[0]}
+        first = next(b for b in batches if b.rows)
+        out["sample"] = {"prompt": first.examples[0].prompt, "completion": first.completions[0]}
         self.last_batches = batches
         self.step_no += 1
         return out
 
-    def train(self, steps: int | None = None, metrics_path: str | Path | None = None) -> list[dict]:
+    def save(self, directory: str | Path) -> None:
+        """Checkpoint (engine state + step) under ``directory/step{N:06d}``."""
+        self.engine.save(directory, f"step{self.step_no:06d}", {"step": self.step_no, "config": config_dict(self.cfg)})
+
+    def load(self, directory: str | Path, tag: str | None = None) -> bool:
+        """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none."""
+        client = self.engine.load(directory, tag)
+        if client is None:
+            return False
+        self.step_no = int(client["step"])
+        self._bind()
+        return True
+
+    def train(self, steps: int | None = None, metrics_path: str | Path | None = None,
+              save_dir: str | Path | None = None, save_every: int = 0) -> list[dict]:
+        """Run until ``steps`` (default ``cfg.steps``) steps are done in total; checkpoint every
+        ``save_every`` steps and at the end when ``save_dir`` is given."""
         history = []
+        total = steps if steps is not None else self.cfg.steps
         f = open(metrics_path, "a") if metrics_path else None
         try:
-            for _ in range(steps if steps is not None else self.cfg.steps):
+            while self.step_no < total:
                 rec = self.step()
                 history.append(rec)
+                if save_dir is not None and (self.step_no == total or (save_every and self.step_no % save_every == 0)):
+                    self.save(save_dir)
                 if f:
                     f.write(json.dumps(rec, default=str) + "\n")
                     f.flush()

@@ -8,8 +8,8 @@
 Built in: :class:`ArithmeticTask` (``"3+4="`` → ``"7"``, checked exactly), :class:`JsonlTask`
 (prompt/answer records, e.g. GSM8K exported to JSONL, with :class:`FinalNumberReward` or
 :class:`ExactMatchReward`), and :class:`ByteTokenizer` (bytes + EOS) for byte-level toy models.
-An MBPP+-style task is a ``RewardFn`` that runs the completion against its tests in a sandbox;
-none ships here (no code execution in this package).
+The MBPP+-style code task (:class:`megaloop.rl.sandbox.CodeTask`, ``mbpp:PATH.jsonl`` or
+``mbpp:tiny``) runs each completion against its tests in a resource-limited subprocess.
 """
 
 from __future__ import annotations
@@ -134,6 +134,31 @@ class ArithmeticTask:
         return self._reward(example, completion)
 
 
+def read_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[tuple[int, dict]]:
+    """``(line number, record)`` of a JSONL file; a malformed record raises ``ValueError`` naming
+    the file and line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as err:
+        raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not a JSON record ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: a record must be a JSON object")
+        missing = [k for k in required if k not in rec]
+        if missing:
+            raise ValueError(f"{path}:{lineno}: missing key(s) {', '.join(map(repr, missing))}")
+        out.append((lineno, rec))
+    return out
+
+
 class JsonlTask:
     """Prompt/answer records from a JSONL file (``{"prompt": ..., "answer": ...}``; other keys
     kept in ``meta``), e.g. GSM8K with ``answer`` the final number. ``template`` formats the
@@ -144,12 +169,9 @@ class JsonlTask:
         self.path = Path(path)
         self.name = name or self.path.stem
         self.examples = []
-        with open(self.path) as f:
-            for line in f:
-                if line.strip():
-                    rec = json.loads(line)
-                    meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
-                    self.examples.append(Example(template.format(prompt=rec[prompt_key]), str(rec[answer_key]), meta))
+        for _, rec in read_jsonl(self.path, required=(prompt_key, answer_key)):
+            meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
+            self.examples.append(Example(template.format(prompt=rec[prompt_key]), str(rec[answer_key]), meta))
         if not self.examples:
             raise ValueError(f"{self.path}: no records")
         self._reward = reward or FinalNumberReward()
@@ -179,15 +201,21 @@ TASKS = {"arithmetic": lambda: ArithmeticTask("+"), "arithmetic-pm": lambda: Ari
 
 
 def make_task(spec: str) -> Task:
-    """``arithmetic`` | ``arithmetic-pm`` | ``gsm8k:PATH.jsonl`` | ``exact:PATH.jsonl``."""
+    """``arithmetic`` | ``arithmetic-pm`` | ``gsm8k:PATH.jsonl`` | ``exact:PATH.jsonl`` |
+    ``mbpp:PATH.jsonl`` (``mbpp:tiny``: the shipped sample)."""
     if spec in TASKS:
         return TASKS[spec]()
     kind, _, path = spec.partition(":")
+    if kind == "mbpp" and path:
+        from megaloop.rl.sandbox import CodeTask
+
+        return CodeTask(path)
     if kind == "gsm8k" and path:
         return JsonlTask(path, FinalNumberReward(), template="Question: {prompt}\nAnswer:", name="gsm8k")
     if kind == "exact" and path:
         return JsonlTask(path, ExactMatchReward())
-    raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl")
+    raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "
+                     "mbpp:PATH.jsonl")
 
 
 # ----------------------------------------------------------------------------- tokenizers

@@ -151,3 +151,10 @@ def test_adaptive_exit_options_reach_ppl_harness_and_generate(cli, trained_run, 
     assert code == 0
     code, _, err = cli("generate", "--checkpoint", ck, "--prompt", "x", "--exit", "nope:1")
     assert code == 2 and "--exit" in err
+
+
+def test_student_option_is_wired_and_checked(cli, trained_run, tmp_path):
+    """--student DIR reaches ppl / harness / generate (issue 14); a folder that is not a student exits 2."""
+    for argv in (["eval", "ppl", "--max-seqs", "1"], ["generate", "--prompt", "x"]):
+        code, _, err = cli(*argv, "--checkpoint", str(trained_run), "--student", str(tmp_path / "none"))
+        assert code == 2 and "--student" in err

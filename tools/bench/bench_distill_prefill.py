@@ -6,8 +6,10 @@ logits_to_keep=1)``; student prefill = :func:`megaloop.distill.prefill_student.s
 terminal cache, last-token logits). Both fill the identical cache layout; decoding afterwards is
 the same. Weights are random (latency does not depend on them). Reported: median / min latency
 over ``--repeats`` interleaved rounds after one warm-up, their ratio, and the layer-pass ratio
-``(n_prelude + n_student + n_core + n_coda) / (n_prelude + R·n_core + n_coda)``. Usage:
-    python tools/bench/bench_distill_prefill.py [--hidden 256 --seq 512 --batch 1 --depth 5]
+``(n_prelude + n_student + n_core + n_coda) / (n_prelude + R·n_core + n_coda)``; the top-level
+keys compare with the full depth ``--depth``, and ``by_depth`` adds the teacher at each of
+``--depths`` (Table 5's prefill budgets R = 1, 2, 3, full) against the same student. Usage:
+    python tools/bench/bench_distill_prefill.py [--hidden 256 --seq 512 --batch 1 --depth 5 --depths 1,2,3]
 """
 
 from __future__ import annotations
@@ -32,8 +34,10 @@ def main():
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--injection", default="parcae_nonorm")
+    p.add_argument("--depths", default="1,2,3", help="more teacher prefill depths to time (comma-separated)")
     p.add_argument("--name", default="distill_prefill")
     args = p.parse_args()
+    depths = sorted({int(d) for d in args.depths.split(",") if d.strip()} | {args.depth})
     torch.set_num_threads(args.threads)
     device = compute_device()
     torch.manual_seed(0)
@@ -43,16 +47,20 @@ def main():
     student = PrefillStudent.from_teacher(model).eval()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
 
-    @torch.no_grad()
-    def teacher():
-        cache = model.new_cache("terminal")
-        model(ids, past_key_values=cache, num_recurrences=args.depth, logits_to_keep=1)
-        return cache
+    def teacher_at(depth: int):
+        @torch.no_grad()
+        def teacher():
+            cache = model.new_cache("terminal")
+            model(ids, past_key_values=cache, num_recurrences=depth, logits_to_keep=1)
+            return cache
+
+        return teacher
 
     def stud():
         return student_prefill(model, student, ids)[1]
 
-    runs = {"teacher": teacher, "student": stud}
+    runs = {"teacher": teacher_at(args.depth), "student": stud}
+    runs.update({f"teacher_R{d}": teacher_at(d) for d in depths if d != args.depth})
     times: dict[str, list[float]] = {k: [] for k in runs}
     banks = {}
     for rep in range(args.repeats + 1):
@@ -64,9 +72,18 @@ def main():
             if rep:
                 times[name].append(time.perf_counter() - t0)
             banks[name] = {"num_banks": cache.num_banks(), "kv_bytes_per_token": cache.kv_bytes_per_token()}
-    assert banks["teacher"] == banks["student"], banks
-    res = {name: {"median_s": statistics.median(t), "min_s": min(t), **banks[name]} for name, t in times.items()}
+    assert all(b == banks["student"] for b in banks.values()), banks
+    stats = {name: {"median_s": statistics.median(t), "min_s": min(t), **banks[name]} for name, t in times.items()}
+    res = {k: stats[k] for k in ("teacher", "student")}
     n_student = student.num_layers
+    res["by_depth"] = {}
+    for d in depths:
+        t = stats["teacher" if d == args.depth else f"teacher_R{d}"]
+        res["by_depth"][str(d)] = {
+            "teacher_median_s": t["median_s"], "student_median_s": stats["student"]["median_s"],
+            "ratio_median": stats["student"]["median_s"] / t["median_s"],
+            "layer_pass_ratio": (cfg.n_prelude + n_student + cfg.n_core + cfg.n_coda)
+            / (cfg.n_prelude + d * cfg.n_core + cfg.n_coda)}
     res["ratio_median"] = res["student"]["median_s"] / res["teacher"]["median_s"]
     res["ratio_min"] = res["student"]["min_s"] / res["teacher"]["min_s"]
     res["speedup_median"] = 1 / res["ratio_median"]
@@ -76,7 +93,10 @@ def main():
         print(f"{k:8s} median {res[k]['median_s']*1e3:8.1f} ms  min {res[k]['min_s']*1e3:8.1f} ms")
     print(f"student/teacher latency: median {res['ratio_median']:.3f}, min {res['ratio_min']:.3f} "
           f"(layer passes {res['layer_pass_ratio']:.3f})")
-    config = {**vars(args), "device": device, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
+    for d, r in res["by_depth"].items():
+        print(f"  teacher R={d:>2}: median {r['teacher_median_s']*1e3:8.1f} ms  student/teacher {r['ratio_median']:.3f} "
+              f"(layer passes {r['layer_pass_ratio']:.3f})")
+    config = {**vars(args), "depths": depths, "device": device, "n_prelude": cfg.n_prelude, "n_core": cfg.n_core,
               "n_coda": cfg.n_coda, "student_layers": n_student, "intermediate_size": cfg.intermediate_size}
     write_result(args.name, config, res, command("bench_distill_prefill.py", args))
 

@@ -54,8 +54,10 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"reuse vs BPTT at R=5: **{_f(s['speedup_reuse_over_bptt_R5'])}×** faster, at R=32 "
                 f"{_f(s['speedup_reuse_over_bptt_R32'], 1)}×")
     if name == "distill_prefill":
-        return ("Distilled prefill: student / teacher prefill latency at R=5",
-                f"**{_f(r['ratio_median'])}×** ({_f(r['speedup_median'])}× faster)")
+        more = "; ".join(f"R={d}: {_f(v['ratio_median'])}×" for d, v in sorted((r.get("by_depth") or {}).items(),
+                         key=lambda kv: int(kv[0])) if int(d) != c["depth"])
+        return (f"Distilled prefill: student / teacher prefill latency at R={c['depth']} (and R=1, 2, 3)",
+                f"**{_f(r['ratio_median'])}×** ({_f(r['speedup_median'])}× faster)" + (f"; {more}" if more else ""))
     if name == "loader":
         best = max(r, key=lambda x: x["tokens_per_s"]) if isinstance(r, list) else None
         return ("Loader alone (best case)", f"{best['tokens_per_s']:,} tokens/s ({best['dataset']}, "

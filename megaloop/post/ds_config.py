@@ -1,0 +1,87 @@
+"""DeepSpeed JSON configs for the post-training commands: load, check against the command line, fill.
+
+The command line owns everything the trainer's numerics depend on, so a run under DeepSpeed equals
+the single-process run with the same global batch:
+
+* batch sizes — ``train_batch_size`` (global rows per optimizer step), ``train_micro_batch_size_per_gpu``
+  (rows per process) and ``gradient_accumulation_steps`` (always 1: one optimizer step per rollout /
+  batch). Missing keys are filled; present ones must agree, else :class:`ConfigError` names the key;
+* ``gradient_clipping`` — from ``--clip-grad`` (0 = off);
+* the optimizer — AdamW built from ``--lr``/``--weight-decay`` and handed to ``deepspeed.initialize``;
+  an ``optimizer`` or ``scheduler`` section is rejected rather than silently ignored.
+
+``zero_optimization.stage`` must be 0–3 (and among the stages the command supports). Shipped configs:
+``megaloop/configs/deepspeed/zero{1,2,3}.json`` (``--deepspeed zero2`` names one of them).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from megaloop.config_utils import ConfigError
+
+STAGES = (0, 1, 2, 3)
+SHIPPED_DIR = Path(__file__).resolve().parents[1] / "configs" / "deepspeed"
+
+
+def shipped_config(name: str) -> Path:
+    """``zero1`` | ``zero2`` | ``zero3`` -> the shipped JSON file."""
+    return SHIPPED_DIR / f"{name}.json"
+
+
+def read_ds_config(spec: str | Path) -> tuple[dict, str]:
+    """``(dict, label)`` from a shipped name (``zero2``) or a JSON path; errors name the file."""
+    path = Path(spec)
+    if not path.suffix and shipped_config(str(spec)).is_file():
+        path = shipped_config(str(spec))
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("*.json")))
+        raise ConfigError(f"--deepspeed: no such file {spec} (or a shipped config: {shipped})")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON (line {err.lineno}: {err.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: a DeepSpeed config is a JSON object")
+    return cfg, str(path)
+
+
+def _agree(cfg: dict, key: str, want, label: str, why: str) -> None:
+    if key in cfg and cfg[key] != "auto" and cfg[key] != want:
+        raise ConfigError(f"{label}: {key}: {cfg[key]!r} contradicts the command line ({why} -> {want!r})")
+
+
+def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad: float | None,
+                   stages: tuple[int, ...] = STAGES, batch_flag: str = "--batch-size") -> dict:
+    """The checked and filled config for a run of ``world`` processes over ``global_batch`` rows per step.
+
+    ``batch_flag`` names the command-line option(s) the global batch comes from (for messages)."""
+    raw, label = read_ds_config(spec)
+    cfg = copy.deepcopy(raw)
+    zero = cfg.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError(f"{label}: zero_optimization: must be an object, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in STAGES:
+        raise ConfigError(f"{label}: zero_optimization.stage: {stage!r} is not a ZeRO stage (0, 1, 2 or 3)")
+    if stage not in stages:
+        raise ConfigError(f"{label}: zero_optimization.stage: {stage} is not supported by this command "
+                          f"(supported: {', '.join(map(str, stages))})")
+    for section in ("optimizer", "scheduler"):
+        if section in cfg:
+            raise ConfigError(f"{label}: {section}: set from the command line (--lr, --weight-decay, schedule); "
+                              "remove this section")
+    if global_batch % world:
+        raise ConfigError(f"{batch_flag}: the global batch {global_batch} is not divisible by the {world} processes")
+    micro = global_batch // world
+    _agree(cfg, "train_batch_size", global_batch, label, batch_flag)
+    _agree(cfg, "train_micro_batch_size_per_gpu", micro, label, f"{batch_flag} / {world} processes")
+    _agree(cfg, "gradient_accumulation_steps", 1, label, "one optimizer step per batch")
+    _agree(cfg, "gradient_clipping", float(clip_grad or 0.0), label, "--clip-grad")
+    cfg.update(train_batch_size=global_batch, train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=1,
+               gradient_clipping=float(clip_grad or 0.0), zero_allow_untested_optimizer=True)
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg["zero_optimization"] = {**zero, "stage": stage}
+    return cfg

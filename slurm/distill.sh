@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Distilled-prefill student (SPEC §10) under DeepSpeed ZeRO on slurm: one torchrun per node (slurm/common.sh
+# for the allocation, rendezvous, venv and logs), every process a data-parallel rank of `megaloop distill-prefill`.
+#   TEACHER=hf/S OUT=students/S sbatch slurm/distill.sh
+#   TEACHER=hf/L OUT=students/L DATA=/data/val.jsonl DS_CONFIG=zero3 \
+#     EXTRA_ARGS="--depth 5 --steps 2000 --batch-size 64 --seq-len 512" sbatch --nodes=2 slurm/distill.sh
+# Knobs (environment): TEACHER (required: HF folder or megaloop checkpoint) OUT (students/distill)
+# DATA (default = embedded corpus; FILE.txt | FILE.jsonl) DS_CONFIG (zero3; zero1 | zero2 | zero3 | a JSON
+# file) SAVE_EVERY (200) EXTRA_ARGS (more `megaloop distill-prefill` options, word-split);
+# NODES, GPUS_PER_NODE, RDZV, ...: slurm/common.sh.
+# Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
+#SBATCH --job-name=megaloop-distill
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --open-mode=append
+#SBATCH --output=slurm-%x-%j.out
+set -euo pipefail
+
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT=""
+for _c in "${MEGALOOP_ROOT:-}" "$_here" "${SLURM_SUBMIT_DIR:-}"; do
+  if [ -n "$_c" ] && [ -f "$_c/slurm/common.sh" ]; then ROOT="$(cd "$_c" && pwd)"; break; fi
+done
+[ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+# shellcheck source=slurm/common.sh
+source "$ROOT/slurm/common.sh"
+
+[ -n "${TEACHER:-}" ] || megaloop_die "TEACHER is not set (an HF folder or a megaloop checkpoint)"
+OUT="${OUT:-students/distill}"
+DATA="${DATA:-default}"
+DS_CONFIG="${DS_CONFIG:-zero3}"
+SAVE_EVERY="${SAVE_EVERY:-200}"
+EXTRA_ARGS="${EXTRA_ARGS:-}"
+case "$SAVE_EVERY" in '' | *[!0-9]*) megaloop_die "SAVE_EVERY must be a non-negative integer, got '$SAVE_EVERY'" ;; esac
+megaloop_setup
+
+cmd=(-m megaloop.cli distill-prefill --teacher "$TEACHER" --out "$OUT" --data "$DATA" --deepspeed "$DS_CONFIG"
+  --save-every "$SAVE_EVERY")
+if [ -f "$OUT/checkpoints/latest" ]; then
+  cmd+=(--resume)
+fi
+read -r -a extra <<<"$EXTRA_ARGS"
+cmd+=("${extra[@]}")
+
+launcher=(torchrun --nnodes "$NODES" --nproc_per_node "$GPUS_PER_NODE" --max_restarts 0)
+if [ "$RDZV" = static ]; then
+  launcher+=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
+else
+  launcher+=(--rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID")
+fi
+srun_opts=(--nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --nodelist="$NODE_LIST"
+  --kill-on-bad-exit=1 --output="$JOB_LOG_DIR/node%n.log" --open-mode=append)
+if [ -n "$CPUS_PER_TASK" ]; then
+  srun_opts+=(--cpus-per-task="$CPUS_PER_TASK")
+fi
+read -r -a extra_srun <<<"${SRUN_ARGS:-}"
+srun_opts+=("${extra_srun[@]}")
+echo "srun ${srun_opts[*]} ${launcher[*]} --node_rank \$SLURM_NODEID ${cmd[*]}" >>"$JOB_LOG_DIR/launch.txt"
+megaloop_log "torchrun ${cmd[*]}"
+rc=0
+# shellcheck disable=SC2016
+srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' "${launcher[@]}" "${cmd[@]}" || rc=$?
+echo "$rc" >"$JOB_LOG_DIR/exit_code"
+megaloop_log "megaloop distill-prefill exited with status $rc"
+exit "$rc"

@@ -1,0 +1,97 @@
+"""DeepSpeed config loading: shipped configs, filled batch keys, and one-line errors naming the field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megaloop.config_utils import ConfigError
+from megaloop.post.ds_config import load_ds_config, shipped_config
+from megaloop.post.engine import PlainEngine, init_post_distributed
+from tests.conftest import ROOT, clean_env
+
+
+def test_shipped_configs_fill_batch_keys():
+    for stage in (1, 2, 3):
+        assert shipped_config(f"zero{stage}").is_file()
+        cfg = load_ds_config(f"zero{stage}", global_batch=16, world=4, clip_grad=1.0)
+        assert cfg["zero_optimization"]["stage"] == stage
+        assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) \
+            == (16, 4, 1)
+        assert cfg["gradient_clipping"] == 1.0 and cfg["zero_allow_untested_optimizer"]
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"train_batch_size": 32}, "train_batch_size"),
+    ({"train_micro_batch_size_per_gpu": 3}, "train_micro_batch_size_per_gpu"),
+    ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+    ({"gradient_clipping": 0.5}, "gradient_clipping"),
+    ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
+    ({"zero_optimization": {"stage": "2"}}, "zero_optimization.stage"),
+    ({"optimizer": {"type": "Adam"}}, "optimizer"),
+])
+def test_contradictions_name_the_field(tmp_path, body, field):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(body))
+    with pytest.raises(ConfigError, match=rf"ds.json: {field}:"):
+        load_ds_config(path, global_batch=16, world=2, clip_grad=1.0)
+
+
+def test_agreeing_values_and_bad_files(tmp_path):
+    path = tmp_path / "ok.json"
+    path.write_text(json.dumps({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 8,
+                                "zero_optimization": {"stage": 2, "overlap_comm": False}}))
+    assert load_ds_config(path, global_batch=16, world=2, clip_grad=1.0)["zero_optimization"]["overlap_comm"] is False
+    with pytest.raises(ConfigError, match="zero_optimization.stage: 3 is not supported"):
+        load_ds_config("zero3", global_batch=8, world=2, clip_grad=1.0, stages=(0, 1, 2))
+    with pytest.raises(ConfigError, match="not divisible"):
+        load_ds_config("zero2", global_batch=3, world=2, clip_grad=1.0)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_ds_config(tmp_path / "missing.json", global_batch=8, world=2, clip_grad=1.0)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{\n  'stage': 2\n}")
+    with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 2"):
+        load_ds_config(bad, global_batch=8, world=2, clip_grad=1.0)
+
+
+def test_several_processes_need_deepspeed(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="--deepspeed: required when launched on 2 processes"):
+        init_post_distributed("cpu", None)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert init_post_distributed("cpu", None)[0].world == 1
+
+
+def test_plain_engine_checkpoint_round_trip(tmp_path):
+    import torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    eng = PlainEngine(net, lr=0.1, clip_grad=1.0)
+    net(torch.randn(4, 3)).pow(2).sum().backward()
+    assert eng.step() > 0
+    eng.save(tmp_path, "step000001", {"step": 1})
+    net2 = torch.nn.Linear(3, 2)
+    eng2 = PlainEngine(net2, lr=0.1)
+    assert eng2.load(tmp_path) == {"step": 1}
+    assert torch.equal(net2.weight, net.weight)
+    assert eng2.opt.state_dict()["state"][0]["exp_avg"].equal(eng.opt.state_dict()["state"][0]["exp_avg"])
+    assert PlainEngine(net, lr=0.1).load(tmp_path / "none") is None
+
+
+@pytest.mark.parametrize("cmd", [
+    ["rl", "--model", "M", "--out", "O", "--deepspeed", "BADCFG", "--prompts", "2", "--group-size", "4"],
+    ["distill-prefill", "--teacher", "M", "--out", "O", "--deepspeed", "BADCFG", "--batch-size", "8"],
+])
+def test_cli_bad_deepspeed_config_exits_2(tmp_path, cmd):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 5, "zero_optimization": {"stage": 1}}))
+    argv = [str(cfg) if a == "BADCFG" else a for a in cmd]
+    proc = subprocess.run([sys.executable, "-m", "megaloop.cli", *argv], cwd=ROOT, capture_output=True, text=True,
+                          env={**clean_env(), "PYTHONWARNINGS": "ignore"}, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if "error" in l]
+    assert len(lines) == 1 and "train_batch_size: 5 contradicts the command line" in lines[0], proc.stderr

@@ -1,0 +1,86 @@
+"""slurm/rl.sh and slurm/distill.sh under simulated SLURM (stub srun/scontrol/torchrun, tests/slurm/stubs.py):
+one torchrun per node running the post-training command under DeepSpeed, resume when a checkpoint exists."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from tests.conftest import ROOT
+from tests.slurm.stubs import calls, stub_env
+
+HOSTS = "gpu-a01 gpu-a02"
+
+
+def _env(tmp: Path, **extra: str) -> dict:
+    env = stub_env(tmp, STUB_HOSTS=HOSTS, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a[01-02]",
+                   SLURM_NNODES="2", SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), VENV="none",
+                   LOG_DIR=str(tmp / "logs"), OUT=str(tmp / "out"))
+    env.update(extra)
+    return env
+
+
+def _run(script: str, env: dict, expect: int) -> subprocess.CompletedProcess:
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def _check_launch(tmp: Path, command: str) -> list[list[str]]:
+    (srun,) = calls(tmp, "srun")
+    assert "--nodes=2" in srun["argv"] and "--ntasks=2" in srun["argv"] and "--ntasks-per-node=1" in srun["argv"]
+    assert "--nodelist=gpu-a01,gpu-a02" in srun["argv"] and "--kill-on-bad-exit=1" in srun["argv"]
+    tr = sorted(calls(tmp, "torchrun"), key=lambda r: r["node"])
+    assert [r["node"] for r in tr] == ["0", "1"]
+    cmds = []
+    for rank, rec in enumerate(tr):
+        argv = rec["argv"]
+        assert _flag(argv, "--node_rank") == str(rank) and _flag(argv, "--nnodes") == "2"
+        assert _flag(argv, "--nproc_per_node") == "4"
+        assert _flag(argv, "--rdzv_endpoint") == f"gpu-a01:{20000 + 4242 % 20000}"
+        cmd = argv[argv.index("-m"):]
+        assert cmd[:3] == ["-m", "megaloop.cli", command]
+        assert _flag(cmd, "--out") == str(tmp / "out")
+        cmds.append(cmd)
+    assert (tmp / "logs" / "4242" / "exit_code").read_text().strip() == "0"
+    assert "--node_rank $SLURM_NODEID" in (tmp / "logs" / "4242" / "launch.txt").read_text()
+    return cmds
+
+
+def test_rl_two_nodes(tmp_path: Path) -> None:
+    env = _env(tmp_path, MODEL="/ckpt/hf/S", GPUS_PER_NODE="4", TASK="mbpp:tiny",
+               EXTRA_ARGS="--arm recompute --steps 7")
+    _run("rl.sh", env, expect=0)
+    for cmd in _check_launch(tmp_path, "rl"):
+        assert _flag(cmd, "--model") == "/ckpt/hf/S" and _flag(cmd, "--task") == "mbpp:tiny"
+        assert _flag(cmd, "--deepspeed") == "zero2" and _flag(cmd, "--save-every") == "50"
+        assert _flag(cmd, "--arm") == "recompute" and _flag(cmd, "--steps") == "7"
+        assert "--resume" not in cmd
+
+
+def test_distill_resumes_when_a_checkpoint_exists(tmp_path: Path) -> None:
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step000200")
+    env = _env(tmp_path, TEACHER="/ckpt/hf/L", GPUS_PER_NODE="4", DATA="/data/val.jsonl", DS_CONFIG="zero2")
+    _run("distill.sh", env, expect=0)
+    for cmd in _check_launch(tmp_path, "distill-prefill"):
+        assert _flag(cmd, "--teacher") == "/ckpt/hf/L" and _flag(cmd, "--data") == "/data/val.jsonl"
+        assert _flag(cmd, "--deepspeed") == "zero2" and "--resume" in cmd
+
+
+def test_failures_and_bad_knobs(tmp_path: Path) -> None:
+    proc = _run("rl.sh", _env(tmp_path), expect=2)
+    assert "MODEL is not set" in proc.stderr
+    proc = _run("distill.sh", _env(tmp_path), expect=2)
+    assert "TEACHER is not set" in proc.stderr
+    proc = _run("rl.sh", _env(tmp_path, MODEL="m", SAVE_EVERY="x"), expect=2)
+    assert "SAVE_EVERY" in proc.stderr
+    (tmp_path / "f").mkdir()
+    env = _env(tmp_path / "f", MODEL="m", STUB_TORCHRUN="exit:3")
+    _run("rl.sh", env, expect=3)
+    assert (tmp_path / "f" / "logs" / "4242" / "exit_code").read_text().strip() == "3"
