@@ -4,10 +4,12 @@
 #
 #   megaloop_setup                         check the allocation, cd to ROOT, activate the venv,
 #                                          derive the rendezvous and the per-job log directory
+#   megaloop_launch PYTHON_ARGS...         srun one torchrun per node running PYTHON_ARGS (e.g.
+#                                          `-m megaloop.cli rl ...`); signal forwarding, requeue
+#                                          and logs as below; returns its exit status
 #   megaloop_train CONFIG RUN_DIR [KEY=VALUE ...]
-#                                          srun one torchrun per node running
-#                                          `-m megaloop.cli train --config CONFIG --run-dir RUN_DIR
-#                                          --resume auto KEY=VALUE ...`; returns its exit status
+#                                          megaloop_launch `-m megaloop.cli train --config CONFIG
+#                                          --run-dir RUN_DIR --resume auto KEY=VALUE ...`
 #   megaloop_scale_overrides               TP/PP/VPP/DATA_PATH/VAL_PATH/WANDB_*/EXTRA_ARGS knobs of
 #                                          slurm/train_*.sh -> the array OVERRIDES
 #
@@ -100,6 +102,11 @@ megaloop_train() {
   [ "$#" -ge 2 ] || megaloop_die "megaloop_train CONFIG RUN_DIR [KEY=VALUE ...]"
   local config="$1" run_dir="$2"
   shift 2
+  megaloop_launch -m megaloop.cli train --config "$config" --run-dir "$run_dir" --resume auto "$@"
+}
+
+megaloop_launch() {
+  [ "$#" -ge 1 ] || megaloop_die "megaloop_launch PYTHON_ARGS..."
   local -a launcher train srun_opts extra_srun
   launcher=(torchrun --nnodes "$NODES" --nproc_per_node "$GPUS_PER_NODE" --max_restarts 0
     --shutdown-timeout "$SHUTDOWN_TIMEOUT")
@@ -111,7 +118,7 @@ megaloop_train() {
   else
     launcher+=(--rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID")
   fi
-  train=(-m megaloop.cli train --config "$config" --run-dir "$run_dir" --resume auto "$@")
+  train=("$@")
   srun_opts=(--nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --nodelist="$NODE_LIST"
     --kill-on-bad-exit=1 --output="$JOB_LOG_DIR/node%n.log" --open-mode=append)
   if [ -n "$CPUS_PER_TASK" ]; then
@@ -147,7 +154,7 @@ megaloop_train() {
   done
   trap - USR1 TERM
   echo "$rc" >"$JOB_LOG_DIR/exit_code"
-  megaloop_log "training exited with status $rc"
+  megaloop_log "${train[*]:0:3} exited with status $rc"
   if [ "$MEGALOOP_REQUEUE" = 1 ] || [ "$rc" -eq 75 ]; then
     megaloop_log "requeueing job $SLURM_JOB_ID (the next start resumes from the latest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID" || megaloop_log "scontrol requeue failed (is the job --requeue-able?)"

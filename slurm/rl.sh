@@ -44,24 +44,6 @@ fi
 read -r -a extra <<<"$EXTRA_ARGS"
 cmd+=("${extra[@]}")
 
-launcher=(torchrun --nnodes "$NODES" --nproc_per_node "$GPUS_PER_NODE" --max_restarts 0)
-if [ "$RDZV" = static ]; then
-  launcher+=(--master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT")
-else
-  launcher+=(--rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "$SLURM_JOB_ID")
-fi
-srun_opts=(--nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --nodelist="$NODE_LIST"
-  --kill-on-bad-exit=1 --output="$JOB_LOG_DIR/node%n.log" --open-mode=append)
-if [ -n "$CPUS_PER_TASK" ]; then
-  srun_opts+=(--cpus-per-task="$CPUS_PER_TASK")
-fi
-read -r -a extra_srun <<<"${SRUN_ARGS:-}"
-srun_opts+=("${extra_srun[@]}")
-echo "srun ${srun_opts[*]} ${launcher[*]} --node_rank \$SLURM_NODEID ${cmd[*]}" >>"$JOB_LOG_DIR/launch.txt"
-megaloop_log "torchrun ${cmd[*]}"
 rc=0
-# shellcheck disable=SC2016
-srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' "${launcher[@]}" "${cmd[@]}" || rc=$?
-echo "$rc" >"$JOB_LOG_DIR/exit_code"
-megaloop_log "megaloop rl exited with status $rc"
+megaloop_launch "${cmd[@]}" || rc=$?
 exit "$rc"
