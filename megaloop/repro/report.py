@@ -81,6 +81,18 @@ def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
     return out
 
 
+def _portable(path: Any, base: Path | None = None) -> str:
+    """``path`` relative to ``base`` (the experiment dir) or to the repository (shipped experiment
+    files); else its name: results.json names no machine paths."""
+    p = Path(str(path)).resolve()
+    for root in ([base.resolve()] if base is not None else []) + [Path(__file__).resolve().parents[2]]:
+        try:
+            return str(p.relative_to(root))
+        except ValueError:
+            continue
+    return p.name
+
+
 def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launcher: dict | None = None) -> dict:
     """Results of every arm of ``plan`` in ``out`` (``active``: arms still in slurm -> job id)."""
     import json
@@ -93,7 +105,8 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
         status = "queued" if arm.name in active and st["status"] != "done" else st["status"]
         entry: dict[str, Any] = {"name": arm.name, "label": arm.label, "looped": arm.looped,
                                  "depth_kind": arm.depth_kind, "overrides": arm.overrides, "status": status,
-                                 "step": st["step"], "exit_code": st["exit_code"], "run_dir": str(rd)}
+                                 "step": st["step"], "exit_code": st["exit_code"],
+                                 "run_dir": _portable(rd, Path(out))}
         entry["train"] = train_summary(read_metrics(rd / "metrics.jsonl"), plan.settings["tokens_per_step"],
                                        arm.looped)
         metrics = {k: entry["train"].get(k) for k in ("train_flops", "prior_mean", "prior_p5", "prior_entropy",
@@ -111,7 +124,7 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
                     machines.append(s["machine"])
         entry["metrics"] = metrics
         arms.append(entry)
-    return {"experiment": plan.experiment, "description": plan.description, "source": plan.source,
+    return {"experiment": plan.experiment, "description": plan.description, "source": _portable(plan.source),
             "scale": plan.scale, "config": plan.config, "note": plan.note, "settings": plan.settings,
             "extras": plan.extras, "eval": plan.eval.to_dict(),
             "claims": [c.__dict__ for c in plan.claims], "arms": arms,

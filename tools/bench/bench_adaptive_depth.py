@@ -30,7 +30,7 @@ def main():
     p.add_argument("--checkpoint", required=True, help="native checkpoint (run dir / step dir) or HF folder")
     p.add_argument("--data", default="default", help="validation data (megaloop eval --data)")
     p.add_argument("--fixed", default="4,8,16,32", help="fixed depths")
-    p.add_argument("--exits", default="latent:0.1,latent:0.03,latent:0.01,latent:0.003,kl:1e-2,kl:1e-3,argmax:3")
+    p.add_argument("--exits", default="latent:0.03,latent:0.01,kl:1e-3,argmax:3")
     p.add_argument("--max-depth", type=int, default=32)
     p.add_argument("--min-depth", type=int, default=2)
     p.add_argument("--prefill-depth", type=int, default=None, help="default: the run's eval depth")
