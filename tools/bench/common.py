@@ -47,6 +47,8 @@ def command(script: str, args) -> str:
     parts = [f"python tools/bench/{script}"]
     for k, v in vars(args).items():
         flag = "--" + k.replace("_", "-")
+        if v is None:  # an unset option keeps its default
+            continue
         if isinstance(v, bool):
             parts += [flag] if v else []
         elif isinstance(v, (list, tuple)):

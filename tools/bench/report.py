@@ -53,6 +53,13 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"reuse R32/R5: **{_f(s['reuse_time_ratio_R32_over_R5'])}×** (BPTT {_f(s['bptt_time_ratio_R32_over_R5'])}×); "
                 f"reuse vs BPTT at R=5: **{_f(s['speedup_reuse_over_bptt_R5'])}×** faster, at R=32 "
                 f"{_f(s['speedup_reuse_over_bptt_R32'], 1)}×")
+    if name.startswith("adaptive_depth"):
+        s = r["summary"]
+        return (f"Adaptive per-token depth vs {s['reference']} ({c.get('device')}, terminal KV, max depth "
+                f"{c['max_depth']})",
+                f"{s['best_adaptive']}: PPL {_f(s['best_ppl_over_fixed_max'], 3)}× at "
+                f"**{_f(s['best_depth_over_fixed_max'], 3)}×** the recurrences, decode "
+                f"**{_f(s['best_speed_over_fixed_max'])}×** faster")
     if name == "distill_prefill":
         more = "; ".join(f"R={d}: {_f(v['ratio_median'])}×" for d, v in sorted((r.get("by_depth") or {}).items(),
                          key=lambda kv: int(kv[0])) if int(d) != c["depth"])
