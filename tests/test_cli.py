@@ -20,7 +20,10 @@ def test_unknown_arguments_still_fail():
         parse_args(["eval", "ppl", "--checkpoint", "x", "a=1"])
 
 
-def test_unknown_arm_exits_2_naming_it(capsys):
+def test_unknown_arm_exits_2_naming_it(capsys, monkeypatch):
+    import megaloop.runtime.parallel as parallel
+
+    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)  # keep the session's world for later tests
     with pytest.raises(SystemExit) as err:
         main(["train", "--arm", "no_such_arm", "--run-dir", "unused"])
     assert err.value.code == 2
