@@ -81,6 +81,19 @@ def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
     return out
 
 
+def _finish(fig, ax, path: Path) -> Path:
+    """Grid, legend (when anything is labelled), save and close a one-axes figure."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def _portable(path: Any, base: Path | None = None) -> str:
     """``path`` relative to ``base`` (the experiment dir) or to the repository (shipped experiment
     files); else its name: results.json names no machine paths."""
@@ -279,13 +292,7 @@ def plot_depth(results: dict, path: Path) -> Path:
     ax.set_xlabel("recurrences R (evaluation)")
     ax.set_ylabel("native validation PPL")
     ax.set_title(f"{results['experiment']} ({results['scale']}): PPL vs depth", fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path)
 
 
 def plot_prior(results: dict, path: Path, max_depth: int = 20) -> Path:
@@ -343,13 +350,7 @@ def plot_curves(results: dict, path: Path) -> Path:
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training CE (EMA 0.9); ◆ validation CE")
     ax.set_title(f"{results['experiment']} ({results['scale']}): training curves", fontsize=10)
-    ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, path)
 
 
 def render(results: dict, out: Path) -> list[Path]:
