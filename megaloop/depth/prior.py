@@ -75,7 +75,7 @@ class LearnedDepthPrior:
     """
 
     def __init__(self, cfg: DepthConfig, init_state: dict[str, Any] | None = None) -> None:
-        """``init_state`` (``depth.init=from:PATH``, see :mod:`megaloop.depth.init_from`): logits and
+        """``init_state`` (``depth.init=from:PATH``, read by :mod:`megaloop.train.prior_init`): logits and
         active support to start from; ``None`` with ``from:`` starts uniform until a checkpoint of this
         run is loaded (resume), which brings its own logits and support."""
         require(cfg.kind == "learned", "depth.kind", f"LearnedDepthPrior needs kind='learned', got {cfg.kind!r}")

@@ -44,19 +44,15 @@ class DepthSampler:
     ``probs()`` has length ``cfg.max_depth`` (``depth`` / ``cap`` / ``r_max``), index ``k`` = depth ``k+1``.
     """
 
-    def __init__(self, cfg: DepthConfig, seed: int, *, load_init: bool = True) -> None:
-        """``load_init=False`` skips reading ``depth.init=from:PATH`` (a resumed run's checkpoint
-        brings the prior)."""
+    def __init__(self, cfg: DepthConfig, seed: int, *, init_state: dict[str, Any] | None = None) -> None:
+        """``init_state``: the learned prior's starting logits and support for ``depth.init=from:PATH``
+        (the trainer reads them from the other run, ``megaloop.train.prior_init``; None on resume,
+        where this run's checkpoint brings the prior)."""
         self.cfg = cfg
         self.seed = int(seed)
         self.prior: LearnedDepthPrior | None = None
         self.static: DepthDistribution | None = None
         if cfg.kind == "learned":
-            init_state = None
-            if cfg.init_from is not None and load_init:
-                from megaloop.depth.init_from import load_prior_init
-
-                init_state = load_prior_init(cfg.init_from, cfg.r_max)
             self.prior = LearnedDepthPrior(cfg, init_state)
         elif cfg.kind == "pln":
             self.static = pln(cfg.mean, cfg.sigma, cfg.cap)

@@ -59,30 +59,13 @@ class ConversionError(RuntimeError):
 
 # ============================================================================ checkpoint discovery
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete checkpoint directory: ``path`` itself (``step_*``), or the newest complete one
-    under ``path`` (a ``checkpoints`` dir) or ``path/checkpoints`` (a run dir)."""
-    from megaloop.train.checkpoint import META, CheckpointManager, is_complete
+    """A complete checkpoint directory (``train.checkpoint.find_checkpoint``), errors as ConversionError."""
+    from megaloop.train.checkpoint import CheckpointError, find_checkpoint
 
-    p = Path(path)
-    if not p.exists():
-        raise ConversionError(f"checkpoint {p} does not exist")
-    if not p.is_dir():
-        raise ConversionError(f"checkpoint {p} is not a directory")
-    markers = [n for n in (META, ".metadata", "common.pt") if (p / n).is_file()]
-    if markers:
-        if not is_complete(p):
-            missing = [n for n in (META, ".metadata", "common.pt") if not (p / n).is_file()]
-            raise ConversionError(f"checkpoint {p} is incomplete: missing {', '.join(missing)} "
-                                  "(interrupted while being written?)")
-        return p
-    for root in (p, p / "checkpoints"):
-        if root.is_dir():
-            latest = CheckpointManager(root).latest()
-            if latest is not None:
-                return latest
-    raise ConversionError(
-        f"{p} is not a megaloop checkpoint: expected a checkpoint directory holding {META}, "
-        ".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one")
+    try:
+        return find_checkpoint(path)
+    except CheckpointError as err:
+        raise ConversionError(str(err)) from None
 
 
 def read_common(ckpt: Path) -> dict:

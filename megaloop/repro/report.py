@@ -20,7 +20,7 @@ from typing import Any
 from megaloop.repro.evaluate import SUMMARY, machine
 from megaloop.repro.runner import arm_state, run_dir, write_json
 from megaloop.repro.spec import METRICS, Plan
-from megaloop.screen.core import read_metrics
+from megaloop.train.metrics import read_metrics
 
 TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
          "prior_p5", "prior_entropy", "downstream")

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaloop.train.metrics import read_metrics  # noqa: F401  (run state below; repro uses it)
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository (runs train from here)
 
 EXIT_REQUEUE = 75  # megaloop train: stopped by a signal after writing a checkpoint
@@ -141,24 +143,6 @@ def select_best(points: list[dict]) -> dict:
 
 
 # ====================================================================================== run state
-def read_metrics(path: Path) -> list[dict]:
-    """Records of a metrics.jsonl; a torn last line (a live or killed run) is ignored."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            rows.append(rec)
-    return rows
-
-
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 

@@ -172,6 +172,32 @@ def is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file() and (path / "common.pt").is_file()
 
 
+def find_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint directory: ``path`` itself (``step_*``), or the newest complete one
+    under ``path`` (a ``checkpoints`` dir) or ``path/checkpoints`` (a run dir). ``CheckpointError``
+    naming the path otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {p} is not a directory")
+    markers = [n for n in (META, ".metadata", "common.pt") if (p / n).is_file()]
+    if markers:
+        if not is_complete(p):
+            missing = [n for n in (META, ".metadata", "common.pt") if not (p / n).is_file()]
+            raise CheckpointError(f"checkpoint {p} is incomplete: missing {', '.join(missing)} "
+                                  "(interrupted while being written?)")
+        return p
+    for root in (p, p / "checkpoints"):
+        if root.is_dir():
+            latest = CheckpointManager(root).latest()
+            if latest is not None:
+                return latest
+    raise CheckpointError(
+        f"{p} is not a megaloop checkpoint: expected a checkpoint directory holding {META}, "
+        ".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one")
+
+
 MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "final_norm.",
                   "output_layer.")
 

@@ -89,3 +89,22 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """Records of a metrics.jsonl (in file order; ``[]`` when absent); a torn line (a live or killed
+    run) is ignored."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            rows.append(rec)
+    return rows

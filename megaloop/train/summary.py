@@ -8,7 +8,6 @@ a step was logged twice (a run resumed from an earlier checkpoint) the later rec
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
@@ -18,22 +17,12 @@ from megaloop.config_utils import ConfigError
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """Records of ``RUN_DIR/metrics.jsonl`` by step (later duplicates replace earlier ones)."""
+    from megaloop.train.metrics import read_metrics as read_lines
+
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"run {run_dir}: no metrics.jsonl (not a megaloop run directory?)")
-    by_step: dict[int, dict] = {}
-    lines = path.read_text().splitlines()
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as err:
-            if n == len(lines):  # a last line cut by a kill: ignore it
-                break
-            raise ConfigError(f"{path}:{n}: not JSON ({err.msg})") from None
-        if "step" in rec:
-            by_step[int(rec["step"])] = rec
+    by_step = {int(rec["step"]): rec for rec in read_lines(path)}
     return [by_step[k] for k in sorted(by_step)]
 
 

@@ -78,7 +78,12 @@ class Trainer:
         # fails before data and model are built (a resumed run's checkpoint brings its own prior)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         resume_path = self.ckpt.resolve(self.resume) if self.resume else None
-        self.sampler = DepthSampler(cfg.depth, cfg.train.seed, load_init=resume_path is None)
+        init_state = None
+        if cfg.depth.kind == "learned" and cfg.depth.init_from is not None and resume_path is None:
+            from megaloop.train.prior_init import load_prior_init
+
+            init_state = load_prior_init(cfg.depth.init_from, cfg.depth.r_max)
+        self.sampler = DepthSampler(cfg.depth, cfg.train.seed, init_state=init_state)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp = parallel_state.get_data_parallel_world_size()
         self.M = cfg.train.num_microbatches(self.dp)
