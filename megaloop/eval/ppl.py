@@ -105,15 +105,10 @@ def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optio
     MixVal order (sources interleaved round-robin, as in-training validation), kept in file order:
     a source-balanced subset instead of the first source's rows."""
     from megaloop.data import build_eval_loader
-    from megaloop.data.loaders import read_sources, source_balanced_order
+    from megaloop.data.loaders import source_balanced_order
 
-    indices = None
-    if max_seqs is not None:
-        srcs_all = read_sources(data, seq_len=int(length), cache_dir=cache_dir)  # "" without a column
-        if len(set(srcs_all)) > 1:
-            indices = sorted(source_balanced_order(srcs_all)[:max_seqs])
     loader = build_eval_loader(data, seq_len=int(length), micro_batch_size=8, dp_rank=0, dp_size=1,
-                               cache_dir=cache_dir, with_source=True, indices=indices)
+                               cache_dir=cache_dir, with_source=True)
     try:
         _check_tokenizer(data, loader.manifest, tokenizer_sha256)
     except ConfigError:
@@ -130,10 +125,15 @@ def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optio
             masks.append(batch["loss_mask"][real])
             srcs.extend(s for s, ok in zip(batch["source"], real.tolist()) if ok)
             have += int(real.sum())
-            if max_seqs is not None and have >= max_seqs:
+            if max_seqs is not None and have >= max_seqs and not has_source:  # balanced: read all once
                 break
     finally:
         loader.close()
+    if max_seqs is not None and has_source and len(set(srcs)) > 1:
+        keep = sorted(source_balanced_order(srcs)[:max_seqs])
+        sel = torch.tensor(keep, dtype=torch.long)
+        return (torch.cat(toks)[sel], torch.cat(labs)[sel], torch.cat(masks)[sel], [srcs[i] for i in keep],
+                int(loader.manifest["eos_id"]))
     if not have:
         raise ConfigError(f"--data: {data} holds no evaluation sequences")
     return (torch.cat(toks), torch.cat(labs), torch.cat(masks), (srcs if has_source else None),
