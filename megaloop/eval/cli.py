@@ -1,4 +1,4 @@
-"""``megaloop eval ppl|sweep|fixed-point|harness`` and ``megaloop generate`` (wired in megaloop/cli.py).
+"""``megaloop eval ppl|sweep|states|fixed-point|harness`` and ``megaloop generate`` (wired in megaloop/cli.py).
 
 Every command loads the pure-PyTorch model from ``--checkpoint`` (a native checkpoint of any
 TP/PP layout — step dir, checkpoints dir or run dir — or an exported HF folder; see
@@ -78,6 +78,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
     p.set_defaults(fn=cmd_eval_sweep)
+
+    p = esub.add_parser("states", help="depth use: per-recurrence state change, state share of the injection, "
+                                       "RMS of e and h, contraction")
+    _common(p)
+    p.set_defaults(fn=cmd_eval_states)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
     _common(p)
@@ -271,6 +276,28 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     res["plot"] = str(plot_sweep(res, plot))
     print(f"wrote {res['plot']}")
     _write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
+    return 0
+
+
+def cmd_eval_states(args: argparse.Namespace) -> int:
+    """Per-recurrence depth-use diagnostics (megaloop.eval.states) on the first --max-seqs (16)
+    sequences of --data at --depth (default 16), evaluation-time state init."""
+    from megaloop.eval.states import format_table, state_diagnostics, trace_export
+
+    _check_args(args)
+    engine = _engine(args)
+    if not engine.config.looped:
+        raise ConfigError(f"--checkpoint {args.checkpoint}: an untied model has no recurrence to diagnose")
+    data = _data(args, engine, max_seqs=args.max_seqs or 16)
+    depth = args.depth or 16
+    ids = data.tokens.to(engine.device)
+    diag = state_diagnostics(mask=data.loss_mask.to(engine.device),
+                             **trace_export(engine.model, ids, depth))
+    _table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
+           f"RMS(e) = {_fmt(diag['rms_e'])}",
+           ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))
+    _write_json(args.json, {"command": "eval states", "engine": engine.describe(), "data": data.source,
+                            "depth": depth, **diag})
     return 0
 
 

@@ -102,6 +102,9 @@ class MegaloopConfig(PreTrainedConfig):
         initializer_range: float = 0.02,
         deq_std: float = 0.02,
         tie_word_embeddings: bool = False,
+        embedding_multiplier: float = 1.0,
+        qk_norm: bool = False,
+        input_norm: bool = False,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -140,6 +143,9 @@ class MegaloopConfig(PreTrainedConfig):
         self.max_depth = None if max_depth is None else int(max_depth)
         self.initializer_range = float(initializer_range)
         self.deq_std = float(deq_std)
+        self.embedding_multiplier = float(embedding_multiplier)  # on the embedding output (not on inputs_embeds)
+        self.qk_norm = bool(qk_norm)  # RMSNorm on each head's q and k before RoPE
+        self.input_norm = bool(input_norm)  # the injection reads RMSNorm_g(e)
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

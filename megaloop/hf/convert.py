@@ -207,6 +207,8 @@ _LAYER_MAP = {  # native suffix -> HF suffix (1:1)
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
 _GROUPS = ("prelude", "core", "coda", "layers")
 
@@ -301,8 +303,9 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         n_coda=mcfg.n_coda, num_hidden_layers=mcfg.physical_layers, injection=mcfg.injection,
         exit_norm=mcfg.exit_norm, rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base, max_position_embeddings=mcfg.seq_len,
         state_init=mcfg.state_init, state_init_std=mcfg.state_init_std, eval_state_init=mcfg.eval_state_init,
-        eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std,
+        eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std_value,
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
+        embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, input_norm=mcfg.input_norm,
         bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
     return cfg
@@ -323,7 +326,9 @@ def native_config_from_hf(cfg: MegaloopConfig):
         state_init=cfg.state_init, state_init_std=cfg.state_init_std,
         eval_state_init=cfg.eval_state_init, eval_seed=cfg.eval_seed, init_std=cfg.initializer_range,
         deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
-        norm_eps=cfg.rms_norm_eps, transformer_impl="local")
+        norm_eps=cfg.rms_norm_eps, transformer_impl="local",
+        embed_scale=float(getattr(cfg, "embedding_multiplier", 1.0)), qk_norm=bool(getattr(cfg, "qk_norm", False)),
+        input_norm=bool(getattr(cfg, "input_norm", False)))
 
 
 def _pad_multiple(v: int) -> int:

@@ -25,6 +25,11 @@ def rms_norm(x: torch.Tensor, weight: Optional[torch.Tensor], eps: float) -> tor
     return y * weight if weight is not None else y
 
 
+def input_norm_weight(config: MegaloopConfig) -> Optional[nn.Parameter]:
+    """Gains of the RMSNorm on e that ``input_norm`` adds in front of the injection (else None)."""
+    return nn.Parameter(torch.ones(config.hidden_size)) if getattr(config, "input_norm", False) else None
+
+
 def inverse_softplus(y: float) -> float:
     return y + math.log(-math.expm1(-y))
 
@@ -39,9 +44,11 @@ class HuginnInjection(nn.Module):
         self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
         self.exit_eps = config.exit_norm_eps
         self.exit_norm = bool(getattr(config, "exit_norm", True))  # false: the paper's no-exit-norm diagnostic
+        self.eps = config.rms_norm_eps
+        self.in_norm_weight = input_norm_weight(config)
 
     def prepare(self, e):
-        return e
+        return rms_norm(e, self.in_norm_weight, self.eps) if self.in_norm_weight is not None else e
 
     def forward(self, h, e):
         return self.adapter(torch.cat([h, e], dim=-1))
@@ -67,6 +74,7 @@ class DiagonalInjection(nn.Module):
         self.alpha_log = nn.Parameter(torch.zeros(d))
         self.proj = nn.Parameter(torch.eye(d))
         self.norm_weight = nn.Parameter(torch.ones(d)) if self.variant == "parcae_decay" else None
+        self.in_norm_weight = input_norm_weight(config)  # model.input_norm (not with parcae_decay)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -74,15 +82,17 @@ class DiagonalInjection(nn.Module):
         nn.init.constant_(self.delta_raw, inverse_softplus(delta0))
         nn.init.zeros_(self.alpha_log)
         nn.init.eye_(self.proj)
-        if self.norm_weight is not None:
-            nn.init.ones_(self.norm_weight)
+        for w in (self.norm_weight, self.in_norm_weight):
+            if w is not None:
+                nn.init.ones_(w)
 
     def prepare(self, e):
-        e_t = rms_norm(e, self.norm_weight, self.eps) if self.norm_weight is not None else e
+        weight = self.norm_weight if self.norm_weight is not None else self.in_norm_weight
+        e_t = rms_norm(e, weight, self.eps) if weight is not None else e
         delta = F.softplus(self.delta_raw.float())
         q = (delta * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
         lam = torch.exp(-delta * torch.exp(self.alpha_log.float())).to(e.dtype)
-        return (q, lam, e) if self.variant == "orthoinj_early" else (q, lam)
+        return (q, lam, e_t) if self.variant == "orthoinj_early" else (q, lam)
 
     def forward(self, h, ctx):
         q, lam = ctx[0], ctx[1]

@@ -126,6 +126,10 @@ class MegaloopAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.qk_norm = bool(getattr(config, "qk_norm", False))
+        if self.qk_norm:
+            self.q_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
         self.inject = inject
         if inject:
             self.q_inject = nn.Linear(d, self.num_heads * hd, bias=False)
@@ -141,6 +145,8 @@ class MegaloopAttention(nn.Module):
         q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         new_kv = (k, v)
@@ -153,6 +159,19 @@ class MegaloopAttention(nn.Module):
                                              scale=1.0 / math.sqrt(self.head_dim))
         out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
         return self.o_proj(out), new_kv
+
+
+class MegaloopEmbedding(nn.Embedding):
+    """Token embedding whose output is multiplied by ``config.embedding_multiplier`` (1 = plain);
+    a tied head uses the unscaled weight."""
+
+    def __init__(self, config: MegaloopConfig):
+        super().__init__(config.vocab_size, config.hidden_size)
+        self.multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(input_ids)
+        return x * self.multiplier if self.multiplier != 1.0 else x
 
 
 class MegaloopLayer(nn.Module):
@@ -185,6 +204,8 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, HuginnInjection):
             module.adapter.reset_parameters()  # torch's default Linear init (as the native model)
+            if module.in_norm_weight is not None:
+                nn.init.ones_(module.in_norm_weight)
         elif isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, 0.0, std)
             if module.bias is not None:
@@ -206,7 +227,7 @@ class MegaloopModel(MegaloopPreTrainedModel):
     def __init__(self, config: MegaloopConfig):
         super().__init__(config)
         config.validate()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = MegaloopEmbedding(config)
         if config.looped:
             self.prelude = nn.ModuleList([MegaloopLayer(config) for _ in range(config.n_prelude)])
             deq = config.injection == "deq_qkv"

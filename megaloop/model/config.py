@@ -46,11 +46,22 @@ class ModelConfig:
     state_init_std: float = 0.02
     eval_state_init: str = "normal"
     eval_seed: int = 0  # fixed seed of the evaluation-time Gaussian state init
-    init_std: float = 0.02  # weight init std
+    # weight init std: a number, or "small" = √(2/(5·hidden_size)) (Nguyen & Salazar's "small init",
+    # the std Huginn's and Parcae's code use; 0.056 at d=128, 0.020 at d=1024)
+    init_std: float | str = 0.02
     deq_std: float = 0.02  # σ of DEQ-QKV injection projections
     b_max: int = 10  # TBPTT window cap: b = min(r, b_max)
     rope_base: float = 10000.0
     tie_embeddings: bool = False
+    # multiplier on the embedding output: a number, or "sqrt_d" (√hidden_size, Huginn's/Gemma's scale)
+    embed_scale: float | str = 1.0
+    # std of the residual-output projections (attention out, MLP down); null = megatron's
+    # init_std/√(2·physical layers); 0 = zero init (Parcae's "scaled-zero")
+    out_init_std: float | None = None
+    qk_norm: bool = False  # RMSNorm (learned gains) on each head's queries and keys before RoPE
+    # learned-gain RMSNorm on the prelude output e where the injection reads it (Parcae's
+    # prelude_norm). parcae_decay always has it (its recipe); deq_qkv reads e in its core layers
+    input_norm: bool = False
     norm_eps: float = 1e-5
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
     local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
@@ -74,6 +85,20 @@ class ModelConfig:
                 f"only huginn_linear has a core-exit norm to switch off (injection={self.injection!r})")
         for f in ("state_init", "eval_state_init"):
             require(getattr(self, f) in STATE_INITS, f"model.{f}", f"one of {STATE_INITS}")
+        if isinstance(self.init_std, str):
+            require(self.init_std == "small", "model.init_std", f"a number or 'small', got {self.init_std!r}")
+        else:
+            require(float(self.init_std) > 0, "model.init_std", f"must be > 0, got {self.init_std}")
+        if isinstance(self.embed_scale, str):
+            require(self.embed_scale == "sqrt_d", "model.embed_scale",
+                    f"a number or 'sqrt_d', got {self.embed_scale!r}")
+        else:
+            require(float(self.embed_scale) > 0, "model.embed_scale", f"must be > 0, got {self.embed_scale}")
+        require(self.out_init_std is None or self.out_init_std >= 0, "model.out_init_std",
+                f"must be >= 0 or null, got {self.out_init_std}")
+        require(not self.input_norm or self.injection not in ("parcae_decay", "deq_qkv"), "model.input_norm",
+                f"not available for injection={self.injection!r} (parcae_decay always normalises e; "
+                "deq_qkv injects e inside the core layers)")
         require(self.b_max >= 1, "model.b_max", f"must be >= 1, got {self.b_max}")
         require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
@@ -96,6 +121,16 @@ class ModelConfig:
     @property
     def looped(self) -> bool:
         return self.arch == "looped"
+
+    @property
+    def init_std_value(self) -> float:
+        """The weight init std (``init_std`` resolved)."""
+        return (2.0 / (5.0 * self.hidden_size)) ** 0.5 if self.init_std == "small" else float(self.init_std)
+
+    @property
+    def embedding_multiplier(self) -> float:
+        """The embedding output's multiplier (``embed_scale`` resolved)."""
+        return self.hidden_size ** 0.5 if self.embed_scale == "sqrt_d" else float(self.embed_scale)
 
     @property
     def ffn_size(self) -> int:
@@ -135,7 +170,8 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     """Analytic parameter counts (padded vocab): embedding, per-layer, injection, head, total."""
     d, f = cfg.hidden_size, cfg.ffn_size
     kv = d * cfg.groups // cfg.num_heads
-    layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d  # qkv, proj, SwiGLU, 2 norms
+    hd = d // cfg.num_heads
+    layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d + (2 * hd if cfg.qk_norm else 0)  # qkv, proj, SwiGLU, norms
     v = cfg.padded_vocab(vocab_size)
     emb = v * d
     head = 0 if cfg.tie_embeddings else v * d
@@ -143,6 +179,7 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     if cfg.looped:
         inj = {"huginn_linear": 2 * d * d + d, "deq_qkv": cfg.n_core * d * (d + 2 * kv),
                "parcae_decay": d * d + 3 * d}.get(cfg.injection, d * d + 2 * d)
+        inj += d if cfg.input_norm else 0
     layers = cfg.physical_layers * layer
     return {"embedding": emb, "layers": layers, "injection": inj, "head": head + d,
             "non_embedding": layers + inj + d, "total": emb + layers + inj + head + d}

@@ -26,12 +26,23 @@ def inverse_softplus(y: float) -> float:
 
 
 class Injection(MegatronModule):
-    """Base: ``prepare(e) -> ctx``; ``forward(h, ctx) -> ζ``; ``exit(h) -> h`` after the core."""
+    """Base: ``prepare(e) -> ctx``; ``forward(h, ctx) -> ζ``; ``exit(h) -> h`` after the core.
+
+    With ``input_norm`` (model.input_norm) the injection reads ``RMSNorm_g(e)`` (learned gains
+    ``in_norm_weight``) instead of the raw prelude output, as Parcae's ``prelude_norm`` does."""
 
     uses_qkv_injection = False
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, input_norm: bool = False):
         super().__init__(config=config)
+        self.in_norm_weight = (torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
+                               if input_norm else None)
+
+    def read_input(self, e: torch.Tensor) -> torch.Tensor:
+        """e as the injection sees it: RMSNorm_g(e) with ``input_norm``, else e itself."""
+        if self.in_norm_weight is None:
+            return e
+        return F.rms_norm(e, (e.shape[-1],), self.in_norm_weight, self.config.layernorm_epsilon)
 
     def _tag(self) -> None:
         for p in self.parameters():
@@ -47,12 +58,15 @@ class Injection(MegatronModule):
 class HuginnLinear(Injection):
     """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm)."""
 
-    def __init__(self, config: TransformerConfig, exit_norm: bool = True):
-        super().__init__(config)
+    def __init__(self, config: TransformerConfig, exit_norm: bool = True, input_norm: bool = False):
+        super().__init__(config, input_norm)
         d = config.hidden_size
         self.exit_norm = exit_norm
         self.adapter = torch.nn.Linear(2 * d, d, bias=True, dtype=config.params_dtype)
         self._tag()
+
+    def prepare(self, e: torch.Tensor) -> torch.Tensor:
+        return self.read_input(e)
 
     def forward(self, h: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
         return self.adapter(torch.cat([h, e], dim=-1))
@@ -72,8 +86,9 @@ class ParcaeDiagonal(Injection):
     weight decay.
     """
 
-    def __init__(self, config: TransformerConfig, variant: str, ortho_eps: float = 1e-6):
-        super().__init__(config)
+    def __init__(self, config: TransformerConfig, variant: str, ortho_eps: float = 1e-6,
+                 input_norm: bool = False):
+        super().__init__(config, input_norm)
         d = config.hidden_size
         self.variant = variant
         self.ortho_eps = ortho_eps
@@ -98,11 +113,11 @@ class ParcaeDiagonal(Injection):
 
     def prepare(self, e: torch.Tensor) -> dict[str, torch.Tensor]:
         e_t = F.rms_norm(e, (e.shape[-1],), self.norm_weight, self.config.layernorm_epsilon) \
-            if self.norm_weight is not None else e
+            if self.norm_weight is not None else self.read_input(e)
         q = (self.delta() * F.linear(e_t.float(), self.proj.float())).to(e.dtype)
         ctx = {"q": q, "lam": self.retention().to(e.dtype)}
         if self.variant == "orthoinj_early":
-            ctx["e"] = e
+            ctx["e"] = e_t
         return ctx
 
     def forward(self, h: torch.Tensor, ctx: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,11 +146,12 @@ class DEQQKV(Injection):
         return h
 
 
-def build_injection(name: str, config: TransformerConfig, exit_norm: bool = True) -> Injection:
+def build_injection(name: str, config: TransformerConfig, exit_norm: bool = True,
+                    input_norm: bool = False) -> Injection:
     if name == "huginn_linear":
-        return HuginnLinear(config, exit_norm=exit_norm)
+        return HuginnLinear(config, exit_norm=exit_norm, input_norm=input_norm)
     if name in ("parcae_decay", "parcae_nonorm", "orthoinj", "orthoinj_early"):
-        return ParcaeDiagonal(config, name)
+        return ParcaeDiagonal(config, name, input_norm=input_norm)
     if name == "deq_qkv":
         return DEQQKV(config)
     raise ValueError(f"model.injection: unknown injection {name!r}")

@@ -169,7 +169,8 @@ class LoopedGPT(LanguageModule):
             self.core = LayerStack(config, inject_spec, list(range(first_core, first_core + cfg.n_core)),
                                    vp_stage, seed, "core", recompute=cfg.recompute)
             torch.manual_seed(stable_seed(seed, "injection"))
-            self.injection = build_injection(cfg.injection, config, exit_norm=cfg.exit_norm)
+            self.injection = build_injection(cfg.injection, config, exit_norm=cfg.exit_norm,
+                                             input_norm=cfg.input_norm)
             self._mark_core_replicas()
             if post_process and cfg.n_coda:
                 first_coda = first_core + cfg.n_core
@@ -309,6 +310,8 @@ class LoopedGPT(LanguageModule):
         window = min(depth, backprop if backprop is not None else cfg.b_max)
         if self.pre_process:
             x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, d]
+            if cfg.embedding_multiplier != 1.0:
+                x = x * cfg.embedding_multiplier
         else:
             x = self._input_tensor
         mask = self.causal_mask(x.shape[0] // (2 if cfg.looped and not self.pre_process else 1), x.device)

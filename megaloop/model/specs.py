@@ -130,13 +130,16 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     if use_transformer_engine(cfg):  # pragma: no cover - GPU only
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec())
+        spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm))
     else:
-        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm"))
+        spec = copy.deepcopy(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=cfg.qk_norm))
         if cfg.local_attention == "sdpa":
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.input_layernorm = RMSNorm
         spec.submodules.pre_mlp_layernorm = RMSNorm
+        if cfg.qk_norm:  # per-head [head_dim] gains, shared by the heads (megatron sums them over TP)
+            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
+            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if deq_inject:
         spec.submodules.self_attention.module = DEQInjectedSelfAttention
     return spec
@@ -144,6 +147,16 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
 
 def final_norm_module() -> type:
     return RMSNorm
+
+
+def _out_init(cfg: ModelConfig):
+    """Init of the residual-output projections: megatron's scaled normal by default (None)."""
+    if cfg.out_init_std is None:
+        return None
+    std = float(cfg.out_init_std)
+    if std == 0.0:
+        return torch.nn.init.zeros_
+    return lambda w: torch.nn.init.normal_(w, 0.0, std)
 
 
 def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
@@ -170,7 +183,9 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        init_method_std=cfg.init_std,
+        init_method_std=cfg.init_std_value,
+        output_layer_init_method=_out_init(cfg),
+        qk_layernorm=cfg.qk_norm,
         use_cpu_initialization=True,
         perform_initialization=True,
         tensor_model_parallel_size=tp,

@@ -215,13 +215,30 @@ class Trainer:
         # checkpoints older than the counters: totals restart here and say from which step they count
         self.counters = _copy_counters(common["counters"]) if "counters" in common else \
             dict(_fresh_counters(), counted_from_step=self.step)
-        self.scheduler.load_state_dict(common["scheduler"])
+        old_horizon = int(common["scheduler"]["lr_decay_steps"])
+        if old_horizon != self.cfg.train.max_steps:
+            # megatron's scheduler keeps the checkpoint's horizon (and not its WSD decay length):
+            # a longer train.max_steps would train at lr=0. Honour the new horizon where the LR
+            # curve stays continuous, else refuse (schedule.check_horizon_change).
+            from megaloop.config_utils import ConfigError
+            from megaloop.train.schedule import check_horizon_change
+
+            problem = check_horizon_change(self.cfg.optim, old_horizon, self.cfg.train.max_steps,
+                                           int(common["scheduler"]["num_steps"]))
+            if problem:
+                raise ConfigError(f"{problem} (checkpoint {path})")
+            self.scheduler.num_steps = int(common["scheduler"]["num_steps"])
+            self.horizon_changed_from = old_horizon
+        else:
+            self.scheduler.load_state_dict(common["scheduler"])
         self.sampler.load_state_dict(common["sampler"])
         states = common["loader"]
         self.loader.load_state_dict(states[self.dp_rank] if len(states) == self.dp else states[0])
         self.last_saved = self.step
         if self.rank == 0:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            changed = getattr(self, "horizon_changed_from", None)
+            note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
+            print(f"resumed from {path} at step {self.step}{note}", flush=True)
 
     # ================================================================ step pieces
     def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:

@@ -26,6 +26,10 @@ VARIANTS = {  # name -> ModelConfig overrides
     "untied": dict(arch="untied", num_layers=3),
     "huginn_no_exit_norm": dict(injection="huginn_linear", exit_norm=False),  # paper-only variants
     "orthoinj_early": dict(injection="orthoinj_early"),
+    # learning-parity options: embedding scale, QK-norm, input norm, zero-init output projections
+    "huginn_options": dict(injection="huginn_linear", embed_scale="sqrt_d", qk_norm=True, input_norm=True,
+                           tie_embeddings=True, out_init_std=0.0, num_query_groups=2),
+    "nonorm_options": dict(injection="parcae_nonorm", input_norm=True, qk_norm=True, embed_scale=2.5),
 }
 
 

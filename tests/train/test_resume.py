@@ -124,3 +124,47 @@ def test_wandb_offline_logging(tmp_path):
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+
+
+def test_extending_the_horizon_continues_the_stable_phase(tmp_path):
+    """A run saved in its WSD stable phase, resumed with a longer train.max_steps, follows the
+    new horizon: its LRs equal an uninterrupted run at the new horizon (not lr=0 past the old one)."""
+    run_train(tmp_path / "short", "train.max_steps=10", "train.save_interval=4", "train.stop_after=4",
+              "optim.decay_fraction=0.2")
+    shutil.copytree(tmp_path / "short", tmp_path / "ext")
+    proc = run_train(tmp_path / "ext", "train.max_steps=20", "train.save_interval=0", "optim.decay_fraction=0.2",
+                     resume="auto")
+    assert "schedule horizon 10 -> 20" in proc.stdout + proc.stderr
+    run_train(tmp_path / "long", "train.max_steps=20", "train.save_interval=0", "optim.decay_fraction=0.2")
+    lr_ext = [r["lr"] for r in metrics(tmp_path / "ext") if r["step"] > 4]
+    lr_long = [r["lr"] for r in metrics(tmp_path / "long") if r["step"] > 4]
+    assert lr_ext == pytest.approx(lr_long, rel=1e-12)
+    assert min(lr_ext[:11]) > 0  # steps 5..15 sit in the stable phase of the 20-step horizon
+    assert lr_ext[-1] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_extending_a_run_in_its_decay_is_refused(tmp_path):
+    """A checkpoint already in its decay cannot silently re-warm: one line naming both horizons."""
+    run_train(tmp_path, "train.max_steps=10", "train.save_interval=9", "train.stop_after=9",
+              "optim.decay_fraction=0.3")
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    proc = run_train(tmp_path, "train.max_steps=30", "optim.decay_fraction=0.3", resume="auto", expect=2)
+    err = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
+    assert len(err) == 1, err
+    assert "train.max_steps=30" in err[0] and "horizon 10" in err[0] and "decay phase" in err[0]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_horizon_rule_on_the_schedule_alone():
+    from megaloop.config import OptimConfig
+    from megaloop.train.schedule import check_horizon_change, lr_at
+
+    o = OptimConfig(lr=1e-3, warmup_steps=10, decay_fraction=0.2)
+    assert check_horizon_change(o, 100, 400, 50) is None  # stable in both
+    assert check_horizon_change(o, 100, 400, 5) is None  # warm-up in both
+    assert "decay phase" in check_horizon_change(o, 100, 400, 90)
+    assert "nothing left" in check_horizon_change(o, 100, 40, 50)
+    assert check_horizon_change(o, 400, 100, 50) is None  # shortening while stable in both
+    assert lr_at(o, 100, 100) == pytest.approx(0.0) and lr_at(o, 100, 50) == pytest.approx(1e-3)
+    cos = OptimConfig(lr=1e-3, warmup_steps=10, schedule="cosine")
+    assert "cosine" in check_horizon_change(cos, 100, 400, 50)

@@ -1,0 +1,308 @@
+"""Learning parity: train megaloop and a public reference implementation on the same batches.
+
+One call trains one system and writes ``OUT/<label>.json``; ``--report OUT`` renders every result
+in ``OUT`` as ``OUT/parity.md`` (tables) and ``OUT/parity.png`` (loss curves, PPL vs R).
+
+    python tools/bench/parity.py --system megaloop --label megaloop_default --steps 800 --out DIR
+    python tools/bench/parity.py --system megaloop --preset huginn_matched --steps 800 --out DIR
+    python tools/bench/parity.py --system megaloop --label my_variant --steps 300 --out DIR model.qk_norm=true
+    python tools/bench/parity.py --system huginn --ref-path PATH/recurrent-pretraining --steps 800 --out DIR
+    python tools/bench/parity.py --system parcae --ref-path PATH/parcae --steps 800 --out DIR
+    python tools/bench/parity.py --report DIR
+
+The protocol (every system): megaloop's own train loader over the chosen data (default: the
+embedded corpus) with the run's seed, ``--batch`` sequences of the preset's ``seq_len`` per step in
+the same order; AdamW (β 0.9/0.95, wd 0.1 on matrices, ε 1e-8), gradient clipping at 1, WSD (linear
+warm-up over 10 % of the steps, constant, linear decay to 0 over the last 20 %, the same LR per
+update as megaloop's scheduler, see ``parity_refs.wsd_lr``); mean depth ``--mean-depth`` with a
+backprop window ``--backprop``, each system with its own depth sampler (megaloop: PLN per
+microbatch unless the preset says otherwise; Huginn: poisson-lognormal-filling per step; Parcae:
+poisson-truncated-full per sequence). Validation: megaloop's whole validation split at every R in
+``--depths`` (same tokens, labels and loss mask for every system; the evaluation-time state init of
+each system). Diagnostics: :mod:`megaloop.eval.states` on the first ``--trace-seqs`` validation
+sequences at R = ``--trace-depth``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT  # noqa: E402
+
+import torch  # noqa: E402
+
+# megaloop configurations the harness knows by name: preset + overrides. "default" is the tiny
+# preset's model at the protocol's depth; the *_matched ones reproduce a reference's choices.
+MEGALOOP_CONFIGS: dict[str, list[str]] = {
+    "default": [],
+    # Huginn's code (nebel-raven-3.5b at this shape): takase init (std √(2/5d), residual outputs
+    # std/√(2·(1 + 2·5 + 1))), embeddings ×√d, tied, like-init state (std √(2/5d)·√d), rope 50k;
+    # its sandwich blocks end in a norm: e is normalised (input_norm) and so is the core output
+    # (huginn_linear's exit norm, parameter-free here). Not matched: sandwich norms inside the
+    # blocks, QK biases, the bias-free adapter.
+    "huginn_matched": ["model.injection=huginn_linear", "model.init_std=small", "model.embed_scale=sqrt_d",
+                       "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.input_norm=true",
+                       "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false"],
+    # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
+    # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
+    # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std
+    # √(2/5d)), rope 50k, no embedding scale. Not matched: orthogonal init, the learned readout C
+    # (identity-initialised; the paper's recipes use C = I).
+    "parcae_matched": ["model.injection=parcae_decay", "model.init_std=small", "model.embed_scale=1.0",
+                       "model.tie_embeddings=true", "model.state_init_std=0.0559", "model.qk_norm=true",
+                       "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false"],
+}
+
+
+def _protocol_overrides(args) -> list[str]:
+    warm = max(1, round(0.1 * args.steps))
+    return [f"train.max_steps={args.steps}", f"optim.warmup_steps={warm}", "optim.decay_fraction=0.2",
+            f"optim.lr={args.lr}", "optim.beta1=0.9", "optim.beta2=0.95", "optim.weight_decay=0.1",
+            "optim.clip_grad=1.0", f"train.global_batch_size={args.batch}",
+            f"train.micro_batch_size={args.micro_batch}", f"train.seed={args.seed}",
+            "train.eval_batches=0", "train.log_interval=1000000", "train.eval_interval=0",
+            f"train.save_interval={args.steps}", "depth.kind=pln", f"depth.mean={args.mean_depth}",
+            "depth.cap=64", f"model.b_max={args.backprop}"]
+
+
+def _trainer(args, overrides: list[str], run_dir: Path):
+    from megaloop.config import load_config
+    from megaloop.train.trainer import Trainer
+
+    cfg = load_config(args.base, _protocol_overrides(args) + overrides)
+    t = Trainer(cfg, run_dir)
+    t.setup()
+    return t
+
+
+def _val_batches(trainer) -> list[dict]:
+    from megaloop.data import build_eval_loader
+
+    order, _, _ = trainer._val_plan()
+    loader = build_eval_loader(trainer.val_path, seq_len=trainer.val_seq, micro_batch_size=trainer.mbs,
+                               dp_rank=0, dp_size=1, cache_dir=trainer.cfg.data.cache_dir, indices=order)
+    out = [dict(b) for b in loader]
+    loader.close()
+    return out
+
+
+def _trace_ids(val: list[dict], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([b["tokens"] for b in val])[:n]
+    mask = torch.cat([b["loss_mask"] for b in val])[:n]
+    return ids, mask
+
+
+def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
+    from megaloop.eval.states import state_diagnostics, trace_export
+    from megaloop.inference.engine import load_model_from_checkpoint
+
+    run_dir = out_dir / f"run_{args.label}"
+    t = _trainer(args, overrides, run_dir)
+    losses, depths = [], []
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        rec = t.train_step()
+        losses.append(rec["loss"])
+        depths.append(rec["mean_depth"])
+    wall = time.perf_counter() - t0
+    t.save()
+    val = {str(r): t.evaluate(r)["val_ppl"] for r in args.depths}
+    from megaloop.model.build import unwrap
+
+    cores = [unwrap(m) for m in t.model]
+    init = cores[0].cfg.eval_state_init
+    for c in cores:  # control: the same depths from h^0 = 0 (no initial noise to wash out)
+        c.cfg.eval_state_init = "zero"
+    val_zero = {str(r): t.evaluate(r)["val_ppl"] for r in args.zero_init_depths}
+    for c in cores:
+        c.cfg.eval_state_init = init
+    hf, _ = load_model_from_checkpoint(run_dir)
+    ids, mask = _trace_ids(_val_batches(t), args.trace_seqs)
+    diag = state_diagnostics(mask=mask, **trace_export(hf, ids, args.trace_depth))
+    return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
+            "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides}
+
+
+def run_reference(args, out_dir: Path) -> dict:
+    from megaloop.eval.states import state_diagnostics
+    from parity_refs import Shape, load_reference, wsd_lr
+
+    t = _trainer(args, [], out_dir / f"run_{args.label}")  # megaloop's loaders and validation plan only
+    m = t.cfg.model
+    shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
+                  n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
+                  mean_depth=int(args.mean_depth), backprop=args.backprop)
+    ref = load_reference(args.system, args.ref_path, shape, args.seed)
+    decay, no_decay = [], []
+    for name, p in ref.model.named_parameters():
+        (no_decay if ref.no_decay(name, p) else decay).append(p)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+    warm = max(1, round(0.1 * args.steps))
+    losses, depths = [], []
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        mbs = [next(t.loader_iter) for _ in range(t.M)]
+        tokens = torch.cat([b["tokens"] for b in mbs])
+        labels = torch.cat([b["labels"] for b in mbs])
+        mask = torch.cat([b["loss_mask"] for b in mbs])
+        lr = wsd_lr(step + 1, args.lr, args.steps, warm, 0.2)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        loss, depth = ref.train_loss(tokens, labels, mask, step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss))
+        depths.append(depth)
+    wall = time.perf_counter() - t0
+    val_batches = _val_batches(t)
+
+    def ppl(r: int) -> float:
+        s = n = 0.0
+        for b in val_batches:
+            logits = ref.logits(b["tokens"], r)
+            ce = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(),
+                                                   reduction="none").view_as(b["loss_mask"])
+            s += float((ce * b["loss_mask"]).sum())
+            n += float(b["loss_mask"].sum())
+        return math.exp(s / n)
+
+    torch.manual_seed(args.seed)  # the references draw their evaluation-time h^0 from torch's RNG
+    val = {str(r): ppl(r) for r in args.depths}
+    init = ref.cfg.state_init
+    ref.cfg.state_init = "zero"  # control: h^0 = 0
+    val_zero = {str(r): ppl(r) for r in args.zero_init_depths}
+    ref.cfg.state_init = init
+    ids, mask = _trace_ids(val_batches, args.trace_seqs)
+    diag = state_diagnostics(mask=mask, **ref.trace(ids, args.trace_depth))
+    return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
+            "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name}
+
+
+# ------------------------------------------------------------------ report
+def _mean_last(xs: list[float], k: int = 10) -> float:
+    return sum(xs[-k:]) / len(xs[-k:])
+
+
+def render(out_dir: Path) -> Path:
+    """parity.md + parity.png from every ``*.json`` result in ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
+    res = [r for r in res if "losses" in r]
+    lines = ["| run | system | steps | train loss (mean last 10) | " +
+             " | ".join(f"val PPL R={r}" for r in res[0]["depths_evaluated"]) + " | gain R=1→5 | gain, h^0=0 | mean depth |",
+             "|---" * (7 + len(res[0]["depths_evaluated"])) + "|"]
+    for r in res:
+        v = r["val_ppl"]
+        gain = 100 * (1 - v["5"] / v["1"]) if "1" in v and "5" in v else float("nan")
+        z = r.get("val_ppl_zero_init", {})
+        gz = 100 * (1 - z["5"] / z["1"]) if "1" in z and "5" in z else float("nan")
+        lines.append(f"| {r['label']} | {r['system']} | {r['steps']} | {_mean_last(r['losses']):.3f} | " +
+                     " | ".join(f"{v[str(d)]:.2f}" for d in r["depths_evaluated"]) +
+                     f" | {gain:.2f} % | {gz:.2f} % | {sum(r['depths']) / len(r['depths']):.2f} |")
+    lines += ["", "Recurrence diagnostics (validation sequences, R = trace depth): relative state change "
+              "‖h^r−h^{r−1}‖/‖h^r‖ at r = 2/3/4, state share of the injection at r = 2, RMS of e and h^R, "
+              "contraction at r = 3.", "",
+              "| run | rel change r=2 | r=3 | r=4 | state share r=2 | RMS e | RMS h^R | contraction r=3 |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        rows = r["states"]["per_recurrence"]
+        lines.append(f"| {r['label']} | {rows[1]['rel_change']:.3g} | {rows[2]['rel_change']:.3g} | "
+                     f"{rows[3]['rel_change']:.3g} | {rows[1]['state_share']:.3f} | {r['states']['rms_e']:.3g} | "
+                     f"{rows[-1]['rms_h']:.3g} | {rows[2]['contraction']:.3g} |")
+    lines += ["", "Commands:", ""] + [f"- `{r['command']}`" for r in res]
+    refs = {r["system"]: r.get("reference_commit") for r in res if r.get("reference_commit")}
+    if refs:
+        lines += ["", "References: " + ", ".join(f"{k} at commit {v}" for k, v in sorted(refs.items()))]
+    md = out_dir / "parity.md"
+    md.write_text("\n".join(lines) + "\n")
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in res:
+        xs = r["losses"]
+        k = max(1, len(xs) // 40)
+        sm = [sum(xs[max(0, i - k):i + 1]) / len(xs[max(0, i - k):i + 1]) for i in range(len(xs))]
+        a.plot(range(1, len(xs) + 1), sm, label=r["label"])
+        ds = r["depths_evaluated"]
+        b.plot(ds, [r["val_ppl"][str(d)] for d in ds], marker="o", label=r["label"])
+    a.set_xlabel("step")
+    a.set_ylabel("train loss (smoothed)")
+    a.legend(fontsize=7)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("recurrences R")
+    b.set_ylabel("validation PPL")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "parity.png", dpi=110)
+    return md
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--system", choices=("megaloop", "huginn", "parcae"))
+    p.add_argument("--ref-path", help="root of a checkout of the reference repository (huginn/parcae)")
+    p.add_argument("--preset", default="default", help=f"megaloop config by name: {sorted(MEGALOOP_CONFIGS)}")
+    p.add_argument("--base", default="tiny", help="megaloop preset the shape and data come from")
+    p.add_argument("--label", help="result name (default: system[_preset])")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--mean-depth", type=float, default=5.0)
+    p.add_argument("--backprop", type=int, default=4)
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 5, 64])
+    p.add_argument("--zero-init-depths", type=int, nargs="+", default=[1, 5],
+                   help="depths also evaluated from h^0 = 0 (control for noise that recurrences wash out)")
+    p.add_argument("--trace-depth", type=int, default=8)
+    p.add_argument("--trace-seqs", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "parity"))
+    p.add_argument("--report", metavar="DIR", help="render parity.md/png from the results in DIR and exit")
+    p.add_argument("overrides", nargs="*", help="extra megaloop config overrides (key=value)")
+    args = p.parse_args(argv)
+    if args.report:
+        print(render(Path(args.report)).read_text())
+        return 0
+    if not args.system:
+        p.error("--system is required (or --report DIR)")
+    if args.system != "megaloop" and not args.ref_path:
+        p.error(f"--ref-path: the {args.system} reference needs the path of its checkout")
+    if args.preset not in MEGALOOP_CONFIGS:
+        p.error(f"--preset: unknown {args.preset!r}; one of {sorted(MEGALOOP_CONFIGS)}")
+    torch.set_num_threads(args.threads)
+    args.label = args.label or (args.system if args.system != "megaloop" else f"megaloop_{args.preset}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = " ".join(["python tools/bench/parity.py"] + [a if " " not in a else repr(a) for a in
+                                                       (argv if argv is not None else sys.argv[1:])])
+    if args.system == "megaloop":
+        res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + list(args.overrides), out)
+    else:
+        res = run_reference(args, out)
+    res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
+               seed=args.seed, command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
+    dest = out / f"{args.label}.json"
+    tmp = dest.with_suffix(".tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(dest)
+    v = res["val_ppl"]
+    print(f"{args.label}: train loss (last 10) {_mean_last(res['losses']):.4f}  val PPL " +
+          " ".join(f"R={k}:{x:.2f}" for k, x in v.items()) + f"  ({res['train_wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
