@@ -104,7 +104,9 @@ def model_config_from_run(run_cfg: dict, where: str):
     from megaloop.model.config import ModelConfig
 
     try:
-        mcfg = from_dict(ModelConfig, dict(run_cfg["model"]), "model")
+        model = dict(run_cfg["model"])
+        model.setdefault("embed_scale", 1.0)  # runs from before model.embed_scale: unscaled embeddings
+        mcfg = from_dict(ModelConfig, model, "model")
     except ConfigError as err:
         raise ConversionError(f"{where}: run config is not a megaloop model config: {err}") from None
     mcfg.transformer_impl = "local"

@@ -227,6 +227,12 @@ class LoopedGPT(LanguageModule):
                     parallel_state.get_tensor_model_parallel_world_size())
         return 0, 1
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embedding [b, s] -> [s, b, d] (first stage), times ``model.embed_scale``."""
+        x = self.embedding(input_ids=input_ids, position_ids=None)
+        m = self.cfg.embedding_multiplier
+        return x * m if m != 1.0 else x
+
     def init_state(self, e: torch.Tensor, noise_seed: int | list[int] | None) -> torch.Tensor:
         """h⁰: N(0, std²) or zeros. ``noise_seed`` is one seed per microbatch or one per sample
         (so the draw does not depend on how samples are spread over data-parallel ranks); the
@@ -309,9 +315,7 @@ class LoopedGPT(LanguageModule):
             raise ValueError(f"depth must be >= 1, got {depth}")
         window = min(depth, backprop if backprop is not None else cfg.b_max)
         if self.pre_process:
-            x = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, d]
-            if cfg.embedding_multiplier != 1.0:
-                x = x * cfg.embedding_multiplier
+            x = self.embed(input_ids)
         else:
             x = self._input_tensor
         mask = self.causal_mask(x.shape[0] // (2 if cfg.looped and not self.pre_process else 1), x.device)

@@ -156,7 +156,7 @@ class NativeLoopedParts:
         return self._rope[s]
 
     def prelude(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embedding(input_ids=ids, position_ids=None)  # [s, b, d]
+        x = self.model.embed(ids)  # [s, b, d], embedding scale included
         self._ctx.clear()
         return self.model.prelude(x, self.rope(x.shape[0])) if self.cfg.n_prelude else x
 

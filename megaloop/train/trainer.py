@@ -210,6 +210,7 @@ class Trainer:
 
     def _load(self, path: Path) -> None:
         common = self.ckpt.load(path, self.model, self.optimizer)
+        self._check_legacy_model(path, (common.get("config") or {}).get("model") or {})
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -239,6 +240,17 @@ class Trainer:
             changed = getattr(self, "horizon_changed_from", None)
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
+
+    def _check_legacy_model(self, path: Path, saved: dict) -> None:
+        """A checkpoint written before ``model.embed_scale`` existed was trained with multiplier 1;
+        resuming it under today's default (√d) would silently change the model: refuse, naming
+        the override that keeps it."""
+        if saved and "embed_scale" not in saved and self.cfg.model.embedding_multiplier != 1.0:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"model.embed_scale: checkpoint {path} predates model.embed_scale (its embeddings "
+                              f"are unscaled); resume it with model.embed_scale=1.0 model.init_std="
+                              f"{saved.get('init_std', 0.02)}")
 
     # ================================================================ step pieces
     def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:

@@ -168,3 +168,19 @@ def test_horizon_rule_on_the_schedule_alone():
     assert lr_at(o, 100, 100) == pytest.approx(0.0) and lr_at(o, 100, 50) == pytest.approx(1e-3)
     cos = OptimConfig(lr=1e-3, warmup_steps=10, schedule="cosine")
     assert "cosine" in check_horizon_change(cos, 100, 400, 50)
+
+
+def test_checkpoint_from_before_embed_scale_is_not_resumed_under_the_new_default(tmp_path):
+    """A checkpoint whose config has no model.embed_scale (written before it existed, unscaled
+    embeddings) is refused under today's default √d, naming the override that resumes it."""
+    import torch
+
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.stop_after=2")
+    common = tmp_path / "checkpoints" / "step_00000002" / "common.pt"
+    state = torch.load(common, weights_only=False)
+    del state["common"]["config"]["model"]["embed_scale"]
+    torch.save(state, common)
+    proc = run_train(tmp_path, "train.max_steps=4", resume="auto", expect=2)
+    err = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
+    assert len(err) == 1 and "model.embed_scale=1.0" in err[0], err
+    run_train(tmp_path, "train.max_steps=4", "model.embed_scale=1.0", resume="auto")
