@@ -13,7 +13,8 @@ copy), ``--no-hidden-loss`` / ``--no-kl-loss`` (drop one loss term). Several pro
 (``torchrun --nproc_per_node N -m megaloop.cli distill-prefill --deepspeed zero3 ...``) train the
 student under DeepSpeed ZeRO-1/2/3, each rank on its share of ``--batch-size`` rows (the teacher is
 replicated, frozen); rank 0 writes the folder. ``--save-every N`` checkpoints into
-``OUT/checkpoints``; ``--resume`` continues from the latest exactly.
+``OUT/checkpoints``; ``--resume`` continues from the latest exactly. An ``--out`` that already holds a
+student is refused unless ``--resume`` or ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed JSON config (or zero1 | zero2 | zero3, the shipped ones)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the student already in --out; without it such an --out is refused")
     return p
 
 
@@ -79,9 +82,10 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, config_dict,
                                                   evaluate_student, save_student, token_stream, train_student,
                                                   window_batches)
+    from megaloop.config_utils import ConfigError
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
-    from megaloop.rl.io import load_model, model_tokenizer
+    from megaloop.rl.io import check_model_path, load_model, model_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,15 +97,27 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"megaloop distill-prefill: error: {err}", file=sys.stderr)
         return 2
+    args_out = Path(args.out)
+    ckpt = args_out / "checkpoints"
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if not args.resume and not args.overwrite and ((args_out / "metrics.jsonl").exists()
+                                                   or (args_out / "student.json").exists()):
+        raise ConfigError(f"--out {args_out} already holds a student (metrics.jsonl / student.json); pass --resume "
+                          "to continue it or --overwrite to replace it")
+    if args.resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
+        raise ConfigError(f"--resume: no checkpoint in {ckpt}")
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),
                                    clip_grad=cfg.clip_grad, batch_flag="--batch-size")
+    check_model_path(args.teacher, "--teacher")
+    _check_data(args.data)
     info, device = init_post_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
                                          args.deepspeed)
     lead = info.rank == 0
     say = print if lead else (lambda *_a, **_k: None)
-    teacher, source = load_model(args.teacher)
+    teacher, source = load_model(args.teacher, flag="--teacher")
     if not teacher.config.looped:
         print("error: the teacher is not a looped model", file=sys.stderr)
         return 2
@@ -116,25 +132,23 @@ def _run(args: argparse.Namespace) -> int:
         train_ids, eval_ids = ids[:-n_eval], ids[-n_eval:]
         batches = window_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed, device)
         eval_it = window_batches(eval_ids, cfg.batch_size, min(cfg.seq_len, n_eval - 1), cfg.seed + 1, device)
-    except (OSError, ValueError, KeyError) as err:
-        print(f"error: data {args.data}: {err}", file=sys.stderr)
+        eval_set = [next(eval_it) for _ in range(args.eval_batches)]
+        calib = [next(batches) for _ in range(cfg.calib_batches)]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        print(f"megaloop distill-prefill: error: --data {args.data}: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    eval_set = [next(eval_it) for _ in range(args.eval_batches)]
-    calib = [next(batches) for _ in range(cfg.calib_batches)]
     sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
     say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
     student = PrefillStudent.from_teacher(teacher, args.num_layers, args.init_state, init=args.student_init,
                                           seed=cfg.seed)
     before = evaluate_student(teacher, student, eval_set, cfg, sigma2)
     say("held-out before: " + json.dumps({k: round(v, 5) for k, v in before.items()}))
-    args_out = Path(args.out)
     if lead:
         args_out.mkdir(parents=True, exist_ok=True)
         if not args.resume:
             (args_out / "metrics.jsonl").unlink(missing_ok=True)
     engine = make_engine(student, ds_config, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                          clip_grad=cfg.clip_grad)
-    ckpt = args_out / "checkpoints"
     start = 0
     if args.resume:
         client = engine.load(ckpt)
@@ -163,6 +177,25 @@ def _run(args: argparse.Namespace) -> int:
             "final_train": res["history"][-1] if res["history"] else None})
         print(f"wrote {args_out}")
     return 0
+
+
+def _check_data(data: str) -> None:
+    """Refuse a --data file that is missing, empty or not UTF-8 before anything is loaded."""
+    from megaloop.config_utils import ConfigError
+
+    if data == "default":
+        return
+    p = Path(data)
+    if not p.is_file():
+        raise ConfigError(f"--data {p}: no such file")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise ConfigError(f"--data {p}: the file is empty")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"--data {p}:{line}: not UTF-8 text") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -5,7 +5,13 @@
 
 ``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;
 ``--out`` receives an HF folder (weights, code files, tokenizer, ``megaloop_rl.json`` with the
-config and final metrics) and ``metrics.jsonl`` (one record per step).
+config and final metrics) and ``metrics.jsonl`` (one record per step). An ``--out`` that already
+holds a run is refused unless ``--resume`` (continue it) or ``--overwrite`` (replace it) is given.
+
+``--task mbpp:PATH.jsonl`` (or ``mbpp:tiny``) scores completions by running them in a bubblewrap
+sandbox (:mod:`megaloop.rl.sandbox`), ``--reward-workers`` at a time; without a working sandbox it
+refuses to start unless ``--unsafe-code-exec`` is given. The isolation used is recorded
+(``reward_isolation`` in ``metrics.jsonl``, ``reward_sandbox`` in ``megaloop_rl.json``).
 
 Several processes (``torchrun --nproc_per_node N -m megaloop.cli rl --deepspeed zero2 ...`` or the
 deepspeed launcher) train data-parallel under DeepSpeed ZeRO-1/2 (:mod:`megaloop.post`): each rank
@@ -31,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="megaloop checkpoint or HF folder")
     p.add_argument("--out", required=True, help="output HF folder")
-    p.add_argument("--task", default="arithmetic", help="arithmetic | arithmetic-pm | gsm8k:PATH.jsonl | exact:PATH.jsonl")
+    p.add_argument("--task", default="arithmetic",
+                   help="arithmetic | arithmetic-pm | gsm8k:PATH.jsonl | exact:PATH.jsonl | mbpp:PATH.jsonl | mbpp:tiny")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the model's)")
     p.add_argument("--arm", choices=ARMS, default="reuse")
     p.add_argument("--recurrences", type=int, default=5, help="R (rollout prefill/decode, recompute/bptt depth)")
@@ -57,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DeepSpeed JSON config (or zero1 | zero2 | the shipped ones): train under a ZeRO engine")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its metrics.jsonl); without it such an --out is refused")
+    p.add_argument("--reward-workers", type=int, default=4,
+                   help="mbpp: completions scored in parallel sandboxes (default 4)")
+    p.add_argument("--reward-mode", choices=("all", "fraction"), default="all",
+                   help="mbpp: 1.0 only when every test passes (all), or the share of tests passed (fraction)")
+    p.add_argument("--unsafe-code-exec", action="store_true",
+                   help="mbpp: allow running completions WITHOUT a sandbox when bubblewrap does not work here "
+                        "(recorded in metrics.jsonl and megaloop_rl.json)")
     return p
 
 
@@ -85,15 +101,18 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
+    from megaloop.config_utils import ConfigError
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
-    from megaloop.rl.io import load_model, model_tokenizer, save_hf
+    from megaloop.rl.io import check_model_path, load_model, model_tokenizer, save_hf
     from megaloop.rl.tasks import make_task
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        if args.reward_workers < 1:
+            raise ValueError(f"--reward-workers must be >= 1, got {args.reward_workers}")
         cfg = GRPOConfig(arm=args.arm, num_recurrences=args.recurrences, neumann_b=args.neumann_b,
                          bptt_window=args.bptt_window, group_size=args.group_size, prompts_per_step=args.prompts,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -101,15 +120,27 @@ def _run(args: argparse.Namespace) -> int:
                          loss_norm=args.loss_norm, kl_coef=args.kl_coef, lr=args.lr,
                          weight_decay=args.weight_decay, clip_grad=args.clip_grad or None, steps=args.steps,
                          seed=args.seed)
-        task = make_task(args.task)
+        task = make_task(args.task, reward_workers=args.reward_workers, unsafe_code_exec=args.unsafe_code_exec,
+                         reward_mode=args.reward_mode)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    out = Path(args.out)
+    metrics = out / "metrics.jsonl"
+    if not args.resume and not args.overwrite and (metrics.exists() or (out / "megaloop_rl.json").exists()):
+        raise ConfigError(f"--out {out} already holds a run (metrics.jsonl / megaloop_rl.json); pass --resume to "
+                          "continue it or --overwrite to replace it")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    ckpt = out / "checkpoints"
+    if args.resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
+        raise ConfigError(f"--resume: no checkpoint in {ckpt}")
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
                                    world=launched_world(), clip_grad=cfg.clip_grad, stages=(0, 1, 2),
                                    batch_flag="--prompts x --group-size")
+    check_model_path(args.model, "--model")
     info, device = init_post_distributed(args.device, args.deepspeed)
     model, source = load_model(args.model, num_recurrences=args.recurrences)
     tok = model_tokenizer(args.tokenizer, args.model, source)
@@ -117,9 +148,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
         return 2
     model.to(device)
-    out = Path(args.out)
     lead = info.rank == 0
-    metrics = out / "metrics.jsonl"
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         if not args.resume:
@@ -128,7 +157,6 @@ def _run(args: argparse.Namespace) -> int:
     engine = make_engine(model, ds_config, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                          clip_grad=cfg.clip_grad)
     trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine)
-    ckpt = out / "checkpoints"
     if args.resume:
         if not trainer.load(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
@@ -144,6 +172,7 @@ def _run(args: argparse.Namespace) -> int:
     summary = {"source": source, "task": args.task, "config": config_dict(cfg), "seconds": round(time.time() - t0, 2),
                "world_size": info.world, "deepspeed": None if ds_config is None else
                {"config": args.deepspeed, "zero_stage": engine.stage},
+               "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,
                "final": history[-1] if history else None,
                "reward_mean_first": history[0]["reward_mean"] if history else None,
                "reward_mean_last": history[-1]["reward_mean"] if history else None}

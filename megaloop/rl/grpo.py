@@ -197,13 +197,15 @@ def rollout(model, tokenizer: TextTokenizer, task: Task, examples: list[Example]
             model, prompt, max_new_tokens=cfg.max_new_tokens, num_recurrences=cfg.num_recurrences,
             eos_id=tokenizer.eos_id, vocab_limit=vocab_limit, temperature=cfg.temperature, top_k=cfg.top_k,
             cache_mode=cfg.cache_mode, generator=[gens[j] for j in batch_rows] if gens else generator)
-        texts, rewards = [], []
+        texts = []
         for row, i in enumerate(groups):
             n = int(mask[row].sum())
-            toks = [t for t in comp[row, :n].tolist() if t != tokenizer.eos_id]
-            text = tokenizer.decode(toks)
-            texts.append(text)
-            rewards.append(float(task.reward(examples[i], text)))
+            texts.append(tokenizer.decode([t for t in comp[row, :n].tolist() if t != tokenizer.eos_id]))
+        pairs = [(examples[i], text) for i, text in zip(groups, texts)]
+        if hasattr(task, "reward_many"):  # e.g. code rewards: a pool of sandboxes (--reward-workers)
+            rewards = [float(r) for r in task.reward_many(pairs)]
+        else:
+            rewards = [float(task.reward(e, text)) for e, text in pairs]
         r = torch.tensor(rewards, dtype=torch.float32)
         adv = group_advantages(r, torch.tensor(groups), cfg.scale_rewards)
         batches.append(RolloutBatch(ids=torch.cat([prompt, comp], 1), prompt_len=plen, mask=mask.to(device),
@@ -342,6 +344,8 @@ class GRPOTrainer:
         out = {"step": self.step_no, "arm": cfg.arm, "reward_mean": float(rewards.mean()),
                "reward_std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
                "completion_len": float(lengths.mean()), "rollout_s": t_roll}
+        if getattr(self.task, "isolation", None):  # code-execution rewards: how completions were run
+            out["reward_isolation"] = self.task.isolation
         out.update(self.update(batches))
         first = next(b for b in batches if b.rows)
         out["sample"] = {"prompt": first.examples[0].prompt, "completion": first.completions[0]}

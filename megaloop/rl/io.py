@@ -50,19 +50,49 @@ def model_tokenizer(explicit: str | Path | None, model_path: str | Path, source:
     return tok
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, num_recurrences: int | None = None):
+def check_model_path(path: str | Path, flag: str = "--model") -> str:
+    """``"hf"`` or ``"checkpoint"`` for a loadable model path, else :class:`ConfigError` (one line
+    naming ``flag`` and the path): missing, an empty directory, a file, or neither kind."""
+    from megaloop.config_utils import ConfigError
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{flag} {p}: no such file or directory")
+    if not p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a file, not an HF folder or a megaloop checkpoint")
+    if not any(p.iterdir()):
+        raise ConfigError(f"{flag} {p}: is an empty directory, not an HF folder or a megaloop checkpoint")
+    if is_hf_dir(p):
+        return "hf"
+    from megaloop.train.checkpoint import CheckpointError, find_checkpoint
+
+    try:
+        find_checkpoint(p)
+    except CheckpointError as err:
+        raise ConfigError(f"{flag} {p}: neither an HF folder (config.json with model_type \"megaloop\") nor "
+                          f"a megaloop checkpoint ({str(err).splitlines()[0]})") from None
+    return "checkpoint"
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, num_recurrences: int | None = None,
+               flag: str = "--model"):
     """``(MegaloopForCausalLM in eval mode, source description)`` from an HF folder or a megaloop
-    checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``; converted in memory, no validation)."""
+    checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``; converted in memory, no validation).
+    A path that is neither, or a checkpoint that cannot be converted, raises ``ConfigError``."""
+    from megaloop.config_utils import ConfigError
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
     path = Path(path)
-    if is_hf_dir(path):
+    if check_model_path(path, flag) == "hf":
         model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
         source = {"kind": "hf", "path": str(path)}
     else:
-        from megaloop.hf.convert import hf_config_from_native, load_native, native_to_hf_state_dict
+        from megaloop.hf.convert import ConversionError, hf_config_from_native, load_native, native_to_hf_state_dict
 
-        native, mcfg, run_cfg, ckpt, common = load_native(path)
+        try:
+            native, mcfg, run_cfg, ckpt, common = load_native(path)
+        except ConversionError as err:
+            raise ConfigError(f"{flag} {path}: {str(err).splitlines()[0]}") from None
         depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
         cfg = hf_config_from_native(mcfg, vocab_size=native.vocab_size,
                                     tokenizer_vocab_size=mcfg.vocab_size or native.vocab_size,

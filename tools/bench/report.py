@@ -31,6 +31,16 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, full BPTT)",
                 f"step time **{_f(r['ratio_megaloop_over_plain_step_time'])}×** (model TFLOP/s "
                 f"{t['megaloop']:.3g} vs {t['plain_pytorch']:.3g})")
+    if name == "rewards":
+        rows = r["rows"]
+        before = next(x for x in rows if x["variant"] == "before")
+        after = ", ".join(f"{x['workers']} worker{'s' if x['workers'] > 1 else ''} {x['rewards_per_s']}"
+                          for x in rows if x["variant"] != "before")
+        return ("Code-execution rewards/s on mbpp:tiny (bwrap sandbox + trusted verdict vs the old unsandboxed "
+                "subprocess); CPU ms per reward",
+                f"before {before['rewards_per_s']} ({before['cpu_ms_per_reward']} ms); after: {after} "
+                f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
+                f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
     if name == "tbptt_memory":
         s = r["summary"]
         return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
