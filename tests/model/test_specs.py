@@ -30,7 +30,9 @@ def test_sdpa_attention_matches_megatron_attention(megatron_world, groups):
     torch.testing.assert_close(out["sdpa"], out["megatron"], rtol=1e-5, atol=1e-5)
     assert grads["sdpa"].keys() == grads["megatron"].keys()
     for n, g in grads["sdpa"].items():
-        torch.testing.assert_close(g, grads["megatron"][n], rtol=1e-4, atol=1e-6, msg=n)
+        # atol relative to the tensor's scale (gradients reach ~5 with the √d embedding scale)
+        scale = max(1.0, float(grads["megatron"][n].abs().max()))
+        torch.testing.assert_close(g, grads["megatron"][n], rtol=1e-4, atol=1e-6 * scale, msg=n)
 
 
 def test_unknown_local_attention_is_refused():

@@ -20,7 +20,8 @@ def _grads(model):
 
 def _reference_loss(model, ids, labels, depth, window, seed):
     """Full-graph forward of every recurrence, with the state detached at r − b by hand."""
-    e = model.prelude(model.embedding(input_ids=ids, position_ids=None), model.rope(ids.shape[1]))
+    x = model.embedding(input_ids=ids, position_ids=None) * model.cfg.embedding_multiplier  # embed_scale
+    e = model.prelude(x, model.rope(ids.shape[1]))
     rope = model.rope(ids.shape[1])
     h = model.init_state(e, seed)
     ctx = model.injection.prepare(e)
