@@ -7,11 +7,22 @@
 # WANDB_MODE (offline) WANDB_PROJECT; extra arguments are dotlist overrides.
 # SIGTERM/SIGUSR1 make every rank checkpoint after its current step and stop; run the same command
 # again to continue from there.
+# Preflight: `megaloop plan --preflight` predicts the memory per GPU of the layout and the launch
+# exits 2 (one line) if it does not fit; PLAN_CLUSTER=h100|h200|b200|PATH (default: this machine's
+# GPU, skipped without one); --no-preflight (anywhere among the arguments) or PREFLIGHT=0 skips it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=launch/_setup.sh
 source "$ROOT/launch/_setup.sh"
+# shellcheck source=slurm/common.sh
+source "$ROOT/slurm/common.sh"  # megaloop_preflight
 cd "$ROOT"
+
+PREFLIGHT="${PREFLIGHT:-1}"
+ARGS=()
+for a in "$@"; do
+  if [ "$a" = --no-preflight ]; then PREFLIGHT=0; else ARGS+=("$a"); fi
+done
 
 CONFIG="${CONFIG:-tiny}"
 RUN_DIR="${RUN_DIR:-runs/$CONFIG}"
@@ -30,7 +41,11 @@ if [ -n "$VPP" ]; then OVERRIDES+=("parallel.vpp=$VPP"); fi
 if [ -n "$DATA_PATH" ]; then OVERRIDES+=("data.path=$DATA_PATH"); fi
 if [ -n "$VAL_PATH" ]; then OVERRIDES+=("data.val_path=$VAL_PATH"); fi
 
+if [ "$PREFLIGHT" != 0 ]; then
+  megaloop_preflight "$CONFIG" "$NPROC" "$NPROC" "${OVERRIDES[@]}" "${ARGS[@]}"
+fi
+
 # Forward SIGTERM/SIGUSR1 to torchrun, which passes them to the workers (checkpoint, exit 75).
 exec torchrun --standalone --nproc_per_node "$NPROC" \
   --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-  -m megaloop.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "${OVERRIDES[@]}" "$@"
+  -m megaloop.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "${OVERRIDES[@]}" "${ARGS[@]}"

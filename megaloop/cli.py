@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # subcommands whose arguments belong to the tool's own parser: `megaloop rl --help`
 DELEGATED = {"rl": ("megaloop.rl.cli", "GRPO with endpoint reuse (SPEC §9)"),
-             "distill-prefill": ("megaloop.distill.cli", "train a distilled-prefill student (SPEC §10)")}
+             "distill-prefill": ("megaloop.distill.cli", "train a distilled-prefill student (SPEC §10)"),
+             "plan": ("megaloop.plan.cli", "predict memory per rank, step time, bubble and MFU of a layout")}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

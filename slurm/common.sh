@@ -12,6 +12,10 @@
 #                                          --run-dir RUN_DIR --resume auto KEY=VALUE ...`
 #   megaloop_scale_overrides               TP/PP/VPP/DATA_PATH/VAL_PATH/WANDB_*/EXTRA_ARGS knobs of
 #                                          slurm/train_*.sh -> the array OVERRIDES
+#   megaloop_preflight CONFIG WORLD GPUS_PER_NODE [KEY=VALUE ...]
+#                                          `megaloop plan --preflight`: exit 2 (one line) if the layout
+#                                          is predicted not to fit in GPU memory; a layout it cannot
+#                                          plan (bad config, no python) only warns: the trainer checks
 #
 # Pre-emption / time limit: submit with `--signal=B:USR1@120 --requeue`. The USR1 reaches this
 # (batch) shell, which forwards it to srun; srun passes it to every task, torchrun (told to handle
@@ -35,6 +39,9 @@
 #   CPUS_PER_TASK    CPUs of each node's task (default $SLURM_CPUS_ON_NODE)
 #   SRUN_ARGS        extra srun arguments (word-split), e.g. "--container-image=... --mpi=none"
 #   OMP_NUM_THREADS  default 8
+#   PLAN_CLUSTER     cluster description for the preflight: h100|h200|b200|PATH.yaml (default auto:
+#                    this node's GPU; skipped where none is visible). PREFLIGHT=0 or the scripts'
+#                    --no-preflight argument skips it.
 
 megaloop_die() {
   echo "megaloop-slurm: error: $*" >&2
@@ -189,8 +196,39 @@ megaloop_scale_overrides() {
 }
 
 
-# The body of slurm/train_{S,M,L}.sh: knob defaults for preset $1, then set-up and training.
+# Predicted memory per GPU of the layout (megaloop/plan): refuse, exit 2 with one line, a layout
+# predicted not to fit. Anything else the planner reports (a config it rejects, no usable python)
+# is logged as a warning and the launch goes on: the trainer validates the config itself.
+megaloop_preflight() {
+  [ "$#" -ge 3 ] || megaloop_die "megaloop_preflight CONFIG WORLD GPUS_PER_NODE [KEY=VALUE ...]"
+  local config="$1" world="$2" gpn="$3" out rc=0
+  shift 3
+  out="$(python -m megaloop.cli plan --preflight --config "$config" --gpus "$world" \
+    --cluster "${PLAN_CLUSTER:-auto}" "cluster.gpus_per_node=$gpn" "$@" 2>&1)" || rc=$?
+  if [ "$rc" -ne 0 ] && [[ "$out" == *"megaloop preflight: refusing"* ]]; then
+    printf '%s\n' "$out" | grep "megaloop preflight: refusing" | tail -n 1 >&2
+    exit 2
+  fi
+  if [ "$rc" -ne 0 ]; then
+    echo "megaloop preflight: warning: could not plan this layout ($(printf '%s\n' "$out" | tail -n 1)); launching anyway"
+  else
+    printf '%s\n' "$out" | tail -n 1
+  fi
+}
+
+# The body of slurm/train_{S,M,L}.sh: knob defaults for preset $1, then set-up, preflight and
+# training. Arguments after $1 (sbatch slurm/train_L.sh --no-preflight): --no-preflight only.
 megaloop_scale_main() {
+  local preset="$1" arg
+  shift
+  PREFLIGHT="${PREFLIGHT:-1}"
+  for arg in "$@"; do
+    case "$arg" in
+      --no-preflight) PREFLIGHT=0 ;;
+      *) megaloop_die "unknown argument '$arg' (the only one is --no-preflight; settings are environment knobs)" ;;
+    esac
+  done
+  set -- "$preset"
   CONFIG="${CONFIG:-$1}"
   RUN_DIR="${RUN_DIR:-runs/$1}"
   TP="${TP:-1}"
@@ -203,5 +241,8 @@ megaloop_scale_main() {
   EXTRA_ARGS="${EXTRA_ARGS:-}"
   megaloop_setup
   megaloop_scale_overrides
+  if [ "$PREFLIGHT" != 0 ]; then
+    megaloop_preflight "$CONFIG" "$((NODES * GPUS_PER_NODE))" "$GPUS_PER_NODE" "${OVERRIDES[@]}"
+  fi
   megaloop_train "$CONFIG" "$RUN_DIR" "${OVERRIDES[@]}"
 }

@@ -8,6 +8,8 @@
 # embedded corpus) RUN_DIR (runs/L) WANDB_MODE (offline) WANDB_PROJECT (megaloop) WANDB_NAME
 # EXTRA_ARGS (more dotlist overrides, word-split) CONFIG (L); rendezvous, logs, venv: slurm/common.sh.
 # Submit from the repository root (or set MEGALOOP_ROOT). Re-submitting resumes (--resume auto).
+# Preflight: the predicted memory per GPU (megaloop plan) must fit, or the job exits 2 before
+# srun; PLAN_CLUSTER=h100|h200|b200|PATH (default: this node's GPU); `--no-preflight` skips it.
 #SBATCH --job-name=megaloop-L
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=1
@@ -29,4 +31,4 @@ done
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 
-megaloop_scale_main L
+megaloop_scale_main L "$@"

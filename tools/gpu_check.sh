@@ -9,7 +9,8 @@
 #   GPU_CHECK_CPU_SMOKE=1 bash tools/gpu_check.sh   # the same steps on CPU, tiny sizes (~1-2 min)
 # Steps: (0) install .whl/, describe the device, import the training path; (1) TP=1 logits on the GPU
 # vs the CPU FP32 reference; (2) S-config training throughput, MFU and peak memory in bf16 (and FP8
-# when TE imports); (3) the loop-overhead benchmark on the GPU; then summary.json. A failing step
+# when TE imports); (3) the loop-overhead benchmark on the GPU; then the planner's predictions for the
+# training runs (plan_calibration.json) and summary.json. A failing step
 # does not stop the others (only a failed wheel install, no CUDA device or no usable python at step 0
 # do); the script then exits 1 naming it. The CPU smoke mode runs the same scripts with the tiny
 # config and small sizes and without the CUDA requirement, and never writes into tools/bench/results/.
@@ -49,7 +50,7 @@ OUT="$(cd "$OUT" && pwd)"
 RUNS="$(cd "$RUNS" && pwd)"
 # outputs of an earlier run must not stand in for this one's
 rm -rf "$OUT"/steps.tsv "$OUT"/summary.json "$OUT"/device.json "$OUT"/logits.json "$OUT"/loop_overhead*.json \
-  "$OUT"/train_* "$OUT"/*.log
+  "$OUT"/train_* "$OUT"/*.log "$OUT"/plan_calibration.json
 
 if [ -d "$WHL" ] && compgen -G "$WHL/*.whl" >/dev/null; then
   echo "== 0. installing $(find "$WHL" -maxdepth 1 -name '*.whl' | wc -l) wheels from $WHL into $SITE"
@@ -139,6 +140,12 @@ fi
 # the result goes to $OUT (only $OUT comes back from the GPU machine; never over the committed CPU file)
 run_step loop_overhead "$T_BENCH" env MEGALOOP_BENCH_RESULTS="$OUT" "$PY" tools/bench/bench_loop_overhead.py \
   "${BENCH_ARGS[@]}"
+
+# What the planner's assumed GPU constants need (megaloop/plan): its predictions for the training runs
+# above beside their measured step time and peak memory, in $OUT/plan_calibration.json (and summary.json).
+# Not a step of the check: a failure only leaves the file out.
+"$PY" tools/gpu/plan_calibration.py "$OUT" --runs "${RUNS_EXPECTED[@]}" --warmup "$WARMUP" \
+  >"$OUT/plan_calibration.log" 2>&1 || echo "gpu_check: plan calibration failed (see $OUT/plan_calibration.log)" >&2
 
 set +e
 summarize --runs "${RUNS_EXPECTED[@]}"

@@ -5,7 +5,8 @@
 Reads OUT/steps.tsv (name, exit code, seconds per step), OUT/device.json (tools/gpu/probe.py),
 OUT/logits.json (tools/gpu/logits_check.py), OUT/train_<run>/metrics.jsonl (one JSON object per
 optimizer step, written by the trainer with train.log_interval=1) and OUT/loop_overhead*.json
-(tools/bench/bench_loop_overhead.py with MEGALOOP_BENCH_RESULTS=OUT). Each training run gets the
+(tools/bench/bench_loop_overhead.py with MEGALOOP_BENCH_RESULTS=OUT), and OUT/plan_calibration.json
+if present (tools/gpu/plan_calibration.py; recorded, not checked). Each training run gets the
 median of every metric in METRICS over its steps after the first ``--warmup``. Prints a short
 report, writes summary.json, and exits 1 (listing the problems) when a step failed, an expected
 part is missing, a median is not finite, or the GPU FP32 logits disagree with the CPU reference.
@@ -124,6 +125,10 @@ def main() -> None:
     else:
         problems.append("loop_overhead*.json is missing")
 
+    # the planner's predictions for the training runs (tools/gpu/plan_calibration.py); informational
+    calib = out / "plan_calibration.json"
+    plan_calibration = json.loads(calib.read_text()) if calib.is_file() else None
+
     summary = {
         "mode": args.mode, "ok": not problems, "problems": problems,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -131,7 +136,7 @@ def main() -> None:
         "cuda_version": device.get("cuda"), "python": device.get("python"),
         "transformer_engine": device.get("transformer_engine"), "packages": device.get("packages"),
         "steps": steps, "total_seconds": sum(s["seconds"] for s in steps.values()),
-        "logits": logits, "train": train, "loop_overhead": overhead,
+        "logits": logits, "train": train, "loop_overhead": overhead, "plan_calibration": plan_calibration,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"== summary ({out / 'summary.json'})")

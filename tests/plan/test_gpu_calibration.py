@@ -1,0 +1,33 @@
+"""tools/gpu/plan_calibration.py (what tools/gpu_check.sh records for the planner) on a fake GPU-check
+output directory: the planner's predictions beside the measured step time and memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from megaloop.config import load_config
+from tests.conftest import ROOT
+
+
+def test_plan_calibration_records_predictions(tmp_path: Path) -> None:
+    run = tmp_path / "train_bf16"
+    run.mkdir()
+    load_config("S", ["train.global_batch_size=32", "train.micro_batch_size=4"]).dump(run / "config.yaml")
+    (tmp_path / "device.json").write_text(json.dumps({"device": "NVIDIA H200", "cuda_available": True,
+                                                      "device_mem_gib": 139.8}))
+    rows = [{"step": i + 1, "depths": [5, 3, 9, 4, 6, 2, 5, 7], "step_time_s": 0.9, "mfu": 0.3, "peak_mem_gib": 30.0}
+            for i in range(6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "plan_calibration.py"), str(tmp_path),
+                           "--runs", "bf16", "--warmup", "2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / "plan_calibration.json").read_text())
+    assert out["cluster_description"] == "h200" and out["comparable"] is True
+    r = out["runs"]["bf16"]
+    assert r["steps"] == 4 and r["layout"] == "TP1 PP1 DP1 mbs4" and r["measured_step_s"] == 0.9
+    assert 0 < r["predicted_step_s"] < 10 and 0 < r["predicted_peak_allocated_gib"] < 139.8
+    assert r["memory_error"] == r["predicted_peak_allocated_gib"] / 30.0 - 1
+    assert r["implied_gemm_efficiency"] == out["assumptions"]["gemm_efficiency"] * r["predicted_step_s"] / 0.9
