@@ -407,6 +407,21 @@ class _Reader:
         self.sel.close()
 
 
+def _signal(kill, target: int) -> None:
+    """SIGKILL ``target`` with ``kill`` (os.kill / os.killpg); a target already gone is fine."""
+    try:
+        kill(target, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_until(proc: subprocess.Popen, until: float) -> None:
+    try:
+        proc.wait(timeout=max(0.05, until - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+
+
 def _kill(proc: subprocess.Popen, raw: RawRun, backend: Backend, until: float) -> None:
     """SIGKILL the namespace (its init: the kernel then kills everything in it) and wait until
     ``until`` for bwrap to reap it; or SIGKILL the unsafe run's process group. bwrap itself is
@@ -414,32 +429,17 @@ def _kill(proc: subprocess.Popen, raw: RawRun, backend: Backend, until: float) -
     namespace's init; a bwrap still waiting for a dying namespace is reaped later instead)."""
     if backend.kind == "bwrap" and raw.ns_pid and raw.pid_namespace:
         if pid_namespace_of(raw.ns_pid) == raw.pid_namespace:
-            try:
-                os.kill(raw.ns_pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _signal(os.kill, raw.ns_pid)
             # the kernel kills the rest once the init runs its exit; on a loaded host that can take
             # a while, so queue SIGKILL to every member now (twice: forks in flight)
             for _ in range(2):
                 for pid in namespace_processes(raw.pid_namespace, raw.uid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-        try:
-            proc.wait(timeout=max(0.05, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+                    _signal(os.kill, pid)
+        _wait_until(proc, until)
         return
     if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            proc.wait(timeout=max(0.05, until - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
+        _signal(os.killpg, proc.pid)
+        _wait_until(proc, until)
 
 
 def _reap_later(proc: subprocess.Popen, uid: int | None) -> None:
