@@ -212,18 +212,13 @@ def simulate(pp: int, m: int, cost: Callable[[str, int, int], float], *, vpp: in
                     _, sends, recvs = item
                     if not posted[k]:  # post every message of the step at the rank's current time
                         my_idx[k] = []
-                        for d, peer in sends:
-                            key = (d, k, peer)
-                            i = n_sent.get(key, 0)
-                            n_sent[key] = i + 1
-                            sent.setdefault(key, []).append(now[k])
-                            my_idx[k].append((key, i, True))
-                        for d, peer in recvs:
-                            key = (d, peer, k)
-                            i = n_recv.get(key, 0)
-                            n_recv[key] = i + 1
-                            recvd.setdefault(key, []).append(now[k])
-                            my_idx[k].append((key, i, False))
+                        for msgs, count, log, is_send in ((sends, n_sent, sent, True), (recvs, n_recv, recvd, False)):
+                            for d, peer in msgs:
+                                key = (d, k, peer) if is_send else (d, peer, k)
+                                i = count.get(key, 0)
+                                count[key] = i + 1
+                                log.setdefault(key, []).append(now[k])
+                                my_idx[k].append((key, i, is_send))
                         posted[k] = True
                     done = now[k]
                     ready = True
