@@ -69,11 +69,8 @@ class PrefillStudent(nn.Module):
         if init not in ("teacher", "random"):
             raise ValueError(f"student init: 'teacher' or 'random', got {init!r}")
         student = cls(teacher.config, num_layers, init_state)
-        body = teacher.model
         if init == "teacher":
-            student.injection.load_state_dict(body.injection.state_dict())
-            for i, layer in enumerate(student.layers):
-                layer.load_state_dict(body.core[i % len(body.core)].state_dict())
+            student.copy_block(*teacher.model.recurrent_block())
         else:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)
@@ -85,24 +82,26 @@ class PrefillStudent(nn.Module):
         p = next(teacher.parameters())
         return student.to(device=p.device, dtype=p.dtype)
 
+    def copy_block(self, injection: nn.Module, core: nn.ModuleList) -> None:
+        """Load the teacher's injection and core layers (cyclically when the student is deeper)."""
+        self.injection.load_state_dict(injection.state_dict())
+        for i, layer in enumerate(self.layers):
+            layer.load_state_dict(core[i % len(core)].state_dict())
+
     def zero3_external_parameters(self) -> list[nn.Parameter]:
         """Parameters used outside a submodule ``forward`` (the injection's ``prepare``/``exit``):
         ZeRO-3 must gather them for the whole student forward."""
         return list(self.injection.parameters())
 
-    def forward(self, e: torch.Tensor, h0: torch.Tensor, rope, mask=None) -> torch.Tensor:
-        inj = self.injection
-        z = inj(h0, inj.prepare(e))
-        e_qkv = e if inj.uses_qkv_injection else None
-        for layer in self.layers:
-            z, _ = layer(z, rope, mask, None, e_qkv)
-        return inj.exit(z)
+    def forward(self, p, h0: torch.Tensor) -> torch.Tensor:
+        """``ẑ`` [b, s, d] from ``h⁰`` [b, s, d] over the teacher's pass ``p`` (a
+        :class:`~megaloop.hf.modeling_megaloop.LoopedPass`: its ``e``, rotary tables and mask)."""
+        return p.step(h0, block=self)[0]
 
 
-def student_init_state(teacher, student, parts: HFLoopedParts, e: torch.Tensor) -> torch.Tensor:
-    if getattr(student, "init_state", "teacher") == "zero":
-        return torch.zeros_like(e)
-    return teacher.model.init_state(e, parts.positions(e))
+def student_init_state(student, p) -> torch.Tensor:
+    """The student's ``h⁰`` on pass ``p``: the teacher's evaluation init, or zeros."""
+    return p.init_state(zero=getattr(student, "init_state", "teacher") == "zero")
 
 
 # ----------------------------------------------------------------------------- loss and training
@@ -135,9 +134,9 @@ class DistillConfig:
 @torch.no_grad()
 def teacher_targets(teacher, parts: HFLoopedParts, student, ids: torch.Tensor, depth: int):
     """``(e, h⁰, z^R, teacher logits)`` of the frozen teacher (parallel pass, eval init)."""
-    e = parts.prelude(ids)
-    h0 = student_init_state(teacher, student, parts, e)
-    z = teacher.model.init_state(e, parts.positions(e))
+    e = parts.encode(ids)
+    h0 = student_init_state(student, parts.pass_for(e))
+    z = parts.init_state(e)
     for _ in range(depth):
         z = parts.step(z, e)
     return e, h0, z, parts.readout(z)
@@ -149,8 +148,8 @@ def calibrate_sigma2(teacher, batches, depth: int) -> float:
     parts = HFLoopedParts(teacher)
     total, count = 0.0, 0
     for ids in batches:
-        e = parts.prelude(ids)
-        z = teacher.model.init_state(e, parts.positions(e))
+        e = parts.encode(ids)
+        z = parts.init_state(e)
         for _ in range(depth):
             z = parts.step(z, e)
         total += float(z.double().pow(2).sum())
@@ -198,7 +197,7 @@ def _frozen(model: nn.Module):
 def student_step_loss(teacher, parts, student, ids, cfg: DistillConfig, sigma2: float, forward=None):
     """Loss of one batch; ``forward`` calls the student (default ``student``; a DeepSpeed engine)."""
     e, h0, z_t, logits_t = teacher_targets(teacher, parts, student, ids, cfg.depth)
-    z_hat = (forward or student)(e, h0, parts.rope(e))
+    z_hat = (forward or student)(parts.pass_for(e), h0)
     logits_hat = parts.readout(z_hat)
     vocab = getattr(teacher.config, "tokenizer_vocab_size", None)
     return distill_loss(z_hat, z_t, logits_hat, logits_t, sigma2, cfg.lambda_kl, vocab,
@@ -216,8 +215,9 @@ def evaluate_student(teacher, student, batches, cfg: DistillConfig, sigma2: floa
     with _frozen(teacher):
         for ids in batches:
             loss, terms = student_step_loss(teacher, parts, student, ids, cfg, sigma2)
-            e = parts.prelude(ids)
-            z_hat = student(e, student_init_state(teacher, student, parts, e), parts.rope(e))
+            e = parts.encode(ids)
+            p = parts.pass_for(e)
+            z_hat = student(p, student_init_state(student, p))
             lg_s = parts.readout(parts.step(z_hat, e))[..., :vocab]
             lg_t = teacher(ids, use_cache=False, num_recurrences=cfg.depth).logits[..., :vocab]
             lp, lq = torch.log_softmax(lg_t.float(), -1), torch.log_softmax(lg_s.float(), -1)
@@ -314,43 +314,21 @@ def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_
     empty (a fresh ``model.new_cache("terminal")`` by default); decode afterwards with
     ``model(next_ids, past_key_values=cache)`` at any depth. ``attention_mask`` [b, s] (0 = left
     padding) and ``position_ids`` [b, s] follow the teacher's own forward."""
-    from megaloop.hf.modeling_megaloop import rotary_cos_sin
-
-    body, cfg = model.model, model.config
     if cache is None:
         cache = model.new_cache("terminal")
     if cache.mode != "terminal":
         raise ValueError("student prefill fills a terminal cache (one KV bank per physical layer)")
     if cache.get_seq_length():
         raise ValueError("student prefill needs an empty cache (the student has no KV of earlier tokens)")
-    b, s = input_ids.shape
-    x = body.embed_tokens(input_ids)
-    if position_ids is None:
-        positions = torch.arange(s, device=x.device)[None].expand(b, s)
-    else:
-        positions = position_ids if position_ids.dim() == 2 else position_ids[None].expand(b, s)
-    mask = body.attention_mask_for(attention_mask, b, s, 0, x.device)
-    rope = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-    new: dict = {}
-    for i, layer in enumerate(body.prelude):
-        x, new[("prelude", i, 0)] = layer(x, rope, mask, None)
-    e = x
-    h0 = torch.zeros_like(e) if getattr(student, "init_state", "teacher") == "zero" else body.init_state(e, positions)
-    z_hat = student(e, h0, rope, mask)
-    inj = body.injection
-    z = inj(z_hat, inj.prepare(e))
-    e_qkv = e if inj.uses_qkv_injection else None
-    for i, layer in enumerate(body.core):
-        z, new[("core", i, 0)] = layer(z, rope, mask, None, e_qkv)
-    h = inj.exit(z)
-    for i, layer in enumerate(body.coda):
-        h, new[("coda", i, 0)] = layer(h, rope, mask, None)
-    cache.batch_size = b
-    cache.commit(new, 1, s)
-    h = body.norm(h)
-    if logits_to_keep:
-        h = h[:, -logits_to_keep:]
-    return model.lm_head(h), cache
+    p = model.begin(input_ids, positions=position_ids, attention_mask=attention_mask)
+    h, core_kv = p.step(student(p, student_init_state(student, p)))
+    logits, coda_kv = p.readout(h, keep=logits_to_keep)
+    new = {("prelude", i, 0): kv for i, kv in enumerate(p.prelude_kv)}
+    new.update({("core", i, 0): kv for i, kv in enumerate(core_kv)})
+    new.update({("coda", i, 0): kv for i, kv in enumerate(coda_kv)})
+    cache.batch_size = input_ids.shape[0]
+    cache.commit(new, 1, input_ids.shape[1])
+    return logits, cache
 
 
 @torch.no_grad()

@@ -83,27 +83,19 @@ def trace_export(model, input_ids: torch.Tensor, depth: int) -> dict:
     """Trace a :class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM` (the evaluation model):
     e [b, s, d], states [h^0 … h^R] and the injection split per recurrence, in evaluation mode
     (the evaluation-time state init)."""
-    core = model.model
-    if not core.config.looped:
+    if not model.config.looped:
         raise ValueError("model: an untied (non-looped) model has no recurrence to trace")
     model.eval()
-    out = core(input_ids=input_ids, num_recurrences=depth, output_hidden_states=True, use_cache=False)
-    hs = out.hidden_states  # embedding, e, h^1..h^R, coda output
-    e = hs[1]
-    b, s = input_ids.shape
-    positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)
-    h0 = core.init_state(e, positions)
-    states = [h0] + list(hs[2:2 + depth])
-    inj = core.injection
-    ctx = inj.prepare(e)
-    parts: list = []
+    p = model.begin(input_ids)
+    states, parts = [p.init_state()], []
     for r in range(depth):
-        if getattr(inj, "uses_qkv_injection", False):
+        if p.e_qkv is not None:  # DEQ-QKV: e enters Q/K/V, there is no additive split
             parts.append(None)
-            continue
-        base = inj(torch.zeros_like(states[r]), ctx)
-        parts.append((inj(states[r], ctx) - base, base))
-    return {"e": e, "states": states, "parts": parts}
+        else:
+            base = p.inject(torch.zeros_like(states[r]))
+            parts.append((p.inject(states[r]) - base, base))
+        states.append(p.step(states[r], r)[0])
+    return {"e": p.e, "states": states, "parts": parts}
 
 
 def format_table(diag: dict) -> list[list]:

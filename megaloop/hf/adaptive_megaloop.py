@@ -84,15 +84,6 @@ class ExitPolicy:
         return self.criterion != "latent"
 
 
-def _take(t, idx: Optional[torch.Tensor], b: int):
-    """Rows ``idx`` of batch-first tensors (tuples recursed; broadcast / per-channel ones kept)."""
-    if idx is None or t is None:
-        return t
-    if isinstance(t, tuple):
-        return tuple(_take(x, idx, b) for x in t)
-    return t.index_select(0, idx) if t.dim() >= 2 and t.shape[0] == b else t
-
-
 @torch.no_grad()
 def adaptive_decode(model, input_ids: torch.Tensor, cache, policy: ExitPolicy,
                     attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None):
@@ -103,9 +94,7 @@ def adaptive_decode(model, input_ids: torch.Tensor, cache, policy: ExitPolicy,
     Returns ``(logits [b, 1, vocab_size] (model dtype), depths [b] (long), row_recurrences)``:
     ``row_recurrences`` counts the (row, recurrence) core evaluations actually computed.
     """
-    from .modeling_megaloop import rotary_cos_sin
-
-    lm, cfg = model.model, model.config
+    cfg = model.config
     if not cfg.looped:
         raise ValueError("exit_criterion: adaptive depth needs a looped model (arch='looped')")
     b, s = input_ids.shape
@@ -113,63 +102,41 @@ def adaptive_decode(model, input_ids: torch.Tensor, cache, policy: ExitPolicy,
     if s != 1 or past == 0:
         raise ValueError(f"adaptive decoding feeds one token per row after a prefill; got {s} tokens "
                          f"over {past} cached")
-    x = lm.embed_tokens(input_ids)
-    dev = x.device
-    if position_ids is None:
-        position_ids = torch.full((b, 1), past, dtype=torch.long, device=dev)
-    elif position_ids.dim() == 1:
-        position_ids = position_ids[None].expand(b, 1)
-    mask = lm.attention_mask_for(attention_mask, b, 1, past, dev)
-    rope = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+    full = model.begin(input_ids, positions=position_ids, attention_mask=attention_mask, past=cache)
+    dev = input_ids.device
     per_visit = cache.mode == "per_visit"
-    new: dict = {}
-    for i, layer in enumerate(lm.prelude):
-        x, new[("prelude", i, 0)] = layer(x, rope, mask, cache.read("prelude", i))
-    e = x
-    h = lm.init_state(e, position_ids)
-    ctx = lm.injection.prepare(e)
-    e_qkv = e if lm.injection.uses_qkv_injection else None
+    new: dict = {("prelude", i, 0): kv for i, kv in enumerate(full.prelude_kv)}
+    h = full.init_state()
     vocab = cfg.tokenizer_vocab_size
-
-    def readout(hs, rope_s, mask_s, idx):  # FP32 log-probs over the real vocabulary, [n, V]
-        y = hs
-        for i, layer in enumerate(lm.coda):
-            y, _ = layer(y, rope_s, mask_s, _take(cache.read("coda", i), idx, b))
-        return torch.log_softmax(model.lm_head(lm.norm(y))[:, -1, :vocab].float(), -1)
-
     depths = torch.zeros(b, dtype=torch.long, device=dev)
     active = torch.ones(b, dtype=torch.bool, device=dev)
     idx = None  # rows computed this recurrence (None: all b rows)
-    sub = (ctx, e_qkv, rope, mask)
-    core_kv = [None] * len(lm.core)  # full-batch KV of each core layer (finished rows frozen)
-    banks: dict = {}  # cached core banks gathered for the current rows (terminal: one per layer)
+    p = full  # the pass over the rows computed
+    core_kv: list = []  # full-batch KV of each core layer (finished rows frozen)
     prev_lp = prev_top = streak = None
     computed, run = 0, 0
     for r in range(policy.max_depth):
         run = r + 1
-        ctx_s, e_s, rope_s, mask_s = sub
-        hs = _take(h, idx, b)
+        hs = h if idx is None else h.index_select(0, idx)
         all_active = idx is None and bool(active.all())
-        z = lm.injection(hs, ctx_s)
-        for i, layer in enumerate(lm.core):
-            key = (i, r if per_visit else 0)
-            if key not in banks:
-                banks[key] = _take(cache.read("core", i, r), idx, b)
-            z, kv = layer(z, rope_s, mask_s, banks.pop(key) if per_visit else banks[key], e_s)
-            if core_kv[i] is None or all_active:
+        h_new, kvs = p.step(hs, r)
+        for i, kv in enumerate(kvs):
+            if len(core_kv) <= i:
+                core_kv.append(kv)
+            elif all_active:
                 core_kv[i] = kv
             elif idx is not None:
-                core_kv[i] = tuple(full.index_copy(0, idx, part) for full, part in zip(core_kv[i], kv))
+                core_kv[i] = tuple(whole.index_copy(0, idx, part) for whole, part in zip(core_kv[i], kv))
             else:
                 keep = active[:, None, None, None]
-                core_kv[i] = tuple(torch.where(keep, part, full) for full, part in zip(core_kv[i], kv))
+                core_kv[i] = tuple(torch.where(keep, part, whole) for whole, part in zip(core_kv[i], kv))
             if per_visit:
                 new[("core", i, r)] = core_kv[i]
         computed += hs.shape[0]
-        h_new = lm.injection.exit(z)
         rows_active = active if idx is None else active.index_select(0, idx)  # [n] (all True if compacted)
         if run >= policy.min_depth - 1 and policy.needs_readout:
-            lp = readout(h_new, rope_s, mask_s, idx)
+            logits, _ = p.readout(h_new, keep=1)  # FP32 log-probs over the real vocabulary, [n, V]
+            lp = torch.log_softmax(logits[:, -1, :vocab].float(), -1)
             top = lp.argmax(-1)
             if policy.criterion == "kl" and prev_lp is not None:
                 stat = (lp.exp() * (lp - prev_lp)).sum(-1).clamp_min(0.0)  # rounding can dip below 0
@@ -198,28 +165,15 @@ def adaptive_decode(model, input_ids: torch.Tensor, cache, policy: ExitPolicy,
         if policy.compaction and bool(stop.any()):
             left = ~stop  # subset rows that continue
             idx = active.nonzero().squeeze(1)
-            banks = {}
-            sub = (_take(ctx, idx, b), _take(e_qkv, idx, b), _take(rope, idx, b), _take(mask, idx, b))
+            p = full.rows(idx)
             if prev_lp is not None:
                 prev_lp, prev_top, streak = prev_lp[left], prev_top[left], streak[left]
     if not per_visit:
-        for i in range(len(lm.core)):
-            new[("core", i, run - 1)] = core_kv[i]
-    x = h
-    for i, layer in enumerate(lm.coda):
-        x, new[("coda", i, 0)] = layer(x, rope, mask, cache.read("coda", i))
+        new.update({("core", i, run - 1): kv for i, kv in enumerate(core_kv)})
+    logits, kvs = full.readout(h)
+    new.update({("coda", i, 0): kv for i, kv in enumerate(kvs)})
     cache.commit(new, run, 1)
-    return model.lm_head(lm.norm(x)), depths, computed
+    return logits, depths, computed
 
 
-def adaptive_forward(model, input_ids, cache, policy: ExitPolicy, attention_mask=None, position_ids=None):
-    """``adaptive_decode`` as a causal-LM output (for ``generate``); each step's per-row depths are
-    appended to ``cache.exit_depths`` (a list of [b] tensors)."""
-    from .modeling_megaloop import CACHE_FIELD, CausalLMOutputWithPast
-
-    logits, depths, _ = adaptive_decode(model, input_ids, cache, policy, attention_mask, position_ids)
-    cache.exit_depths.append(depths.cpu())
-    return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: cache})
-
-
-__all__ = ["CRITERIA", "ExitPolicy", "adaptive_decode", "adaptive_forward"]
+__all__ = ["CRITERIA", "ExitPolicy", "adaptive_decode"]

@@ -31,6 +31,11 @@ new tokens' depth-``r`` KV, causally, plus the cached prefix banks); afterwards 
   run deeper than the cached ones, recurrence ``r`` reads each cached token's visit
   ``min(r, R_token − 1)``. Token-by-token per-visit decoding equals the plain parallel forward.
 
+Recurrence API (:class:`LoopedPass`, from ``model.begin(input_ids)``): ``init_state``, ``step(h, r)``
+(one recurrence), ``readout(h)`` (coda → norm → head), ``rows(idx)``. The forward, adaptive decoding,
+megaloop's fixed-point solver, RL gradient estimators and distilled prefill all walk the model
+through it; nothing else touches the prelude / core / injection / coda modules.
+
 Adaptive per-token depth (``exit_criterion="latent:1e-3"``, ``min_depth``, ``max_depth`` as forward /
 ``generate`` kwargs or config fields): one-token steps over a filled cache stop each row's recurrence
 when its state settles (``adaptive_megaloop.py``); ``cache.exit_depths`` logs the per-row depths.
@@ -46,7 +51,8 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Optional, Union
+from contextlib import nullcontext
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -54,12 +60,14 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from .adaptive_megaloop import ExitPolicy, adaptive_forward
+from .adaptive_megaloop import ExitPolicy, adaptive_decode
 from .cache_megaloop import MegaloopCache, _Bank, one_cache  # noqa: F401  (re-exported)
 from .configuration_megaloop import MegaloopConfig
 from .injection_megaloop import (DEQInjection, DiagonalInjection, HuginnInjection,  # noqa: F401  (re-exported)
                                  build_injection, inverse_softplus, rms_norm)
 
+KV = tuple[torch.Tensor, torch.Tensor]
+BankReader = Callable[[str, int, int], Optional[KV]]  # (group, layer index, recurrence) -> cached (k, v)
 EVAL_NOISE_STRIDE = 1_000_003
 # transformers APIs that differ (4.57 … 5.x), detected by feature: recent 5.x name the outputs' cache field
 # ``cache`` (``past_key_values`` warns); 5.x generate() passes ``next_sequence_length``, 4.x ``cache_position``.
@@ -190,6 +198,123 @@ class MegaloopLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv
 
 
+# ----------------------------------------------------------------------------- recurrence API
+def _take_rows(t, idx: torch.Tensor, b: int):
+    """Rows ``idx`` of batch-first tensors (tuples recursed; broadcast tensors kept)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_take_rows(x, idx, b) for x in t)
+    return t.index_select(0, idx) if t.dim() >= 2 and t.shape[0] == b else t
+
+
+class LoopedPass:
+    """The recurrence of a looped :class:`MegaloopModel`, one piece at a time — the single way
+    code outside this file walks the model (HF forward, adaptive decoding, fixed-point solver,
+    RL gradient estimators, distilled prefill)::
+
+        p = lm.begin(input_ids)          # embedding + prelude over the new tokens: p.e [b, s, d]
+        h = p.init_state()               # h⁰ [b, s, d] (eval: per-position Gaussian; train: noise)
+        h, kv = p.step(h, r)             # recurrence r: exit(core(inject(h, e))); kv: one (k, v) per core layer
+        logits, kv = p.readout(h)        # coda → final norm → head: [b, s, V]; kv: one per coda layer
+
+    Attention reads earlier tokens through ``read(group, layer, recurrence)`` (a
+    :class:`MegaloopCache`, a dict of frozen banks ``{(group, layer): (k, v)}`` or nothing); the
+    new tokens attend to each other causally at the same recurrence, as in training. The new
+    K/V are returned, never stored: the caller decides what a cache keeps.
+    """
+
+    def __init__(self, model: "MegaloopModel", x: torch.Tensor, positions: torch.Tensor,
+                 mask: Optional[torch.Tensor], read: Optional[BankReader], head: Optional[nn.Module] = None,
+                 e: Optional[torch.Tensor] = None):
+        cfg = model.config
+        self.model, self.config, self.head = model, cfg, head
+        self.positions, self.mask = positions, mask
+        self.read: BankReader = read or (lambda group, index, recurrence: None)
+        self.rope = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        self.prelude_kv: list[KV] = []
+        if e is None:
+            for i, layer in enumerate(model.prelude):
+                x, kv = layer(x, self.rope, mask, self.read("prelude", i, 0))
+                self.prelude_kv.append(kv)
+            e = x
+        self.e = e
+        self.e_qkv = e if model.injection.uses_qkv_injection else None
+        self._ctx = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.e.shape[0]
+
+    @property
+    def ctx(self):
+        """``injection.prepare(e)``, built once, with autograd whenever ``e`` carries a graph (a
+        first step under ``no_grad`` — TBPTT's skipped recurrences — must not leave it graph-less)."""
+        if self._ctx is None:
+            with torch.enable_grad() if self.e.requires_grad else nullcontext():
+                self._ctx = self.model.injection.prepare(self.e)
+        return self._ctx
+
+    def init_state(self, zero: bool = False) -> torch.Tensor:
+        """``h⁰`` [b, s, d] in the model's mode (``zero=True``: zeros)."""
+        return torch.zeros_like(self.e) if zero else self.model.init_state(self.e, self.positions)
+
+    def inject(self, h: torch.Tensor) -> torch.Tensor:
+        """The core's input ``inject(h, e)`` [b, s, d] (DEQ-QKV: ``h``; ``e`` enters Q/K/V)."""
+        return self.model.injection(h, self.ctx)
+
+    def step(self, h: torch.Tensor, r: int = 0, block=None) -> tuple[torch.Tensor, list[KV]]:
+        """Recurrence ``r`` (0-based; selects the per-visit cached banks): ``exit(core(inject(h, e)))``.
+        ``block`` (an object with ``injection`` and ``layers``, e.g. a prefill student) replaces the
+        model's own injection and core layers."""
+        inj, layers = (self.model.injection, self.model.core) if block is None else (block.injection, block.layers)
+        ctx = self.ctx if block is None else inj.prepare(self.e)
+        z, kvs = inj(h, ctx), []
+        for i, layer in enumerate(layers):
+            z, kv = layer(z, self.rope, self.mask, self.read("core", i, r), self.e_qkv)
+            kvs.append(kv)
+        return inj.exit(z), kvs
+
+    def coda(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """Coda layers over the state (before the final norm) and their K/V."""
+        kvs = []
+        for i, layer in enumerate(self.model.coda):
+            h, kv = layer(h, self.rope, self.mask, self.read("coda", i, 0))
+            kvs.append(kv)
+        return h, kvs
+
+    def readout(self, h: torch.Tensor, keep: int = 0) -> tuple[torch.Tensor, list[KV]]:
+        """Logits [b, s | keep, V] of state ``h`` (coda → final norm → head) and the coda K/V."""
+        if self.head is None:
+            raise ValueError("readout needs the head: begin the pass on MegaloopForCausalLM")
+        x, kvs = self.coda(h)
+        x = self.model.norm(x)
+        return self.head(x[:, -keep:] if keep else x), kvs
+
+    def rows(self, idx: torch.Tensor) -> "LoopedPass":
+        """This pass restricted to batch rows ``idx`` (cached banks gathered on first read)."""
+        b, sub = self.batch_size, object.__new__(LoopedPass)
+        sub.__dict__.update(self.__dict__)
+        sub.positions, sub.mask = _take_rows(self.positions, idx, b), _take_rows(self.mask, idx, b)
+        sub.rope, sub.e, sub.e_qkv = _take_rows(self.rope, idx, b), self.e[idx], _take_rows(self.e_qkv, idx, b)
+        sub._ctx = _take_rows(self.ctx, idx, b)
+        sub.prelude_kv = [_take_rows(kv, idx, b) for kv in self.prelude_kv]
+        gathered: dict = {}
+        base = self.read
+
+        def read(group: str, index: int, recurrence: int) -> Optional[KV]:
+            kv = base(group, index, recurrence)
+            if kv is None:
+                return None
+            key = (group, index, kv[0].data_ptr(), tuple(kv[0].shape))
+            if key not in gathered:
+                gathered[key] = _take_rows(kv, idx, b)
+            return gathered[key]
+
+        sub.read = read
+        return sub
+
+
 # ----------------------------------------------------------------------------- models
 class MegaloopPreTrainedModel(PreTrainedModel):
     config_class = MegaloopConfig
@@ -310,6 +435,39 @@ class MegaloopModel(MegaloopPreTrainedModel):
             allowed = allowed | diag[None, None]
         return allowed
 
+    def begin(self, input_ids: Optional[torch.Tensor] = None, *, e: Optional[torch.Tensor] = None,
+              positions: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None,
+              past: Union[MegaloopCache, Mapping, None] = None, head: Optional[nn.Module] = None) -> LoopedPass:
+        """A :class:`LoopedPass` over new tokens ``input_ids`` [b, s] (or a given prelude output
+        ``e`` [b, s, d], skipping embedding and prelude). ``positions`` [b, s] default to the
+        tokens after the ``past`` ones; ``attention_mask`` [b, past + s] marks padding with 0;
+        ``past`` is a :class:`MegaloopCache` (read, never written) or frozen banks
+        ``{(group, layer): (k, v)}`` of earlier tokens."""
+        if not self.config.looped:
+            raise ValueError("the recurrence API needs a looped model (arch='looped'), got an untied one")
+        if (input_ids is None) == (e is None):
+            raise ValueError("pass exactly one of input_ids or e")
+        if isinstance(past, Mapping):
+            banks = past
+            past_len = next(iter(banks.values()))[0].shape[2] if banks else 0
+            read = (lambda group, index, recurrence: banks.get((group, index))) if banks else None
+        else:
+            past_len = past.get_seq_length() if past is not None else 0
+            read = past.read if past is not None else None
+        ref = e if e is not None else input_ids
+        b, s = ref.shape[0], ref.shape[1]
+        if positions is None:
+            positions = torch.arange(past_len, past_len + s, device=ref.device)[None].expand(b, s)
+        elif positions.dim() == 1:
+            positions = positions[None].expand(b, s)
+        mask = self.attention_mask_for(attention_mask, b, s, past_len, ref.device)
+        x = self.embed_tokens(input_ids) if e is None else e
+        return LoopedPass(self, x, positions, mask, read, head, e=e)
+
+    def recurrent_block(self) -> tuple[nn.Module, nn.ModuleList]:
+        """The injection and core layers of one recurrence (e.g. to copy into a prefill student)."""
+        return self.injection, self.core
+
     # ------------------------------------------------------------ forward
     def forward(
         self,
@@ -351,37 +509,27 @@ class MegaloopModel(MegaloopPreTrainedModel):
         elif position_ids.dim() == 1:
             position_ids = position_ids[None].expand(b, s)
         mask = self.attention_mask_for(attention_mask, b, s, past, x.device)
-        rope = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
         keep_all = cache is not None and cache.mode == "per_visit"
         new: dict = {}
         states = [x] if output_hidden_states else None
-
-        def run(group: str, layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-            for i, layer in enumerate(layers):
-                x, kv = layer(x, rope, mask, cache.read(group, i) if cache is not None else None)
-                if cache is not None:
-                    new[(group, i, 0)] = kv
-            return x
-
         if cfg.looped:
-            e = run("prelude", self.prelude, x)
+            p = LoopedPass(self, x, position_ids, mask, cache.read if cache is not None else None)
+            new.update({("prelude", i, 0): kv for i, kv in enumerate(p.prelude_kv)})
             if states is not None:
-                states.append(e)
-            h = self.init_state(e, position_ids)
-            ctx = self.injection.prepare(e)
-            e_qkv = e if self.injection.uses_qkv_injection else None
+                states.append(p.e)
+            h = p.init_state()
             for r in range(depth):
-                z = self.injection(h, ctx)
-                for i, layer in enumerate(self.core):
-                    z, kv = layer(z, rope, mask, cache.read("core", i, r) if cache is not None else None, e_qkv)
-                    if cache is not None and (keep_all or r == depth - 1):
-                        new[("core", i, r)] = kv
-                h = self.injection.exit(z)
+                h, kvs = p.step(h, r)
+                if keep_all or r == depth - 1:
+                    new.update({("core", i, r): kv for i, kv in enumerate(kvs)})
                 if states is not None:
                     states.append(h)
-            x = run("coda", self.coda, h)
+            x, kvs = p.coda(h)
+            new.update({("coda", i, 0): kv for i, kv in enumerate(kvs)})
         else:
-            x = run("layers", self.layers, x)
+            rope = rotary_cos_sin(position_ids, cfg.head_dim, cfg.rope_theta, x.dtype)
+            for i, layer in enumerate(self.layers):
+                x, new[("layers", i, 0)] = layer(x, rope, mask, cache.read("layers", i) if cache is not None else None)
         if cache is not None:
             if cache.batch_size is None:
                 cache.batch_size = b
@@ -448,6 +596,10 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         elsize = torch.empty((), dtype=dtype or self.dtype).element_size()
         return banks * 2 * cfg.num_key_value_heads * cfg.head_dim * elsize
 
+    def begin(self, input_ids: Optional[torch.Tensor] = None, **kwargs) -> LoopedPass:
+        """:meth:`MegaloopModel.begin` with this model's head, so the pass has a ``readout``."""
+        return self.model.begin(input_ids, head=self.lm_head, **kwargs)
+
     def exit_policy(self, exit_criterion=None, min_depth=None, max_depth=None) -> Optional[ExitPolicy]:
         """Adaptive-depth policy of these arguments, else of the config; None = fixed depth."""
         cfg, spec = self.config, exit_criterion if exit_criterion is not None else self.config.exit_criterion
@@ -484,7 +636,9 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         policy = self.exit_policy(exit_criterion, min_depth, max_depth)
         if (policy is not None and hasattr(past_key_values, "commit") and input_ids is not None
                 and input_ids.shape[1] == 1 and past_key_values.get_seq_length() > 0):
-            return adaptive_forward(self, input_ids, past_key_values, policy, attention_mask, position_ids)
+            logits, depths, _ = adaptive_decode(self, input_ids, past_key_values, policy, attention_mask, position_ids)
+            past_key_values.exit_depths.append(depths.cpu())  # the per-row depths of each adaptive step
+            return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: past_key_values})
         if labels is not None and use_cache is None and past_key_values is None:
             use_cache = False  # a scoring/training forward needs no cache
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -539,4 +693,4 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         return inputs  # (beam search reorders the cache through MegaloopCache.reorder_cache)
 
 
-__all__ = ["MegaloopCache", "MegaloopForCausalLM", "MegaloopModel", "MegaloopPreTrainedModel", "eval_noise"]
+__all__ = ["LoopedPass", "MegaloopCache", "MegaloopForCausalLM", "MegaloopModel", "MegaloopPreTrainedModel", "eval_noise"]

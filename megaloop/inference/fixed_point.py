@@ -180,48 +180,27 @@ class LoopedStepper:
     """
 
     def __init__(self, model, ids: torch.Tensor, start: int = 0, prefix: Optional[dict] = None):
-        from megaloop.hf.modeling_megaloop import rotary_cos_sin
-
-        cfg = model.config
-        if not cfg.looped:
+        if not model.config.looped:
             raise ConfigError("fixed-point checks need a looped model (arch=looped)")
-        self.model, self.mm, self.cfg = model, model.model, cfg
-        self.prefix = prefix or {}
-        dev = next(model.parameters()).device
-        ids = ids.to(dev)
+        self.model, self.cfg = model, model.config
+        ids = ids.to(next(model.parameters()).device)
         b, s = ids.shape
-        self.positions = torch.arange(start, start + s, device=dev)[None].expand(b, s)
-        x = self.mm.embed_tokens(ids)
-        self.rope = rotary_cos_sin(self.positions, cfg.head_dim, cfg.rope_theta, x.dtype)
-        self.mask = self.mm.attention_mask_for(None, b, s, start if self.prefix else 0, dev)
-        self.prelude_kv = []
-        for i, layer in enumerate(self.mm.prelude):
-            x, kv = layer(x, self.rope, self.mask, self.prefix.get(("prelude", i)))
-            self.prelude_kv.append(kv)
-        self.e = x
-        self.ctx = self.mm.injection.prepare(x)
-        self.e_qkv = x if self.mm.injection.uses_qkv_injection else None
+        positions = torch.arange(start, start + s, device=ids.device)[None].expand(b, s)
+        self.p = model.begin(ids, positions=positions, past=prefix or None)
+        self.prelude_kv = self.p.prelude_kv
 
     def init_state(self, zero: bool = False) -> torch.Tensor:
         """Evaluation-time ``h⁰`` (the model's per-position Gaussian, or zeros)."""
-        return torch.zeros_like(self.e) if zero else self.mm.init_state(self.e, self.positions)
+        return self.p.init_state(zero)
 
     def step(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
         """One recurrence: ``exit(core(inject(h, e)))`` and the K/V of each core layer."""
-        z = self.mm.injection(h, self.ctx)
-        kvs = []
-        for i, layer in enumerate(self.mm.core):
-            z, kv = layer(z, self.rope, self.mask, self.prefix.get(("core", i)), self.e_qkv)
-            kvs.append(kv)
-        return self.mm.injection.exit(z), kvs
+        return self.p.step(h)
 
     def readout(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
         """Coda → final norm → head: FP32 logits [b, s, V] and the coda layers' K/V."""
-        x, kvs = h, []
-        for i, layer in enumerate(self.mm.coda):
-            x, kv = layer(x, self.rope, self.mask, self.prefix.get(("coda", i)))
-            kvs.append(kv)
-        return self.model.lm_head(self.mm.norm(x)).float(), kvs
+        logits, kvs = self.p.readout(h)
+        return logits.float(), kvs
 
     def banks(self, core_kv: Sequence[KV], coda_kv: Sequence[KV]) -> dict:
         """Frozen banks of these tokens (to be read by later tokens)."""

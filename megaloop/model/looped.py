@@ -263,6 +263,23 @@ class LoopedGPT(LanguageModule):
         full = torch.cat(draws, dim=1)
         return (full[rank * s:(rank + 1) * s] * cfg.state_init_std).to(e.dtype)
 
+    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding + prelude of a single-stage model: ids [b, s] -> e [s, b, d]."""
+        x = self.embed(input_ids)
+        return self.prelude(x, self.rope(x.shape[0])) if self.cfg.n_prelude else x
+
+    def context(self, e: torch.Tensor):
+        """The injection's per-pass context of ``e`` (:meth:`recur` takes it)."""
+        return self.injection.prepare(e)
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Coda → final norm → head of a single-stage model: state [s, b, d] -> logits [b, s, V/tp]."""
+        if self.cfg.n_coda:
+            h = self.coda(h, self.rope(h.shape[0]))
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(self.final_norm(h), weight=weight)
+        return logits.transpose(0, 1)
+
     def recur(self, h: torch.Tensor, e: torch.Tensor, ctx, rope: torch.Tensor) -> torch.Tensor:
         """One recurrence h^{r+1} = exit(Γ(Inject(h^r, e)))."""
         z = self.injection(h, ctx)

@@ -2,7 +2,7 @@
 
 ``LoopedParts`` (a structural protocol) is the whole interface::
 
-    e   = parts.prelude(inputs)     # embedding + prelude; keeps its graph to the prelude params
+    e   = parts.encode(inputs)     # embedding + prelude; keeps its graph to the prelude params
     z⁰  = parts.init_state(e)       # recurrent state init h⁰
     z'  = parts.step(z, e)          # ONE recurrence F_θ(z; e) = exit(core(inject(z, e)))
     out = parts.readout(z)          # coda + final norm + head -> logits [batch, seq, vocab]
@@ -34,7 +34,7 @@ from torch import nn
 class LoopedParts(Protocol):
     def parameters(self) -> list[nn.Parameter]: ...
 
-    def prelude(self, inputs: Any) -> torch.Tensor: ...
+    def encode(self, inputs: Any) -> torch.Tensor: ...
 
     def init_state(self, e: torch.Tensor) -> torch.Tensor: ...
 
@@ -43,28 +43,9 @@ class LoopedParts(Protocol):
     def readout(self, z: torch.Tensor) -> torch.Tensor: ...
 
 
-class _ContextMemo:
-    """Caches ``injection.prepare(e)`` for the current ``e`` (one entry), built with autograd
-    enabled whenever ``e`` carries a graph — a first ``step`` under ``no_grad`` (the skipped
-    recurrences of TBPTT or recompute) must not leave a graph-less context for later steps."""
-
-    def __init__(self) -> None:
-        self.e: torch.Tensor | None = None
-        self.ctx: Any = None
-
-    def get(self, e: torch.Tensor, prepare) -> Any:
-        if self.e is not e:
-            with torch.enable_grad() if e.requires_grad else nullcontext():
-                self.ctx = prepare(e)
-            self.e = e
-        return self.ctx
-
-    def clear(self) -> None:
-        self.e = self.ctx = None
-
-
 class HFLoopedParts:
-    """:class:`LoopedParts` over :class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM`.
+    """:class:`LoopedParts` over :class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM`, on the
+    export model's recurrence API (:class:`~megaloop.hf.modeling_megaloop.LoopedPass`).
 
     ``inputs`` are token ids [b, s] at positions ``0..s-1`` (no padding on the left; padding on
     the right is harmless under causal attention). States are [b, s, d]. Numerically identical to
@@ -73,62 +54,36 @@ class HFLoopedParts:
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self.body = model.model
         self.config = model.config
         if not self.config.looped:
             raise ValueError("HFLoopedParts needs a looped model (arch='looped'), got an untied one")
-        self._rope_key: tuple | None = None
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._positions: torch.Tensor | None = None
-        self._ctx = _ContextMemo()
+        self._pass = None  # the pass of the latest prelude (its e, rotary tables, injection context)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 
-    def rope(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotary tables for a [b, s, d] tensor at positions 0..s-1 (memoised per shape)."""
-        from megaloop.hf.modeling_megaloop import rotary_cos_sin
-
-        b, s = x.shape[0], x.shape[1]
-        key = (b, s, x.dtype, x.device)
-        if key != self._rope_key:
-            self._positions = torch.arange(s, device=x.device)[None].expand(b, s)
-            self._rope = rotary_cos_sin(self._positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-            self._rope_key = key
-        assert self._rope is not None
-        return self._rope
+    def pass_for(self, e: torch.Tensor):
+        """The pass whose prelude output is ``e`` (a pass over a given ``e`` when it is another)."""
+        if self._pass is None or self._pass.e is not e:
+            self._pass = self.model.begin(e=e)
+        return self._pass
 
     def positions(self, x: torch.Tensor) -> torch.Tensor:
-        self.rope(x)
-        assert self._positions is not None
-        return self._positions
+        return self.pass_for(x).positions
 
-    def prelude(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.body.embed_tokens(ids)
-        rope = self.rope(x)
-        for layer in self.body.prelude:
-            x, _ = layer(x, rope, None, None)
-        self._ctx.clear()
-        return x
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        self._pass = self.model.begin(ids)
+        return self._pass.e
 
     def init_state(self, e: torch.Tensor) -> torch.Tensor:
-        return self.body.init_state(e, self.positions(e))
+        return self.pass_for(e).init_state()
 
     def step(self, z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        inj = self.body.injection
-        ctx = self._ctx.get(e, inj.prepare)
-        rope = self.rope(z)
-        e_qkv = e if inj.uses_qkv_injection else None
-        z = inj(z, ctx)
-        for layer in self.body.core:
-            z, _ = layer(z, rope, None, None, e_qkv)
-        return inj.exit(z)
+        return self.pass_for(e).step(z)[0]
 
     def readout(self, z: torch.Tensor) -> torch.Tensor:
-        rope = self.rope(z)
-        for layer in self.body.coda:
-            z, _ = layer(z, rope, None, None)
-        return self.model.lm_head(self.body.norm(z))
+        p = self._pass if self._pass is not None and self._pass.e.shape[:2] == z.shape[:2] else self.model.begin(e=z)
+        return p.readout(z)[0]
 
 
 class NativeLoopedParts:
@@ -144,7 +99,7 @@ class NativeLoopedParts:
         if not (model.pre_process and model.post_process):
             raise ValueError("NativeLoopedParts needs a single-stage model (pipeline size 1)")
         self.noise_seed = noise_seed
-        self._ctx = _ContextMemo()
+        self._ctx: tuple = (None, None)  # (e, injection context of e)
         self._rope: dict[int, torch.Tensor] = {}
 
     def parameters(self) -> list[nn.Parameter]:
@@ -155,25 +110,21 @@ class NativeLoopedParts:
             self._rope[s] = self.model.rope(s)
         return self._rope[s]
 
-    def prelude(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed(ids)  # [s, b, d], embedding scale included
-        self._ctx.clear()
-        return self.model.prelude(x, self.rope(x.shape[0])) if self.cfg.n_prelude else x
+    def encode(self, ids: torch.Tensor) -> torch.Tensor:
+        self._ctx = (None, None)
+        return self.model.encode(ids)
 
     def init_state(self, e: torch.Tensor) -> torch.Tensor:
         return self.model.init_state(e, self.noise_seed)
 
     def step(self, z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        ctx = self._ctx.get(e, self.model.injection.prepare)
-        return self.model.recur(z, e, ctx, self.rope(z.shape[0]))
+        if self._ctx[0] is not e:  # built with autograd when e has a graph (see LoopedPass.ctx)
+            with torch.enable_grad() if e.requires_grad else nullcontext():
+                self._ctx = (e, self.model.context(e))
+        return self.model.recur(z, e, self._ctx[1], self.rope(z.shape[0]))
 
     def readout(self, z: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        h = m.coda(z, self.rope(z.shape[0])) if self.cfg.n_coda else z
-        h = m.final_norm(h)
-        weight = m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else None
-        logits, _ = m.output_layer(h, weight=weight)
-        return logits.transpose(0, 1)
+        return self.model.readout(z)
 
 
 def looped_parts(model: nn.Module, **kwargs) -> LoopedParts:
@@ -181,7 +132,7 @@ def looped_parts(model: nn.Module, **kwargs) -> LoopedParts:
     that already implements :class:`LoopedParts` is returned as is."""
     if isinstance(model, LoopedParts):
         return model
-    if hasattr(model, "model") and hasattr(model, "lm_head") and hasattr(model.model, "injection"):
+    if hasattr(model, "begin") and hasattr(model, "lm_head"):
         return HFLoopedParts(model)
     if hasattr(model, "recur") and hasattr(model, "cfg"):
         return NativeLoopedParts(model, **kwargs)

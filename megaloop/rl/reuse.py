@@ -57,7 +57,7 @@ class GradStats:
 @torch.no_grad()
 def endpoint(parts: LoopedParts, inputs: Any, depth: int) -> torch.Tensor:
     """``z^R``: ``depth`` recurrences from ``init_state(prelude(inputs))``, without gradient."""
-    e = parts.prelude(inputs)
+    e = parts.encode(inputs)
     z = parts.init_state(e)
     for _ in range(depth):
         z = parts.step(z, e)
@@ -72,7 +72,7 @@ def reuse_backward(parts: LoopedParts, inputs: Any, z_end: torch.Tensor, loss_fn
         raise ValueError(f"b must be >= 1 (Neumann-(b-1)), got {b}")
     t0 = time.perf_counter()
     params = parts.parameters()
-    e = parts.prelude(inputs)
+    e = parts.encode(inputs)
     z_bar = z_end.detach().to(e.dtype).requires_grad_(True)
     z1 = parts.step(z_bar, e)
     z1_leaf = z1.detach().requires_grad_(True)
@@ -109,7 +109,7 @@ def bptt_backward(parts: LoopedParts, inputs: Any, depth: int, loss_fn: LossFn,
     the state detached before them; the prelude still learns through ``e``)."""
     t0 = time.perf_counter()
     window = depth if window is None else max(1, min(window, depth))
-    e = parts.prelude(inputs)
+    e = parts.encode(inputs)
     z = parts.init_state(e)
     for r in range(depth):
         if r < depth - window:

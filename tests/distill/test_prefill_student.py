@@ -35,10 +35,10 @@ class OracleStudent(torch.nn.Module):
         super().__init__()
         self.parts, self.depth = HFLoopedParts(teacher), depth
 
-    def forward(self, e, h0, rope, mask=None):
+    def forward(self, p, h0):
         z = h0
         for _ in range(self.depth - 1):
-            z = self.parts.step(z, e)
+            z = self.parts.step(z, p.e)
         return z
 
 
@@ -70,9 +70,9 @@ def test_student_starts_as_one_teacher_recurrence():
     parts = HFLoopedParts(teacher)
     ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        e = parts.prelude(ids)
-        h0 = teacher.model.init_state(e, parts.positions(e))
-        assert torch.allclose(student(e, h0, parts.rope(e)), parts.step(h0, e), atol=1e-6)
+        e = parts.encode(ids)
+        h0 = parts.init_state(e)
+        assert torch.allclose(student(parts.pass_for(e), h0), parts.step(h0, e), atol=1e-6)
     assert PrefillStudent.from_teacher(teacher, num_layers=3).num_layers == 3
 
 

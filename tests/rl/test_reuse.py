@@ -28,7 +28,7 @@ class ToyParts:
     def parameters(self):
         return [self.W, self.U, self.V]
 
-    def prelude(self, x):
+    def encode(self, x):
         return x @ self.U.T
 
     def init_state(self, e):
@@ -62,9 +62,9 @@ def _implicit_gradient(parts: ToyParts, x, loss_fn):
     """G = c + Bᵀ (I − Jᵀ)⁻¹ g at the fixed point, with J formed explicitly (float64)."""
     z_star = endpoint(parts, x, 400)
     with torch.no_grad():
-        assert float((parts.step(z_star, parts.prelude(x)) - z_star).abs().max()) < 1e-14
+        assert float((parts.step(z_star, parts.encode(x)) - z_star).abs().max()) < 1e-14
     n = z_star.numel()
-    e = parts.prelude(x).detach()
+    e = parts.encode(x).detach()
     J = torch.autograd.functional.jacobian(lambda z: parts.step(z.view_as(z_star), e).reshape(-1),
                                            z_star.reshape(-1))
     zs = z_star.clone().requires_grad_(True)
@@ -72,7 +72,7 @@ def _implicit_gradient(parts: ToyParts, x, loss_fn):
     grads = torch.autograd.grad(loss, [zs] + parts.parameters(), allow_unused=True)
     g, c = grads[0].reshape(-1), [torch.zeros_like(p) if gp is None else gp for p, gp in zip(parts.parameters(), grads[1:])]
     u = torch.linalg.solve(torch.eye(n, dtype=J.dtype) - J.T, g)
-    out = parts.step(z_star, parts.prelude(x))  # Bᵀu through one application (state held fixed)
+    out = parts.step(z_star, parts.encode(x))  # Bᵀu through one application (state held fixed)
     bu = torch.autograd.grad(out, parts.parameters(), u.view_as(out), allow_unused=True)
     total = [ci + (torch.zeros_like(ci) if b is None else b) for ci, b in zip(c, bu)]
     return torch.cat([t.reshape(-1) for t in total]), J, z_star
@@ -125,7 +125,7 @@ def test_truncated_bptt_window_is_exact_autograd():
     bptt_backward(parts, x, 6, loss_fn, window=2)
     ours = flat_grad(parts.parameters())
     _zero(parts)
-    e = parts.prelude(x)
+    e = parts.encode(x)
     z = parts.init_state(e)
     for r in range(6):
         z = parts.step(z.detach() if r == 4 else z, e)
