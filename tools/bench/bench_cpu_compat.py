@@ -16,7 +16,7 @@ import statistics
 import time
 
 import torch
-from common import single_process_megatron, write_result
+from common import native_model, single_process_megatron, write_result
 
 
 def main():
@@ -29,12 +29,9 @@ def main():
         raise SystemExit("the CPU compatibility layer is only used without CUDA")
     single_process_megatron()
     from megaloop.config import load_config
-    from megaloop.model.looped import LoopedGPT
-    from megaloop.model.specs import transformer_config
 
     cfg = load_config("tiny").model
-    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
-    model = LoopedGPT(cfg, tc, vocab_size=4096, seed=0)
+    model = native_model(cfg, 4096)
     ids = torch.randint(0, 4096, (args.batch, cfg.seq_len))
 
     def step(fn):

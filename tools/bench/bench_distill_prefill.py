@@ -19,12 +19,9 @@ import statistics
 import time
 
 import torch
-from common import command, model_args, sync, write_result
-from common import device as compute_device
+from common import command, export_model, export_model_args, model_args, sync, write_result
 
 from megaloop.distill.prefill_student import PrefillStudent, student_prefill
-from megaloop.hf.configuration_megaloop import MegaloopConfig
-from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 
 def main():
@@ -32,18 +29,12 @@ def main():
     model_args(p, seq=512, batch=1)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--injection", default="parcae_nonorm")
     p.add_argument("--depths", default="1,2,3", help="more teacher prefill depths to time (comma-separated)")
-    p.add_argument("--name", default="distill_prefill")
+    export_model_args(p, "distill_prefill")
     args = p.parse_args()
     depths = sorted({int(d) for d in args.depths.split(",") if d.strip()} | {args.depth})
-    torch.set_num_threads(args.threads)
-    device = compute_device()
-    torch.manual_seed(0)
-    cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
-                         injection=args.injection, max_position_embeddings=args.seq)
-    model = MegaloopForCausalLM(cfg).to(device).eval()
+    model, device = export_model(args)
+    cfg = model.config
     student = PrefillStudent.from_teacher(model).eval()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(device)
 

@@ -12,7 +12,7 @@ import argparse
 import statistics
 
 import torch
-from common import command, device, model_args, single_process_megatron, timed, write_result
+from common import command, device, model_args, native_model, single_process_megatron, timed, write_result
 
 
 def main():
@@ -25,7 +25,6 @@ def main():
     from megatron.core.models.gpt import GPTModel
 
     from megaloop.model.config import ModelConfig
-    from megaloop.model.looped import LoopedGPT
     from megaloop.model.specs import layer_spec, transformer_config
     from megaloop.runtime.cpu_compat import without_redirect
 
@@ -33,8 +32,7 @@ def main():
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
     looped_cfg = ModelConfig(**common, injection="parcae_nonorm", b_max=64)
-    tc = transformer_config(looped_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
-    looped = LoopedGPT(looped_cfg, tc, vocab_size=args.vocab, seed=0).to(dev, dtype)
+    looped = native_model(looped_cfg, args.vocab).to(dev, dtype)
     gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
     gtc = transformer_config(gpt_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     spec = layer_spec(gpt_cfg)  # the looped model's layers: TE on GPU, local + SDPA attention on CPU

@@ -17,11 +17,8 @@ import statistics
 import time
 
 import torch
-from common import command, model_args, sync, write_result
-from common import device as compute_device
+from common import command, export_model, export_model_args, model_args, sync, write_result
 
-from megaloop.hf.configuration_megaloop import MegaloopConfig
-from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.rl.parts import HFLoopedParts
 from megaloop.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
 
@@ -32,16 +29,10 @@ def main():
     p.add_argument("--b", type=int, default=5, help="Neumann terms (b=5: Neumann-4)")
     p.add_argument("--depths", type=int, nargs="+", default=[5, 32])
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--injection", default="parcae_nonorm")
-    p.add_argument("--name", default="rl_reuse")
+    export_model_args(p, "rl_reuse")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    device = compute_device()
-    torch.manual_seed(0)
-    cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
-                         injection=args.injection, max_position_embeddings=args.seq)
-    model = MegaloopForCausalLM(cfg).to(device).eval()
+    model, device = export_model(args)
+    cfg = model.config
     parts = HFLoopedParts(model)
     params = parts.parameters()
     gen = torch.Generator().manual_seed(0)

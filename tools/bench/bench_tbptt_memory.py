@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import command, device, model_args, single_process_megatron, write_result
+from common import command, device, model_args, native_model, single_process_megatron, write_result
 
 
 class SavedBytes:
@@ -50,13 +50,10 @@ def main():
     args = p.parse_args()
     single_process_megatron()
     from megaloop.model.config import ModelConfig
-    from megaloop.model.looped import LoopedGPT
-    from megaloop.model.specs import transformer_config
 
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, b_max=64)
-    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     dev = device()
-    model = LoopedGPT(cfg, tc, vocab_size=args.vocab, seed=0).to(dev)
+    model = native_model(cfg, args.vocab).to(dev)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
     rows = []
     for depth in map(int, args.depths.split(",")):

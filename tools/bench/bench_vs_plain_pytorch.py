@@ -16,7 +16,7 @@ import dataclasses
 import statistics
 
 import torch
-from common import command, device, model_args, single_process_megatron, timed, write_result
+from common import command, device, model_args, native_model, single_process_megatron, timed, write_result
 
 
 def main() -> None:
@@ -30,23 +30,19 @@ def main() -> None:
     from megaloop.hf.convert import hf_config_from_native, native_to_hf_state_dict
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.model.config import ModelConfig
-    from megaloop.model.looped import LoopedGPT
-    from megaloop.model.specs import transformer_config
     from megaloop.train.flops import microbatch_flops
 
     dev = device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
                       injection="parcae_nonorm", b_max=args.depth)
-    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
-    native = LoopedGPT(cfg, tc, vocab_size=args.vocab, seed=0)
+    native = native_model(cfg, args.vocab)
     # the plain model's weights: the native model's (local-spec names); with TE layers (GPU), the same
     # seeded initialisation built once more with the local spec
     cpu_ref = native
     if native._te:
         ref_cfg = dataclasses.replace(cfg, transformer_impl="local")
-        cpu_ref = LoopedGPT(ref_cfg, transformer_config(ref_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
-                            vocab_size=args.vocab, seed=0)
+        cpu_ref = native_model(ref_cfg, args.vocab)
     hf_cfg = hf_config_from_native(cfg, vocab_size=native.vocab_size, num_recurrences=args.depth)
     plain = MegaloopForCausalLM(hf_cfg)
     missing, unexpected = plain.load_state_dict(native_to_hf_state_dict(cpu_ref.state_dict(), cfg), strict=False)

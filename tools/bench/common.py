@@ -85,6 +85,38 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def export_model_args(p, name: str) -> None:
+    """Options of the benchmarks that time the export (pure-PyTorch) model."""
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--injection", default="parcae_nonorm")
+    p.add_argument("--name", default=name)
+
+
+def export_model(args):
+    """A seeded random ``MegaloopForCausalLM`` of the ``model_args`` shape in eval mode on the
+    benchmark device (``args.threads`` CPU threads); returns ``(model, device)``."""
+    import torch
+
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    torch.set_num_threads(args.threads)
+    dev = device()
+    torch.manual_seed(0)
+    cfg = MegaloopConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_attention_heads=args.heads,
+                         injection=args.injection, max_position_embeddings=args.seq)
+    return MegaloopForCausalLM(cfg).to(dev).eval(), dev
+
+
+def native_model(cfg, vocab: int, seed: int = 0):
+    """A single-process (TP=PP=1) native ``LoopedGPT`` of ``ModelConfig`` ``cfg``."""
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import transformer_config
+
+    tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
+    return LoopedGPT(cfg, tc, vocab_size=vocab, seed=seed)
+
+
 def single_process_megatron(seed: int = 1234) -> None:
     from megaloop.runtime.parallel import ParallelDims, init_distributed
 
