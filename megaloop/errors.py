@@ -3,7 +3,7 @@
 Every command's ``main`` catches :class:`UserError` once and prints one line naming the field,
 file or rank at fault, then exits with status 2 (:func:`report`). Subclasses keep their own
 names for callers that want to tell them apart (``ConfigError``, ``DataError``,
-``CheckpointError``, ...), but none is translated into another.
+``CheckpointError``, ``ConversionError``, ...), but none is translated into another.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-EXIT_USAGE = 2  # bad input: config field, file, checkpoint, data
+from megaloop.runtime.exits import EXIT_USAGE
 
 
 class UserError(Exception):
@@ -19,8 +19,9 @@ class UserError(Exception):
 
 
 def report(err: BaseException, prog: str = "megaloop") -> int:
-    """Print ``err`` as one line on stderr (with the distributed rank when there is one) and
-    return the usage exit status."""
+    """Print ``err`` as one line on stderr (with the distributed rank when there is one; the
+    lines of a multi-line message joined by ``"; "``) and return the usage exit status."""
     rank = os.environ.get("RANK")
-    print(f"{prog}: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
+    text = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    print(f"{prog}: error{f' (rank {rank})' if rank else ''}: {text}", file=sys.stderr)
     return EXIT_USAGE

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared by slurm/train_{S,M,L}.sh and slurm/lr_screen_array.sh: sourced (after `set -euo pipefail`
+# Shared by slurm/train_{S,M,L}.sh and slurm/sweep_array.sh: sourced (after `set -euo pipefail`
 # and with ROOT set to the repository), never run on its own.
 #
 #   megaloop_setup                         check the allocation, cd to ROOT, activate the venv,

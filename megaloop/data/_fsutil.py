@@ -1,4 +1,4 @@
-"""Small filesystem helpers: advisory locks, atomic JSON writes, stable hashes."""
+"""Small filesystem helpers: advisory locks, stable hashes (atomic writes: megaloop.runtime.files)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator
+
+from megaloop.runtime.files import atomic_write_json, atomic_write_text  # noqa: F401  (used by megaloop.data)
 
 
 @contextlib.contextmanager
@@ -42,27 +43,6 @@ def try_lock_fd(path: str | Path) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_json(path: str | Path, obj: Any) -> None:
-    """Atomically write ``obj`` as indented, key-sorted JSON."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def json_sha(obj: Any) -> str:

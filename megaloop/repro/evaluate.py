@@ -11,14 +11,12 @@ Runs the ``megaloop eval`` commands as subprocesses on the arm's final checkpoin
   extracted metrics (see ``summarize``), and the machine that evaluated.
 
 A stage is skipped when the summary records it for the same checkpoint step and plan digest, so
-an interrupted evaluation redoes only the missing stages. Also a command for slurm array tasks::
-
-    python -m megaloop.repro.evaluate --plan OUT/plan.json --arm NAME [--threads N]
+an interrupted evaluation redoes only the missing stages. The launcher runs it after an arm's
+training as ``megaloop reproduce --evaluate-arm NAME --out OUT`` (megaloop/repro/cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -28,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megaloop.repro.spec import Arm, EvalPlan, Plan
+from megaloop.repro.spec import Arm, EvalPlan
+from megaloop.runtime.files import atomic_write_json
 
 SUMMARY = "summary.json"
 RunFn = Callable[[list[str], Path, dict], int]  # (argv, log file, env) -> exit status
@@ -184,37 +183,4 @@ def eval_done(run_dir: Path, plan: EvalPlan, step: int | None) -> bool:
 
 
 def _write(path: Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, allow_nan=True) + "\n")
-    os.replace(tmp, path)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of slurm array tasks (after training): evaluate one arm of ``--plan``."""
-    p = argparse.ArgumentParser(prog="python -m megaloop.repro.evaluate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--plan", required=True, help="OUT/plan.json written by tools/reproduce.py")
-    p.add_argument("--arm", required=True, help="arm name")
-    p.add_argument("--run-dir", help="the arm's run directory (default OUT/arms/ARM)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads of the eval commands")
-    p.add_argument("--device", default="auto", help="cpu, cuda, auto (default)")
-    args = p.parse_args(argv)
-    plan_path = Path(args.plan)
-    try:
-        plan = Plan.from_dict(json.loads(plan_path.read_text()))
-        arm = plan.arm(args.arm)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"megaloop.repro.evaluate: error: --plan/--arm: cannot read arm {args.arm!r} from {plan_path}: "
-              f"{err!r}", file=sys.stderr)
-        return 2
-    run_dir = Path(args.run_dir) if args.run_dir else plan_path.parent / "arms" / arm.name
-    try:
-        s = evaluate_arm(run_dir, arm, plan.eval, max_steps=plan.settings["max_steps"], threads=args.threads,
-                         device=args.device, log=lambda m: print(f"[reproduce] {m}", flush=True))
-    except RuntimeError as err:
-        print(f"megaloop.repro.evaluate: error: {err}", file=sys.stderr)
-        return 1
-    return 0 if s["complete"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    atomic_write_json(path, obj, indent=1, sort_keys=False)

@@ -3,7 +3,7 @@
 ``collect`` reads every arm's ``metrics.jsonl`` (training FLOPs, tokens, final prior, curves) and
 ``eval/summary.json`` (PPL at R, sharing penalty, extrapolation, sweep rows, downstream);
 ``render`` needs nothing but that results dict, so a report can be re-rendered from a copied
-``results.json`` (``tools/reproduce.py --render OUT/results.json``). Figures:
+``results.json`` (``megaloop reproduce --render OUT/results.json``). Figures:
 
 * ``ppl_vs_depth.png``: native PPL against recurrences per looped arm (untied: a flat line);
 * ``prior_evolution.png``: prior mean depth, p(5) and entropy over training, and the final p(r);
@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from megaloop.repro.evaluate import SUMMARY, machine
-from megaloop.repro.runner import arm_state, run_dir, write_json
+from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
+from megaloop.runtime.files import atomic_write_json
 from megaloop.train.metrics import read_metrics
 
 TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
@@ -147,7 +148,7 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
 
 def write_results(out: Path, results: dict) -> Path:
     path = Path(out) / "results.json"
-    write_json(path, results)
+    atomic_write_json(path, results, indent=1, sort_keys=False)
     return path
 
 

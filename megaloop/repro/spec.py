@@ -11,17 +11,20 @@ Schema (every key but ``arms`` optional; unknown keys are errors)::
     eval: {depth: 5, depths: [1, 2, 4, 5, 8, 16, 32, 64], sharing: true, harness: [megaloop_toy_mc]}
     arms:                               # mapping (duplicate names are errors) or a list of {name: ...}
       b2_huginn: "model.injection=huginn_linear model.b_max=2"
-      b4_huginn: {label: "b=4, Huginn-Linear", overrides: [...], scales: {tiny: "..."}}
+      b4_huginn: {label: "b=4, Huginn-Linear", arm: fixed5_b4, overrides: [...], scales: {tiny: "..."}}
     claims:                             # SPEC §12 rows printed beside the measured figure
       - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn]}
       - {id: C9, ..., metrics: [native_ppl], arms: [looped], relative_to: untied12}
 
-An arm's overrides are applied in the order: scale, ``common``, the arm's, the arm's per-scale
-ones, the command line's extras; then the tool's own (``train.eval_depth``, logging). Seeds, data
+``arm:`` names a paper arm of megaloop/configs/arms.yaml (the one definition of each paper arm,
+also ``megaloop train --arm NAME``); an experiment arm adds only what that file does not define
+(an injection, a b_max). An arm's overrides are applied in the order: the paper arm's, the
+scale's, ``common``, the arm's, the arm's per-scale ones, the command line's extras; then the
+tool's own (``train.eval_depth``, logging). Seeds, data
 and the step/batch budget are the experiment's, never an arm's (same seed and data order for all
 arms): arm overrides of ``train.seed``, ``train.max_steps``, ``train.global_batch_size`` or
 ``data.*`` are rejected. Every arm is validated with ``megaloop.config.load_config`` before
-anything runs; errors are ``SpecError`` (a ``ConfigError``: exit status 2) naming file and arm.
+anything runs; errors are ``SpecError`` (a ``UserError``: exit status 2) naming file and arm.
 """
 
 from __future__ import annotations
@@ -37,13 +40,14 @@ from typing import Any
 import yaml
 
 from megaloop.config_utils import ConfigError
+from megaloop.errors import UserError
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}$")  # used as the arm's run-directory name
 DEFAULT_SCALES = ("tiny", "S", "M", "L")
 TOP_KEYS = ("name", "description", "common", "scales", "eval", "arms", "claims")
 SCALE_KEYS = ("config", "overrides", "eval", "note")
-ARM_KEYS = ("label", "overrides", "scales")
+ARM_KEYS = ("label", "arm", "overrides", "scales")
 CLAIM_KEYS = ("id", "claim", "paper", "metrics", "arms", "relative_to")
 # fixed across arms: same seed, data order and budget (set them in `common` or a scale instead)
 ARM_FORBIDDEN = ("train.seed", "train.max_steps", "train.global_batch_size", "data.")
@@ -58,7 +62,7 @@ METRICS = {  # results key -> report column
 }
 
 
-class SpecError(ConfigError):
+class SpecError(UserError):
     """An experiment file is invalid; the message names the file (and the arm)."""
 
 
@@ -182,6 +186,7 @@ class Arm:
     overrides: list[str]  # the complete list passed to `megaloop train` (tool's keys last)
     looped: bool = True
     depth_kind: str = "fixed"
+    paper_arm: str | None = None  # the arms.yaml arm its overrides start with
 
 
 @dataclass
@@ -281,18 +286,30 @@ def _raw_arms(data: dict, path: Path) -> list[tuple[str, Any]]:
     return items
 
 
-def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, list[str]]:
+def _paper_arm(name: Any, where: str) -> list[str]:
+    """Overrides of a paper arm of megaloop/configs/arms.yaml."""
+    from megaloop.config import ARMS_FILE, paper_arms
+
+    arms = paper_arms()
+    if name not in arms:
+        raise SpecError(f"{where}: arm: {name!r} is not an arm of {ARMS_FILE.name} (one of {', '.join(arms)})")
+    return list(arms[name]["overrides"])
+
+
+def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | None, list[str], list[str]]:
+    """(label, paper arm, the paper arm's overrides, the arm's own overrides) of one arm."""
     where = f"{path}: arm {name!r}"
     if raw is None:
         raise SpecError(f"{where}: empty arm (give overrides, or [] for the scale's config unchanged)")
-    label = name
+    label, paper, paper_ov = name, None, []
     if isinstance(raw, dict):
         unknown = sorted(set(raw) - set(ARM_KEYS))
         if unknown:
             raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(ARM_KEYS)})")
-        if "overrides" not in raw and "scales" not in raw:
-            raise SpecError(f"{where}: empty arm (no `overrides:`)")
-        label = str(raw.get("label") or name)
+        if not {"arm", "overrides", "scales"} & set(raw):
+            raise SpecError(f"{where}: empty arm (no `arm:` or `overrides:`)")
+        label, paper = str(raw.get("label") or name), raw.get("arm")
+        paper_ov = _paper_arm(paper, where) if paper is not None else []
         ov = _overrides(raw.get("overrides"), where)
         per_scale = raw.get("scales") or {}
         if not isinstance(per_scale, dict):
@@ -300,11 +317,11 @@ def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, list[s
         ov += _overrides(per_scale.get(scale), f"{where}: scales.{scale}")
     else:
         ov = _overrides(raw, where)
-    bad = [k for k in _keys(ov) if k.startswith(ARM_FORBIDDEN)]
+    bad = [k for k in _keys(paper_ov + ov) if k.startswith(ARM_FORBIDDEN)]
     if bad:
         raise SpecError(f"{where}: {bad[0]} must be the same for every arm (same seed, data order and "
                         "budget); set it in `common:` or the scale's overrides")
-    return label, ov
+    return label, paper, paper_ov, ov
 
 
 def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, str]:
@@ -376,10 +393,10 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     raw = _raw_arms(data, path)
     arms, settings = [], None
     for arm_name, arm_raw in raw:
-        label, arm_ov = _arm_parts(arm_name, arm_raw, scale, path)
+        label, paper, paper_ov, arm_ov = _arm_parts(arm_name, arm_raw, scale, path)
         tool = [f"train.eval_depth={plan_eval.depth}", "logging.progress=false",
                 f"logging.name=repro-{name}-{scale}-{arm_name}"]
-        full = [*scale_ov, *common, *arm_ov, *extras, *tool]
+        full = [*paper_ov, *scale_ov, *common, *arm_ov, *extras, *tool]
         try:
             cfg = load_config(config, full)
         except ConfigError as err:
@@ -396,7 +413,7 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
             raise SpecError(f"{path}: arm {arm_name!r}: differs from the first arm in {diff}; seeds, data "
                             "and budget must be the same for every arm")
         arms.append(Arm(name=arm_name, label=label, overrides=full, looped=cfg.model.looped,
-                        depth_kind=cfg.depth.kind))
+                        depth_kind=cfg.depth.kind, paper_arm=paper))
     if only:
         names = {a.name for a in arms}
         for o in only:

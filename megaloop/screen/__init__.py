@@ -1,1 +1,1 @@
-"""Learning-rate screens (SPEC §11); the command line is tools/lr_screen.py."""
+"""Learning-rate screens (SPEC §11); the command line is ``megaloop lr-screen`` (megaloop/screen/cli.py)."""

@@ -1,22 +1,23 @@
-"""LR screens (SPEC §11), part 1: grid, selection, per-point run state and the screen's settings.
+"""LR screens (SPEC §11): grid, selection, per-point run state and the screen's settings.
 
-The CLI is tools/lr_screen.py; its docstring describes the whole tool."""
+The command line is ``megaloop lr-screen`` (megaloop/screen/cli.py, whose docstring describes the
+whole tool); a screen is a plan of runs on megaloop/sweep.py."""
 
+from __future__ import annotations
 
 import argparse
 import json
 import math
-import os
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from megaloop.train.metrics import read_metrics  # noqa: F401  (run state below; repro uses it)
+from megaloop.errors import UserError
+from megaloop.sweep import Run, Sweep, read_exit, stopped
+from megaloop.train.metrics import read_metrics
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (runs train from here)
-
-EXIT_REQUEUE = 75  # megaloop train: stopped by a signal after writing a checkpoint
+TAG = "lr_screen"  # log prefix
+EXIT_FILE = "screen_exit"  # RUN_DIR/screen_exit: the last training exit status
 WHOLE_SET = 1_000_000  # train.eval_batches when the screen set's size is unknown: evaluate it all
 
 # Per-scale defaults: SPEC §11 ranges; sqrt(2) spacing; stop inside the paper's stop window.
@@ -32,18 +33,19 @@ FIXED_SETTINGS = ("config", "stop_after", "max_steps", "eval_depth", "eval_batch
                   "overrides")
 
 
-class UsageError(Exception):
-    """Bad command-line input; the message starts with the argument at fault."""
-
-
 def log(msg: str) -> None:
-    print(f"[lr_screen] {msg}", flush=True)
+    print(f"[{TAG}] {msg}", flush=True)
 
 
 # ====================================================================================== grid
 def lr_tag(lr: float) -> str:
     """Canonical text of a learning rate: used in run-dir names and in ``optim.lr=``."""
     return f"{lr:.6g}"
+
+
+def run_name(lr: float) -> str:
+    """A grid point's run (and run-directory) name: ``lr_<lr_tag>``."""
+    return f"lr_{lr_tag(lr)}"
 
 
 def _round_sig(x: float, digits: int = 3) -> float:
@@ -59,40 +61,40 @@ def _number(text: str, arg: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise UsageError(f"{arg}: {text!r} is not a number") from None
+        raise UserError(f"{arg}: {text!r} is not a number") from None
     if not math.isfinite(value):
-        raise UsageError(f"{arg}: {text!r} is not a finite number")
+        raise UserError(f"{arg}: {text!r} is not a finite number")
     return value
 
 
 def parse_grid(text: str) -> list[float]:
     items = [t.strip() for t in text.split(",")]
     if not any(items):
-        raise UsageError("--grid: empty grid; give comma-separated learning rates, e.g. --grid 1e-3,2e-3,4e-3")
+        raise UserError("--grid: empty grid; give comma-separated learning rates, e.g. --grid 1e-3,2e-3,4e-3")
     if "" in items:
-        raise UsageError(f"--grid: empty entry in {text!r}")
+        raise UserError(f"--grid: empty entry in {text!r}")
     lrs = [_number(t, "--grid") for t in items]
     bad = [t for t, v in zip(items, lrs) if v <= 0]
     if bad:
-        raise UsageError(f"--grid: learning rates must be > 0, got {', '.join(bad)}")
+        raise UserError(f"--grid: learning rates must be > 0, got {', '.join(bad)}")
     tags = [lr_tag(v) for v in lrs]
     dups = sorted({t for t in tags if tags.count(t) > 1})
     if dups:
-        raise UsageError(f"--grid: duplicate learning rate(s) {', '.join(dups)}")
+        raise UserError(f"--grid: duplicate learning rate(s) {', '.join(dups)}")
     if len(lrs) < 3:
-        raise UsageError(f"--grid: needs at least 3 learning rates to bracket an optimum, got {len(lrs)}")
+        raise UserError(f"--grid: needs at least 3 learning rates to bracket an optimum, got {len(lrs)}")
     return sorted(lrs)
 
 
 def parse_range(text: str) -> tuple[float, float]:
     items = [t.strip() for t in text.split(",")]
     if len(items) != 2 or not all(items):
-        raise UsageError(f"--range: expected LO,HI (two numbers), got {text!r}")
+        raise UserError(f"--range: expected LO,HI (two numbers), got {text!r}")
     lo, hi = (_number(t, "--range") for t in items)
     if lo <= 0:
-        raise UsageError(f"--range: LO must be > 0, got {items[0]}")
+        raise UserError(f"--range: LO must be > 0, got {items[0]}")
     if lo >= hi:
-        raise UsageError(f"--range: LO ({items[0]}) must be < HI ({items[1]})")
+        raise UserError(f"--range: LO ({items[0]}) must be < HI ({items[1]})")
     return lo, hi
 
 
@@ -143,7 +145,7 @@ def select_best(points: list[dict]) -> dict:
 
 
 # ====================================================================================== run state
-def _finite(x: Any) -> bool:
+def finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
@@ -151,28 +153,24 @@ def point_state(run_dir: Path, end_step: int) -> dict:
     """Status of one screen run from its directory.
 
     done: the final step is logged with a finite ``val_ce``; diverged: the final ``val_ce`` is
-    not finite, or the run aborted on a non-finite loss; interrupted: exit 75 (checkpointed) or
-    killed by a signal; failed: another exit without the final evaluation; partial: started, not finished, no exit recorded (running, or
-    killed); pending: never started.
+    not finite, or the run aborted on a non-finite loss; interrupted: stopped (``sweep.stopped``:
+    checkpointed on a signal, or killed by one); failed: another exit without the final
+    evaluation; partial: started, not finished, no exit recorded (running, or killed); pending:
+    never started.
     """
     st: dict[str, Any] = {"status": "pending", "val_ce": None, "val_ppl": None, "val_depth": None,
                           "steps": 0, "final_loss": None, "exit_code": None}
     if not run_dir.exists():
         return st
     rows = read_metrics(run_dir / "metrics.jsonl")
-    exit_file = run_dir / "screen_exit"
-    if exit_file.is_file():
-        try:
-            st["exit_code"] = int(exit_file.read_text().strip())
-        except ValueError:
-            pass
+    st["exit_code"] = read_exit(run_dir, EXIT_FILE)
     if rows:
         st["steps"] = rows[-1]["step"]
         st["final_loss"] = rows[-1].get("loss")
     final = next((r for r in reversed(rows) if r["step"] == end_step and "val_ce" in r), None)
     if final is not None:
         st.update(val_ce=final["val_ce"], val_ppl=final.get("val_ppl"), val_depth=final.get("val_depth"))
-        st["status"] = "done" if _finite(final["val_ce"]) else "diverged"
+        st["status"] = "done" if finite(final["val_ce"]) else "diverged"
         return st
     code = st["exit_code"]
     if code is None:
@@ -180,12 +178,12 @@ def point_state(run_dir: Path, end_step: int) -> dict:
         return st
     if code == 0:
         st["status"] = "failed"  # exited cleanly without logging the final evaluation
-    elif code == EXIT_REQUEUE or code < 0 or code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+    elif stopped(code):
         st["status"] = "interrupted"  # checkpointed on a signal, or killed by one before training
     else:
         train_log = run_dir / "train.log"
         tail = train_log.read_text(errors="replace")[-20000:] if train_log.is_file() else ""
-        nonfinite = "NonFiniteLossError" in tail or (rows and not _finite(rows[-1].get("loss")))
+        nonfinite = "NonFiniteLossError" in tail or (rows and not finite(rows[-1].get("loss")))
         st["status"] = "diverged" if nonfinite else "failed"
     return st
 
@@ -214,12 +212,13 @@ class Screen:
         return min(self.stop_after, self.max_steps)
 
     def run_dir(self, lr: float) -> Path:
-        return self.out / f"lr_{lr_tag(lr)}"
+        return self.out / run_name(lr)
 
-    def train_args(self, lr: float) -> list[str]:
-        """Arguments after ``megaloop.cli train`` for one point (options first, then overrides)."""
-        return ["--config", self.config, "--run-dir", str(self.run_dir(lr)), "--resume", "auto",
-                *self.point_overrides(lr)]
+    def sweep(self) -> Sweep:
+        """The screen as a plan of runs: one per grid point, in grid order (the array index)."""
+        runs = [Run(name=run_name(lr), run_dir=self.run_dir(lr), config=self.config,
+                    overrides=self.point_overrides(lr)) for lr in self.lrs]
+        return Sweep(out=self.out, runs=runs, tag=TAG, exit_file=EXIT_FILE)
 
     def point_overrides(self, lr: float) -> list[str]:
         """The screen's overrides, then the user's (which may override logging.* but not these)."""
@@ -242,9 +241,9 @@ def _load_config(config: str, overrides: list[str]):
     try:
         return load_config(config, overrides)
     except ConfigError as err:
-        raise UsageError(f"--config {config}: {err}") from None
+        raise UserError(f"--config {config}: {err}") from None
     except FileNotFoundError as err:
-        raise UsageError(f"--config: {err}") from None
+        raise UserError(f"--config: {err}") from None
 
 
 def _screen_manifest(path: str) -> dict | None:
@@ -254,35 +253,35 @@ def _screen_manifest(path: str) -> dict | None:
     p = Path(path)
     mf = p / "manifest.json"
     if not p.is_dir():
-        raise UsageError(f"--screen-set: {path} is not a directory (expected an MDS dataset, e.g. the "
+        raise UserError(f"--screen-set: {path} is not a directory (expected an MDS dataset, e.g. the "
                          "screen/ directory written by data_prep/build_eval_sets.py)")
     if not mf.is_file():
-        raise UsageError(f"--screen-set: {path} has no manifest.json (not a megaloop MDS dataset)")
+        raise UserError(f"--screen-set: {path} has no manifest.json (not a megaloop MDS dataset)")
     try:
         return json.loads(mf.read_text())
     except ValueError as err:
-        raise UsageError(f"--screen-set: {mf} is not valid JSON ({err})") from None
+        raise UserError(f"--screen-set: {mf} is not valid JSON ({err})") from None
 
 
 def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
     for ov in extras:
         if "=" not in ov:
-            raise UsageError(f"override {ov!r}: expected key=value (dotlist) after --")
+            raise UserError(f"override {ov!r}: expected key=value (dotlist) after --")
         key = ov.split("=", 1)[0].strip()
         if key in RESERVED:
             flag = {"optim.lr": "--grid/--range", "train.stop_after": "--stop-after",
                     "data.val_path": "--screen-set", "train.eval_depth": "--eval-depth",
                     "train.eval_batches": "--eval-batches"}[key]
-            raise UsageError(f"override {ov!r}: {key} is set by the screen; use {flag}")
+            raise UserError(f"override {ov!r}: {key} is set by the screen; use {flag}")
     scale = scale_of(args.config)
     defaults = SCALE_DEFAULTS.get(scale or "", {})
     if args.points is not None and args.points < 3:
-        raise UsageError(f"--points: needs at least 3 points to bracket an optimum, got {args.points}")
+        raise UserError(f"--points: needs at least 3 points to bracket an optimum, got {args.points}")
     if args.grid is not None:
         if args.range is not None:
-            raise UsageError("--grid: give either --grid or --range, not both")
+            raise UserError("--grid: give either --grid or --range, not both")
         if args.points is not None:
-            raise UsageError("--points: only applies to --range (the grid fixes the points)")
+            raise UserError("--points: only applies to --range (the grid fixes the points)")
         lrs = parse_grid(args.grid)
     else:
         if args.range is not None:
@@ -290,30 +289,26 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
         elif defaults:
             lo, hi = defaults["range"]
         else:
-            raise UsageError(f"--grid/--range: no default LR range for config {args.config!r} "
+            raise UserError(f"--grid/--range: no default LR range for config {args.config!r} "
                              f"(defaults exist for {', '.join(SCALE_DEFAULTS)}); give one")
         points = args.points if args.points is not None else defaults.get("points", 5)
         lrs = log_grid(lo, hi, points)
         if len({lr_tag(x) for x in lrs}) != len(lrs):
-            raise UsageError(f"--points: {points} points in [{lo}, {hi}] collide after rounding to "
+            raise UserError(f"--points: {points} points in [{lo}, {hi}] collide after rounding to "
                              "3 significant digits; use fewer points or a wider range")
     stop_after = args.stop_after if args.stop_after is not None else defaults.get("stop_after")
     if stop_after is None:
-        raise UsageError(f"--stop-after: no default for config {args.config!r}; give the number of updates")
+        raise UserError(f"--stop-after: no default for config {args.config!r}; give the number of updates")
     if stop_after < 1:
-        raise UsageError(f"--stop-after: must be >= 1, got {stop_after}")
+        raise UserError(f"--stop-after: must be >= 1, got {stop_after}")
     if args.eval_depth < 1:
-        raise UsageError(f"--eval-depth: must be >= 1, got {args.eval_depth}")
+        raise UserError(f"--eval-depth: must be >= 1, got {args.eval_depth}")
     if args.eval_batches is not None and args.eval_batches < 1:
-        raise UsageError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
-    if args.parallel is not None and args.parallel < 1:
-        raise UsageError(f"--parallel: must be >= 1, got {args.parallel}")
-    if args.nproc < 1:
-        raise UsageError(f"--nproc: must be >= 1, got {args.nproc}")
+        raise UserError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
 
     base = _load_config(args.config, extras)
     if stop_after > base.train.max_steps:
-        raise UsageError(f"--stop-after: {stop_after} exceeds the schedule horizon train.max_steps="
+        raise UserError(f"--stop-after: {stop_after} exceeds the schedule horizon train.max_steps="
                          f"{base.train.max_steps}; a screen stops inside the full run's schedule")
     for lr in lrs:  # e.g. optim.min_lr > lr fails here, before anything runs
         _load_config(args.config, [*extras, f"optim.lr={lr_tag(lr)}", f"train.stop_after={stop_after}",
@@ -324,12 +319,12 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
         if base.data.path == "default" or base.data.path == "default:train":
             screen_set = "default:screen"  # the embedded corpus's frozen screen split
         else:
-            raise UsageError(
+            raise UserError(
                 f"--screen-set: required for data.path={base.data.path} (only the embedded default "
                 "dataset has a known screen set); pass the screen/ directory written by "
                 "data_prep/build_eval_sets.py (304 x 1,536 tokens by default)")
     if base.data.val_path and screen_set == base.data.val_path:
-        raise UsageError(f"--screen-set: {screen_set} is the main validation set (data.val_path); "
+        raise UserError(f"--screen-set: {screen_set} is the main validation set (data.val_path); "
                          "SPEC §11 screens on a distinct frozen set")
     manifest = _screen_manifest(screen_set)
     info: dict[str, Any] = {"path": screen_set}
@@ -338,7 +333,7 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
         seq = manifest.get("seq_len")
         info.update({k: manifest.get(k) for k in ("kind", "seq_len", "num_sequences", "fingerprint")})
         if seq is not None and seq > base.model.seq_len:
-            raise UsageError(
+            raise UserError(
                 f"--screen-set: {screen_set} holds {seq}-token sequences, longer than model.seq_len "
                 f"{base.model.seq_len}; build the set with data_prep/build_eval_sets.py "
                 f"--screen-seq-len {base.model.seq_len} (or shorter: evaluation runs at the set's length)")
@@ -367,11 +362,6 @@ def check_fixed_settings(screen: Screen) -> None:
     diff = [f"{k}: {old.get(k)!r} -> {screen.fixed()[k]!r}" for k in FIXED_SETTINGS
             if k in old and old.get(k) != screen.fixed()[k]]
     if diff:
-        raise UsageError(f"--out: {screen.out} holds a screen with other settings ({'; '.join(diff)}); "
+        raise UserError(f"--out: {screen.out} holds a screen with other settings ({'; '.join(diff)}); "
                          "use a new --out directory or the same settings")
 
-
-def write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, allow_nan=True) + "\n")
-    os.replace(tmp, path)

@@ -1,24 +1,26 @@
-"""LR screens, part 3: collecting results, results.csv/json, the plot and the console report."""
+"""LR screens: collecting results, results.csv/json, the plot and the console report."""
 
+from __future__ import annotations
 
 import argparse
 import csv
-import os
+import io
 import shlex
 import time
 from pathlib import Path
 from typing import Any
 
-
-from megaloop.screen.core import (Screen, TERMINAL, WHOLE_SET, _finite, log, lr_tag, point_state, write_json)
+from megaloop.runtime.files import atomic_write_json, atomic_write_text
+from megaloop.screen.core import TERMINAL, WHOLE_SET, Screen, finite, log, lr_tag, point_state, run_name
 
 
 # ====================================================================================== report
-def collect(screen: Screen, active: dict[float, str] | None = None) -> list[dict]:
+def collect(screen: Screen, active: dict[str, str] | None = None) -> list[dict]:
+    """Every grid point's state (``active``: run names still in slurm -> job id: "queued")."""
     points = []
     for i, lr in enumerate(screen.lrs):
         st = point_state(screen.run_dir(lr), screen.end_step)
-        if active and lr in active and st["status"] not in TERMINAL:
+        if active and run_name(lr) in active and st["status"] not in TERMINAL:
             st["status"] = "queued"
         points.append({"index": i, "lr": lr, **st, "target_steps": screen.end_step,
                        "run_dir": str(screen.run_dir(lr))})
@@ -26,23 +28,21 @@ def collect(screen: Screen, active: dict[float, str] | None = None) -> list[dict
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
-    return format(x, spec) if _finite(x) else ("" if x is None else str(x))
+    return format(x, spec) if finite(x) else ("" if x is None else str(x))
 
 
 def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str | None) -> dict:
     out = screen.out
     cols = ["index", "lr", "status", "val_ce", "val_ppl", "val_depth", "steps", "target_steps",
             "final_loss", "exit_code", "best", "run_dir"]
-    tmp = out / ".results.csv.tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=cols)
-        w.writeheader()
-        for p in points:
-            w.writerow({**{k: p.get(k) for k in cols}, "lr": lr_tag(p["lr"]),
-                        "val_ce": _fmt(p["val_ce"], ".6f"), "val_ppl": _fmt(p["val_ppl"], ".4f"),
-                        "final_loss": _fmt(p["final_loss"], ".6f"),
-                        "best": int(p["index"] == sel["best_index"])})
-    os.replace(tmp, out / "results.csv")
+    text = io.StringIO(newline="")
+    w = csv.DictWriter(text, fieldnames=cols)
+    w.writeheader()
+    for p in points:
+        w.writerow({**{k: p.get(k) for k in cols}, "lr": lr_tag(p["lr"]),
+                    "val_ce": _fmt(p["val_ce"], ".6f"), "val_ppl": _fmt(p["val_ppl"], ".4f"),
+                    "final_loss": _fmt(p["final_loss"], ".6f"), "best": int(p["index"] == sel["best_index"])})
+    atomic_write_text(out / "results.csv", text.getvalue())
     result = {
         "config": screen.config, "grid": screen.lrs, "stop_after": screen.stop_after,
         "max_steps": screen.max_steps, "eval_depth": screen.eval_depth,
@@ -55,7 +55,7 @@ def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str |
         "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    write_json(out / "results.json", result)
+    atomic_write_json(out / "results.json", result, sort_keys=False)
     return result
 
 
@@ -102,7 +102,7 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
 
 
 def proposal_command(args: argparse.Namespace, screen: Screen, grid: list[float]) -> str:
-    cmd = ["python", "tools/lr_screen.py", "--config", screen.config,
+    cmd = ["megaloop", "lr-screen", "--config", screen.config,
            "--grid", ",".join(lr_tag(x) for x in grid), "--launcher", args.launcher,
            "--out", str(screen.out), "--stop-after", str(screen.stop_after),
            "--eval-depth", str(screen.eval_depth)]

@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
+from megaloop.runtime.exits import EXIT_REQUEUE
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
 from megaloop.train.checkpoint import CheckpointManager
@@ -38,7 +39,6 @@ from megaloop.train.metrics import MetricsLogger
 from megaloop.train.schedule import build_scheduler
 
 EXIT_OK = 0
-EXIT_REQUEUE = 75  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint: requeue the job
 
 
 class NonFiniteLossError(RuntimeError):

@@ -1,17 +1,11 @@
-"""Fixtures of the reproduction-suite tests: the tool module, a user experiment YAML, fake runs."""
+"""Fixtures of the reproduction-suite tests: the command line, a user experiment YAML, fake runs."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-from tests.conftest import ROOT
-
-TOOL = ROOT / "tools" / "reproduce.py"
 
 USER_YAML = """\
 name: mine
@@ -34,11 +28,10 @@ claims:
 
 @pytest.fixture(scope="session")
 def tool():
-    spec = importlib.util.spec_from_file_location("reproduce_tool", TOOL)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """``megaloop reproduce`` (megaloop/repro/cli.py; tools/reproduce.py wraps it)."""
+    from megaloop.repro import cli
+
+    return cli
 
 
 @pytest.fixture

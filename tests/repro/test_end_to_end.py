@@ -1,4 +1,4 @@
-"""tools/reproduce.py end to end on a user-written 2-arm experiment of 2 tiny steps: an interrupted
+"""megaloop reproduce end to end on a user-written 2-arm experiment of 2 tiny steps: an interrupted
 first pass (train.stop_after=1) leaves both arms partial; the rerun resumes them from their
 checkpoints, evaluates and reports; a third run skips both arms."""
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from megaloop.repro.runs import arm_state
 from megaloop.repro.spec import load_plan
 
 
@@ -64,4 +65,4 @@ def test_user_experiment_interrupt_resume_skip(tool, user_yaml: Path, tmp_path: 
     assert len(_launches(out)) == 4
     # a changed evaluation plan makes the arms "trained" (re-evaluated, not retrained)
     plan = load_plan(str(user_yaml), "test", eval_update={"depths": [1, 2]})
-    assert tool.arm_state(out, plan, plan.arm("b1"))["status"] == "trained"
+    assert arm_state(out, plan, plan.arm("b1"))["status"] == "trained"

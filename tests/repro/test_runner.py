@@ -1,20 +1,23 @@
-"""Arm state, skip / resume decisions and the slurm launcher (megaloop/repro/runner.py) with fake run
-directories and stub sbatch / squeue / srun / torchrun (tests/slurm/stubs.py); no training here."""
+"""Arm state, skip / resume decisions (megaloop/repro/runs.py) and the slurm launcher
+(megaloop/sweep.py, slurm/sweep_array.sh) with fake run directories and stub sbatch / squeue / srun
+/ torchrun (tests/slurm/stubs.py); no training here."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
-import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from megaloop.repro import cli
 from megaloop.repro.evaluate import SUMMARY
-from megaloop.repro.runner import arm_state, check_identity, run_dir, _mark_started
+from megaloop.repro.runs import arm_state, check_identity, plan_sweep, run_dir
 from megaloop.repro.spec import SpecError, load_plan
 from tests.conftest import ROOT
 from tests.repro.conftest import fake_checkpoint, fake_metrics
+from tests.screen.slurm_stubs import sweep_stubs
 from tests.slurm.stubs import calls, stub_env
 
 
@@ -50,10 +53,22 @@ def test_arm_states(user_yaml: Path, tmp_path: Path) -> None:
     assert arm_state(out, other, other.arm("full"))["status"] == "trained"  # another eval plan
 
 
+def _mark_started(out: Path, plan, name: str) -> None:
+    sweep, _ = plan_sweep(out, plan)
+    sweep.record_launch(sweep.runs[[r.name for r in sweep.runs].index(name)], "local", [])
+
+
+def test_tools_wrapper_is_the_cli() -> None:
+    spec = importlib.util.spec_from_file_location("reproduce_wrapper", ROOT / "tools" / "reproduce.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main is cli.main
+
+
 def test_identity_guards_resume(user_yaml: Path, tmp_path: Path) -> None:
     plan = load_plan(str(user_yaml), "test")
     out = tmp_path / "out"
-    _mark_started(out, plan, plan.arm("b1"))
+    _mark_started(out, plan, "b1")
     check_identity(out, plan, plan.arm("b1"))
     # run-control keys (stop_after, logging) may change between runs of an arm
     check_identity(out, load_plan(str(user_yaml), "test", ["train.stop_after=1", "logging.wandb=offline"]),
@@ -84,13 +99,7 @@ def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Pat
 
 @pytest.fixture
 def stubs(tmp_path: Path, monkeypatch):
-    env = stub_env(tmp_path, STUB_JOB_ID="555")
-    for k in list(os.environ):
-        if k.startswith("SLURM_"):
-            monkeypatch.delenv(k)
-    for k in ("PATH", "STUB_LOG", "STUB_DIR", "STUB_JOB_ID"):
-        monkeypatch.setenv(k, env[k])
-    return tmp_path
+    return sweep_stubs(tmp_path, monkeypatch, job_id="555")
 
 
 def _slurm(tool, yaml: Path, out: Path, *extra: str) -> int:
@@ -104,15 +113,19 @@ def test_slurm_array_submission(tool, user_yaml: Path, stubs: Path, capsys) -> N
     (sb,) = calls(stubs, "sbatch")
     argv = sb["argv"]
     assert "--array=0-1%1" in argv and "--parsable" in argv and "--partition=gpu" in argv
-    assert argv[-1] == str(ROOT / "slurm" / "reproduce_array.sh") and f"--output={out}/slurm/%A_%a.out" in argv
-    assert sb["env"]["MEGALOOP_ROOT"] == str(ROOT)
+    assert argv[-1] == str(ROOT / "slurm" / "sweep_array.sh") and f"--output={out}/slurm/%A_%a.out" in argv
+    assert sb["env"]["MEGALOOP_ROOT"] == str(ROOT) and sb["env"]["SWEEP_EXIT_FILE"] == "repro_exit"
     args_dir = out / "slurm" / "sub000"
+    assert sb["env"]["SWEEP_DIR"] == str(out) and sb["env"]["SWEEP_TASKS"] == str(args_dir)
     for i, name in enumerate(["full", "b1"]):
-        lines = (args_dir / f"arm_{i}.args").read_text().splitlines()
-        assert lines[:3] == ["tiny", str(out / "arms" / name), name]
+        lines = (args_dir / f"task_{i}.args").read_text().splitlines()
+        assert lines[:2] == ["tiny", str(out / "arms" / name)]
         assert lines[-4] == "parallel.tp=1" and "train.eval_depth=2" in lines  # extras, then the tool's
         assert "--resume" not in lines  # slurm/common.sh always adds --resume auto
-    assert json.loads((out / "slurm" / "jobs.jsonl").read_text())["arms"] == {"0": "full", "1": "b1"}
+        # after training, the task evaluates the arm: `megaloop reproduce --evaluate-arm`
+        after = (args_dir / f"task_{i}.after").read_text().splitlines()
+        assert after == ["reproduce", "--evaluate-arm", name, "--out", str(out)]
+    assert json.loads((out / "slurm" / "jobs.jsonl").read_text())["runs"] == {"0": "full", "1": "b1"}
     plan = json.loads((out / "plan.json").read_text())
     assert [a["name"] for a in plan["arms"]] == ["full", "b1"] and plan["eval"]["depth"] == 2
     capsys.readouterr()
@@ -133,7 +146,7 @@ def test_slurm_array_submission(tool, user_yaml: Path, stubs: Path, capsys) -> N
     assert _slurm(tool, user_yaml, out, "--wait", "--poll", "0.01") == 1  # b1 never trains under stubs
     sb2 = calls(stubs, "sbatch")[-1]
     assert "--array=1" in sb2["argv"]
-    assert sorted(p.name for p in (out / "slurm" / "sub001").iterdir()) == ["arm_1.args"]
+    assert sorted(p.name for p in (out / "slurm" / "sub001").iterdir()) == ["task_1.after", "task_1.args"]
     res = json.loads((out / "results.json").read_text())
     assert [a["status"] for a in res["arms"]] == ["done", "pending"] and res["complete"] is False
 
@@ -141,7 +154,7 @@ def test_slurm_array_submission(tool, user_yaml: Path, stubs: Path, capsys) -> N
 def test_slurm_dry_run(tool, user_yaml: Path, stubs: Path, capsys) -> None:
     assert _slurm(tool, user_yaml, stubs / "dry", "--dry-run") == 0
     text = capsys.readouterr().out
-    assert "sbatch --parsable --array=0-1" in text and "arm 1 b1: megaloop train --config tiny" in text
+    assert "sbatch --parsable --array=0-1" in text and "task 1 b1: megaloop train --config tiny" in text
     assert not calls(stubs, "sbatch") and not (stubs / "dry").exists()
 
 
@@ -151,18 +164,19 @@ def _array_env(tmp: Path, out: Path, **extra: str) -> dict:
     eval_stub.chmod(0o755)
     env = stub_env(tmp, STUB_HOSTS="gpu-a01", SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a01", SLURM_NNODES="1",
                    SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(ROOT), VENV="none", LOG_DIR=str(tmp / "logs"),
-                   GPUS_PER_NODE="2", REPRO_DIR=str(out), SLURM_ARRAY_TASK_ID="1", PYTHON=str(eval_stub))
+                   GPUS_PER_NODE="2", SWEEP_DIR=str(out), SWEEP_EXIT_FILE="repro_exit", SLURM_ARRAY_TASK_ID="1",
+                   PYTHON=str(eval_stub))
     env.update(extra)
     return env
 
 
-def test_reproduce_array_script(tmp_path: Path) -> None:
+def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "slurm").mkdir(parents=True)
-    (out / "plan.json").write_text("{}")
     rd = out / "arms" / "b1"
-    (out / "slurm" / "arm_1.args").write_text(f"tiny\n{rd}\nb1\nmodel.b_max=1\ntrain.eval_depth=2\n")
-    script = ["bash", str(ROOT / "slurm" / "reproduce_array.sh")]
+    (out / "slurm" / "task_1.args").write_text(f"tiny\n{rd}\nmodel.b_max=1\ntrain.eval_depth=2\n")
+    (out / "slurm" / "task_1.after").write_text(f"reproduce\n--evaluate-arm\nb1\n--out\n{out}\n")
+    script = ["bash", str(ROOT / "slurm" / "sweep_array.sh")]
     env = _array_env(tmp_path, out)
     proc = subprocess.run(script, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -172,7 +186,7 @@ def test_reproduce_array_script(tmp_path: Path) -> None:
     assert argv[argv.index("--resume") + 1] == "auto" and argv[-2:] == ["model.b_max=1", "train.eval_depth=2"]
     assert (rd / "repro_exit").read_text().strip() == "0"
     assert (tmp_path / "eval_calls").read_text().split() == [
-        "-m", "megaloop.repro.evaluate", "--plan", str(out / "plan.json"), "--arm", "b1", "--run-dir", str(rd)]
+        "-m", "megaloop.cli", "reproduce", "--evaluate-arm", "b1", "--out", str(out)]
     # training failed: exit status recorded, no evaluation
     (tmp_path / "eval_calls").unlink()
     proc = subprocess.run(script, env=dict(env, STUB_TORCHRUN="exit:3"), cwd=tmp_path, capture_output=True,
@@ -186,4 +200,4 @@ def test_reproduce_array_script(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "array job" in proc.stderr
     proc = subprocess.run(script, env=dict(env, SLURM_ARRAY_TASK_ID="7"), cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
-    assert proc.returncode == 2 and "arm_7.args" in proc.stderr
+    assert proc.returncode == 2 and "task_7.args" in proc.stderr

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from megaloop.repro.spec import EvalPlan, SpecError, load_plan, shipped_experiments
+from megaloop.config import arm_overrides
 from megaloop.config_utils import ConfigError
 from tests.repro.conftest import USER_YAML
 
@@ -18,7 +19,7 @@ def _fail(tool, capsys, path: Path, *extra: str) -> str:
                       "--dry-run", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
-    assert len(err.splitlines()) == 1 and err.startswith("reproduce.py: error: ")
+    assert len(err.splitlines()) == 1 and err.startswith("megaloop reproduce: error: ")
     assert not (path.parent / "out").exists()  # nothing written
     return err
 
@@ -137,3 +138,18 @@ def test_shipped_experiments(name: str) -> None:
         assert "depth.init=uniform_1_10" in arms["uniform10"].overrides
     if name == "untied":
         assert not arms["untied12"].looped and "model.num_layers=12" in arms["untied12"].overrides
+    # every shipped arm is a paper arm of megaloop/configs/arms.yaml, whose overrides come first
+    for arm in tiny.arms:
+        assert arm.paper_arm and arm.overrides[:len(arm_overrides(arm.paper_arm))] == arm_overrides(arm.paper_arm)
+
+
+def test_arm_names_a_paper_arm(tool, capsys, tmp_path: Path, user_yaml: Path) -> None:
+    p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', "full: {arm: fixed5_b2, overrides: model.b_max=3}"))
+    full = load_plan(str(p), "test").arm("full")
+    assert full.paper_arm == "fixed5_b2" and full.overrides[:4] == arm_overrides("fixed5_b2")
+    # then the scale's, common, the arm's own (its b_max wins over the paper arm's), the tool's
+    assert full.overrides[4:6] == ["train.max_steps=2", "optim.warmup_steps=1"]
+    assert full.overrides[8:11] == ["depth.kind=fixed", "depth.depth=2", "model.b_max=3"]
+    assert load_plan(str(user_yaml), "test").arm("full").paper_arm is None
+    err = _fail(tool, capsys, _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', "full: {arm: nope}")))
+    assert "arm 'full': arm: 'nope' is not an arm of arms.yaml" in err

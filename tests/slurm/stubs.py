@@ -24,7 +24,8 @@ from pathlib import Path
 _COMMON = r'''
 import json, os, signal, subprocess, sys, time
 KEEP = ("CUDA_DEVICE_MAX_CONNECTIONS", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "SCREEN_DIR",
-        "MEGALOOP_ROOT", "SCREEN_POINTS_DIR", "SLURM_NODEID", "SLURM_PROCID", "WANDB_MODE", "WANDB_PROJECT", "PYTHONUNBUFFERED")
+        "MEGALOOP_ROOT", "SCREEN_POINTS_DIR", "SLURM_NODEID", "SLURM_PROCID", "WANDB_MODE", "WANDB_PROJECT", "PYTHONUNBUFFERED",
+        "SWEEP_DIR", "SWEEP_TASKS", "SWEEP_EXIT_FILE")
 def record(name, **extra):
     rec = {"name": name, "argv": sys.argv[1:], "cwd": os.getcwd(),
            "env": {k: os.environ[k] for k in KEEP if k in os.environ}, **extra}

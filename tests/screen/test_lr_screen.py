@@ -1,5 +1,5 @@
-"""tools/lr_screen.py: grid construction, input errors, run-state detection, edge detection, and
-one real 3-point screen of the tiny config on CPU (then a rerun that launches nothing)."""
+"""megaloop lr-screen (megaloop/screen): grid construction, input errors, run-state detection, edge
+detection, and one real 3-point screen of the tiny config on CPU (then a rerun that launches nothing)."""
 
 from __future__ import annotations
 
@@ -15,38 +15,37 @@ from pathlib import Path
 
 import pytest
 
+from megaloop.screen import cli
+from megaloop.screen.core import SCALE_DEFAULTS, log_grid, lr_tag, parse_grid, point_state, scale_of, select_best
+from megaloop.sweep import compress_indices
 from tests.conftest import ROOT
 
-_TOOL = ROOT / "tools" / "lr_screen.py"
 
-
-@pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("lr_screen_tool", _TOOL)
+def test_tools_wrapper_is_the_cli() -> None:
+    spec = importlib.util.spec_from_file_location("lr_screen_wrapper", ROOT / "tools" / "lr_screen.py")
     mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve annotations through sys.modules
     spec.loader.exec_module(mod)
-    return mod
+    assert mod.main is cli.main
 
 
 # ----------------------------------------------------------------------------------------- grid
-def test_log_grid(tool) -> None:
-    assert tool.log_grid(0.5e-3, 4e-3, 7) == [0.0005, 0.000707, 0.001, 0.00141, 0.002, 0.00283, 0.004]
-    g = tool.log_grid(0.125e-3, 2e-3, 9)
+def test_log_grid() -> None:
+    assert log_grid(0.5e-3, 4e-3, 7) == [0.0005, 0.000707, 0.001, 0.00141, 0.002, 0.00283, 0.004]
+    g = log_grid(0.125e-3, 2e-3, 9)
     assert g[0] == 0.000125 and g[-1] == 0.002 and len(g) == 9
     ratios = [b / a for a, b in zip(g, g[1:])]
     assert all(abs(r - math.sqrt(2)) < 0.01 for r in ratios)
-    assert tool.parse_grid("4e-3, 1e-3,2e-3") == [1e-3, 2e-3, 4e-3]  # sorted
-    assert tool.lr_tag(1e-5) == "1e-05" and tool.lr_tag(0.000707) == "0.000707"
+    assert parse_grid("4e-3, 1e-3,2e-3") == [1e-3, 2e-3, 4e-3]  # sorted
+    assert lr_tag(1e-5) == "1e-05" and lr_tag(0.000707) == "0.000707"
 
 
-def test_scale_defaults_follow_spec(tool) -> None:
-    d = tool.SCALE_DEFAULTS
+def test_scale_defaults_follow_spec() -> None:
+    d = SCALE_DEFAULTS
     assert d["S"]["range"] == (0.5e-3, 4e-3) and 512 <= d["S"]["stop_after"] <= 1024
     assert d["M"]["range"] == (0.25e-3, 4e-3) and 2048 <= d["M"]["stop_after"] <= 12288
     assert d["L"]["range"] == (0.125e-3, 2e-3) and 8192 <= d["L"]["stop_after"] <= 32768
-    assert tool.scale_of("untied12") == "S" and tool.scale_of("megaloop/configs/L.yaml") == "L"
-    assert tool.scale_of("my.yaml") is None
+    assert scale_of("untied12") == "S" and scale_of("megaloop/configs/L.yaml") == "L"
+    assert scale_of("my.yaml") is None
 
 
 @pytest.mark.parametrize("argv, arg, words", [
@@ -74,50 +73,50 @@ def test_scale_defaults_follow_spec(tool) -> None:
     (["--grid", "1e-3,2e-3,4e-3", "--", "data.path=/data/mds"], "--screen-set", "required"),
     (["--grid", "1e-3,2e-3,4e-3", "--screen-set", "/nonexistent/screen"], "--screen-set", "not a directory"),
 ])
-def test_bad_inputs_exit_2(tool, tmp_path: Path, capsys, argv, arg, words) -> None:
-    code = tool.main(["--config", "tiny", "--out", str(tmp_path / "s"), "--dry-run", *argv])
+def test_bad_inputs_exit_2(tmp_path: Path, capsys, argv, arg, words) -> None:
+    code = cli.main(["--config", "tiny", "--out", str(tmp_path / "s"), "--dry-run", *argv])
     err = capsys.readouterr().err
     assert code == 2, err
     assert f"error: {arg}" in err or f"'{arg}" in err, err
     assert words in err, err
 
 
-def test_config_errors_exit_2(tool, tmp_path: Path, capsys) -> None:
-    assert tool.main(["--config", "nosuch", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "4",
+def test_config_errors_exit_2(tmp_path: Path, capsys) -> None:
+    assert cli.main(["--config", "nosuch", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "4",
                       "--out", str(tmp_path), "--dry-run"]) == 2
     assert "nosuch" in capsys.readouterr().err
     # a preset without defaults needs an explicit grid / stop
     yaml = tmp_path / "custom.yaml"
     yaml.write_text((ROOT / "megaloop" / "configs" / "tiny.yaml").read_text())
-    assert tool.main(["--config", str(yaml), "--out", str(tmp_path / "o"), "--dry-run"]) == 2
+    assert cli.main(["--config", str(yaml), "--out", str(tmp_path / "o"), "--dry-run"]) == 2
     assert "--grid/--range" in capsys.readouterr().err
     # optim.min_lr above a grid point is caught before anything runs
-    assert tool.main(["--config", "tiny", "--grid", "1e-4,1e-3,1e-2", "--out", str(tmp_path / "o"),
+    assert cli.main(["--config", "tiny", "--grid", "1e-4,1e-3,1e-2", "--out", str(tmp_path / "o"),
                       "--dry-run", "--", "optim.min_lr=5e-4"]) == 2
     assert "optim.min_lr" in capsys.readouterr().err
 
 
-def test_screen_set_seq_len_is_checked(tool, tmp_path: Path, capsys) -> None:
+def test_screen_set_seq_len_is_checked(tmp_path: Path, capsys) -> None:
     scr = tmp_path / "screen"
     scr.mkdir()
     (scr / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 1536, "num_sequences": 304}))
-    assert tool.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
+    assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
                       "--out", str(tmp_path / "o"), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "--screen-set" in err and "1536" in err and "--screen-seq-len 128" in err
     (scr / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 128, "num_sequences": 20}))
-    assert tool.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
+    assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
                       "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert f"data.val_path={scr}" in out and "train.eval_batches=3" in out  # ceil(20 / mbs 8)
     # a shorter set is fine: the trainer evaluates at the set's own length
     (scr / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 64, "num_sequences": 20}))
-    assert tool.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
+    assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
                       "--out", str(tmp_path / "o"), "--dry-run"]) == 0
 
 
-def test_dry_run_defaults(tool, tmp_path: Path, capsys) -> None:
-    assert tool.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run"]) == 0
+def test_dry_run_defaults(tmp_path: Path, capsys) -> None:
+    assert cli.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.count("would run:") == 7
     for s in ("optim.lr=0.0005 ", "optim.lr=0.004 ", "train.stop_after=768", "train.eval_depth=5",
@@ -125,7 +124,7 @@ def test_dry_run_defaults(tool, tmp_path: Path, capsys) -> None:
         assert s in out, s
     assert "train.max_steps" not in out  # the full run's horizon is kept
     assert "inside the LR warm-up" not in out  # S: warm-up 500 < stop 768
-    assert tool.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run", "--stop-after", "400"]) == 0
+    assert cli.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run", "--stop-after", "400"]) == 0
     assert "inside the LR warm-up" in capsys.readouterr().out
     assert not (tmp_path / "s").exists()  # a dry run writes nothing
 
@@ -138,38 +137,38 @@ def _pts(ces: list, statuses: list | None = None) -> list[dict]:
             for i, (lr, ce, st) in enumerate(zip(lrs, ces, statuses))]
 
 
-def test_select_interior(tool) -> None:
-    sel = tool.select_best(_pts([3.0, 2.5, 2.7]))
+def test_select_interior() -> None:
+    sel = select_best(_pts([3.0, 2.5, 2.7]))
     assert sel["best_index"] == 1 and sel["interior"] and sel["edge"] is None
     assert sel["proposed_grid"] is None and sel["complete"]
 
 
-def test_select_lower_edge_proposes_one_more_step(tool) -> None:
-    sel = tool.select_best(_pts([2.0, 2.5, 2.7, 3.1]))
+def test_select_lower_edge_proposes_one_more_step() -> None:
+    sel = select_best(_pts([2.0, 2.5, 2.7, 3.1]))
     assert sel["best_index"] == 0 and sel["interior"] is False and sel["edge"] == "lower"
     assert sel["proposed_grid"] == [0.0005, 0.001, 0.002, 0.004, 0.008]
 
 
-def test_select_upper_edge(tool) -> None:
-    sel = tool.select_best(_pts([3.0, 2.5, 2.1]))
+def test_select_upper_edge() -> None:
+    sel = select_best(_pts([3.0, 2.5, 2.1]))
     assert sel["edge"] == "upper" and sel["proposed_grid"][-1] == 0.008
     assert abs(sel["ratio"] - 2) < 1e-9
 
 
-def test_diverged_top_point_brackets_the_optimum(tool) -> None:
-    sel = tool.select_best(_pts([3.0, 2.5, 2.1, float("nan")], ["done", "done", "done", "diverged"]))
+def test_diverged_top_point_brackets_the_optimum() -> None:
+    sel = select_best(_pts([3.0, 2.5, 2.1, float("nan")], ["done", "done", "done", "diverged"]))
     assert sel["best_index"] == 2 and sel["interior"] and sel["complete"]
 
 
-def test_unfinished_points_make_selection_provisional(tool) -> None:
-    sel = tool.select_best(_pts([3.0, None, 2.7], ["done", "pending", "done"]))
+def test_unfinished_points_make_selection_provisional() -> None:
+    sel = select_best(_pts([3.0, None, 2.7], ["done", "pending", "done"]))
     assert sel["best_index"] == 2 and sel["edge"] == "upper" and not sel["complete"]
-    assert tool.select_best(_pts([None, None, None], ["pending"] * 3))["best_index"] is None
+    assert select_best(_pts([None, None, None], ["pending"] * 3))["best_index"] is None
 
 
-def test_compress_indices(tool) -> None:
-    assert tool.compress_indices([0, 1, 2]) == "0-2"
-    assert tool.compress_indices([5, 0, 2, 1, 7, 8]) == "0-2,5,7-8"
+def test_compress_indices() -> None:
+    assert compress_indices([0, 1, 2]) == "0-2"
+    assert compress_indices([5, 0, 2, 1, 7, 8]) == "0-2,5,7-8"
 
 
 # ----------------------------------------------------------------------------------------- run state
@@ -179,37 +178,37 @@ def _metrics(run: Path, rows: list[dict], torn: bool = False) -> None:
     (run / "metrics.jsonl").write_text(text + ('{"step": 9, "lo' if torn else ""))
 
 
-def test_point_state(tool, tmp_path: Path) -> None:
-    assert tool.point_state(tmp_path / "none", 6)["status"] == "pending"
+def test_point_state(tmp_path: Path) -> None:
+    assert point_state(tmp_path / "none", 6)["status"] == "pending"
     r = tmp_path / "done"
     _metrics(r, [{"step": s, "loss": 5.0} for s in range(1, 6)]
              + [{"step": 6, "loss": 4.0, "val_ce": 4.5, "val_ppl": 90.0, "val_depth": 5}], torn=True)
-    st = tool.point_state(r, 6)
+    st = point_state(r, 6)
     assert st["status"] == "done" and st["val_ce"] == 4.5 and st["steps"] == 6 and st["val_depth"] == 5
     # an intermediate evaluation (eval_interval) is not the final one
     r = tmp_path / "partial"
     _metrics(r, [{"step": 3, "loss": 5.0, "val_ce": 5.1}])
-    assert tool.point_state(r, 6)["status"] == "partial"
+    assert point_state(r, 6)["status"] == "partial"
     (r / "screen_exit").write_text("75\n")
-    assert tool.point_state(r, 6)["status"] == "interrupted"
+    assert point_state(r, 6)["status"] == "interrupted"
     (r / "screen_exit").write_text("-15\n")  # SIGTERM before the trainer's handler was installed
-    assert tool.point_state(r, 6)["status"] == "interrupted"
+    assert point_state(r, 6)["status"] == "interrupted"
     (r / "screen_exit").write_text("1\n")
-    assert tool.point_state(r, 6)["status"] == "failed"
+    assert point_state(r, 6)["status"] == "failed"
     (r / "train.log").write_text("Traceback ...\nNonFiniteLossError: non-finite loss at step 4\n")
-    assert tool.point_state(r, 6)["status"] == "diverged"
+    assert point_state(r, 6)["status"] == "diverged"
     r = tmp_path / "nan"
     _metrics(r, [{"step": 6, "loss": float("nan"), "val_ce": float("nan")}])
-    assert tool.point_state(r, 6)["status"] == "diverged"
+    assert point_state(r, 6)["status"] == "diverged"
 
 
-def test_collect_only_writes_results_and_plot(tool, tmp_path: Path, capsys) -> None:
+def test_collect_only_writes_results_and_plot(tmp_path: Path, capsys) -> None:
     out = tmp_path / "scr"
     grid = [1e-4, 2e-4, 4e-4, 8e-4]
     for lr, ce in zip(grid, [5.0, 4.2, 4.4, float("nan")]):
-        _metrics(out / f"lr_{tool.lr_tag(lr)}", [{"step": 6, "loss": 4.0, "val_ce": ce, "val_ppl": math.exp(ce),
+        _metrics(out / f"lr_{lr_tag(lr)}", [{"step": 6, "loss": 4.0, "val_ce": ce, "val_ppl": math.exp(ce),
                                                   "val_depth": 5}])
-    code = tool.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6",
+    code = cli.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6",
                       "--out", str(out), "--collect"])
     text = capsys.readouterr().out
     assert code == 0, text
@@ -222,7 +221,7 @@ def test_collect_only_writes_results_and_plot(tool, tmp_path: Path, capsys) -> N
     assert (out / "screen.png").stat().st_size > 1000
     assert "interior to the grid" in text
     # the screen's fixed settings cannot silently change in the same directory
-    assert tool.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "7",
+    assert cli.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "7",
                       "--out", str(out), "--collect"]) == 2
     assert "stop_after" in capsys.readouterr().err
 
@@ -233,7 +232,8 @@ SMALL = ["train.global_batch_size=8", "train.micro_batch_size=4", "optim.warmup_
 
 
 def _screen(out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(_TOOL), "--config", "tiny", "--grid", "1e-5,1e-4,1e-3", "--launcher", "local",
+    cmd = [sys.executable, "-m", "megaloop.cli", "lr-screen", "--config", "tiny", "--grid", "1e-5,1e-4,1e-3",
+           "--launcher", "local",
            "--stop-after", "4", "--eval-batches", "2", "--out", str(out), *extra, "--", *SMALL]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONWARNINGS": "ignore"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -270,16 +270,17 @@ def test_real_tiny_screen_flags_edge_and_resumes(tmp_path: Path) -> None:
     t0 = time.time()
     again = _screen(out)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert again.stdout.count("skip lr=") == 3 and "launch lr=" not in again.stdout
+    assert again.stdout.count("skip lr_") == 3 and "train lr_" not in again.stdout
     assert (out / "launches.jsonl").read_text().splitlines() == launches
     assert time.time() - t0 < 30
 
     # the proposed extension reuses the three finished runs: only the new point would run
     ext = _screen(out, "--dry-run")  # same settings, same grid: nothing to do
     assert "would run" not in ext.stdout
-    cmd = [sys.executable, str(_TOOL), "--config", "tiny", "--grid", "1e-5,1e-4,1e-3,1e-2", "--stop-after",
+    cmd = [sys.executable, "-m", "megaloop.cli", "lr-screen", "--config", "tiny", "--grid", "1e-5,1e-4,1e-3,1e-2",
+           "--stop-after",
            "4", "--eval-batches", "2", "--out", str(out), "--dry-run", "--", *SMALL]
     ext = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ext.returncode == 0, ext.stderr
-    assert ext.stdout.count("skip lr=") == 3 and ext.stdout.count("would run:") == 1
+    assert ext.stdout.count("skip lr_") == 3 and ext.stdout.count("would run:") == 1
     assert "optim.lr=0.01 " in ext.stdout

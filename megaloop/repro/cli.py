@@ -1,0 +1,172 @@
+"""``megaloop reproduce``: train every arm of one of the paper's experiments, evaluate, and report.
+
+    megaloop reproduce --experiment tbptt --scale tiny --out runs/repro_tbptt
+    megaloop reproduce --experiment my_arms.yaml --scale tiny --out runs/mine -- train.max_steps=50
+    megaloop reproduce --experiment depth --scale M --launcher slurm --wait --out runs/repro_depth_M \\
+        --sbatch-arg=--partition=gpu -- data.path=/data/txt360_mds data.val_path=/data/eval/val
+    megaloop reproduce --render runs/repro_tbptt/results.json      # re-render report.md + PNGs
+
+(``python tools/reproduce.py ...`` is the same command.) An experiment is a YAML of arms (name ->
+a paper arm of megaloop/configs/arms.yaml and/or config overrides), scales and an evaluation plan
+(megaloop/repro/spec.py documents the schema; shipped: megaloop/repro/experiments/*.yaml). Every
+arm is validated before anything runs. Each arm is ``megaloop train --config <scale's preset>
+--run-dir OUT/arms/<arm> --resume auto <overrides>``, then ``megaloop reproduce --evaluate-arm
+<arm> --out OUT``: ``megaloop eval sweep`` (native PPL at every depth of the plan, terminal vs
+per-visit PPL and the sharing penalty) and ``megaloop eval harness`` on its final checkpoint. The
+arms run on megaloop/sweep.py (local process pool or one slurm array job). Overrides after ``--``
+apply to every arm.
+
+Outputs in OUT: ``results.json``, ``report.md`` (the paper-layout table, the SPEC §12 claims
+beside the measured figures, run details), ``ppl_vs_depth.png``, ``prior_evolution.png``,
+``training_curves.png``, ``plan.json``, ``launches.jsonl``, ``arms/<arm>/``.
+
+Rerunning the same command skips finished arms (trained to train.max_steps and evaluated with
+the same plan), resumes unfinished ones from their latest checkpoint and evaluates trained ones.
+Exit status: 0 every arm done; 1 some arm unfinished or failed; 2 bad arguments / experiment file;
+130 interrupted (running trainings were checkpointed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from megaloop.errors import UserError
+from megaloop.repro import report as rep
+from megaloop.repro.evaluate import checkpoint_step, evaluate_arm
+from megaloop.repro.runs import check_out, log, plan_sweep, run_dir, write_plan
+from megaloop.repro.spec import Plan, load_plan, shipped_experiments
+from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
+
+PROG = "megaloop reproduce"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Train, evaluate and report an experiment's arms.",
+                                epilog=f"Shipped experiments: {', '.join(shipped_experiments())}. "
+                                "Overrides for every arm go after --.")
+    p.add_argument("--experiment", help="shipped experiment name or a YAML path")
+    p.add_argument("--scale", default="tiny", help="scale of the experiment file (tiny, S, M, L, ...; default tiny)")
+    p.add_argument("--out", help="experiment directory (default runs/repro_<experiment>_<scale>)")
+    p.add_argument("--arms", help="comma-separated subset of the arms to train/evaluate/report")
+    p.add_argument("--max-seqs", type=int, default=None, help="evaluation: validation sequences (plan's default)")
+    p.add_argument("--depths", default=None, help="evaluation: comma-separated sweep depths (plan's default)")
+    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render report.md and PNGs from a results.json")
+    p.add_argument("--evaluate-arm", metavar="ARM", help="only evaluate one trained arm of OUT/plan.json "
+                   "(what each arm runs after its training)")
+    add_launch_args(p, default_parallel="threads / threads-per-run")
+    return p
+
+
+def _eval_update(args: argparse.Namespace) -> dict:
+    upd: dict = {}
+    if args.max_seqs is not None:
+        if args.max_seqs < 1:
+            raise UserError(f"--max-seqs: must be >= 1, got {args.max_seqs}")
+        upd["max_seqs"] = args.max_seqs
+    if args.depths is not None:
+        try:
+            upd["depths"] = [int(x) for x in args.depths.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--depths: expected comma-separated integers, got {args.depths!r}") from None
+    return upd
+
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{what}: cannot read {path}: {err}") from None
+
+
+def render(args: argparse.Namespace) -> int:
+    """``--render``: report.md and the PNGs from a results.json."""
+    path = Path(args.render)
+    results = _read_json(path, "--render")
+    outputs = rep.render(results, Path(args.out) if args.out else path.parent)
+    rep.print_table(results)
+    print("  wrote " + ", ".join(map(str, outputs)))
+    return 0
+
+
+def evaluate_one(args: argparse.Namespace) -> int:
+    """``--evaluate-arm``: evaluate one arm of OUT/plan.json once it is trained to the end."""
+    if not args.out:
+        raise UserError("--evaluate-arm: needs --out (the experiment directory holding plan.json)")
+    out = Path(args.out)
+    try:
+        plan = Plan.from_dict(_read_json(out / "plan.json", "--evaluate-arm"))
+        arm = plan.arm(args.evaluate_arm)
+    except (KeyError, TypeError) as err:
+        raise UserError(f"--evaluate-arm: no arm {args.evaluate_arm!r} in {out / 'plan.json'} ({err!r})") from None
+    rd, max_steps = run_dir(out, arm), plan.settings["max_steps"]
+    step = checkpoint_step(rd)
+    if step is None or step < max_steps:
+        log(f"{arm.name}: trained to step {step} of {max_steps}: nothing to evaluate yet")
+        return 0
+
+    def on_term(_signum, _frame):  # noqa: ANN001  (the stage subprocess is killed on the way out)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    s = evaluate_arm(rd, arm, plan.eval, max_steps=max_steps, threads=args.threads_per_run, log=log)
+    return 0 if s["complete"] else 1
+
+
+def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
+    """The experiment: launch the unfinished arms, then collect, render and report."""
+    if args.render:
+        return render(args)
+    if args.evaluate_arm:
+        return evaluate_one(args)
+    if not args.experiment:
+        raise UserError("--experiment: required (a shipped name or a YAML path), or --render")
+    launch = launch_from_args(args, default_parallel=None)
+    only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    plan = load_plan(args.experiment, args.scale, extras, _eval_update(args), only)
+    out = Path(args.out or f"runs/repro_{plan.experiment}_{plan.scale}").resolve()
+    check_out(out, plan)
+    s = plan.settings
+    log(f"experiment {plan.experiment} ({Path(plan.source).name}) at scale {plan.scale}: {len(plan.arms)} "
+        f"arm(s), preset {plan.config}, {s['max_steps']} steps x {s['tokens_per_step']:,} tokens, seed "
+        f"{s['seed']}" + (f"; {plan.note}" if plan.note else ""))
+    if not args.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+        write_plan(out, plan)
+    sweep, states = plan_sweep(out, plan)
+    active = slurm_active(sweep) if launch.launcher == "slurm" and not args.dry_run else {}
+
+    def finished(run: Run) -> str | None:
+        st = states[run.name]
+        if st["status"] == "done":
+            return f"done (step {st['step']}, evaluated)"
+        if st["status"] != "pending" and run.name not in active:
+            log(f"{run.name}: {st['status']} at step {st['step']}: " + ("resume" if run.train else "evaluate"))
+        return None
+
+    code, active = execute(sweep, pending(sweep, active, finished), launch, active)
+    if args.dry_run:
+        return 0
+    where = (f"{launch.parallel} arm(s) in parallel x {launch.threads} thread(s)"
+             + (f" x {launch.nproc} proc(s)" if launch.nproc > 1 else "")) if launch.launcher == "local" \
+        else " ".join(launch.sbatch_args) or "default sbatch options"
+    results = rep.collect(out, plan, active, {launch.launcher: where})
+    path = rep.write_results(out, results)
+    outputs = rep.render(results, out)
+    rep.print_table(results)
+    print(f"  wrote {path}, " + ", ".join(map(str, outputs)))
+    if code:
+        return code
+    return 1 if any(a["status"] not in ("done", "queued") for a in results["arms"]) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli(PROG, build_parser(), run_experiment, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

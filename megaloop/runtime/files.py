@@ -1,0 +1,31 @@
+"""Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
+    """Atomically write ``obj`` as JSON (NaN/inf written as such, like ``json.dumps``)."""
+    atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")

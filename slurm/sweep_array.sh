@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One run of a sweep (megaloop/sweep.py: LR-screen points, reproduction arms) per array task.
+# `megaloop lr-screen|reproduce --launcher slurm` writes $SWEEP_TASKS/task_<i>.args (i = the run's
+# index in the sweep; line 1: config, line 2: run dir, then one dotlist override per line) and, for
+# a run with a follow-up, task_<i>.after (a `megaloop` verb's arguments, one per line, e.g.
+# `reproduce --evaluate-arm ARM --out OUT`), then runs, with SWEEP_DIR, SWEEP_TASKS and
+# SWEEP_EXIT_FILE in the environment,
+#   sbatch --array=<indices> --export=ALL slurm/sweep_array.sh
+# Each task trains `megaloop train --resume auto` on its own allocation (slurm/common.sh: NODES,
+# GPUS_PER_NODE, rendezvous, requeue on SIGUSR1), records the exit status in
+# RUN_DIR/$SWEEP_EXIT_FILE and, when the training exited 0, runs the follow-up on this (the batch)
+# node: $PYTHON -m megaloop.cli <after...> (PYTHON: default `python` of the activated venv).
+# SWEEP_TASK_FILE, when set, is the task file instead of $SWEEP_TASKS/task_<i>.args.
+#SBATCH --job-name=megaloop-sweep
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
+#SBATCH --open-mode=append
+set -euo pipefail
+
+_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT=""
+for _c in "${MEGALOOP_ROOT:-}" "$_here" "${SLURM_SUBMIT_DIR:-}"; do
+  if [ -n "$_c" ] && [ -f "$_c/slurm/common.sh" ]; then ROOT="$(cd "$_c" && pwd)"; break; fi
+done
+[ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+# shellcheck source=slurm/common.sh
+source "$ROOT/slurm/common.sh"
+
+[ -n "${SWEEP_DIR:-}" ] || megaloop_die "SWEEP_DIR is not set: submit through megaloop lr-screen / reproduce --launcher slurm"
+[ -n "${SLURM_ARRAY_TASK_ID:-}" ] || megaloop_die "SLURM_ARRAY_TASK_ID is not set: submit as an array job (sbatch --array=...)"
+TASK_FILE="${SWEEP_TASK_FILE:-${SWEEP_TASKS:-$SWEEP_DIR/slurm}/task_${SLURM_ARRAY_TASK_ID}.args}"
+[ -f "$TASK_FILE" ] || megaloop_die "no task file $TASK_FILE (array index outside the sweep?)"
+mapfile -t TASK <"$TASK_FILE"
+[ "${#TASK[@]}" -ge 2 ] || megaloop_die "$TASK_FILE: expected the config, the run directory, then overrides"
+
+megaloop_setup
+RUN_DIR="${TASK[1]}"
+EXIT_FILE="$RUN_DIR/${SWEEP_EXIT_FILE:-sweep_exit}"
+mkdir -p "$RUN_DIR"
+rm -f "$EXIT_FILE"
+megaloop_log "sweep task ${SLURM_ARRAY_TASK_ID}: ${TASK[2]:-} -> $RUN_DIR"
+rc=0
+megaloop_train "${TASK[0]}" "$RUN_DIR" "${TASK[@]:2}" || rc=$?
+echo "$rc" >"$EXIT_FILE.tmp"
+mv -f "$EXIT_FILE.tmp" "$EXIT_FILE"
+AFTER_FILE="${TASK_FILE%.args}.after"
+if [ "$rc" -ne 0 ] || [ ! -f "$AFTER_FILE" ]; then
+  exit "$rc"
+fi
+mapfile -t AFTER <"$AFTER_FILE"
+megaloop_log "then: ${PYTHON:-python} -m megaloop.cli ${AFTER[*]}"
+"${PYTHON:-python}" -m megaloop.cli "${AFTER[@]}"
