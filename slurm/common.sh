@@ -112,6 +112,26 @@ megaloop_train() {
   megaloop_launch -m megaloop.cli train --config "$config" --run-dir "$run_dir" --resume auto "$@"
 }
 
+# megaloop_post_main VERB DS_CONFIG SAVE_EVERY ARGS...: a DeepSpeed post-training command (`megaloop rl`,
+# `megaloop distill-prefill`) on every node, writing to $OUT, resumed from $OUT/checkpoints when a
+# checkpoint is there; EXTRA_ARGS (word-split) are appended. Exits with the command's status.
+megaloop_post_main() {
+  [ "$#" -ge 3 ] || megaloop_die "megaloop_post_main VERB DS_CONFIG SAVE_EVERY [ARGS...]"
+  local verb="$1" ds="$2" every="$3" rc=0
+  local -a cmd extra
+  shift 3
+  case "$every" in '' | *[!0-9]*) megaloop_die "SAVE_EVERY must be a non-negative integer, got '$every'" ;; esac
+  megaloop_setup
+  cmd=(-m megaloop.cli "$verb" "$@" --out "$OUT" --deepspeed "$ds" --save-every "$every")
+  if [ -f "$OUT/checkpoints/latest" ]; then
+    cmd+=(--resume)
+  fi
+  read -r -a extra <<<"${EXTRA_ARGS:-}"
+  cmd+=("${extra[@]}")
+  megaloop_launch "${cmd[@]}" || rc=$?
+  exit "$rc"
+}
+
 megaloop_launch() {
   [ "$#" -ge 1 ] || megaloop_die "megaloop_launch PYTHON_ARGS..."
   local -a launcher train srun_opts extra_srun

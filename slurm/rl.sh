@@ -18,32 +18,12 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
-_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ROOT=""
-for _c in "${MEGALOOP_ROOT:-}" "$_here" "${SLURM_SUBMIT_DIR:-}"; do
-  if [ -n "$_c" ] && [ -f "$_c/slurm/common.sh" ]; then ROOT="$(cd "$_c" && pwd)"; break; fi
-done
+for ROOT in "${MEGALOOP_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." "${SLURM_SUBMIT_DIR:-}" ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
 [ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+ROOT="$(cd "$ROOT" && pwd)"
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 
 [ -n "${MODEL:-}" ] || megaloop_die "MODEL is not set (an HF folder or a megaloop checkpoint)"
 OUT="${OUT:-runs/rl}"
-TASK="${TASK:-arithmetic}"
-DS_CONFIG="${DS_CONFIG:-zero2}"
-SAVE_EVERY="${SAVE_EVERY:-50}"
-EXTRA_ARGS="${EXTRA_ARGS:-}"
-case "$SAVE_EVERY" in '' | *[!0-9]*) megaloop_die "SAVE_EVERY must be a non-negative integer, got '$SAVE_EVERY'" ;; esac
-megaloop_setup
-
-cmd=(-m megaloop.cli rl --model "$MODEL" --out "$OUT" --task "$TASK" --deepspeed "$DS_CONFIG"
-  --save-every "$SAVE_EVERY")
-if [ -f "$OUT/checkpoints/latest" ]; then
-  cmd+=(--resume)
-fi
-read -r -a extra <<<"$EXTRA_ARGS"
-cmd+=("${extra[@]}")
-
-rc=0
-megaloop_launch "${cmd[@]}" || rc=$?
-exit "$rc"
+megaloop_post_main rl "${DS_CONFIG:-zero2}" "${SAVE_EVERY:-50}" --model "$MODEL" --task "${TASK:-arithmetic}"

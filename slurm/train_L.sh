@@ -22,12 +22,9 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
-_here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ROOT=""
-for _c in "${MEGALOOP_ROOT:-}" "$_here" "${SLURM_SUBMIT_DIR:-}"; do
-  if [ -n "$_c" ] && [ -f "$_c/slurm/common.sh" ]; then ROOT="$(cd "$_c" && pwd)"; break; fi
-done
+for ROOT in "${MEGALOOP_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." "${SLURM_SUBMIT_DIR:-}" ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
 [ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+ROOT="$(cd "$ROOT" && pwd)"
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 
