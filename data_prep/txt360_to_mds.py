@@ -13,6 +13,12 @@ Mixing (defaults): source weight 1 for every source; bucket upsampling 1-1:1, 2-
 seeded hash). Override with ``--weights FILE`` (YAML/JSON with ``source_weights`` and/or
 ``bucket_upsample``) and/or ``--source-weights cc=1,wiki=2 --bucket-upsample 2-5=1.5``.
 
+Packing: ``--packing concat`` (default) concatenates documents and cuts rows every N tokens (rows
+cross document boundaries; the tail is dropped). ``--packing whole`` keeps every document inside
+one row (next-fit in the shuffled order, the rest of a row padded; an extra ``num_tokens`` column
+tells the loader to mask the padding from the loss); a document longer than N tokens is an error
+naming ``file:line``. Use it for short documents such as ``make_synth.py``'s programs.
+
 Held-out documents (``--val-fraction`` 0.002, ``--screen-fraction`` 0.001 of documents by salted
 content hash) are excluded here and collected by ``build_eval_sets.py`` with the same flags.
 
@@ -46,11 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", required=True, help="TxT360 root (holding data/) or its data/ dir")
     p.add_argument("--out", required=True, help="output directory of the MDS dataset")
     p.add_argument("--tokenizer", required=True,
-                   help="tokenizer.json, SentencePiece .model, or a directory holding one")
+                   help="tokenizer.json, SentencePiece .model, a directory holding one, or 'default' "
+                        "(the embedded corpus' 4,096-token BPE)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed sequence")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="parallel worker processes (one input file at a time each)")
     p.add_argument("--seed", type=int, default=1234, help="seed of upsampling and doc order")
+    p.add_argument("--packing", choices=("concat", "whole"), default="concat",
+                   help="concat: rows cut across documents (default); whole: no document crosses a row, "
+                        "padding masked from the loss")
     p.add_argument("--weights", help="YAML/JSON file with source_weights / bucket_upsample")
     p.add_argument("--source-weights", help="per-source weights, e.g. cc=1,arxiv=2")
     p.add_argument("--bucket-upsample", help="per-bucket factors, e.g. 1-1=1,2-5=2,6-10=3")
@@ -70,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.data.txt360 import HoldoutSpec, MixSpec
 
     try:
+        tokenizer = args.tokenizer
+        if tokenizer == "default":
+            from megaloop.data.default_tokenizer import ensure_default_tokenizer
+
+            tokenizer = str(ensure_default_tokenizer())
         cfg = ConvertConfig(
-            input=Path(args.input), out=Path(args.out), tokenizer=args.tokenizer,
+            input=Path(args.input), out=Path(args.out), tokenizer=tokenizer, packing=args.packing,
             seq_len=args.seq_len, workers=max(1, args.workers), seed=args.seed,
             mix=MixSpec.from_args(args.weights, args.source_weights, args.bucket_upsample),
             holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
@@ -84,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     run = manifest.pop("_run")
-    summary = {k: manifest[k] for k in ("total_tokens", "num_sequences", "dropped_tokens",
-                                        "vocab_size", "eos_id", "source_tokens")}
+    summary = {k: manifest.get(k) for k in ("total_tokens", "num_sequences", "dropped_tokens",
+                                            "pad_tokens", "packing", "vocab_size", "eos_id",
+                                            "source_tokens")}
     print(json.dumps(summary | {"parts": run["parts_total"], "parts_skipped": run["parts_skipped"],
                                 "seconds": round(run["seconds"], 2), "out": str(args.out)}))
     return 0

@@ -4,6 +4,9 @@
 ``build_eval_loader`` -> finite, ordered micro-batches covering every eval sample exactly once
 across DP ranks (padding rows carry ``loss_mask`` 0 so every rank runs the same number of batches).
 Batches: ``tokens`` / ``labels`` LongTensor [b, seq_len], ``loss_mask`` FloatTensor [b, seq_len].
+Datasets converted with ``--packing whole`` (documents never cross a row) store each row's real
+token count; ``loss_mask`` is 0 wherever the input or the target is padding (no config needed: the
+dataset says how it was packed, ``manifest.json["packing"]``).
 """
 
 from __future__ import annotations

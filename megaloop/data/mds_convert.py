@@ -3,8 +3,20 @@
 Every input file is one partition, processed independently (in parallel worker processes): read
 records, drop held-out documents, tokenise, append EOS, repeat documents by their mixture
 multiplier, shuffle the document order with a per-partition seed, concatenate, cut into
-``seq_len``-token sequences (the tail shorter than ``seq_len`` is dropped and counted) and write
-MDS shards (columns ``tokens: ndarray:<uint16|uint32>:seq_len``, ``source: str``; zstd).
+``seq_len``-token sequences and write MDS shards (columns ``tokens: ndarray:<uint16|uint32>:seq_len``,
+``source: str``; zstd).
+
+Packing (``ConvertConfig.packing`` / ``--packing``):
+
+* ``concat`` (default): the documents are concatenated and cut every ``seq_len`` tokens, so rows
+  start and end mid-document; the tail shorter than ``seq_len`` is dropped and counted.
+* ``whole``: no document crosses a row. Documents are placed in their shuffled order, next-fit:
+  a document that does not fit in the current row's remaining room closes that row, whose rest is
+  filled with the pad id (the tokenizer's, else EOS), and starts the next one. Each row stores its
+  real-token count in an extra ``num_tokens: int32`` column; the loaders set ``loss_mask`` to 0
+  from position ``num_tokens - 1`` on (targets that are padding), so padding never reaches the
+  loss. A document longer than ``seq_len`` (EOS included) is an error naming ``file:line``; nothing
+  is truncated. The last, partly filled row is kept (no token is dropped).
 
 Crash safety: a partition is written under ``OUT/.tmp/`` and renamed to ``OUT/parts/<name>/``
 only after its ``_done.json`` is in place; ``OUT/index.json`` (all shards) and then
@@ -35,7 +47,8 @@ from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, copies_per_doc
 FORMAT = "megaloop-mds-v1"
 DONE = "_done.json"
 _STAT_KEYS = ("files", "docs", "docs_val", "docs_screen", "docs_empty", "raw_tokens",
-              "doc_tokens", "packed_tokens", "dropped_tokens", "num_sequences")
+              "doc_tokens", "packed_tokens", "dropped_tokens", "pad_tokens", "num_sequences")
+PACKINGS = ("concat", "whole")
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -43,14 +56,37 @@ def token_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def mds_columns(seq_len: int, dtype: str) -> dict[str, str]:
-    """MDS column encodings of megaloop token datasets."""
-    return {"tokens": f"ndarray:{dtype}:{seq_len}", "source": "str"}
+def mds_columns(seq_len: int, dtype: str, packing: str = "concat") -> dict[str, str]:
+    """MDS column encodings of megaloop token datasets (``whole`` packing adds ``num_tokens``)."""
+    cols = {"tokens": f"ndarray:{dtype}:{seq_len}", "source": "str"}
+    return cols | {"num_tokens": "int32"} if packing == "whole" else cols
+
+
+def pack_whole(docs: Sequence[np.ndarray], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Next-fit packing that keeps documents whole: ``docs`` (each <= ``seq_len`` tokens, in this
+    order) -> rows [n, seq_len] padded with ``pad_id`` and their real-token counts [n] (int32)."""
+    starts: list[int] = []  # index of each row's first document
+    used = seq_len
+    for i, d in enumerate(docs):
+        if used + len(d) > seq_len:
+            starts.append(i)
+            used = 0
+        used += len(d)
+    rows = np.full((len(starts), seq_len), pad_id, dtype=np.uint32)
+    counts = np.zeros(len(starts), dtype=np.int32)
+    bounds = starts + [len(docs)]
+    for r in range(len(starts)):
+        row = np.concatenate([docs[i] for i in range(bounds[r], bounds[r + 1])])
+        rows[r, :len(row)] = row
+        counts[r] = len(row)
+    return rows, counts
 
 
 def write_sequences_mds(out_dir: str | Path, tokens: np.ndarray, sources: Sequence[str] | str,
-                        *, compression: str | None = "zstd", size_limit: int = 1 << 26) -> list[dict]:
-    """Write ``tokens`` [n, seq_len] (one row per sample) as MDS into a new ``out_dir``.
+                        *, compression: str | None = "zstd", size_limit: int = 1 << 26,
+                        num_tokens: np.ndarray | None = None) -> list[dict]:
+    """Write ``tokens`` [n, seq_len] (one row per sample) as MDS into a new ``out_dir``;
+    ``num_tokens`` [n] (real tokens per row, ``whole`` packing) adds that column.
 
     Returns the shard entries of the written ``index.json``.
     """
@@ -62,11 +98,14 @@ def write_sequences_mds(out_dir: str | Path, tokens: np.ndarray, sources: Sequen
     out_dir = Path(out_dir)
     n, seq_len = tokens.shape
     src = [sources] * n if isinstance(sources, str) else list(sources)
-    cols = mds_columns(seq_len, str(tokens.dtype))
+    cols = mds_columns(seq_len, str(tokens.dtype), "concat" if num_tokens is None else "whole")
     with streaming.MDSWriter(out=str(out_dir), columns=cols, compression=compression,
                              hashes=["xxh64"], size_limit=size_limit) as writer:
-        for row, s in zip(tokens, src):
-            writer.write({"tokens": row, "source": s})
+        for i, (row, s) in enumerate(zip(tokens, src)):
+            sample = {"tokens": row, "source": s}
+            if num_tokens is not None:
+                sample["num_tokens"] = int(num_tokens[i])
+            writer.write(sample)
     return json.loads((out_dir / "index.json").read_text())["shards"]
 
 
@@ -101,6 +140,7 @@ class ConvertConfig:
     shard_size_limit: int = 1 << 26
     progress: bool = True
     command: str | None = None
+    packing: str = "concat"  # concat | whole (documents never cross a row; see the module doc)
 
 
 @dataclass
@@ -116,6 +156,8 @@ class _Task:
     dtype: str
     compression: str | None
     size_limit: int
+    packing: str = "concat"
+    pad_id: int = 0
 
 
 _WORKER_TOK: Tokenizer | None = None
@@ -133,9 +175,10 @@ def _process_part(task: _Task) -> dict:
     assert tok is not None
     f = task.file
     texts: list[str] = []
+    lines: list[int] = []
     stats = dict.fromkeys(_STAT_KEYS, 0)
     stats["files"] = 1
-    for _, text in read_jsonl(f.path):
+    for lineno, text in read_jsonl(f.path):
         if not text.strip():
             stats["docs_empty"] += 1
             continue
@@ -144,6 +187,7 @@ def _process_part(task: _Task) -> dict:
             stats[f"docs_{band}"] += 1
             continue
         texts.append(text)
+        lines.append(lineno)
     stats["docs"] = len(texts)
     docs: list[np.ndarray] = []
     for i in range(0, len(texts), 256):
@@ -151,20 +195,32 @@ def _process_part(task: _Task) -> dict:
             ids.append(tok.eos_id)
             docs.append(np.asarray(ids, dtype=np.uint32))
     lens = np.array([len(d) for d in docs], dtype=np.int64)
+    if task.packing == "whole" and len(lens) and lens.max() > task.seq_len:
+        i = int(np.argmax(lens > task.seq_len))
+        raise DataError(f"{f.path}:{lines[i]}: document of {lens[i]} tokens (EOS included) is longer "
+                        f"than --seq-len {task.seq_len}; --packing whole never splits a document "
+                        "(raise --seq-len, drop the document, or use --packing concat)")
     keys = np.array([doc_rank_key(t, task.seed) for t in texts], dtype=np.float64)
     copies = copies_per_doc(keys, task.multiplier)
     order = np.repeat(np.arange(len(docs)), copies)
     rng = np.random.default_rng([task.seed, zlib.crc32(f.part.encode())])
     rng.shuffle(order)
-    flat = np.concatenate([docs[i] for i in order]) if len(order) else np.zeros(0, np.uint32)
-    n_seq = len(flat) // task.seq_len
-    packed = flat[: n_seq * task.seq_len].reshape(n_seq, task.seq_len).astype(task.dtype)
+    counts: np.ndarray | None = None
+    if task.packing == "whole":
+        rows, counts = pack_whole([docs[i] for i in order], task.seq_len, task.pad_id)
+        packed, n_seq = rows.astype(task.dtype), len(rows)
+        real, dropped = int(counts.sum()), 0
+    else:
+        flat = np.concatenate([docs[i] for i in order]) if len(order) else np.zeros(0, np.uint32)
+        n_seq = len(flat) // task.seq_len
+        packed = flat[: n_seq * task.seq_len].reshape(n_seq, task.seq_len).astype(task.dtype)
+        real, dropped = int(packed.size), int(len(flat) - packed.size)
     stats.update(raw_tokens=int(lens.sum()), doc_tokens=int((lens * copies).sum()),
-                 packed_tokens=int(packed.size), dropped_tokens=int(len(flat) - packed.size),
+                 packed_tokens=real, dropped_tokens=dropped, pad_tokens=int(packed.size) - real,
                  num_sequences=int(n_seq))
     tmp = task.tmp_root / uuid.uuid4().hex
     shards = write_sequences_mds(tmp, packed, f.source, compression=task.compression,
-                                 size_limit=task.size_limit) if n_seq else []
+                                 size_limit=task.size_limit, num_tokens=counts) if n_seq else []
     tmp.mkdir(parents=True, exist_ok=True)
     done = {"part": f.part, "source": f.source, "bucket": f.bucket, "input": str(f.path),
             "multiplier": task.multiplier, "fingerprint": task.fingerprint, "stats": stats,
@@ -195,9 +251,9 @@ def _aggregate(dones: list[dict]) -> dict[str, Any]:
         s = sources.setdefault(d["source"], dict.fromkeys(_STAT_KEYS, 0) | {"buckets": {}})
         b = s["buckets"].setdefault(d["bucket"], dict.fromkeys(_STAT_KEYS, 0)
                                     | {"multiplier": d["multiplier"]})
-        for k in _STAT_KEYS:
-            s[k] += d["stats"][k]
-            b[k] += d["stats"][k]
+        for k in _STAT_KEYS:  # .get: parts finished before a key existed (pad_tokens) count 0
+            s[k] += d["stats"].get(k, 0)
+            b[k] += d["stats"].get(k, 0)
     return dict(sorted(sources.items()))
 
 
@@ -209,15 +265,21 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
     t0 = time.time()
     if cfg.seq_len < 2:
         raise DataError(f"--seq-len must be >= 2, got {cfg.seq_len}")
+    if cfg.packing not in PACKINGS:
+        raise DataError(f"--packing must be one of {PACKINGS}, got {cfg.packing!r}")
     files = discover(cfg.input, cfg.sources)
     cfg.mix.check_sources(sorted({f.source for f in files}))
-    tok = Tokenizer(cfg.tokenizer, eos_token=cfg.eos_token)
+    # absolute: the manifest's tokenizer path is how evaluation finds a run's tokenizer
+    tok = Tokenizer(Path(cfg.tokenizer).resolve(), eos_token=cfg.eos_token)
     dtype = token_dtype(tok.vocab_size)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     common = {"format": FORMAT, "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id,
               "seq_len": cfg.seq_len, "seed": cfg.seed, "holdout": cfg.holdout.to_dict(),
               "compression": cfg.compression, "dtype": dtype}
+    pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
+    if cfg.packing != "concat":  # concat datasets keep their earlier fingerprints
+        common |= {"packing": cfg.packing, "pad_fill_id": pad_id}
     tasks: list[_Task] = []
     for f in files:
         st = f.path.stat()
@@ -226,7 +288,7 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
                                 "multiplier": m})
         tasks.append(_Task(f, m, fp, out / "parts" / part_dirname(f.part), out / ".tmp",
                            cfg.seq_len, cfg.seed, cfg.holdout, dtype, cfg.compression,
-                           cfg.shard_size_limit))
+                           cfg.shard_size_limit, cfg.packing, pad_id))
     fingerprint = json_sha(common | {"parts": [t.fingerprint for t in tasks]})
     with file_lock(out / ".lock"):
         manifest_path = out / "manifest.json"
@@ -263,12 +325,14 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         manifest = {
             **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
             "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
-            "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype),
+            "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype, cfg.packing),
+            "packing": cfg.packing, "pad_fill_id": pad_id,
             "mix": cfg.mix.to_dict(), "sources": sources,
             "source_tokens": {k: v["packed_tokens"] for k, v in sources.items()},
             "total_tokens": sum(v["packed_tokens"] for v in sources.values()),
             "num_sequences": sum(v["num_sequences"] for v in sources.values()),
             "dropped_tokens": sum(v["dropped_tokens"] for v in sources.values()),
+            "pad_tokens": sum(v["pad_tokens"] for v in sources.values()),
             "num_parts": len(tasks), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": cfg.command or " ".join(sys.argv),
         }

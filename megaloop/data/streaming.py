@@ -271,11 +271,14 @@ def _release(fd: int | None, prefix: int | None, locals_shm: Any = None) -> None
                 os.unlink(os.path.join(tempfile.gettempdir(), f"{prefix:06}_{name}"))
 
 
-def make_batch(tokens: torch.Tensor, eos_id: int, mask_document_boundaries: bool) -> dict:
+def make_batch(tokens: torch.Tensor, eos_id: int, mask_document_boundaries: bool,
+               num_tokens: torch.Tensor | None = None) -> dict:
     """``tokens`` [b, s] int64 -> dict(tokens, labels [b, s] int64, loss_mask [b, s] float32).
 
     ``labels[:, i] = tokens[:, i+1]``; the last position has no target (label eos, mask 0). With
     boundary masking, positions whose *input* is EOS (target = next document's first token) get 0.
+    ``num_tokens`` [b] (rows of ``--packing whole`` datasets: real tokens, then padding): positions
+    ``i >= num_tokens - 1`` (target or input is padding) get 0.
     """
     labels = torch.empty_like(tokens)
     labels[:, :-1] = tokens[:, 1:]
@@ -284,6 +287,9 @@ def make_batch(tokens: torch.Tensor, eos_id: int, mask_document_boundaries: bool
     loss_mask[:, -1] = 0.0
     if mask_document_boundaries:
         loss_mask[tokens == eos_id] = 0.0
+    if num_tokens is not None:
+        pos = torch.arange(tokens.shape[1])[None, :]
+        loss_mask[pos >= num_tokens.to(torch.long)[:, None] - 1] = 0.0
     return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
 
 
@@ -297,7 +303,10 @@ class _Collate:
             valid = torch.tensor([ok for _, ok in samples], dtype=torch.float32)
             samples = [s for s, _ in samples]
         arr = np.stack([np.asarray(s["tokens"]) for s in samples]).astype(np.int64)
-        batch = make_batch(torch.from_numpy(arr), self.eos_id, self.mask_doc)
+        counts = None  # whole-document packing: real tokens per row, padding after them
+        if samples[0].get("num_tokens") is not None:
+            counts = torch.tensor([int(s["num_tokens"]) for s in samples], dtype=torch.long)
+        batch = make_batch(torch.from_numpy(arr), self.eos_id, self.mask_doc, counts)
         if valid is not None:
             batch["loss_mask"] *= valid[:, None]
         if self.with_source:

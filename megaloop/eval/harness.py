@@ -10,9 +10,12 @@ parallel pass over the continuation at ``depth`` reading the context through the
 ``loglikelihood_rolling`` scores its windows the same way; ``generate_until`` decodes with the
 engine (``prefill_depth``, then ``decode_depth`` per token).
 
-Local tasks ship in ``megaloop/eval/tasks`` (``megaloop_toy_mc``: 24 questions, JSONL beside the
-YAML, read by a ``custom_dataset`` loader that resolves it against the YAML's folder, so plain
-``lm_eval --include_path megaloop/eval/tasks`` works from any directory). :func:`run_harness`
+Local tasks ship in ``megaloop/eval/tasks`` (``megaloop_toy_mc``: 24 questions; ``megaloop_synth``:
+a group of ``megaloop_synth_k1..k8``, 50 held-out straight-line programs per chain length k, metrics
+``acc`` = greedy exact match of the printed value and ``ce`` = its CE in nats, see
+:mod:`megaloop.eval.synth`; JSONL beside the YAMLs, read by ``custom_dataset`` loaders that resolve
+it against the YAML's folder, so plain ``lm_eval --include_path megaloop/eval/tasks`` works from any
+directory). :func:`run_harness`
 indexes that folder with ``TaskManager(include_path=...)``; plain YAMLs of ``--include-path``
 folders get their relative ``dataset_kwargs.data_files`` made absolute (relative to the YAML).
 Everything loads offline through the ``json`` builder. Importing this module registers the model
@@ -31,6 +34,7 @@ from megaloop.eval.decode_score import check_scoring
 from megaloop.inference.kv_cache import check_depth
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+SHIPPED_TASKS = ("megaloop_toy_mc", "megaloop_synth")  # megaloop_synth: group of megaloop_synth_k1..k8
 CACHE_MODES = ("terminal", "per_visit", "none")
 
 try:
@@ -324,4 +328,4 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
                        "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot}}
 
 
-__all__ = ["MegaloopLM", "TASKS_DIR", "resolve_tasks", "run_harness", "task_specs"]
+__all__ = ["MegaloopLM", "SHIPPED_TASKS", "TASKS_DIR", "resolve_tasks", "run_harness", "task_specs"]

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The depth-hungry synthetic task in one command: build the programs (data_prep/make_synth.py) and
+# their whole-document MDS shards (data_prep/txt360_to_mds.py --packing whole), train the `synth`
+# preset on one CPU thread, and print the k x R table of held-out answer accuracy / CE (+ PNG).
+#   bash launch/synth.sh [megaloop train overrides, e.g. train.max_steps=300]
+# Knobs: DATA_DIR (runs/synth-data) RUN_DIR (runs/synth) NUM_DOCS (60000) THREADS (1)
+#        DEPTHS (1,2,4,5,8,16) SYNTH_ARGS (extra make_synth.py flags, e.g. "--n-vars 2")
+# Data and finished training are reused on a rerun (the run resumes from its last checkpoint).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/launch/_setup.sh"
+cd "$ROOT"
+export WANDB_MODE="${WANDB_MODE:-offline}" OMP_NUM_THREADS="${THREADS:-1}"
+DATA_DIR="$(realpath -m "${DATA_DIR:-runs/synth-data}")"
+RUN_DIR="${RUN_DIR:-runs/synth}"
+if [ ! -f "$DATA_DIR/tree/synth.json" ]; then
+  rm -rf "$DATA_DIR/tree.tmp"
+  # shellcheck disable=SC2086
+  python data_prep/make_synth.py --out "$DATA_DIR/tree.tmp" --num-docs "${NUM_DOCS:-60000}" ${SYNTH_ARGS:-}
+  rm -rf "$DATA_DIR/tree" && mv "$DATA_DIR/tree.tmp" "$DATA_DIR/tree"
+fi
+python data_prep/txt360_to_mds.py --input "$DATA_DIR/tree" --out "$DATA_DIR/train" \
+    --tokenizer "$DATA_DIR/tree/tokenizer" --seq-len 128 --packing whole \
+    --val-fraction 0 --screen-fraction 0 --workers 2 --no-progress   # skipped when already built
+megaloop train --config synth --run-dir "$RUN_DIR" --resume auto data.path="$DATA_DIR/train" "$@"
+# same as `megaloop eval synth ...`
+python -m megaloop.eval.synth_cli --checkpoint "$RUN_DIR" --problems "$DATA_DIR/tree/heldout.jsonl" \
+    --depths "${DEPTHS:-1,2,4,5,8,16}" --threads "${THREADS:-1}" \
+    --json "$RUN_DIR/synth_table.json" --plot "$RUN_DIR/synth_table.png"

@@ -1,0 +1,175 @@
+"""Answer accuracy and answer CE of the synthetic programs per chain length k and depth R.
+
+Input: held-out problems (``heldout.jsonl`` of ``data_prep/make_synth.py``, or the shipped
+``megaloop/eval/tasks/megaloop_synth.jsonl``): records with ``k``, ``prompt`` (the program up to
+``print(x%m)`` and its newline) and ``target`` (the printed value and its newline).
+
+Scoring goes through the lm-eval adapter's own path (:class:`megaloop.eval.harness.MegaloopLM`:
+same pair encoding, same :mod:`megaloop.eval.decode_score` scorers over the
+:class:`~megaloop.inference.engine.InferenceEngine` and its KV caches), so the table equals what
+``megaloop eval harness --tasks megaloop_synth`` reports at each depth. Default protocol: the
+prompt is prefilled at R into a terminal-KV cache, the answer is fed token by token at R
+(``scoring="decode"``); ``cache_mode="none"`` scores one plain parallel forward at R.
+
+Per problem: ``ce`` = −Σ log p(continuation) in nats, the continuation being the target plus the
+prompt's trailing newline (the adapter moves trailing whitespace of a context onto its
+continuation); ``correct`` = every continuation token is the argmax, i.e. greedy decoding produces
+exactly the answer and its terminating newline (exact match). Tables hold the means per k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from megaloop.config_utils import ConfigError
+from megaloop.eval.depth_sweep import parse_depths
+
+SHIPPED = Path(__file__).resolve().parent / "tasks" / "megaloop_synth.jsonl"
+DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16)
+
+
+def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None,
+                  limit_per_k: Optional[int] = None) -> list[dict]:
+    """Records ``{k, prompt, target, ...}`` of a held-out JSONL (k filter, first ``limit_per_k``
+    per k); errors name ``file:line`` and the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--problems: {path} does not exist")
+    if limit_per_k is not None and limit_per_k < 1:
+        raise ConfigError(f"--limit: must be >= 1, got {limit_per_k}")
+    out, per_k = [], {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"--problems: {path}:{n}: invalid JSON ({err.msg})") from None
+        for key, typ in (("k", int), ("prompt", str), ("target", str)):
+            if not isinstance(rec.get(key), typ) or (typ is str and not rec[key]):
+                raise ConfigError(f"--problems: {path}:{n}: field {key!r} missing or not a "
+                                  f"{'non-empty string' if typ is str else 'integer'}")
+        if ks is not None and rec["k"] not in ks:
+            continue
+        if limit_per_k is not None and per_k.get(rec["k"], 0) >= limit_per_k:
+            continue
+        per_k[rec["k"]] = per_k.get(rec["k"], 0) + 1
+        out.append(rec)
+    if not out:
+        raise ConfigError(f"--problems: {path} holds no problem" + (f" with k in {list(ks)}" if ks else ""))
+    return out
+
+
+def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",
+                   scoring: Optional[str] = None, prefill_depth: Optional[int] = None,
+                   batch_size: int = 64) -> list[tuple[float, bool]]:
+    """Per problem ``(ce nats, correct)`` at recurrence depth ``depth`` (prefill at
+    ``prefill_depth``, default ``depth``), through :class:`MegaloopLM`'s scorers."""
+    from megaloop.eval.harness import MegaloopLM
+
+    lm = MegaloopLM(engine, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
+                    scoring=scoring, batch_size=batch_size)
+    pairs = [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
+    return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs)]
+
+
+@dataclass
+class SynthTable:
+    """``acc[i][j]`` / ``ce[i][j]``: mean exact match / answer CE (nats) of the problems with
+    ``ks[i]`` at depth ``depths[j]``; ``n[i]`` problems per k; ``chance`` = 1/modulus if known."""
+
+    ks: list[int]
+    depths: list[int]
+    n: list[int]
+    acc: list[list[float]]
+    ce: list[list[float]]
+    protocol: dict = field(default_factory=dict)
+    chance: Optional[float] = None
+
+    def to_dict(self) -> dict:
+        return {"ks": self.ks, "depths": self.depths, "n": self.n, "acc": self.acc, "ce": self.ce,
+                "protocol": self.protocol, "chance": self.chance}
+
+    def format(self) -> str:
+        """Plain-text k × R table of ``acc / CE``."""
+        head = ["k", "n"] + [f"R={r}" for r in self.depths]
+        rows = [[str(k), str(n)] + [f"{a:.3f} / {c:.3f}" for a, c in zip(accs, ces)]
+                for k, n, accs, ces in zip(self.ks, self.n, self.acc, self.ce)]
+        width = [max(len(r[i]) for r in [head] + rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) for c, w in zip(r, width)) for r in [head] + rows]
+        note = "answer accuracy (exact match of the greedy answer) / answer CE (nats) per k (rows) and R"
+        if self.chance is not None:
+            note += f"; chance accuracy {self.chance:.3f}"
+        return note + "\n" + "\n".join(lines)
+
+
+def synth_table(engine, problems: Sequence[dict], depths: Sequence[int] = DEFAULT_DEPTHS, *,
+                cache_mode: str = "terminal", scoring: Optional[str] = None,
+                prefill_depth: Optional[int] = None, batch_size: int = 64, log=None) -> SynthTable:
+    """The k × R table of ``problems`` (see :func:`score_problems`); ``log(depth, seconds)``
+    after each depth."""
+    import time
+
+    depths = parse_depths(depths)
+    if not problems:
+        raise ConfigError("synth: no problem to score")
+    ks = sorted({int(p["k"]) for p in problems})
+    rows = {k: [i for i, p in enumerate(problems) if p["k"] == k] for k in ks}
+    acc = [[0.0] * len(depths) for _ in ks]
+    ce = [[0.0] * len(depths) for _ in ks]
+    for j, r in enumerate(depths):
+        t0 = time.time()
+        scores = score_problems(engine, problems, r, cache_mode=cache_mode, scoring=scoring,
+                                prefill_depth=prefill_depth, batch_size=batch_size)
+        for i, k in enumerate(ks):
+            mine = [scores[q] for q in rows[k]]
+            acc[i][j] = sum(ok for _, ok in mine) / len(mine)
+            ce[i][j] = sum(c for c, _ in mine) / len(mine)
+        if log:
+            log(r, time.time() - t0)
+    mods = {p.get("modulus") for p in problems}
+    chance = 1.0 / mods.pop() if len(mods) == 1 and None not in mods else None
+    how = scoring or ("parallel" if cache_mode == "none" else "decode")
+    return SynthTable(ks=ks, depths=list(depths), n=[len(rows[k]) for k in ks], acc=acc, ce=ce,
+                      chance=chance, protocol={"cache_mode": cache_mode, "scoring": how,
+                                               "prefill_depth": prefill_depth or "R"})
+
+
+def plot_synth(table: SynthTable, path: str | Path, title: str = "synthetic programs: answer vs chain length") -> Path:
+    """PNG (matplotlib Agg): accuracy and CE against k, one line per depth R."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    fig, (ax_a, ax_c) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    cmap = plt.get_cmap("viridis")
+    for j, r in enumerate(table.depths):
+        color = cmap(j / max(1, len(table.depths) - 1))
+        ax_a.plot(table.ks, [row[j] for row in table.acc], "o-", color=color, label=f"R={r}")
+        ax_c.plot(table.ks, [row[j] for row in table.ce], "o-", color=color, label=f"R={r}")
+    if table.chance is not None:
+        ax_a.axhline(table.chance, color="grey", ls="--", lw=0.8, label="chance")
+        ax_c.axhline(-math.log(table.chance), color="grey", ls="--", lw=0.8, label="ln m (uniform answer)")
+    ax_a.set_ylim(-0.02, 1.02)
+    for ax, name in ((ax_a, "answer accuracy (exact match)"), (ax_c, "answer CE (nats)")):
+        ax.set_xlabel("chain length k")
+        ax.set_ylabel(name)
+        ax.set_xticks(table.ks)
+        ax.grid(alpha=0.3)
+    ax_a.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["DEFAULT_DEPTHS", "SHIPPED", "SynthTable", "load_problems", "plot_synth", "score_problems",
+           "synth_table"]
