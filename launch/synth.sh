@@ -23,7 +23,7 @@ python data_prep/txt360_to_mds.py --input "$DATA_DIR/tree" --out "$DATA_DIR/trai
     --tokenizer "$DATA_DIR/tree/tokenizer" --seq-len 128 --packing whole \
     --val-fraction 0 --screen-fraction 0 --workers 2 --no-progress   # skipped when already built
 megaloop train --config synth --run-dir "$RUN_DIR" --resume auto data.path="$DATA_DIR/train" "$@"
-# same as `megaloop eval synth ...`
-python -m megaloop.eval.synth_cli --checkpoint "$RUN_DIR" --problems "$DATA_DIR/tree/heldout.jsonl" \
+
+megaloop eval synth --checkpoint "$RUN_DIR" --problems "$DATA_DIR/tree/heldout.jsonl" \
     --depths "${DEPTHS:-1,2,4,5,8,16}" --threads "${THREADS:-1}" \
     --json "$RUN_DIR/synth_table.json" --plot "$RUN_DIR/synth_table.png"

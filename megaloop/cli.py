@@ -1,7 +1,8 @@
-"""``megaloop`` command line: train, eval, generate, ...
+"""``megaloop`` command line: train, eval, generate, and the verbs of :data:`DELEGATED`.
 
-Config errors, bad checkpoints and bad data exit with status 2 and a one-line message naming
-the field / file at fault (before any compute where possible).
+Bad input (:class:`megaloop.errors.UserError`: config errors, bad checkpoints, bad data, ...)
+exits with status 2 and a one-line message naming the field / file at fault (before any compute
+where possible); each delegated verb's own ``main`` does the same.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_train)
     # eval ppl|sweep|fixed-point|harness and generate: the pure-PyTorch model loaded from a native
     # checkpoint of any TP/PP layout (see megaloop/inference/engine.py for why).
-    from megaloop.eval.cli import add_eval_parser, add_generate_parser
+    from megaloop.eval.cli import add_eval_parser
+    from megaloop.inference.generate_cli import add_generate_parser
 
     add_eval_parser(sub)
     add_generate_parser(sub)
@@ -82,20 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in DELEGATED:
         sys.exit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
     args = parse_args(argv)
-    from megaloop.config_utils import ConfigError
-    from megaloop.train.checkpoint import CheckpointError
+    from megaloop.errors import UserError, report
     from megaloop.train.trainer import NonFiniteLossError
 
     try:
-        from megaloop.data.errors import DataError
-    except ImportError:  # pragma: no cover
-        DataError = ConfigError  # type: ignore[misc,assignment]
-    try:
         code = args.fn(args)
-    except (ConfigError, CheckpointError, DataError) as err:
-        rank = os.environ.get("RANK")
-        print(f"megaloop: error{f' (rank {rank})' if rank else ''}: {err}", file=sys.stderr)
-        code = 2
+    except UserError as err:
+        code = report(err)
     except NonFiniteLossError as err:
         print(f"megaloop: stopped: {err}", file=sys.stderr)
         code = 3

@@ -14,8 +14,10 @@ from typing import Any
 
 import yaml
 
+from megaloop.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value is invalid; the message names the field."""
 
 

@@ -66,14 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from megaloop.config_utils import ConfigError
+    """``megaloop distill-prefill ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    from megaloop.errors import UserError, report
 
+    args = build_parser().parse_args(argv)
     try:
         return _run(args)
-    except ConfigError as err:
-        print(f"megaloop distill-prefill: error: {err}", file=sys.stderr)
-        return 2
+    except UserError as err:
+        return report(err, "megaloop distill-prefill")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -83,9 +83,11 @@ def _run(args: argparse.Namespace) -> int:
                                                   evaluate_student, save_student, token_stream, train_student,
                                                   window_batches)
     from megaloop.config_utils import ConfigError
+    from megaloop.errors import report
+    from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
-    from megaloop.rl.io import check_model_path, load_model, model_tokenizer
+    from megaloop.rl.io import check_out, model_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,19 +96,11 @@ def _run(args: argparse.Namespace) -> int:
                             batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
                             weight_decay=args.weight_decay, clip_grad=args.clip_grad, calib_batches=args.calib_batches,
                             seed=args.seed, log_every=args.log_every, hidden_loss=not args.no_hidden_loss)
-    except ValueError as err:
-        print(f"megaloop distill-prefill: error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # DistillConfig's checks
+        return report(err, "megaloop distill-prefill")
     args_out = Path(args.out)
-    ckpt = args_out / "checkpoints"
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    if not args.resume and not args.overwrite and ((args_out / "metrics.jsonl").exists()
-                                                   or (args_out / "student.json").exists()):
-        raise ConfigError(f"--out {args_out} already holds a student (metrics.jsonl / student.json); pass --resume "
-                          "to continue it or --overwrite to replace it")
-    if args.resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
-        raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+    ckpt = check_out(args_out, ("metrics.jsonl", "student.json"), "a student", resume=args.resume,
+                     overwrite=args.overwrite)
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),
@@ -117,14 +111,12 @@ def _run(args: argparse.Namespace) -> int:
                                          args.deepspeed)
     lead = info.rank == 0
     say = print if lead else (lambda *_a, **_k: None)
-    teacher, source = load_model(args.teacher, flag="--teacher")
+    teacher, source = load_model(args.teacher)
     if not teacher.config.looped:
-        print("error: the teacher is not a looped model", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--teacher {args.teacher}: not a looped model")
     tok = model_tokenizer(args.tokenizer, args.teacher, source)
     if tok is None:
-        print(f"error: no tokenizer found for {args.teacher}; pass --tokenizer", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--teacher {args.teacher}: no tokenizer found; pass --tokenizer")
     teacher.to(device).eval()
     try:
         ids = token_stream(tok, args.data, args.max_chars or None)
@@ -134,9 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         eval_it = window_batches(eval_ids, cfg.batch_size, min(cfg.seq_len, n_eval - 1), cfg.seed + 1, device)
         eval_set = [next(eval_it) for _ in range(args.eval_batches)]
         calib = [next(batches) for _ in range(cfg.calib_batches)]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        print(f"megaloop distill-prefill: error: --data {args.data}: {str(err).splitlines()[0]}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError, KeyError, TypeError) as err:  # the --data file's content
+        raise ConfigError(f"--data {args.data}: {str(err).splitlines()[0]}") from None
     sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
     say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
     student = PrefillStudent.from_teacher(teacher, args.num_layers, args.init_state, init=args.student_init,

@@ -1,44 +1,29 @@
-"""``megaloop eval ppl|sweep|states|fixed-point|harness`` and ``megaloop generate`` (wired in megaloop/cli.py).
+"""``megaloop eval ppl|sweep|states|fixed-point|harness`` (wired in megaloop/cli.py).
 
 Every command loads the pure-PyTorch model from ``--checkpoint`` (a native checkpoint of any
-TP/PP layout — step dir, checkpoints dir or run dir — or an exported HF folder; see
-``megaloop.inference.engine``), prints a rich table and, with ``--json OUT``, writes the full
-result. Bad inputs raise ``ConfigError`` / ``CheckpointError`` (exit status 2, one line).
+TP/PP layout — step dir, checkpoints dir or run dir — or an exported HF folder; the options are
+:mod:`megaloop.inference.generate_cli`'s, shared with ``megaloop generate``), prints a rich table
+and, with ``--json OUT``, writes the full result. Bad inputs raise
+:class:`~megaloop.errors.UserError` subclasses (exit status 2, one line).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
 from megaloop.config_utils import ConfigError
+from megaloop.inference.generate_cli import (add_engine_options, add_student_option, build_engine, check_engine_args,
+                                             write_json)
 
 
 # ----------------------------------------------------------------------------- parsers
 def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"), cache_default="terminal",
             data: bool = True) -> None:
-    p.add_argument("--checkpoint", required=True,
-                   help="megaloop checkpoint (step dir, RUN/checkpoints or RUN dir; any TP/PP layout) or HF folder")
-    p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON here")
-    p.add_argument("--depth", type=int, default=None, help="recurrence depth R (default: the run's eval depth)")
-    p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
-    p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
-    p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, auto (default)")
-    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
-    p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
-    p.add_argument("--max-context", type=int, default=None, help="longest sequence (default: training seq_len)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--exit", default=None, metavar="CRIT:VALUE",
-                   help="adaptive per-token decode depth: latent:1e-3 | kl:1e-4 | argmax:3 (default: fixed depth)")
-    p.add_argument("--min-depth", type=int, default=None, help="adaptive: earliest exit (>= 2, default 2)")
-    p.add_argument("--max-depth", type=int, default=None, help="adaptive: depth cap (default: decode depth)")
-    p.add_argument("--finished-rows", choices=("mask", "compact"), default="mask",
-                   help="adaptive: finished batch rows keep computing (mask) or drop out (compact)")
+    add_engine_options(p, cache_choices=cache_choices, cache_default=cache_default)
     if data:
         p.add_argument("--data", default="default",
                        help="'default' (embedded validation set), an MDS validation directory, or a text file "
@@ -52,12 +37,6 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
         p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
-def _student(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--student", default=None, metavar="DIR",
-                   help="prefill through this distilled student (megaloop distill-prefill OUT; terminal cache); "
-                        "decoding and scoring stay with the teacher")
-
-
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
     ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | fixed-point | harness")
@@ -65,7 +44,7 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
     _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default="both")
-    _student(p)
+    add_student_option(p)
     p.add_argument("--prefix-len", type=int, default=None,
                    help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
     p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
@@ -95,9 +74,9 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--no-zero-init", action="store_true", help="skip the zero current-token init check")
     p.set_defaults(fn=cmd_eval_fixed_point)
 
-    p = esub.add_parser("harness", help="lm-eval tasks (local megaloop_toy_mc shipped) with terminal sharing")
+    p = esub.add_parser("harness", help="lm-eval tasks (local megaloop_toy_mc and megaloop_synth shipped) with terminal sharing")
     _common(p, cache_choices=("terminal", "per_visit", "none"), data=False)
-    _student(p)
+    add_student_option(p)
     p.add_argument("--tasks", required=True, help="comma-separated task names, e.g. megaloop_toy_mc")
     p.add_argument("--limit", type=float, default=None, help="examples per task (or fraction if < 1)")
     p.add_argument("--num-fewshot", type=int, default=None)
@@ -109,67 +88,21 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--include-path", action="append", default=[], help="extra folder of task YAMLs")
     p.add_argument("--include-defaults", action="store_true", help="also index lm-eval's built-in tasks")
     p.set_defaults(fn=cmd_eval_harness)
+    from megaloop.eval.synth_cli import add_synth_parser
 
-
-def add_generate_parser(sub) -> None:
-    """Add ``generate`` to ``sub``."""
-    p = sub.add_parser("generate", help="generate text with prefill / decode budgets and a KV-cache mode")
-    _common(p, data=False)
-    _student(p)
-    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    p.set_defaults(fn=cmd_generate)
+    add_synth_parser(esub)
 
 
 # ----------------------------------------------------------------------------- helpers
 def _check_args(args: argparse.Namespace) -> None:
     """Validate cheap inputs before loading anything."""
-    from megaloop.inference.kv_cache import check_depth
-
-    for name in ("depth", "prefill_depth", "decode_depth"):
-        value = getattr(args, name, None)
-        if value is not None:
-            check_depth(value, "--" + name.replace("_", "-"))
     if getattr(args, "max_seqs", None) is not None and args.max_seqs < 1:
         raise ConfigError(f"--max-seqs: must be >= 1, got {args.max_seqs}")
     if getattr(args, "seq_len", None) is not None and args.seq_len < 4:
         raise ConfigError(f"--seq-len: must be >= 4, got {args.seq_len}")
     if getattr(args, "per_source", None) is not None and args.per_source < 0:
         raise ConfigError(f"--per-source: must be >= 0 (0: off), got {args.per_source}")
-    if getattr(args, "max_context", None) is not None and args.max_context < 1:
-        raise ConfigError(f"--max-context: must be >= 1, got {args.max_context}")
-    if getattr(args, "threads", None):
-        import torch
-
-        torch.set_num_threads(int(args.threads))
-    if not Path(args.checkpoint).exists() and "://" not in args.checkpoint:
-        from megaloop.train.checkpoint import CheckpointError
-
-        raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
-
-
-def _engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):
-    from megaloop.inference.engine import InferenceEngine
-
-    engine = InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
-                                tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
-                                decode_depth=args.decode_depth, cache_mode=cache_mode,
-                                max_context=args.max_context, exit_criterion=getattr(args, "exit", None),
-                                min_depth=getattr(args, "min_depth", None), max_depth=getattr(args, "max_depth", None),
-                                finished_rows=getattr(args, "finished_rows", "mask"))
-    if getattr(args, "student", None):
-        from megaloop.distill.student_lm import attach_student
-
-        attach_student(engine, args.student)  # ConfigError naming --student on a bad folder
-    return engine
+    check_engine_args(args)
 
 
 _WARNED: set = set()
@@ -216,22 +149,13 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     Console().print(t)
 
 
-def _write_json(path: Optional[str], payload: dict) -> None:
-    if not path:
-        return
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1, default=str))
-    print(f"wrote {out}")
-
-
 # ----------------------------------------------------------------------------- commands
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from megaloop.eval.ppl import evaluate_ppl, protocols_for
 
     _check_args(args)
     protocols = protocols_for(args.cache, native=not args.no_native)
-    engine = _engine(args)
+    engine = build_engine(args)
     data = _data(args, engine)
     res = evaluate_ppl(engine, data, depth=args.depth, prefill_depth=args.prefill_depth, protocols=protocols,
                        batch_size=args.batch_size, prefix_len=args.prefix_len)
@@ -251,7 +175,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
     if engine.exit is not None:
         print(f"adaptive decode ({engine.exit.spec}, second half scored token by token): {engine.depth_log.summary()}")
-    _write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
+    write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
                             **res.to_dict(),
                             **({"adaptive_depths": engine.depth_log.to_dict()} if engine.exit is not None else {})})
     return 0
@@ -262,7 +186,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 
     _check_args(args)
     depths = parse_depths(args.depths)
-    engine = _engine(args)
+    engine = build_engine(args)
     data = _data(args, engine)
     res = depth_sweep(engine, data, depths, sharing=args.sharing, prefill_depth=args.prefill_depth,
                       batch_size=args.batch_size, prefix_len=args.prefix_len)
@@ -275,7 +199,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "depth_sweep.png")
     res["plot"] = str(plot_sweep(res, plot))
     print(f"wrote {res['plot']}")
-    _write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
+    write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
     return 0
 
 
@@ -285,7 +209,7 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     from megaloop.eval.states import format_table, state_diagnostics, trace_export
 
     _check_args(args)
-    engine = _engine(args)
+    engine = build_engine(args)
     if not engine.config.looped:
         raise ConfigError(f"--checkpoint {args.checkpoint}: an untied model has no recurrence to diagnose")
     data = _data(args, engine, max_seqs=args.max_seqs or 16)
@@ -296,7 +220,7 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     _table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
            f"RMS(e) = {_fmt(diag['rms_e'])}",
            ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))
-    _write_json(args.json, {"command": "eval states", "engine": engine.describe(), "data": data.source,
+    write_json(args.json, {"command": "eval states", "engine": engine.describe(), "data": data.source,
                             "depth": depth, **diag})
     return 0
 
@@ -308,7 +232,7 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     criteria = Criteria(max_steps=args.max_steps)
     if args.control_depth < 0:
         raise ConfigError(f"--control-depth: must be >= 0, got {args.control_depth}")
-    engine = _engine(args, dtype="fp32")  # SPEC §8: FP32, reference attention
+    engine = build_engine(args, dtype="fp32")  # SPEC §8: FP32, reference attention
     if not engine.config.looped:
         raise ConfigError("fixed-point checks need a looped model (arch=looped)")
     per_source = args.per_source
@@ -357,21 +281,20 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
                [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
                  f"{_fmt(r['state_gap']['median'])} / {_fmt(r['state_gap']['max'])}",
                  f"{_fmt(r['kl']['median'])} / {_fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
-    _write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
+    write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
                             "prefix_len": plen, "per_source_k": per_source or None, **rep})
     return 0
 
 
 def cmd_eval_harness(args: argparse.Namespace) -> int:
-    from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
-
     from megaloop.eval.decode_score import check_scoring
+    from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
 
     _check_args(args)
     check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
-    engine = _engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
+    engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     lm = MegaloopLM(engine, depth=args.depth, prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
                     cache_mode=args.cache, scoring=args.scoring, batch_size=args.batch_size)
     limit = args.limit
@@ -387,44 +310,9 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     how = f"D={c['decode_depth']} token by token" if c["scoring"] == "decode" else f"R={c['depth']} parallel"
     _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
            ["task", "metric", "value", "n"], rows)
-    _write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res})
+    write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res})
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    _check_args(args)
-    if args.max_new_tokens < 1:
-        raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
-    engine = _engine(args, cache_mode=args.cache)
-    out = engine.generate(args.prompt if len(args.prompt) > 1 else args.prompt[0],
-                          max_new_tokens=args.max_new_tokens,
-                          temperature=0.0 if args.greedy or args.temperature is None else args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                          stop_at_eos=not args.ignore_eos)
-    for prompt, r in zip(args.prompt, out.results):
-        print(f"{prompt}\033[1m{r.text}\033[0m" if _tty() else prompt + r.text)
-        print(f"[{r.finish_reason}: {len(r.token_ids)} tokens]")
-    s = out.stats
-    print(f"{s.cache_mode} cache, P={s.prefill_depth}, D={s.decode_depth}: prefill {s.prefill_s * 1e3:.1f} ms "
-          f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
-          f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
-          f"peak {s.kv_bytes_peak} B")
-    if s.exit_criterion:
-        hist = " ".join(f"{d}:{c}" for d, c in s.depth_histogram.items())
-        print(f"adaptive {s.exit_criterion} ({s.finished_rows}): mean depth {s.mean_depth:.2f}, depth:tokens {hist}")
-    _write_json(args.json, {"command": "generate", "engine": engine.describe(),
-                            "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
-                                         "finish_reason": r.finish_reason}
-                                        for p, r in zip(args.prompt, out.results)],
-                            "stats": s.to_dict()})
-    return 0
-
-
-def _tty() -> bool:
-    import sys
-
-    return sys.stdout.isatty()
-
-
-__all__ = ["add_eval_parser", "add_generate_parser", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl",
-           "cmd_eval_sweep", "cmd_generate"]
+__all__ = ["add_eval_parser", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl", "cmd_eval_states",
+           "cmd_eval_sweep"]

@@ -33,12 +33,13 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from megaloop.config_utils import ConfigError
+from megaloop.eval.text_data import EvalData, load_text_data, shifted_targets, text_format
 from megaloop.inference.kv_cache import check_depth, check_mode
 
 PROTOCOLS = ("native", "terminal", "per_visit")
@@ -52,30 +53,6 @@ def sharing_penalty(ppl_terminal: float, ppl_full: float) -> float:
 
 
 # ----------------------------------------------------------------------------- data
-@dataclass
-class EvalData:
-    """Evaluation sequences held in memory: ``tokens``/``labels`` [n, L] int64, ``loss_mask`` [n, L];
-    ``sources`` the per-row ``source`` column of the set (None when it has none)."""
-
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    loss_mask: torch.Tensor
-    source: str = ""
-    sources: Optional[list[str]] = None
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.tokens.shape[1])
-
-    def batches(self, batch_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        for i in range(0, self.num_seqs, batch_size):
-            yield self.tokens[i:i + batch_size], self.labels[i:i + batch_size], self.loss_mask[i:i + batch_size]
-
-
 def _manifest(path: str) -> dict:
     import json
 
@@ -173,8 +150,6 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
     At most ``max_seqs`` real rows (padding rows of the loader are dropped). ``vocab_size``
     checks the ids fit the model; ``tokenizer_sha256`` (the checkpoint's tokenizer file) must
     match the tokenizer an MDS set's manifest records. ``sources`` holds the set's ``source`` column when it has one."""
-    from megaloop.eval.text_data import load_text_data, text_format
-
     if max_seqs is not None and max_seqs < 1:
         raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
     if seq_len is not None and seq_len < 4:
@@ -199,8 +174,6 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs, cache_dir,
                                                         tokenizer_sha256)
         if want:
-            from megaloop.eval.text_data import shifted_targets
-
             tokens, sources = repack(tokens, sources, int(want))
             if tokens.shape[0] == 0:
                 raise ConfigError(f"--seq-len: {data} holds {stored}-token rows too few to re-cut into one "

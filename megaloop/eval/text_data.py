@@ -13,14 +13,16 @@ file order and cut into consecutive sequences of ``seq_len`` tokens (the tail sh
 sequence is dropped). Labels and loss mask follow the MDS loader: ``labels[:, i] = tokens[:, i+1]``,
 the last position of every sequence has no target. A file that yields fewer tokens than one
 sequence is a :class:`~megaloop.data.errors.DataError` naming the file and ``--seq-len``.
+:class:`EvalData` (any evaluation set in memory) lives here; :mod:`megaloop.eval.ppl` imports it.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 
@@ -29,6 +31,30 @@ from megaloop.data.errors import DataError
 PLAIN_SUFFIXES = (".txt", ".raw", ".text")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 PARQUET_SUFFIXES = (".parquet",)
+
+
+@dataclass
+class EvalData:
+    """Evaluation sequences held in memory: ``tokens``/``labels`` [n, L] int64, ``loss_mask`` [n, L];
+    ``sources`` the per-row ``source`` column of the set (None when it has none)."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    source: str = ""
+    sources: Optional[list[str]] = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def batches(self, batch_size: int) -> Iterable[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        for i in range(0, self.num_seqs, batch_size):
+            yield self.tokens[i:i + batch_size], self.labels[i:i + batch_size], self.loss_mask[i:i + batch_size]
 
 
 def text_format(path: str | Path) -> Optional[str]:
@@ -117,11 +143,9 @@ def shifted_targets(tokens: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, to
 
 
 def load_text_data(path: str | Path, *, encode: Callable[[str], list[int]], eos_id: Optional[int], seq_len: int,
-                   max_seqs: Optional[int] = None, text_field: str = "text"):
-    """:class:`~megaloop.eval.ppl.EvalData` of ``seq_len``-token sequences from a text file,
+                   max_seqs: Optional[int] = None, text_field: str = "text") -> EvalData:
+    """:class:`EvalData` of ``seq_len``-token sequences from a text file,
     tokenised by ``encode`` (the checkpoint's tokenizer); at most ``max_seqs`` sequences."""
-    from megaloop.eval.ppl import EvalData
-
     if eos_id is None:
         raise DataError(f"--data: {path}: the checkpoint's tokenizer has no EOS token to separate documents")
     docs = read_documents(path, text_field)
@@ -137,4 +161,4 @@ def load_text_data(path: str | Path, *, encode: Callable[[str], list[int]], eos_
     return EvalData(tokens, labels, mask, str(path))
 
 
-__all__ = ["load_text_data", "pack_documents", "read_documents", "shifted_targets", "text_format"]
+__all__ = ["EvalData", "load_text_data", "pack_documents", "read_documents", "shifted_targets", "text_format"]

@@ -24,10 +24,15 @@ Weight mapping (megatron local spec → HF):
   ``final_norm`` → ``model.norm``; ``output_layer.weight`` → ``lm_head.weight`` (tied: the embedding).
 The split is exact (a reshape), so HF → megaloop (``hf_to_native_state_dict``) fuses them back.
 
-Validation (default on): native vs HF logits in FP32, eval mode (both use the same eval-time
-state init), on random sequences at the configured depth. The error is
-``max|Δlogit| / max(1, max|native logit|)`` (absolute for logits of unit scale, relative above)
-and must be ≤ ``TOLERANCE`` = 1e-4, else :class:`ConversionError` names both errors.
+Validation (:func:`check_conversion`, default on here and in :func:`megaloop.hf.load.load_model`): native
+vs HF logits in FP32, eval mode (both use the same eval-time state init), on random sequences at
+the configured depth. The error is ``max|Δlogit| / max(1, max|native logit|)`` (absolute for
+logits of unit scale, relative above) and must be ≤ ``TOLERANCE`` = 1e-4, else
+:class:`ConversionError` names both errors.
+
+Errors: a checkpoint that is missing, unreadable or inconsistent with its own config raises
+:class:`~megaloop.train.checkpoint.CheckpointError`; a conversion that cannot be done or does not
+reproduce the native model raises :class:`ConversionError`. Both are :class:`~megaloop.errors.UserError`.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 
+from megaloop.errors import UserError
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
@@ -53,35 +59,34 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 
 
-class ConversionError(RuntimeError):
-    """The input is missing / not a megaloop checkpoint / inconsistent, or validation failed."""
+class ConversionError(UserError, RuntimeError):
+    """The model cannot be mapped onto the HF model, or the mapped model does not reproduce it."""
 
 
-# ============================================================================ checkpoint discovery
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete checkpoint directory (``train.checkpoint.find_checkpoint``), errors as ConversionError."""
-    from megaloop.train.checkpoint import CheckpointError, find_checkpoint
+# ============================================================================ checkpoint reading
+def _read(ckpt: Path, what: str, reader):
+    """``reader(str(ckpt))``; any failure (torch's CheckpointException is a BaseException) as CheckpointError."""
+    from megaloop.train.checkpoint import CheckpointError
 
     try:
-        return find_checkpoint(path)
-    except CheckpointError as err:
-        raise ConversionError(str(err)) from None
+        return reader(str(ckpt))
+    except BaseException as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CheckpointError(f"checkpoint {ckpt}: {what} could not be read: {type(err).__name__}: {err}") from err
 
 
 def read_common(ckpt: Path) -> dict:
     """The checkpoint's ``common`` state (step, config, ...)."""
     from megatron.core import dist_checkpointing
 
-    try:
-        return dist_checkpointing.load_common_state_dict(str(ckpt)).get("common") or {}
-    except BaseException as err:  # torch's CheckpointException derives from BaseException
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ConversionError(f"checkpoint {ckpt}: common.pt could not be read: {type(err).__name__}: {err}") from err
+    return _read(ckpt, "common.pt", dist_checkpointing.load_common_state_dict).get("common") or {}
 
 
 def read_run_config(ckpt: Path, common: dict | None = None) -> dict:
     """The run config dict: ``common["config"]``, else ``RUN_DIR/config.yaml``."""
+    from megaloop.train.checkpoint import CheckpointError
+
     common = read_common(ckpt) if common is None else common
     cfg = common.get("config")
     if cfg is None:
@@ -91,10 +96,10 @@ def read_run_config(ckpt: Path, common: dict | None = None) -> dict:
 
             cfg = yaml.safe_load(yaml_path.read_text())
         else:
-            raise ConversionError(f"checkpoint {ckpt}: no run config (common state has no 'config' "
+            raise CheckpointError(f"checkpoint {ckpt}: no run config (common state has no 'config' "
                                   f"and {yaml_path} does not exist)")
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
-        raise ConversionError(f"checkpoint {ckpt}: run config has no 'model' section; not a megaloop run config")
+        raise CheckpointError(f"checkpoint {ckpt}: run config has no 'model' section; not a megaloop run config")
     return cfg
 
 
@@ -102,13 +107,14 @@ def model_config_from_run(run_cfg: dict, where: str):
     """``ModelConfig`` of a run config dict, set up to load on this machine (local spec, no FP8)."""
     from megaloop.config_utils import ConfigError, from_dict
     from megaloop.model.config import ModelConfig
+    from megaloop.train.checkpoint import CheckpointError
 
     try:
         model = dict(run_cfg["model"])
         model.setdefault("embed_scale", 1.0)  # runs from before model.embed_scale: unscaled embeddings
         mcfg = from_dict(ModelConfig, model, "model")
     except ConfigError as err:
-        raise ConversionError(f"{where}: run config is not a megaloop model config: {err}") from None
+        raise CheckpointError(f"checkpoint {where}: run config is not a megaloop model config: {err}") from None
     mcfg.transformer_impl = "local"
     mcfg.fp8 = None
     mcfg.bf16 = False  # FP32 native model (bf16 checkpoint tensors are upcast on load)
@@ -119,29 +125,19 @@ def checkpoint_vocab(ckpt: Path) -> int:
     """Padded vocabulary (rows of the stored embedding)."""
     from megatron.core import dist_checkpointing
 
-    try:
-        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
-    except BaseException as err:
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ConversionError(f"checkpoint {ckpt}: tensor metadata could not be read: "
-                              f"{type(err).__name__}: {err}") from err
+    from megaloop.train.checkpoint import CheckpointError
+
+    meta = _read(ckpt, "tensor metadata", dist_checkpointing.load_tensors_metadata)
     key = "embedding.word_embeddings.weight"
     if key not in meta:
-        raise ConversionError(f"checkpoint {ckpt} holds no {key}: not a megaloop LoopedGPT checkpoint "
+        raise CheckpointError(f"checkpoint {ckpt} holds no {key}: not a megaloop LoopedGPT checkpoint "
                               f"(tensors: {', '.join(sorted(meta)[:5])}...)")
     return int(meta[key].global_shape[0])
 
 
-def check_tensors(ckpt: Path, chunks: list, mcfg) -> None:
-    """The checkpoint's model tensors against the model its config describes (ConversionError)."""
-    from megaloop.train.checkpoint import CheckpointError, verify_model_tensors
-
-    try:
-        verify_model_tensors(ckpt, chunks)
-    except CheckpointError as err:
-        raise ConversionError(f"{err} (config: arch={mcfg.arch}, injection={mcfg.injection}, "
-                              f"hidden={mcfg.hidden_size}, layers={mcfg.physical_layers})") from None
+def _describe(mcfg) -> str:
+    return (f"config: arch={mcfg.arch}, injection={mcfg.injection}, hidden={mcfg.hidden_size}, "
+            f"layers={mcfg.physical_layers}")
 
 
 # ============================================================================ native model
@@ -149,21 +145,22 @@ def load_native(checkpoint: str | Path, *, seed: int | None = None):
     """Load a checkpoint into a TP=1/PP=1 FP32 native model in eval mode.
 
     Returns ``(model: LoopedGPT, model_cfg: ModelConfig, run_cfg: dict, ckpt: Path, common: dict)``.
-    Starts a 1-process torch.distributed/megatron world if none is running.
+    Starts a 1-process torch.distributed/megatron world if none is running. A missing, incomplete
+    or inconsistent checkpoint raises :class:`~megaloop.train.checkpoint.CheckpointError`.
     """
     from megatron.core import parallel_state
 
     from megaloop.model.build import build_model, unwrap
     from megaloop.runtime.parallel import ParallelDims, init_distributed
-    from megaloop.train.checkpoint import CheckpointError, CheckpointManager
+    from megaloop.train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint, verify_model_tensors
 
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = find_checkpoint(checkpoint)
     common = read_common(ckpt)
     run_cfg = read_run_config(ckpt, common)
     mcfg = model_config_from_run(run_cfg, str(ckpt))
     vocab = checkpoint_vocab(ckpt)
     if mcfg.padded_vocab(vocab) != vocab:
-        raise ConversionError(f"checkpoint {ckpt}: embedding has {vocab} rows, not a multiple of "
+        raise CheckpointError(f"checkpoint {ckpt}: embedding has {vocab} rows, not a multiple of "
                               f"model.vocab_pad_multiple={mcfg.vocab_pad_multiple}")
     if seed is None:
         seed = int((run_cfg.get("train") or {}).get("seed", 1234))
@@ -174,15 +171,14 @@ def load_native(checkpoint: str | Path, *, seed: int | None = None):
         raise ConversionError("conversion needs a TP=1/PP=1 world (run it in a plain single process)")
     chunks, _ = build_model(mcfg, vocab_size=vocab, tp=1, pp=1, vpp=None, sequence_parallel=False,
                             seed=seed, ddp=False)
-    check_tensors(ckpt, chunks, mcfg)
     try:
+        verify_model_tensors(ckpt, chunks)
         CheckpointManager(ckpt.parent).load(ckpt, chunks, optimizer=None)
-    except CheckpointError as err:
-        raise ConversionError(f"checkpoint {ckpt} does not match its model config "
-                              f"(arch={mcfg.arch}, injection={mcfg.injection}, "
-                              f"hidden={mcfg.hidden_size}): {err}") from err
+    except CheckpointError as err:  # the same error, with the config it was checked against
+        raise CheckpointError(f"{err} ({_describe(mcfg)})") from None
     except RuntimeError as err:  # load_state_dict shape/key mismatch
-        raise ConversionError(f"checkpoint {ckpt} does not match its model config: {err}") from err
+        raise CheckpointError(f"checkpoint {ckpt} does not match its model config ({_describe(mcfg)}): "
+                              f"{err}") from err
     native = unwrap(chunks[0]).float().eval()
     return native, mcfg, run_cfg, ckpt, common
 
@@ -298,7 +294,7 @@ def hf_to_native_state_dict(hf_sd: dict[str, torch.Tensor], cfg: MegaloopConfig)
 def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | None = None,
                           num_recurrences: int = 5, special: dict | None = None) -> MegaloopConfig:
     special = special or {}
-    cfg = MegaloopConfig(
+    return MegaloopConfig(
         vocab_size=vocab_size, tokenizer_vocab_size=tokenizer_vocab_size or vocab_size,
         hidden_size=mcfg.hidden_size, num_attention_heads=mcfg.num_heads, num_key_value_heads=mcfg.groups,
         intermediate_size=mcfg.ffn_size, arch=mcfg.arch, n_prelude=mcfg.n_prelude, n_core=mcfg.n_core,
@@ -310,7 +306,6 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, input_norm=mcfg.input_norm,
         bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
-    return cfg
 
 
 def native_config_from_hf(cfg: MegaloopConfig):
@@ -360,6 +355,20 @@ def compare_logits(native, hf_model, *, depth: int, vocab: int, seq_len: int, nu
     scale = ref.abs().max().item()
     return {"max_abs": diff, "max_rel": diff / max(scale, 1e-30), "error": diff / max(1.0, scale),
             "logit_scale": scale, "depth": depth, "seq_len": seq_len, "num_seqs": num_seqs}
+
+
+def check_conversion(native, hf_model, *, seq_len: int, num_seqs: int = 2) -> dict:
+    """:func:`compare_logits` of ``num_seqs`` random ``seq_len``-token sequences (of the real
+    vocabulary) at the HF model's default depth; the result, or :class:`ConversionError` naming
+    both errors when ``error`` exceeds :data:`TOLERANCE`. One forward of each model (FP32, eval)."""
+    depth, vocab = hf_model.config.num_recurrences, hf_model.config.tokenizer_vocab_size
+    res = compare_logits(native, hf_model, depth=depth, vocab=vocab, seq_len=seq_len, num_seqs=num_seqs)
+    res["summary"] = (f"validation (FP32, eval, depth {depth}, {num_seqs}x{seq_len} tokens): max abs logit error "
+                      f"{res['max_abs']:.3e}, max rel {res['max_rel']:.3e} (logit scale {res['logit_scale']:.3g}; "
+                      f"tolerance {TOLERANCE:g} on max_abs/max(1, scale))")
+    if not res["error"] <= TOLERANCE:
+        raise ConversionError(f"HF model does not reproduce the native model: {res['summary']}")
+    return res
 
 
 # ============================================================================ tokenizer
@@ -412,78 +421,86 @@ def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
     tok.save_pretrained(str(out))
 
 
+# ============================================================================ in memory
+def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int | None = None,
+                tokenizer: str | Path | None = None, log=None) -> tuple[MegaloopForCausalLM, Path | None]:
+    """``(HF model, tokenizer.json or None)``: the model (CPU, FP32, eval mode; not validated, see
+    :func:`check_conversion`) holds ``native``'s weights; its config's real vocabulary
+    (``tokenizer_vocab_size``) and eos/bos/pad (also in the generation config) are those of the
+    run's tokenizer (:func:`find_tokenizer`, ``tokenizer`` overriding it); its default depth
+    (``num_recurrences``) is ``num_recurrences``, else the run's ``train.eval_depth``."""
+    vocab = native.vocab_size
+    depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
+    tok_path = find_tokenizer(run_cfg, ckpt, tokenizer)
+    info: dict = {"vocab_size": None, "eos": None, "bos": None, "pad": None}
+    if tok_path is not None and tok_path.suffix != ".json":
+        if log:
+            log(f"warning: tokenizer {tok_path} is not a tokenizer.json; not exported")
+        tok_path = None
+    if tok_path is not None:
+        info = _tokenizer_info(tok_path)
+        if info["vocab_size"] > vocab:
+            raise ConversionError(f"tokenizer {tok_path} has {info['vocab_size']} tokens but the checkpoint's "
+                                  f"embedding has only {vocab} rows: wrong tokenizer (pass --tokenizer)")
+    real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
+    if real_vocab > vocab:
+        raise ConversionError(f"model.vocab_size {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
+    cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab, num_recurrences=depth,
+                                special={k: info[k] for k in ("eos", "bos", "pad")})
+    with torch.device("meta"):  # no random init: every tensor comes from the native model
+        model = MegaloopForCausalLM(cfg)
+    # the native model sits on this machine's compute device; the HF model is built on the CPU
+    sd = {k: v.float().cpu() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    if missing or unexpected:
+        raise ConversionError(f"checkpoint {ckpt}: weight mapping mismatch: missing {missing}, "
+                              f"unexpected {unexpected}")
+    model.tie_weights()
+    gen = model.generation_config
+    gen.bos_token_id, gen.eos_token_id = info["bos"], info["eos"]
+    gen.pad_token_id = info["pad"] if info["pad"] is not None else info["eos"]
+    if real_vocab < vocab:
+        gen.suppress_tokens = list(range(real_vocab, vocab))  # padded rows never name a token
+    return model.eval(), tok_path
+
+
 # ============================================================================ main entry
 def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", validate: bool = True,
                   tokenizer: str | Path | None = None, num_recurrences: int | None = None,
                   max_shard_size: str = "2GB", validation_seqs: int = 2, validation_len: int | None = None,
                   log=print) -> dict:
     """Convert ``checkpoint`` to an HF folder ``out``; returns a report dict (also written to
-    ``out/megaloop_conversion.json``). Raises :class:`ConversionError` on bad input or when
-    validation exceeds :data:`TOLERANCE`."""
+    ``out/megaloop_conversion.json``). Raises :class:`CheckpointError` for a bad checkpoint,
+    :class:`ConversionError` for a bad conversion or when validation exceeds :data:`TOLERANCE`."""
     t0 = time.time()
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
     out = Path(out)
     native, mcfg, run_cfg, ckpt, common = load_native(checkpoint)
-    vocab = native.vocab_size
-    depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
-    tok_path = find_tokenizer(run_cfg, ckpt, tokenizer)
-    info: dict = {"vocab_size": None, "eos": None, "bos": None, "pad": None}
-    if tok_path is not None:
-        if tok_path.suffix == ".json":
-            info = _tokenizer_info(tok_path)
-        else:
-            log(f"warning: tokenizer {tok_path} is not a tokenizer.json; not exported")
-            tok_path = None
+    hf_model, tok_path = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences,
+                                     tokenizer=tokenizer, log=log)
+    cfg = hf_model.config
+    depth, real_vocab = cfg.num_recurrences, cfg.tokenizer_vocab_size
     if tok_path is None:
         log("warning: no tokenizer found (data manifest / run dir / --tokenizer); exporting the model only")
-    elif info["vocab_size"] > vocab:
-        raise ConversionError(f"tokenizer {tok_path} has {info['vocab_size']} tokens but the checkpoint's "
-                              f"embedding has only {vocab} rows: wrong tokenizer (pass --tokenizer)")
-    real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
-    if real_vocab > vocab:
-        raise ConversionError(f"model.vocab_size {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
-    special = {k: info[k] for k in ("eos", "bos", "pad")}
-    hf_cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab,
-                                   num_recurrences=depth, special=special)
-    with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
-        hf_model = MegaloopForCausalLM(hf_cfg)
-    # the native model sits on this machine's compute device; the HF model is built on the CPU
-    sd = {k: v.float().cpu() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
-    missing, unexpected = hf_model.load_state_dict(sd, strict=False, assign=True)
-    if missing or unexpected:
-        raise ConversionError(f"weight mapping mismatch: missing {missing}, unexpected {unexpected}")
-    hf_model.tie_weights()
-    hf_model.eval()
     report: dict[str, Any] = {"checkpoint": str(ckpt), "step": common.get("step"), "dtype": dtype,
-                              "num_recurrences": depth, "vocab_size": vocab, "tokenizer_vocab_size": real_vocab,
-                              "tokenizer": str(tok_path) if tok_path else None, "tolerance": TOLERANCE}
+                              "num_recurrences": depth, "vocab_size": native.vocab_size,
+                              "tokenizer_vocab_size": real_vocab, "tokenizer": str(tok_path) if tok_path else None,
+                              "tolerance": TOLERANCE}
     if validate:
-        seq = validation_len or min(mcfg.seq_len, 64)
-        res = compare_logits(native, hf_model, depth=depth, vocab=real_vocab, seq_len=seq,
-                             num_seqs=validation_seqs)
-        report["validation"] = res
-        msg = (f"validation (FP32, eval, depth {depth}, {validation_seqs}x{seq} tokens): max abs logit error "
-               f"{res['max_abs']:.3e}, max rel {res['max_rel']:.3e} (logit scale {res['logit_scale']:.3g}; "
-               f"tolerance {TOLERANCE:g} on max_abs/max(1, scale))")
-        if not res["error"] <= TOLERANCE:
-            raise ConversionError(f"HF model does not reproduce the native model: {msg}")
-        log(msg)
+        report["validation"] = check_conversion(native, hf_model, seq_len=validation_len or min(mcfg.seq_len, 64),
+                                                num_seqs=validation_seqs)
+        log(report["validation"]["summary"])
     del native
     out.mkdir(parents=True, exist_ok=True)
-    target = DTYPES[dtype]
-    hf_model.to(target)
-    hf_model.config.dtype = target  # `torch_dtype` is deprecated since transformers 4.56
-    gen = hf_model.generation_config
-    gen.bos_token_id, gen.eos_token_id = special["bos"], special["eos"]
-    gen.pad_token_id = special["pad"] if special["pad"] is not None else special["eos"]
-    if real_vocab < vocab:
-        gen.suppress_tokens = list(range(real_vocab, vocab))  # padded rows never name a token
+    hf_model.to(DTYPES[dtype])
+    hf_model.config.dtype = DTYPES[dtype]  # `torch_dtype` is deprecated since transformers 4.56
     hf_model.save_pretrained(str(out), max_shard_size=max_shard_size, safe_serialization=True)
     for name in CODE_FILES:
         shutil.copyfile(HF_DIR / name, out / name)
     if tok_path is not None:
-        save_tokenizer(tok_path, out, info, mcfg.seq_len)
+        save_tokenizer(tok_path, out, {"eos": cfg.eos_token_id, "bos": cfg.bos_token_id, "pad": cfg.pad_token_id},
+                       mcfg.seq_len)
     if validate:
         report["reload"] = _check_reload(hf_model, out, depth, real_vocab)
         log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
@@ -516,7 +533,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     from megaloop.config import RunConfig
     from megaloop.model.build import build_model, unwrap
     from megaloop.runtime.parallel import ParallelDims, init_distributed
-    from megaloop.train.checkpoint import CheckpointError, CheckpointManager, load_model_state
+    from megaloop.train.checkpoint import CheckpointManager, load_model_state
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
@@ -531,10 +548,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
                             seed=seed, ddp=False)
     native = unwrap(chunks[0])
     sd = hf_to_native_state_dict(model.state_dict(), cfg)
-    try:
-        load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
-    except CheckpointError as err:
-        raise ConversionError(str(err)) from None
+    load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
     run = RunConfig(model=mcfg)
     return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                          "source": str(hf_dir)})

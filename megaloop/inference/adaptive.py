@@ -35,22 +35,25 @@ def exit_policy(spec: Union[str, ExitPolicy, None], *, min_depth: Optional[int] 
 
     ``spec``: ``latent:1e-3`` | ``kl:1e-4`` | ``argmax:3``; ``max_depth`` defaults to
     ``default_max_depth`` (the decode depth); ``finished_rows``: ``mask`` or ``compact``.
-    Raises ConfigError naming ``--exit`` / ``--min-depth`` / ``--max-depth`` / ``--finished-rows``."""
+    Raises ConfigError naming ``--exit`` / ``--min-depth`` / ``--max-depth`` / ``--finished-rows``:
+    the depths and rows are checked here; what :meth:`ExitPolicy.parse` (export code, which raises
+    ``ValueError`` because it cannot import megaloop) still refuses is the criterion, ``--exit``."""
     if isinstance(spec, ExitPolicy):
         return spec
     if spec is None or str(spec).strip().lower() in ("", "none"):
         return None
     if finished_rows not in ROW_MODES:
         raise ConfigError(f"--finished-rows: one of {ROW_MODES}, got {finished_rows!r}")
+    low = 2 if min_depth is None else min_depth
+    high = max_depth or default_max_depth
+    if int(low) != low or low < 2:
+        raise ConfigError(f"--min-depth: must be an integer >= 2 (criteria compare successive recurrences), got {low}")
+    if int(high) != high or high < low:
+        raise ConfigError(f"--max-depth: must be an integer >= min_depth ({low}), got {high}")
     try:
-        return ExitPolicy.parse(spec, min_depth=min_depth, max_depth=int(max_depth or default_max_depth),
-                                compaction=finished_rows == "compact")
+        return ExitPolicy.parse(spec, min_depth=int(low), max_depth=int(high), compaction=finished_rows == "compact")
     except ValueError as err:
-        msg = str(err)
-        for name, flag in (("exit_criterion", "--exit"), ("min_depth", "--min-depth"), ("max_depth", "--max-depth")):
-            if msg.startswith(name + ":"):
-                raise ConfigError(flag + msg[len(name):]) from None
-        raise ConfigError(f"--exit: {msg}") from None
+        raise ConfigError(f"--exit: {err}") from None
 
 
 @dataclass

@@ -1,11 +1,10 @@
 """Inference engine for looped LMs: prefill / decode with separate recurrence budgets (SPEC §7).
 
 Design decision — evaluation and generation run on the pure-PyTorch model
-(:class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM`), loaded from a native megaloop
-checkpoint of *any* TP/PP layout (checkpoint keys are layout independent: the checkpoint is
-gathered into a TP=1/PP=1 native model in this process, mapped onto the HF modules by
-:func:`megaloop.hf.convert.native_to_hf_state_dict` — validated to ~1e-6 against the native
-forward — and moved to one device). Reasons: terminal and per-visit KV banks need explicit
+(:class:`megaloop.hf.modeling_megaloop.MegaloopForCausalLM`), loaded by :func:`megaloop.hf.load.load_model`
+from a native megaloop checkpoint of *any* TP/PP layout (gathered into a TP=1/PP=1 native model in
+this process, mapped onto the HF modules and checked against the native logits) or an exported HF
+folder, and moved to one device. Reasons: terminal and per-visit KV banks need explicit
 control of which recurrence's K/V each token keeps and which bank every recurrence of a later
 token reads; megatron-core's inference contexts key one KV slot per ``layer_number`` and offer
 neither. The paper's models (up to ~1B parameters) fit on one GPU, so no model parallelism is
@@ -32,7 +31,6 @@ init) count real tokens only, so a sequence gives the same tokens alone or in a 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -42,90 +40,13 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from megaloop.config_utils import ConfigError
+from megaloop.hf.load import load_model
 from megaloop.inference.adaptive import DepthLog, ExitPolicy, adaptive_decode, exit_policy
 from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, kv_bytes_per_token,
                                          memory_report, select_rows)
 from megaloop.inference.sampling import SamplingParams, pick_tokens
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-          "fp16": torch.float16, "float16": torch.float16}
 Prompt = Union[str, Sequence[int]]
-
-
-def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype: unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
-
-
-def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
-    return dev
-
-
-def is_hf_folder(path: Union[str, Path]) -> bool:
-    """True for an exported HF folder (``config.json`` with ``model_type: megaloop``)."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text()).get("model_type") == "megaloop"
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
-def _checkpoint_error(err: Exception) -> Exception:
-    from megaloop.train.checkpoint import CheckpointError
-
-    return CheckpointError(str(err))
-
-
-def load_model_from_checkpoint(path: Union[str, Path], *, device="cpu", dtype=torch.float32,
-                               num_recurrences: Optional[int] = None):
-    """``(MegaloopForCausalLM, info)`` from a native checkpoint (step dir, checkpoints dir or run
-    dir; any TP/PP layout). ``info``: checkpoint, step, run_config, tokenizer (path or None).
-    Raises :class:`megaloop.train.checkpoint.CheckpointError` for missing / bad checkpoints."""
-    from megaloop.hf.convert import (ConversionError, _tokenizer_info, find_tokenizer, hf_config_from_native,
-                                     load_native, native_to_hf_state_dict)
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-
-    try:
-        native, mcfg, run_cfg, ckpt, common = load_native(path)
-        vocab = native.vocab_size
-        tok_path = find_tokenizer(run_cfg, ckpt)
-        info = {"vocab_size": None, "eos": None, "bos": None, "pad": None}
-        if tok_path is not None and tok_path.suffix == ".json":
-            info = _tokenizer_info(tok_path)
-        elif tok_path is not None:
-            tok_path = None
-        real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
-        if real_vocab > vocab:
-            raise ConversionError(f"checkpoint {ckpt}: vocabulary {real_vocab} exceeds the embedding's {vocab} rows")
-        depth = int(num_recurrences or (run_cfg.get("train") or {}).get("eval_depth") or 5)
-        cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab, num_recurrences=depth,
-                                    special={k: info[k] for k in ("eos", "bos", "pad")})
-        with torch.device("meta"):
-            model = MegaloopForCausalLM(cfg)
-        sd = {k: v.float() for k, v in native_to_hf_state_dict(native.state_dict(), mcfg).items()}
-        missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-        if missing or unexpected:
-            raise ConversionError(f"checkpoint {ckpt}: weight mapping mismatch: missing {missing}, "
-                                  f"unexpected {unexpected}")
-        model.tie_weights()
-    except ConversionError as err:
-        raise _checkpoint_error(err) from None
-    del native
-    model = model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
-    return model, {"checkpoint": str(ckpt), "step": common.get("step"), "run_config": run_cfg,
-                   "tokenizer": str(tok_path) if tok_path else None}
 
 
 # ----------------------------------------------------------------------------- results
@@ -216,6 +137,7 @@ class InferenceEngine:
         cache_mode: default KV-cache mode, ``terminal`` or ``per_visit``.
         max_context: longest sequence (prompt + generated) accepted; default the training
             sequence length (``config.max_position_embeddings``).
+        source: where the model came from (:func:`megaloop.hf.load.load_model`'s ``source``).
         exit_criterion / min_depth / max_depth / finished_rows: default adaptive-depth policy of
             decode steps (:mod:`megaloop.inference.adaptive`; None = fixed decode depth); then
             ``generate`` and ``score_with_prefix`` decode adaptively, depths go to ``depth_log``.
@@ -250,32 +172,26 @@ class InferenceEngine:
 
     # ------------------------------------------------------------ construction
     @classmethod
-    def from_checkpoint(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None,
-                        **kwargs) -> "InferenceEngine":
-        """Engine over a native megaloop checkpoint of any TP/PP layout (see module docstring).
-        ``tokenizer``: path of a tokenizer.json overriding the run's."""
-        model, info = load_model_from_checkpoint(path, device=device, dtype=dtype)
-        tok = _load_tokenizer(tokenizer or info["tokenizer"])
-        return cls(model, tok, source=info, **kwargs)
+    def load(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None, validate: bool = True,
+             kind: Optional[str] = None, **kwargs) -> "InferenceEngine":
+        """Engine over a native checkpoint of any TP/PP layout (converted in memory, validated unless
+        ``validate=False``) or an exported HF folder: :func:`megaloop.hf.load.load_model`.
+        ``tokenizer``: a tokenizer.json overriding the model's; ``kwargs`` go to the engine."""
+        from megaloop.data.tokenizer import Tokenizer
+
+        model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind)
+        tok = tokenizer or source["tokenizer"]
+        return cls(model, Tokenizer(tok) if tok else None, source=source, **kwargs)
 
     @classmethod
-    def from_hf(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None,
-                **kwargs) -> "InferenceEngine":
-        """Engine over an exported HF folder (``tools/convert_to_hf.py``)."""
-        from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-        from megaloop.train.checkpoint import CheckpointError
-
-        if not is_hf_folder(path):
-            raise CheckpointError(f"{path} is not a megaloop HF folder (no config.json with model_type 'megaloop')")
-        model = MegaloopForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
-        model = model.to(resolve_device(device)).eval()
-        tok_src = tokenizer or (path if (Path(path) / "tokenizer.json").is_file() else None)
-        return cls(model, _load_tokenizer(tok_src), source={"hf": str(path)}, **kwargs)
+    def from_checkpoint(cls, path: Union[str, Path], **kwargs) -> "InferenceEngine":
+        """:meth:`load` of a native checkpoint (step dir, checkpoints dir or run dir)."""
+        return cls.load(path, kind="checkpoint", **kwargs)
 
     @classmethod
-    def load(cls, path: Union[str, Path], **kwargs) -> "InferenceEngine":
-        """``from_hf`` for an HF folder, else ``from_checkpoint``."""
-        return cls.from_hf(path, **kwargs) if is_hf_folder(path) else cls.from_checkpoint(path, **kwargs)
+    def from_hf(cls, path: Union[str, Path], **kwargs) -> "InferenceEngine":
+        """:meth:`load` of an exported HF folder (``megaloop convert``); CheckpointError for anything else."""
+        return cls.load(path, kind="hf", **kwargs)
 
     # ------------------------------------------------------------ properties
     @property
@@ -569,7 +485,7 @@ class InferenceEngine:
     def describe(self) -> dict:
         """JSON-able summary: source, shapes, budgets, memory per token."""
         cfg = self.config
-        return {"source": {k: v for k, v in self.source.items() if k != "run_config"},
+        return {"source": dict(self.source),
                 "arch": cfg.arch, "injection": cfg.injection, "hidden_size": cfg.hidden_size,
                 "layers": [cfg.n_prelude, cfg.n_core, cfg.n_coda] if cfg.looped else cfg.num_hidden_layers,
                 "vocab_size": self.vocab_size, "dtype": str(self.dtype).replace("torch.", ""),
@@ -581,14 +497,5 @@ class InferenceEngine:
                 "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, self.decode_depth) for m in MODES}}
 
 
-def _load_tokenizer(path):
-    if path is None:
-        return None
-    from megaloop.data.tokenizer import Tokenizer
-
-    return Tokenizer(path)
-
-
 __all__ = ["DecodeState", "GenerationOutput", "GenerationResult", "GenerationStats", "InferenceEngine",
-           "SamplingParams", "is_hf_folder", "load_model_from_checkpoint", "pick_tokens", "resolve_device",
-           "resolve_dtype"]
+           "SamplingParams", "pick_tokens"]

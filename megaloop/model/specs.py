@@ -145,10 +145,6 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     return spec
 
 
-def final_norm_module() -> type:
-    return RMSNorm
-
-
 def _out_init(cfg: ModelConfig):
     """Init of the residual-output projections: megatron's scaled normal by default (None)."""
     if cfg.out_init_std is None:

@@ -18,6 +18,7 @@ import json
 import sys
 
 from megaloop.config_utils import ConfigError
+from megaloop.errors import UserError, report
 
 DEFAULT_VOCAB = 65536  # the README's presets table; model.vocab_size=0 means "from the tokenizer"
 
@@ -108,12 +109,12 @@ def _world(args, cfg, cluster) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``megaloop plan ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
     args = build_parser().parse_intermixed_args(argv)  # KEY=VALUE overrides may stand anywhere
     try:
         return _run(args)
-    except ConfigError as err:
-        print(f"megaloop plan: error: {err}", file=sys.stderr)
-        return 2
+    except UserError as err:
+        return report(err, "megaloop plan")
 
 
 def _run(args) -> int:
@@ -123,11 +124,11 @@ def _run(args) -> int:
     from megaloop.plan.search import evaluate, memory_plan, search
 
     cfg, overrides, cluster, vocab = _inputs(args)
+    if cluster is None and not args.preflight:
+        raise ConfigError("--cluster: auto found no GPU on this machine")
     if cluster is None:
-        print("megaloop preflight: skipped (no GPU visible here; set PLAN_CLUSTER=h100|h200|b200|PATH to check)"
-              if args.preflight else "megaloop plan: error: --cluster: auto found no GPU on this machine",
-              file=sys.stdout if args.preflight else sys.stderr)
-        return 0 if args.preflight else 2
+        print("megaloop preflight: skipped (no GPU visible here; set PLAN_CLUSTER=h100|h200|b200|PATH to check)")
+        return 0
     world = _world(args, cfg, cluster)
     if args.search:
         plans, excluded = search(args.config, overrides, cluster, world, vocab, args.steps or 8, arm=args.arm,

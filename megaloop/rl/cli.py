@@ -83,29 +83,30 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``megaloop rl [grad-check] ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    from megaloop.errors import UserError, report
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "grad-check":
-        from megaloop.rl.grad_check import main as grad_check
-
-        return grad_check(argv[1:])
-    args = build_parser().parse_args(argv)
-    from megaloop.config_utils import ConfigError
-
     try:
-        return _run(args)
-    except ConfigError as err:
-        print(f"megaloop rl: error: {err}", file=sys.stderr)
-        return 2
+        if argv and argv[0] == "grad-check":
+            from megaloop.rl.grad_check import main as grad_check
+
+            return grad_check(argv[1:])
+        return _run(build_parser().parse_args(argv))
+    except UserError as err:
+        return report(err, "megaloop rl")
 
 
 def _run(args: argparse.Namespace) -> int:
     import torch
 
     from megaloop.config_utils import ConfigError
+    from megaloop.errors import report
+    from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
-    from megaloop.rl.io import check_model_path, load_model, model_tokenizer, save_hf
+    from megaloop.rl.io import check_out, model_tokenizer, save_hf
     from megaloop.rl.tasks import make_task
 
     if args.threads:
@@ -122,19 +123,11 @@ def _run(args: argparse.Namespace) -> int:
                          seed=args.seed)
         task = make_task(args.task, reward_workers=args.reward_workers, unsafe_code_exec=args.unsafe_code_exec,
                          reward_mode=args.reward_mode)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # GRPOConfig / task options (a UserError or a plain ValueError)
+        return report(err, "megaloop rl")
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
-    if not args.resume and not args.overwrite and (metrics.exists() or (out / "megaloop_rl.json").exists()):
-        raise ConfigError(f"--out {out} already holds a run (metrics.jsonl / megaloop_rl.json); pass --resume to "
-                          "continue it or --overwrite to replace it")
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite exclude each other")
-    ckpt = out / "checkpoints"
-    if args.resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
-        raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+    ckpt = check_out(out, ("metrics.jsonl", "megaloop_rl.json"), "a run", resume=args.resume, overwrite=args.overwrite)
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
@@ -145,8 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     model, source = load_model(args.model, num_recurrences=args.recurrences)
     tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
-        print(f"error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")
     model.to(device)
     lead = info.rank == 0
     if lead:

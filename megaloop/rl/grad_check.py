@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 
 from megaloop.rl.reuse import ARMS
 
@@ -85,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from megaloop.rl.grpo import GRPOConfig
-    from megaloop.rl.io import load_model, model_tokenizer
+    from megaloop.config_utils import ConfigError
+    from megaloop.hf.load import load_model
+    from megaloop.rl.io import model_tokenizer
     from megaloop.rl.tasks import make_task
 
     try:
@@ -95,13 +96,11 @@ def main(argv: list[str] | None = None) -> int:
                          cache_mode=args.cache_mode, seed=args.seed)
         task = make_task(args.task)
     except ValueError as err:
-        print(f"megaloop rl grad-check: error: {err}", file=sys.stderr)
-        return 2
+        raise ConfigError(str(err)) from None  # reported by megaloop rl's main: one line, exit 2
     model, source = load_model(args.model, num_recurrences=args.recurrences)
     tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
-        print(f"megaloop rl grad-check: error: no tokenizer found for {args.model}; pass --tokenizer", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--tokenizer: no tokenizer found for {args.model}; pass --tokenizer")
     model.to(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     arms = ARMS if args.bptt else ("reuse", "recompute")
     res = grad_check(model, tok, task, cfg, arms)

@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaloop.errors import UserError
 from megaloop.rl.isolation import (INSTALL_HINT, Backend, RawRun, _layout_binds, find_bwrap, namespace_processes,
                                    run_job, seccomp_filter, session_processes, uid_processes)
 from megaloop.rl.tasks import Example, read_jsonl
@@ -54,7 +55,7 @@ __all__ = ["CodeExecutionReward", "CodeTask", "DATA_DIR", "SandboxLimits", "Sand
            "uid_processes"]
 
 
-class SandboxUnavailable(ValueError):
+class SandboxUnavailable(UserError, ValueError):
     """No working sandbox and ``unsafe_code_exec`` not given."""
 
 

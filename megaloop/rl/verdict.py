@@ -33,6 +33,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from megaloop.errors import UserError
 from megaloop.rl.sandbox_harness import NotPlainData, decode_value, encode_value
 
 REL_TOL = 1e-7  # EvalPlus's rtol for float outputs
@@ -42,7 +43,7 @@ _FORMS = ("`assert f(args) == expected`, `assert f(args) is True|False|None`, "
           "`assert math.isclose(f(args), x)` or `assert abs(f(args) - x) < tol`, with literal args")
 
 
-class TestFormatError(ValueError):
+class TestFormatError(UserError, ValueError):
     """A test that is not one of the accepted assert forms."""
 
 

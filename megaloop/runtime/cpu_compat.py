@@ -78,11 +78,6 @@ def without_redirect():
     return _pop_mode_temporarily()
 
 
-def cpu_compat_active() -> bool:
-    """True when the redirects are installed (CUDA absent and :func:`apply_cpu_compat` ran)."""
-    return _APPLIED
-
-
 def apply_cpu_compat(force: bool = False) -> bool:
     """Install the redirects if CUDA is unavailable (or ``force``). Idempotent; returns whether
     the layer is active. Call before building megatron modules."""

@@ -27,6 +27,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
 
+from megaloop.errors import UserError
 from megaloop.model.build import unwrap
 
 META = "megaloop.json"
@@ -34,7 +35,7 @@ SHARDING_META = {"distrib_optim_sharding_type": "fully_reshardable"}
 REPLICA_PREFIXES = ("core.", "injection.")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or unreadable; the message names the path."""
 
 

@@ -168,20 +168,21 @@ def test_tp2_and_pp2_checkpoints_convert(megatron_world, tmp_path):
 
 
 def test_bad_inputs_give_clear_errors(megatron_world, converted, tmp_path):
-    from megaloop.hf.convert import ConversionError, convert_to_hf
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.train.checkpoint import CheckpointError
 
     missing = tmp_path / "nope"
-    with pytest.raises(ConversionError, match=f"checkpoint {missing} does not exist"):
+    with pytest.raises(CheckpointError, match=f"checkpoint {missing} does not exist"):
         convert_to_hf(missing, tmp_path / "o1")
     junk = tmp_path / "junk"
     junk.mkdir()
     (junk / "weights.bin").write_text("x")
-    with pytest.raises(ConversionError, match=f"{junk} is not a megaloop checkpoint"):
+    with pytest.raises(CheckpointError, match=f"{junk} is not a megaloop checkpoint"):
         convert_to_hf(junk, tmp_path / "o2")
     partial = tmp_path / "partial"
     partial.mkdir()
     (partial / "common.pt").write_text("x")
-    with pytest.raises(ConversionError, match="incomplete: missing megaloop.json, .metadata"):
+    with pytest.raises(CheckpointError, match="incomplete: missing megaloop.json, .metadata"):
         convert_to_hf(partial, tmp_path / "o3")
 
 
@@ -189,7 +190,8 @@ def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
     """A checkpoint whose stored config says one architecture but whose tensors are another."""
     import shutil
 
-    from megaloop.hf.convert import ConversionError, convert_to_hf
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.train.checkpoint import CheckpointError
 
     src = converted["orthoinj"]["ckpt"]
     bad = tmp_path / "step_00000003"
@@ -197,17 +199,17 @@ def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
     common = torch.load(bad / "common.pt", weights_only=False)
     common["common"]["config"]["model"]["injection"] = "huginn_linear"
     torch.save(common, bad / "common.pt")
-    with pytest.raises(ConversionError, match=f"checkpoint {bad} does not match the model") as err:
+    with pytest.raises(CheckpointError, match=f"checkpoint {bad} does not match the model") as err:
         convert_to_hf(bad, tmp_path / "o4")
     assert "missing: injection.adapter.bias, injection.adapter.weight" in str(err.value)
     assert "unexpected: injection.alpha_log" in str(err.value)
     common["common"]["config"]["model"]["injection"] = "spiral"
     torch.save(common, bad / "common.pt")
-    with pytest.raises(ConversionError, match="model.injection"):
+    with pytest.raises(CheckpointError, match="model.injection"):
         convert_to_hf(bad, tmp_path / "o5")
     del common["common"]["config"]
     torch.save(common, bad / "common.pt")
-    with pytest.raises(ConversionError, match="no run config"):
+    with pytest.raises(CheckpointError, match="no run config"):
         convert_to_hf(bad, tmp_path / "o6")
 
 

@@ -113,11 +113,11 @@ def test_depth_log_and_bad_options():
     assert exit_policy(None) is None and exit_policy("none") is None
     pol = exit_policy("latent:1e-3", max_depth=32)
     assert (pol.criterion, pol.threshold, pol.min_depth, pol.max_depth, pol.compaction) == ("latent", 1e-3, 2, 32, False)
-    for spec, kw, msg in [("latent", {}, "--exit: expected NAME:VALUE"),
-                          ("depth:1", {}, "--exit: unknown criterion 'depth'"),
-                          ("kl:abc", {}, "--exit: 'abc' is not a number"),
-                          ("kl:-1", {}, "--exit: threshold must be >= 0"),
-                          ("argmax:1", {}, "--exit: argmax needs an integer run length k >= 2"),
+    for spec, kw, msg in [("latent", {}, "--exit: exit_criterion: expected NAME:VALUE"),
+                          ("depth:1", {}, "--exit: exit_criterion: unknown criterion 'depth'"),
+                          ("kl:abc", {}, "--exit: exit_criterion: 'abc' is not a number"),
+                          ("kl:-1", {}, "--exit: exit_criterion: threshold must be >= 0"),
+                          ("argmax:1", {}, "--exit: exit_criterion: argmax needs an integer run length k >= 2"),
                           ("latent:1e-3", {"min_depth": 1}, "--min-depth: must be an integer >= 2"),
                           ("latent:1e-3", {"min_depth": 5, "max_depth": 4}, "--max-depth: must be an integer >= min_depth"),
                           ("latent:1e-3", {"finished_rows": "drop"}, "--finished-rows: one of")]:

@@ -190,7 +190,8 @@ def test_cache_copies_are_independent():
 
 
 def test_from_hf_folder_and_score_with_prefix(tmp_path):
-    from megaloop.inference.engine import InferenceEngine, is_hf_folder
+    from megaloop.hf.load import is_hf_folder
+    from megaloop.inference.engine import InferenceEngine
 
     eng = make_engine(depth=3)
     eng.model.save_pretrained(tmp_path / "hf")

@@ -100,7 +100,7 @@ def _trace_ids(val: list[dict], n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
     from megaloop.eval.states import state_diagnostics, trace_export
-    from megaloop.inference.engine import load_model_from_checkpoint
+    from megaloop.hf.load import load_model
 
     run_dir = out_dir / f"run_{args.label}"
     t = _trainer(args, overrides, run_dir)
@@ -122,7 +122,7 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
     val_zero = {str(r): t.evaluate(r)["val_ppl"] for r in args.zero_init_depths}
     for c in cores:
         c.cfg.eval_state_init = init
-    hf, _ = load_model_from_checkpoint(run_dir)
+    hf, _ = load_model(run_dir)
     ids, mask = _trace_ids(_val_batches(t), args.trace_seqs)
     diag = state_diagnostics(mask=mask, **trace_export(hf, ids, args.trace_depth))
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,

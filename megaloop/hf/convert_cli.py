@@ -1,0 +1,52 @@
+"""``megaloop convert`` (also ``python tools/convert_to_hf.py``): a megaloop training checkpoint
+(any TP/PP layout; a step dir, ``RUN/checkpoints`` or ``RUN``) → a Hugging Face folder that loads
+with ``trust_remote_code`` and without megaloop, validated (:mod:`megaloop.hf.convert`); or back
+with ``--from-hf``. Exit status 2 with one line on bad input or failed validation.
+
+    megaloop convert --checkpoint RUN/checkpoints/step_00001000 --out hf/ [--dtype bf16] [--no-validate]
+    megaloop convert --from-hf --checkpoint hf/ --out RUN_BACK/checkpoints
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megaloop convert", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="checkpoint step dir, checkpoints dir or run dir "
+                    "(with --from-hf: the HF folder)")
+    ap.add_argument("--out", required=True, help="output HF folder (with --from-hf: checkpoints root)")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="saved weight dtype")
+    ap.add_argument("--no-validate", action="store_true", help="skip the native-vs-HF logits check")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer.json (or its dir); default: from the run")
+    ap.add_argument("--num-recurrences", type=int, default=None,
+                    help="default depth written to config.json (default: the run's train.eval_depth)")
+    ap.add_argument("--max-shard-size", default="2GB")
+    ap.add_argument("--from-hf", action="store_true", help="convert an HF folder back to a megaloop checkpoint")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``megaloop convert``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    from megaloop.errors import UserError, report
+    from megaloop.hf.convert import convert_from_hf, convert_to_hf
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.from_hf:
+            print(f"wrote megaloop checkpoint {convert_from_hf(args.checkpoint, args.out)}")
+            return 0
+        rep = convert_to_hf(args.checkpoint, args.out, dtype=args.dtype, validate=not args.no_validate,
+                            tokenizer=args.tokenizer, num_recurrences=args.num_recurrences,
+                            max_shard_size=args.max_shard_size)
+    except UserError as err:
+        return report(err, "megaloop convert")
+    print(f"wrote {args.out} from {rep['checkpoint']} (step {rep['step']}, {rep['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""The one model loader: a native checkpoint (any TP/PP layout; step dir, ``RUN/checkpoints`` or
+``RUN``) or an exported HF folder → ``MegaloopForCausalLM`` in eval mode, and where it came from::
+
+    model, source = load_model("runs/S/checkpoints", device="cuda", dtype="bf16")
+
+Used by the inference engine (``megaloop eval`` / ``generate``), ``rl`` and ``distill-prefill``. A
+checkpoint is gathered into a TP=1/PP=1 FP32 native model here and mapped onto the HF model with
+its run's tokenizer ids (:func:`megaloop.hf.convert.to_hf_model`). Validation (default; opt out
+with ``validate=False``): the HF model must reproduce the native logits — FP32, eval mode, the
+configured depth, 2 random sequences of ``min(seq_len, 64)`` tokens — to ``max|Δ| / max(1,
+max|logit|) <= 1e-4``, else ``ConversionError``; one forward of each model (milliseconds for test
+models). HF folders load as saved (``megaloop convert`` validated them). ``source`` (JSON-able):
+``kind`` (checkpoint | hf), ``path``, ``step``, ``tokenizer`` (tokenizer.json or None), ``validation``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.hf.convert import DTYPES, check_conversion, load_native, to_hf_model
+from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+
+class LoadedModel(NamedTuple):
+    """What :func:`load_model` returns: ``model, source = load_model(...)``."""
+
+    model: MegaloopForCausalLM  # eval mode
+    source: dict  # kind, path, step, tokenizer, validation
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    """``fp32`` / ``bf16`` / ``fp16`` (or a torch dtype; None = FP32); ConfigError naming ``--dtype``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype or torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype: unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
+    """``auto`` / None = CUDA when available; ConfigError naming ``--device`` for absent CUDA."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: CUDA is not available on this machine")
+    return dev
+
+
+def is_hf_folder(path: Union[str, Path]) -> bool:
+    """True for an exported HF folder (``config.json`` with ``model_type: megaloop``)."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("model_type") == "megaloop"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
+    """``"hf"`` or ``"checkpoint"`` for a loadable model path, else :class:`ConfigError` (one line
+    naming ``flag`` and the path): missing, an empty directory, a file, or neither kind. Cheap:
+    commands call it before anything is loaded or written."""
+    from megaloop.train.checkpoint import CheckpointError, find_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{flag} {p}: no such file or directory")
+    if not p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a file, not an HF folder or a megaloop checkpoint")
+    if not any(p.iterdir()):
+        raise ConfigError(f"{flag} {p}: is an empty directory, not an HF folder or a megaloop checkpoint")
+    if is_hf_folder(p):
+        return "hf"
+    try:
+        find_checkpoint(p)
+    except CheckpointError as err:
+        raise ConfigError(f"{flag} {p}: neither an HF folder (config.json with model_type \"megaloop\") nor "
+                          f"a megaloop checkpoint ({str(err).splitlines()[0]})") from None
+    return "checkpoint"
+
+
+def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num_recurrences: Optional[int] = None,
+               validate: bool = True, kind: Optional[str] = None) -> LoadedModel:
+    """``(model, source)`` of ``path`` (module docstring). ``kind``: ``checkpoint`` / ``hf`` insists
+    on one (None: either); ``num_recurrences``: the default depth (else the run's
+    ``train.eval_depth`` / the folder's). CheckpointError for a bad checkpoint (or no HF folder where
+    one is expected), ConversionError for a failed validation."""
+    dev, dt = resolve_device(device), resolve_dtype(dtype)
+    hf = is_hf_folder(path)
+    if kind == "hf" and not hf:
+        from megaloop.train.checkpoint import CheckpointError
+
+        raise CheckpointError(f"{path} is not a megaloop HF folder (no config.json with model_type 'megaloop')")
+    if hf and kind != "checkpoint":
+        model, source = _from_hf(Path(path), dt)
+    else:
+        model, source = _from_checkpoint(path, num_recurrences, validate)
+    if num_recurrences is not None:
+        model.config.num_recurrences = int(num_recurrences)
+    return LoadedModel(model.to(device=dev, dtype=dt).eval(), source)
+
+
+def _from_hf(path: Path, dtype: torch.dtype):
+    model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
+    tok = path / "tokenizer.json"
+    return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,
+                   "validation": None}
+
+
+def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool):
+    native, mcfg, run_cfg, ckpt, common = load_native(path)
+    model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences)
+    check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
+    return model, {"kind": "checkpoint", "path": str(ckpt), "step": common.get("step"),
+                   "tokenizer": str(tok) if tok else None,
+                   "validation": check and {k: check[k] for k in ("error", "max_abs", "depth", "seq_len", "num_seqs")}}
+

@@ -1,0 +1,138 @@
+"""``megaloop generate`` (wired in megaloop/cli.py), and the model / engine options it shares with
+``megaloop eval`` (:mod:`megaloop.eval.cli`): ``--checkpoint`` is a native checkpoint of any TP/PP
+layout or an HF folder, loaded by :func:`megaloop.hf.load.load_model` (validated conversion)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+from megaloop.config_utils import ConfigError
+
+
+# ----------------------------------------------------------------------------- shared options
+def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"),
+                       cache_default="terminal") -> None:
+    """``--checkpoint``, ``--json``, depths, cache, device / dtype, tokenizer, context, adaptive exit."""
+    p.add_argument("--checkpoint", required=True,
+                   help="megaloop checkpoint (step dir, RUN/checkpoints or RUN dir; any TP/PP layout) or HF folder")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON here")
+    p.add_argument("--depth", type=int, default=None, help="recurrence depth R (default: the run's eval depth)")
+    p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
+    p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
+    p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, auto (default)")
+    p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
+    p.add_argument("--max-context", type=int, default=None, help="longest sequence (default: training seq_len)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--exit", default=None, metavar="CRIT:VALUE",
+                   help="adaptive per-token decode depth: latent:1e-3 | kl:1e-4 | argmax:3 (default: fixed depth)")
+    p.add_argument("--min-depth", type=int, default=None, help="adaptive: earliest exit (>= 2, default 2)")
+    p.add_argument("--max-depth", type=int, default=None, help="adaptive: depth cap (default: decode depth)")
+    p.add_argument("--finished-rows", choices=("mask", "compact"), default="mask",
+                   help="adaptive: finished batch rows keep computing (mask) or drop out (compact)")
+
+
+def add_student_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--student", default=None, metavar="DIR",
+                   help="prefill through this distilled student (megaloop distill-prefill OUT; terminal cache); "
+                        "decoding and scoring stay with the teacher")
+
+
+def check_engine_args(args: argparse.Namespace) -> None:
+    """Validate the cheap engine options (and that ``--checkpoint`` exists) before loading anything."""
+    from megaloop.inference.kv_cache import check_depth
+
+    for name in ("depth", "prefill_depth", "decode_depth"):
+        if getattr(args, name) is not None:
+            check_depth(getattr(args, name), "--" + name.replace("_", "-"))
+    if args.max_context is not None and args.max_context < 1:
+        raise ConfigError(f"--max-context: must be >= 1, got {args.max_context}")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(int(args.threads))
+    if not Path(args.checkpoint).exists() and "://" not in args.checkpoint:
+        from megaloop.train.checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
+
+
+def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):
+    """The :class:`~megaloop.inference.engine.InferenceEngine` of the options (``--student`` attached)."""
+    from megaloop.inference.engine import InferenceEngine
+
+    engine = InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
+                                  tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
+                                  decode_depth=args.decode_depth, cache_mode=cache_mode, max_context=args.max_context,
+                                  exit_criterion=args.exit, min_depth=args.min_depth, max_depth=args.max_depth,
+                                  finished_rows=args.finished_rows)
+    if getattr(args, "student", None):
+        from megaloop.distill.student_lm import attach_student
+
+        attach_student(engine, args.student)  # ConfigError naming --student on a bad folder
+    return engine
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    """``--json OUT``: the full result (no-op without it)."""
+    if not path:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1, default=str))
+    print(f"wrote {out}")
+
+
+# ----------------------------------------------------------------------------- generate
+def add_generate_parser(sub) -> None:
+    """Add ``generate`` to ``sub``."""
+    p = sub.add_parser("generate", help="generate text with prefill / decode budgets and a KV-cache mode")
+    add_engine_options(p)
+    add_student_option(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.set_defaults(fn=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    check_engine_args(args)
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
+    engine = build_engine(args, cache_mode=args.cache)
+    out = engine.generate(args.prompt if len(args.prompt) > 1 else args.prompt[0],
+                          max_new_tokens=args.max_new_tokens,
+                          temperature=0.0 if args.greedy or args.temperature is None else args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                          stop_at_eos=not args.ignore_eos)
+    tty = sys.stdout.isatty()
+    for prompt, r in zip(args.prompt, out.results):
+        print(f"{prompt}\033[1m{r.text}\033[0m" if tty else prompt + r.text)
+        print(f"[{r.finish_reason}: {len(r.token_ids)} tokens]")
+    s = out.stats
+    print(f"{s.cache_mode} cache, P={s.prefill_depth}, D={s.decode_depth}: prefill {s.prefill_s * 1e3:.1f} ms "
+          f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
+          f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
+          f"peak {s.kv_bytes_peak} B")
+    if s.exit_criterion:
+        hist = " ".join(f"{d}:{c}" for d, c in s.depth_histogram.items())
+        print(f"adaptive {s.exit_criterion} ({s.finished_rows}): mean depth {s.mean_depth:.2f}, depth:tokens {hist}")
+    write_json(args.json, {"command": "generate", "engine": engine.describe(),
+                           "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
+                                        "finish_reason": r.finish_reason}
+                                       for p, r in zip(args.prompt, out.results)],
+                           "stats": s.to_dict()})
+    return 0
+

@@ -1,0 +1,94 @@
+"""megaloop.hf.load.load_model: one loader for native checkpoints and HF folders; in-memory
+conversions are validated against the native logits, and a wrong mapping is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.hf.test_hf_convert import VOCAB, build_native, make_tokenizer, perturb
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def checkpoint(megatron_world, tmp_path_factory):
+    """A perturbed tiny GQA model saved as a run (checkpoint + run-dir tokenizer); its native logits."""
+    from megaloop.config import RunConfig
+    from megaloop.train.checkpoint import CheckpointManager
+
+    run = tmp_path_factory.mktemp("load") / "run"
+    make_tokenizer(run)  # RUN/tokenizer.json: found next to the checkpoints
+    cfg, chunks = build_native(dict(injection="huginn_linear", num_query_groups=2))
+    perturb(chunks[0])
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits = chunks[0].eval()(ids, depth=3)
+    ckpt = CheckpointManager(run / "checkpoints").save(7, chunks, None, common={
+        "step": 7, "config": RunConfig(model=cfg).to_dict()})
+    return run, ckpt, ids, logits
+
+
+def test_checkpoint_loads_validated_with_the_runs_tokenizer(checkpoint, tmp_path):
+    from megaloop.hf.load import is_hf_folder, load_model
+
+    run, ckpt, ids, ref = checkpoint
+    model, source = load_model(run, num_recurrences=3)
+    assert source["kind"] == "checkpoint" and source["path"] == str(ckpt) and source["step"] == 7
+    assert source["tokenizer"] == str(run / "tokenizer.json")
+    assert source["validation"]["error"] <= 1e-4 and source["validation"]["depth"] == 3
+    assert model.config.num_recurrences == 3 and model.config.eos_token_id == 0
+    assert model.config.tokenizer_vocab_size == VOCAB and not model.training
+    with torch.no_grad():
+        err = (model(ids, use_cache=False).logits - ref).abs().max().item()
+    assert err < 1e-4, err
+    model.save_pretrained(tmp_path / "hf")
+    assert is_hf_folder(tmp_path / "hf") and not is_hf_folder(run)
+    hf, hf_source = load_model(tmp_path / "hf", dtype="bf16")
+    assert hf_source == {"kind": "hf", "path": str(tmp_path / "hf"), "step": None, "tokenizer": None,
+                         "validation": None}
+    assert hf.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("corruption", ["scaled norm", "gate/up swapped"])
+def test_a_wrong_in_memory_conversion_is_refused(checkpoint, monkeypatch, corruption):
+    """The mapping is patched to be wrong (shapes still fit): loading refuses it with both errors
+    named, and ``validate=False`` is the explicit way to skip the check."""
+    import megaloop.hf.convert as convert
+    from megaloop.hf.convert import ConversionError
+    from megaloop.hf.load import load_model
+
+    right = convert.native_to_hf_state_dict
+
+    def wrong(sd, mcfg):
+        out = dict(right(sd, mcfg))
+        if corruption == "scaled norm":
+            out["model.norm.weight"] = out["model.norm.weight"] * 1.5
+        else:
+            key = "model.core.0.mlp."
+            out[key + "gate_proj.weight"], out[key + "up_proj.weight"] = (out[key + "up_proj.weight"],
+                                                                          out[key + "gate_proj.weight"])
+        return out
+
+    monkeypatch.setattr(convert, "native_to_hf_state_dict", wrong)
+    run, *_ = checkpoint
+    with pytest.raises(ConversionError, match=r"does not reproduce the native model: validation \(FP32, eval, "
+                                              r"depth \d+, .*max abs logit error"):
+        load_model(run)
+    model, source = load_model(run, validate=False)
+    assert source["validation"] is None and model is not None
+
+
+def test_kind_and_flag_checks(checkpoint, tmp_path):
+    from megaloop.config_utils import ConfigError
+    from megaloop.hf.load import check_model_path, load_model
+    from megaloop.train.checkpoint import CheckpointError
+
+    run, *_ = checkpoint
+    assert check_model_path(run) == "checkpoint"
+    with pytest.raises(CheckpointError, match="is not a megaloop HF folder"):
+        load_model(run, kind="hf")
+    with pytest.raises(ConfigError, match=f"--teacher {tmp_path / 'none'}: no such file or directory"):
+        check_model_path(tmp_path / "none", "--teacher")
+    with pytest.raises(ConfigError, match="--dtype: unknown dtype 'fp8'"):
+        load_model(run, dtype="fp8")
