@@ -54,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # subcommands whose arguments belong to the tool's own parser: `megaloop rl --help`
-DELEGATED = {"rl": ("megaloop.rl.cli", "GRPO with endpoint reuse (SPEC §9)"),
-             "distill-prefill": ("megaloop.distill.cli", "train a distilled-prefill student (SPEC §10)"),
+DELEGATED = {"rl": ("megaloop.post.rl.cli", "GRPO with endpoint reuse (SPEC §9)"),
+             "distill-prefill": ("megaloop.post.distill.cli", "train a distilled-prefill student (SPEC §10)"),
              "plan": ("megaloop.plan.cli", "predict memory per rank, step time, bubble and MFU of a layout"),
              "lr-screen": ("megaloop.screen.cli", "learning-rate screen over a grid of runs (Appendix B.1)"),
              "reproduce": ("megaloop.repro.cli", "run one of the paper's experiments (arms, evaluation, report)"),

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from megaloop.config_utils import ConfigError, apply_dotlist, from_dict, load_yaml, require, to_dict
+from megaloop.config_utils import (ConfigError, apply_dotlist, from_dict, load_yaml, renamed_paths, require, to_dict,
+                                   use_new_names)
 from megaloop.data.config import DataConfig
 from megaloop.depth.config import DepthConfig
 from megaloop.model.config import ModelConfig
@@ -189,5 +190,6 @@ def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str 
     """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
     overrides -> validated RunConfig."""
     data = load_yaml(resolve_config_path(name_or_path))
-    apply_dotlist(data, (arm_overrides(arm) if arm else []) + list(overrides or []))
+    dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])
+    apply_dotlist(data, use_new_names(data, dotlist, renamed_paths(RunConfig)))
     return from_dict(RunConfig, data)

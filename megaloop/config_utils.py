@@ -86,9 +86,17 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
 
 
 def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key."""
+    """Build dataclass ``cls`` from a nested dict; unknown keys are errors naming the key. A field
+    renamed in a later release is still read under its old name (``cls.RENAMED``: old → new), so
+    older YAMLs, overrides and checkpoints keep loading."""
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls) if f.init}
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in data:
+            where = f"{prefix}." if prefix else ""
+            if new in data:
+                raise ConfigError(f"{where}{old}: renamed to {where}{new}; give only one of them")
+            data = {(new if k == old else k): v for k, v in data.items()}
     for key in data:
         if key not in names:
             where = f"{prefix}.{key}" if prefix else key
@@ -119,6 +127,33 @@ def to_dict(cfg: Any) -> dict:
         return v
 
     return fix(out)
+
+
+def renamed_paths(cls: type, prefix: str = "") -> dict[str, str]:
+    """Old dotted path → new one for every field renamed in ``cls``'s config tree (``RENAMED``)."""
+    out = {f"{prefix}{old}": f"{prefix}{new}" for old, new in getattr(cls, "RENAMED", {}).items()}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(renamed_paths(hints[f.name], f"{prefix}{f.name}."))
+    return out
+
+
+def use_new_names(data: dict, dotlist: list[str], renames: dict[str, str]) -> list[str]:
+    """Rename old keys of ``data`` in place and return ``dotlist`` with new keys, so a YAML, an
+    arm and overrides that mix old and new names of a field merge as one field (last one wins)."""
+    for old, new in renames.items():
+        *path, key = old.split(".")
+        node = data
+        for p in path:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node:
+            node[new.rsplit(".", 1)[-1]] = node.pop(key)
+    out = []
+    for item in dotlist:
+        key, eq, text = item.partition("=")
+        out.append(f"{renames.get(key.strip(), key.strip())}{eq}{text}" if eq else item)
+    return out
 
 
 def apply_dotlist(data: dict, dotlist: list[str]) -> dict:

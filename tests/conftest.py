@@ -75,7 +75,7 @@ def tiny_teacher(tmp_path_factory):
     """(model, hf_dir): a tiny byte-level looped model trained briefly (tests/rl, tests/distill)."""
     import torch
 
-    from tests.rl.helpers import cached_teacher
+    from tests.post.rl.helpers import cached_teacher
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -6,10 +6,10 @@ from megaloop.cli import main, parse_args
 
 
 def test_overrides_may_come_before_and_after_options():
-    args = parse_args(["train", "train.max_steps=3", "--run-dir", "runs/x", "model.b_max=2",
+    args = parse_args(["train", "train.max_steps=3", "--run-dir", "runs/x", "model.bptt_window=2",
                        "--arm", "pln5", "depth.cap=32"])
     assert args.run_dir == "runs/x" and args.arm == "pln5"
-    assert args.overrides == ["train.max_steps=3", "model.b_max=2", "depth.cap=32"]
+    assert args.overrides == ["train.max_steps=3", "model.bptt_window=2", "depth.cap=32"]
 
 
 def test_unknown_arguments_still_fail():

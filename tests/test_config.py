@@ -3,7 +3,8 @@
 import pytest
 
 from megaloop.config import load_config, paper_arms
-from megaloop.config_utils import ConfigError
+from megaloop.config_utils import ConfigError, from_dict
+from megaloop.model.config import ModelConfig
 
 PRESETS = ["tiny", "S", "M", "L"]
 
@@ -22,7 +23,7 @@ def test_arms_say_what_the_paper_says():
     u10 = load_config("S", arm="u10").depth
     assert (u64.init, u64.reward, u64.target_mean) == ("uniform", "raw_ce", 5.0)  # raw-CE feedback
     assert (u10.init, u10.reward) == ("uniform_1_10", "raw_ce")
-    assert load_config("S", arm="fixed5_b2").model.b_max == 2
+    assert load_config("S", arm="fixed5_b2").model.bptt_window == 2
     pln = load_config("tiny", arm="pln5").depth
     assert (pln.kind, pln.mean, pln.cap) == ("pln", 5.0, 64)
     assert load_config("S", arm="untied12").model.num_layers == 12
@@ -39,3 +40,15 @@ def test_untied_presets_train_at_fixed_depth():
 def test_arms_file_is_not_a_preset():
     with pytest.raises(ConfigError, match="no such file or preset"):
         load_config("arms")
+
+
+def test_renamed_field_still_reads_its_old_name(tmp_path):
+    """``model.b_max`` (before the TBPTT window was named ``bptt_window``) in an override, a YAML
+    or an old checkpoint's config.yaml."""
+    assert load_config("tiny", ["model.b_max=3"]).model.bptt_window == 3
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  b_max: 2\n  hidden_size: 64\n  num_heads: 4\n")
+    assert load_config(str(old)).model.bptt_window == 2
+    assert load_config("tiny", ["model.b_max=3", "model.bptt_window=4"]).model.bptt_window == 4  # last wins
+    with pytest.raises(ConfigError, match=r"model\.b_max: renamed to model\.bptt_window; give only one"):
+        from_dict(ModelConfig, {"b_max": 2, "bptt_window": 3}, "model")  # one mapping holding both

@@ -1,7 +1,9 @@
 """Hugging Face export of megaloop models.
 
-``configuration_megaloop`` / ``modeling_megaloop`` are self-contained (torch + transformers only) and
-are copied into every exported folder; ``convert`` (megaloop checkpoint ⇄ HF folder) needs megatron.
+The ``*_megaloop`` modules (configuration, modeling, recurrence API, cache, injection, adaptive depth)
+are self-contained (torch + transformers only) and are copied into every exported folder; ``convert``
+(megaloop checkpoint ⇄ HF folder, ``megaloop convert``) needs megatron; ``load`` is the one validated
+loader of checkpoints and HF folders for every command.
 """
 
 from megaloop.hf.configuration_megaloop import MegaloopConfig

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="saved weight dtype")
     ap.add_argument("--no-validate", action="store_true", help="skip the native-vs-HF logits check")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (or its dir); default: from the run")
-    ap.add_argument("--num-recurrences", type=int, default=None,
+    ap.add_argument("--depth", type=int, default=None,
                     help="default depth written to config.json (default: the run's train.eval_depth)")
     ap.add_argument("--max-shard-size", default="2GB")
     ap.add_argument("--from-hf", action="store_true", help="convert an HF folder back to a megaloop checkpoint")
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote megaloop checkpoint {convert_from_hf(args.checkpoint, args.out)}")
             return 0
         rep = convert_to_hf(args.checkpoint, args.out, dtype=args.dtype, validate=not args.no_validate,
-                            tokenizer=args.tokenizer, num_recurrences=args.num_recurrences,
+                            tokenizer=args.tokenizer, num_recurrences=args.depth,
                             max_shard_size=args.max_shard_size)
     except UserError as err:
         return report(err, "megaloop convert")

@@ -1,5 +1,6 @@
 """The one model loader: a native checkpoint (any TP/PP layout; step dir, ``RUN/checkpoints`` or
-``RUN``) or an exported HF folder → ``MegaloopForCausalLM`` in eval mode, and where it came from::
+``RUN``) or an exported HF folder (optionally with a distilled-prefill student) →
+``MegaloopForCausalLM`` in eval mode, and where it came from::
 
     model, source = load_model("runs/S/checkpoints", device="cuda", dtype="bf16")
 
@@ -87,11 +88,15 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
 
 
 def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num_recurrences: Optional[int] = None,
-               validate: bool = True, kind: Optional[str] = None) -> LoadedModel:
+               validate: bool = True, kind: Optional[str] = None,
+               student: Union[str, Path, None] = None) -> LoadedModel:
     """``(model, source)`` of ``path`` (module docstring). ``kind``: ``checkpoint`` / ``hf`` insists
     on one (None: either); ``num_recurrences``: the default depth (else the run's
-    ``train.eval_depth`` / the folder's). CheckpointError for a bad checkpoint (or no HF folder where
-    one is expected), ConversionError for a failed validation."""
+    ``train.eval_depth`` / the folder's); ``student``: a distilled-prefill student folder
+    (``megaloop distill-prefill --out``) checked against the model's shape, through which every
+    prefill then runs (``source["student"]``). CheckpointError for a bad checkpoint (or no HF
+    folder where one is expected), ConversionError for a failed validation, ConfigError naming
+    ``--student`` for a bad or mismatched student."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     hf = is_hf_folder(path)
     if kind == "hf" and not hf:
@@ -104,7 +109,12 @@ def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num
         model, source = _from_checkpoint(path, num_recurrences, validate)
     if num_recurrences is not None:
         model.config.num_recurrences = int(num_recurrences)
-    return LoadedModel(model.to(device=dev, dtype=dt).eval(), source)
+    model = model.to(device=dev, dtype=dt).eval()
+    if student is not None:
+        from megaloop.post.distill.student_lm import with_student
+
+        model, source = with_student(model, student).eval(), {**source, "student": str(student)}
+    return LoadedModel(model, source)
 
 
 def _from_hf(path: Path, dtype: torch.dtype):

@@ -9,7 +9,7 @@ control of which recurrence's K/V each token keeps and which bank every recurren
 token reads; megatron-core's inference contexts key one KV slot per ``layer_number`` and offer
 neither. The paper's models (up to ~1B parameters) fit on one GPU, so no model parallelism is
 needed at inference. The same engine serves PPL, depth sweeps, the fixed-point checks, the
-lm-eval adapter, ``megaloop generate`` and (``megaloop.rl``) rollouts.
+lm-eval adapter, ``megaloop generate`` and (``megaloop.post.rl``) rollouts.
 
 Use::
 
@@ -173,13 +173,14 @@ class InferenceEngine:
     # ------------------------------------------------------------ construction
     @classmethod
     def load(cls, path: Union[str, Path], *, device="cpu", dtype=torch.float32, tokenizer=None, validate: bool = True,
-             kind: Optional[str] = None, **kwargs) -> "InferenceEngine":
+             kind: Optional[str] = None, student=None, **kwargs) -> "InferenceEngine":
         """Engine over a native checkpoint of any TP/PP layout (converted in memory, validated unless
-        ``validate=False``) or an exported HF folder: :func:`megaloop.hf.load.load_model`.
-        ``tokenizer``: a tokenizer.json overriding the model's; ``kwargs`` go to the engine."""
+        ``validate=False``) or an exported HF folder, optionally prefilling through a distilled
+        ``student`` folder: :func:`megaloop.hf.load.load_model`. ``tokenizer``: a tokenizer.json
+        overriding the model's; ``kwargs`` go to the engine."""
         from megaloop.data.tokenizer import Tokenizer
 
-        model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind)
+        model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind, student=student)
         tok = tokenizer or source["tokenizer"]
         return cls(model, Tokenizer(tok) if tok else None, source=source, **kwargs)
 

@@ -66,16 +66,11 @@ def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtyp
     """The :class:`~megaloop.inference.engine.InferenceEngine` of the options (``--student`` attached)."""
     from megaloop.inference.engine import InferenceEngine
 
-    engine = InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
-                                  tokenizer=args.tokenizer, depth=args.depth, prefill_depth=args.prefill_depth,
-                                  decode_depth=args.decode_depth, cache_mode=cache_mode, max_context=args.max_context,
-                                  exit_criterion=args.exit, min_depth=args.min_depth, max_depth=args.max_depth,
-                                  finished_rows=args.finished_rows)
-    if getattr(args, "student", None):
-        from megaloop.distill.student_lm import attach_student
-
-        attach_student(engine, args.student)  # ConfigError naming --student on a bad folder
-    return engine
+    return InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
+                                tokenizer=args.tokenizer, student=getattr(args, "student", None), depth=args.depth,
+                                prefill_depth=args.prefill_depth, decode_depth=args.decode_depth, cache_mode=cache_mode,
+                                max_context=args.max_context, exit_criterion=args.exit, min_depth=args.min_depth,
+                                max_depth=args.max_depth, finished_rows=args.finished_rows)
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megaloop.config_utils import require
 
@@ -25,6 +26,8 @@ class ModelConfig:
     ``r`` times (``r`` drawn per microbatch), ``n_coda`` layers. ``arch=untied``: a plain
     ``num_layers``-layer transformer from the same code (``Untied-N`` baselines).
     """
+
+    RENAMED: ClassVar[dict[str, str]] = {"b_max": "bptt_window"}  # older configs and checkpoints
 
     arch: str = "looped"
     hidden_size: int = 256
@@ -51,7 +54,7 @@ class ModelConfig:
     # learning-parity ablations (README "Learning parity"): 0.02 at d=128 cost 0.18 nats at 300 steps
     init_std: float | str = "small"
     deq_std: float = 0.02  # σ of DEQ-QKV injection projections
-    b_max: int = 10  # TBPTT window cap: b = min(r, b_max)
+    bptt_window: int = 10  # TBPTT window cap: b = min(r, bptt_window)
     rope_base: float = 10000.0
     tie_embeddings: bool = False
     # multiplier on the embedding output: a number, or "sqrt_d" (√hidden_size, Huginn's/Gemma's scale).
@@ -102,7 +105,7 @@ class ModelConfig:
         require(not self.input_norm or self.injection not in ("parcae_decay", "deq_qkv"), "model.input_norm",
                 f"not available for injection={self.injection!r} (parcae_decay always normalises e; "
                 "deq_qkv injects e inside the core layers)")
-        require(self.b_max >= 1, "model.b_max", f"must be >= 1, got {self.b_max}")
+        require(self.bptt_window >= 1, "model.bptt_window", f"must be >= 1, got {self.bptt_window}")
         require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
         require(self.vocab_pad_multiple >= 1, "model.vocab_pad_multiple", "must be >= 1")

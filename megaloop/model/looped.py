@@ -126,7 +126,7 @@ def split_recurrences(r: int, stages: int, pre: float, core: float, post: float)
 class LoopedGPT(LanguageModule):
     """Looped (or, with ``arch=untied``, plain) GPT on megatron-core layers.
 
-    ``forward(input_ids [b,s], labels [b,s] | None, depth=r, backprop=b, noise_seed=int)`` returns
+    ``forward(input_ids [b,s], labels [b,s] | None, depth=r, bptt_window=b, noise_seed=int)`` returns
     per-token CE [b, s] when labels are given on the last stage, logits [b, s, V/tp] without
     labels, and the packed stage output [2s(/tp), b, d] on other pipeline stages.
     """
@@ -288,10 +288,10 @@ class LoopedGPT(LanguageModule):
         return self.injection.exit(z)
 
     def run_recurrences(self, h: torch.Tensor, e: torch.Tensor, lo: int, hi: int, depth: int,
-                        window: int, rope: torch.Tensor) -> torch.Tensor:
-        """Recurrences lo..hi-1 of a depth-``depth`` pass with a TBPTT window of ``window``."""
+                        bptt_window: int, rope: torch.Tensor) -> torch.Tensor:
+        """Recurrences lo..hi-1 of a depth-``depth`` pass backpropagating the last ``bptt_window``."""
         ctx = self.injection.prepare(e)
-        first_grad = depth - window
+        first_grad = depth - bptt_window
         for i in range(lo, hi):
             if i < first_grad or not torch.is_grad_enabled():
                 with torch.no_grad():
@@ -325,12 +325,12 @@ class LoopedGPT(LanguageModule):
             return self._forward(*args, **kwargs)
 
     def _forward(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None = None, *,
-                depth: int = 1, backprop: int | None = None, noise_seed: int | list[int] | None = None,
+                depth: int = 1, bptt_window: int | None = None, noise_seed: int | list[int] | None = None,
                 return_hidden: bool = False) -> torch.Tensor:
         cfg = self.cfg
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
-        window = min(depth, backprop if backprop is not None else cfg.b_max)
+        window = min(depth, bptt_window if bptt_window is not None else cfg.bptt_window)
         if self.pre_process:
             x = self.embed(input_ids)
         else:

@@ -177,7 +177,7 @@ class CostModel:
         L, m = self.layout, self.cfg.model
         sim = simulate(L.pp, len(depths), lambda k, mb, v: self.op_s(k, v, depths[mb]), vpp=L.vpp,
                        transfer=self.p2p_s())
-        flops = sum(microbatch_flops(m, self.V, m.seq_len, self.tokens, r, m.b_max) for r in depths) * L.dp
+        flops = sum(microbatch_flops(m, self.V, m.seq_len, self.tokens, r, m.bptt_window) for r in depths) * L.dp
         return StepEstimate(sim=sim, pipeline_s=sim.makespan, dp_s=self.dp_s(), core_sync_s=self.core_sync_s(),
                             optimizer_s=self.optimizer_s(), model_flops=flops)
 

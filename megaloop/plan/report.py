@@ -34,7 +34,7 @@ def header(plan: Plan, config: str) -> str:
     nodes = -(-L.world // c.gpus_per_node)
     return (f"megaloop plan: {config} on {L.world} x {c.gpu} ({nodes} node(s) x {c.gpus_per_node}), {NOTE}\n"
             f"layout: {L.short()}; {L.microbatches} microbatches per step and DP rank; vocab {plan.vocab}; "
-            f"depth {depth_text(cfg)}, b_max {cfg.model.b_max}")
+            f"depth {depth_text(cfg)}, bptt_window {cfg.model.bptt_window}")
 
 
 def format_memory(plan: Plan) -> str:

@@ -3,7 +3,7 @@
 With ``S = pp * vpp`` virtual stages, stage 0 holds the embedding and prelude, stage ``S-1`` the
 coda, final norm and head, and every stage a core replica that runs the recurrences
 ``split_recurrences(r)[v]`` (LoopedGPT.recurrence_slice). Of those, the ones at index
-``>= r - b`` (TBPTT window ``b = min(r, b_max)``) backpropagate; the rest run under no_grad.
+``>= r - b`` (TBPTT window ``b = min(r, bptt_window)``) backpropagate; the rest run under no_grad.
 
 ``split_recurrences`` is read from ``megaloop/model/looped.py`` itself (its source, without
 importing megatron), so the planner splits exactly as training does.
@@ -60,10 +60,10 @@ class StageWork:
     last: bool
 
 
-def stage_work(cfg: ModelConfig, depth: int, stages: int, window: int | None = None) -> tuple[StageWork, ...]:
-    """Per-virtual-stage work of a depth-``depth`` microbatch (``window`` default ``min(depth, b_max)``).
+def stage_work(cfg: ModelConfig, depth: int, stages: int, bptt_window: int | None = None) -> tuple[StageWork, ...]:
+    """Per-virtual-stage work of a depth-``depth`` microbatch (``bptt_window`` default ``cfg.bptt_window``).
     An untied model splits its ``num_layers`` evenly (counted as "recurrences" of one layer)."""
-    b = min(depth, cfg.b_max if window is None else window)
+    b = min(depth, cfg.bptt_window if bptt_window is None else bptt_window)
     return _stage_work(cfg.looped, cfg.num_layers, cfg.n_prelude, cfg.n_core, cfg.n_coda, depth, stages, b)
 
 

@@ -10,7 +10,7 @@ Schema (every key but ``arms`` optional; unknown keys are errors)::
       S: {config: S}
     eval: {depth: 5, depths: [1, 2, 4, 5, 8, 16, 32, 64], sharing: true, harness: [megaloop_toy_mc]}
     arms:                               # mapping (duplicate names are errors) or a list of {name: ...}
-      b2_huginn: "model.injection=huginn_linear model.b_max=2"
+      b2_huginn: "model.injection=huginn_linear model.bptt_window=2"
       b4_huginn: {label: "b=4, Huginn-Linear", arm: fixed5_b4, overrides: [...], scales: {tiny: "..."}}
     claims:                             # SPEC §12 rows printed beside the measured figure
       - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn]}
@@ -18,7 +18,7 @@ Schema (every key but ``arms`` optional; unknown keys are errors)::
 
 ``arm:`` names a paper arm of megaloop/configs/arms.yaml (the one definition of each paper arm,
 also ``megaloop train --arm NAME``); an experiment arm adds only what that file does not define
-(an injection, a b_max). An arm's overrides are applied in the order: the paper arm's, the
+(an injection, a bptt_window). An arm's overrides are applied in the order: the paper arm's, the
 scale's, ``common``, the arm's, the arm's per-scale ones, the command line's extras; then the
 tool's own (``train.eval_depth``, logging). Seeds, data
 and the step/batch budget are the experiment's, never an arm's (same seed and data order for all

@@ -1,6 +1,6 @@
 """Model-FLOP accounting (SPEC §6). Units: FLOPs (multiply-add = 2 FLOPs).
 
-Per microbatch at depth r with window b = min(r, b_max): forward = prelude + r·core + coda +
+Per microbatch at depth r with window b = min(r, bptt_window): forward = prelude + r·core + coda +
 head; backward ≈ 2 × forward of prelude + b·core + coda + head. Each logical update is counted
 once; activation recomputation and the depth-prior controller are excluded. Attention scores are
 counted over the full s×s square (as Megatron-LM does), so MFU is comparable across codebases.
@@ -44,7 +44,7 @@ def forward_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int, depth: i
     return once, cfg.n_core * layer + injection_flops_per_token(cfg), head
 
 
-def microbatch_flops(cfg: ModelConfig, vocab: int, seq_len: int, tokens: int, depth: int, b_max: int,
+def microbatch_flops(cfg: ModelConfig, vocab: int, seq_len: int, tokens: int, depth: int, bptt_window: int,
                      forward_only: bool = False) -> float:
     """Model FLOPs of one microbatch of ``tokens`` tokens at depth ``depth``."""
     once, per_rec, head = forward_flops_per_token(cfg, vocab, seq_len, depth)
@@ -52,7 +52,7 @@ def microbatch_flops(cfg: ModelConfig, vocab: int, seq_len: int, tokens: int, de
     fwd = once + r * per_rec + head
     if forward_only:
         return tokens * fwd
-    b = min(r, b_max)
+    b = min(r, bptt_window)
     bwd = 2.0 * (once + b * per_rec + head)
     return tokens * (fwd + bwd)
 

@@ -4,7 +4,7 @@ One optimizer step (SPEC §4–§6, DESIGN "data path"):
 1. the sampler draws the step's M depths from (seed, step) — identical on every rank;
 2. this data-parallel rank takes M microbatches from the loader;
 3. megatron's ``get_forward_backward_func`` runs them (no pipelining, 1F1B or interleaved);
-   each microbatch runs at its own depth with a TBPTT window of ``b = min(r, b_max)``;
+   each microbatch runs at its own depth with a TBPTT window of ``b = min(r, bptt_window)``;
 4. the loss function returns the CE *sum* and token count (``calculate_per_token_loss``), so the
    model gradient is the global token-weighted mean; per-microbatch sums and counts are kept;
 5. those sums/counts are all-reduced over data-parallel ranks (and shared over the pipeline),
@@ -345,7 +345,7 @@ class Trainer:
         self.tokens += gtokens
         dt = time.perf_counter() - t0
         flops = sum(microbatch_flops(cfg.model, unwrap(self.model[0]).vocab_size, self.seq,
-                                     self.mbs * self.seq * self.dp, r, cfg.model.b_max) for r in depths)
+                                     self.mbs * self.seq * self.dp, r, cfg.model.bptt_window) for r in depths)
         tflops = flops / dt / self.dims.world / 1e12
         c = self.counters
         c["model_flops_total"] += flops

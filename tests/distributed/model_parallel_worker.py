@@ -21,12 +21,12 @@ def run(inj: str, tp: int, sp: bool):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 250, (2, 16), generator=g)
     labels = torch.randint(0, 250, (2, 16), generator=g)
-    loss = model(ids, labels=labels, depth=4, backprop=2, noise_seed=99)
+    loss = model(ids, labels=labels, depth=4, bptt_window=2, noise_seed=99)
     loss.sum().backward()
     # per-token loss path: megatron all-reduces the token count over DP and divides by it
     finalize_grads([model], num_tokens=torch.tensor(labels.numel(), dtype=torch.int))
     with torch.no_grad():
-        logits = gather_tp(model(ids, depth=4, backprop=2, noise_seed=99), dim=-1)
+        logits = gather_tp(model(ids, depth=4, bptt_window=2, noise_seed=99), dim=-1)
     grads = {n: gather_tp(p.main_grad, p) for n, p in model.named_parameters()}
     weights = {n: gather_tp(p.data, p) for n, p in model.named_parameters()}
     return loss.detach(), logits, grads, weights

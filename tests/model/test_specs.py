@@ -23,7 +23,7 @@ def test_sdpa_attention_matches_megatron_attention(megatron_world, groups):
         model = _model(attention, groups)
         uses_sdpa = isinstance(next(iter(model.core)).self_attention.core_attention, SDPACoreAttention)
         assert uses_sdpa == (attention == "sdpa")
-        loss = model(ids, labels=ids, depth=4, backprop=2, noise_seed=3)
+        loss = model(ids, labels=ids, depth=4, bptt_window=2, noise_seed=3)
         loss.sum().backward()
         out[attention] = loss.detach()
         grads[attention] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}

@@ -9,7 +9,7 @@ from megaloop.model.specs import transformer_config
 
 
 def _model(injection="parcae_nonorm"):
-    cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, b_max=10)
+    cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, bptt_window=10)
     tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     return LoopedGPT(cfg, tc, vocab_size=64, seed=3)
 
@@ -39,7 +39,7 @@ def test_truncated_gradients_match_autograd(megatron_world, injection):
     model = _model(injection)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     depth, window = 6, 2
-    model(ids, labels=ids, depth=depth, backprop=window, noise_seed=5).sum().backward()
+    model(ids, labels=ids, depth=depth, bptt_window=window, noise_seed=5).sum().backward()
     ours = _grads(model)
     model.zero_grad()
     _reference_loss(model, ids, ids, depth, window, 5).backward()
@@ -68,18 +68,18 @@ def test_prefix_only_parameters_get_no_gradient(megatron_world):
 
     model.recur = probed
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
-    model(ids, labels=ids, depth=5, backprop=2, noise_seed=1).sum().backward()
+    model(ids, labels=ids, depth=5, bptt_window=2, noise_seed=1).sum().backward()
     assert probe.grad is None or probe.grad.abs().item() == 0.0
     calls["n"] = 0
-    model(ids, labels=ids, depth=5, backprop=5, noise_seed=1).sum().backward()
+    model(ids, labels=ids, depth=5, bptt_window=5, noise_seed=1).sum().backward()
     assert probe.grad is not None and probe.grad.abs().item() > 0
 
 
 def test_window_never_exceeds_depth(megatron_world):
     model = _model()
     ids = torch.randint(0, 64, (1, 8))
-    loss_a = model(ids, labels=ids, depth=3, backprop=10, noise_seed=2)
-    loss_b = model(ids, labels=ids, depth=3, backprop=3, noise_seed=2)
+    loss_a = model(ids, labels=ids, depth=3, bptt_window=10, noise_seed=2)
+    loss_b = model(ids, labels=ids, depth=3, bptt_window=3, noise_seed=2)
     assert torch.equal(loss_a, loss_b)
     with pytest.raises(ValueError, match="depth"):
         model(ids, labels=ids, depth=0)
@@ -109,11 +109,11 @@ def test_recompute_gives_the_same_gradients(megatron_world, injection):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     grads, losses = [], []
     for recompute in (False, True):
-        cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, b_max=10,
+        cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, bptt_window=10,
                           recompute=recompute)
         model = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
                           vocab_size=64, seed=3)
-        loss = model(ids, labels=ids, depth=5, backprop=3, noise_seed=7).sum()
+        loss = model(ids, labels=ids, depth=5, bptt_window=3, noise_seed=7).sum()
         loss.backward()
         losses.append(loss.item())
         grads.append(_grads(model))

@@ -1,5 +1,5 @@
 """Memory model terms on a hand-computed tiny config (d=128, 4 heads, SwiGLU 384, 1/2/1 layers,
-s=128, micro-batch 8, b_max 4, vocab 4096, fp32) and the structure of pipeline peaks."""
+s=128, micro-batch 8, bptt_window 4, vocab 4096, fp32) and the structure of pipeline peaks."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def test_activations_by_hand() -> None:
 
 def test_flat_in_depth_and_split_by_tp() -> None:
     mm = _mm()
-    assert mm.held(0, 4) == mm.held(0, 9) == mm.held(0, 64)  # the TBPTT window (b_max 4) only
+    assert mm.held(0, 4) == mm.held(0, 9) == mm.held(0, 64)  # the TBPTT window (bptt_window 4) only
     assert mm.held(0, 2) < mm.held(0, 4)
     tp2 = _mm(["parallel.tp=2"], world=2)
     assert tp2.layer_bytes() == 2568 + 11_280 / 2
@@ -111,7 +111,7 @@ def test_stage_split_is_the_models() -> None:
                     ns = SimpleNamespace(cfg=cfg, num_stages=stages, stage=v)
                     lo, hi = LoopedGPT.recurrence_slice(ns, depth)
                     assert work[v].recurrences == hi - lo
-                    window = min(depth, cfg.b_max)
+                    window = min(depth, cfg.bptt_window)
                     assert work[v].grad_recurrences == len(set(range(lo, hi)) & set(range(depth - window, depth)))
 
 

@@ -47,14 +47,14 @@ def run_rl(hf_dir: str, work: str, rank: int) -> None:
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import DeepSpeedEngine
-    from megaloop.rl.grpo import GRPOConfig, GRPOTrainer
-    from megaloop.rl.tasks import ArithmeticTask, ByteTokenizer, CallableRewardTask
+    from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer
+    from megaloop.post.rl.tasks import ArithmeticTask, ByteTokenizer, CallableRewardTask
 
     base = MegaloopForCausalLM.from_pretrained(hf_dir).eval()
     init = flat(base.state_dict())
     tok, task = ByteTokenizer(), CallableRewardTask(ArithmeticTask("+"), digit_share)
     for arm, stage in (("reuse", 2), ("bptt", 1)):
-        cfg = GRPOConfig(arm=arm, num_recurrences=3, neumann_b=2, group_size=4, prompts_per_step=2,
+        cfg = GRPOConfig(arm=arm, depth=3, neumann_b=2, group_size=4, prompts_per_step=2,
                          max_new_tokens=4, lr=1e-3, seed=1, steps=3)
         ref = copy.deepcopy(base)
         hist_ref = GRPOTrainer(ref, tok, task, cfg, log=None).train()
@@ -90,12 +90,12 @@ def run_rl(hf_dir: str, work: str, rank: int) -> None:
 
 
 def run_distill(hf_dir: str, work: str, rank: int) -> None:
-    from megaloop.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, train_student,
+    from megaloop.post.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, train_student,
                                                   window_batches)
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import DeepSpeedEngine
-    from tests.rl.helpers import corpus_ids
+    from tests.post.rl.helpers import corpus_ids
 
     teacher = MegaloopForCausalLM.from_pretrained(hf_dir).eval()
     ids = corpus_ids()[:20000]

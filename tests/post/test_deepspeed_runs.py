@@ -57,13 +57,13 @@ def _cli(nproc: int, *args: str, expect: int = 0) -> subprocess.CompletedProcess
 
 
 def test_two_process_cli_runs_load(tiny_teacher, tmp_path):
-    from megaloop.distill.prefill_student import load_student
+    from megaloop.post.distill.prefill_student import load_student
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
     _, hf_dir = tiny_teacher
     out = tmp_path / "rl"
     _cli(2, "rl", "--model", str(hf_dir), "--out", str(out), "--task", "arithmetic", "--deepspeed", "zero2",
-         "--recurrences", "2", "--neumann-b", "2", "--steps", "2", "--group-size", "2", "--prompts", "2",
+         "--depth", "2", "--neumann-b", "2", "--steps", "2", "--group-size", "2", "--prompts", "2",
          "--max-new-tokens", "3", "--save-every", "1")
     summary = json.loads((out / "megaloop_rl.json").read_text())
     assert summary["world_size"] == 2 and summary["deepspeed"]["zero_stage"] == 2
@@ -83,7 +83,7 @@ def test_one_process_deepspeed_run_and_cli_resume(tiny_teacher, tmp_path):
     """--deepspeed without a launcher is a world of one; --resume continues the step count."""
     _, hf_dir = tiny_teacher
     out = tmp_path / "rl1"
-    common = ["rl", "--model", str(hf_dir), "--out", str(out), "--deepspeed", "zero1", "--recurrences", "2",
+    common = ["rl", "--model", str(hf_dir), "--out", str(out), "--deepspeed", "zero1", "--depth", "2",
               "--neumann-b", "2", "--group-size", "2", "--prompts", "1", "--max-new-tokens", "2", "--save-every", "1"]
     _cli(1, *common, "--steps", "1")
     proc = _cli(1, *common, "--steps", "2", "--resume")

@@ -18,8 +18,8 @@ scales:
 common: "depth.kind=fixed depth.depth=2"
 eval: {depth: 2}
 arms:
-  full: "model.b_max=2"
-  b1: {label: "b=1", overrides: [model.b_max=1]}
+  full: "model.bptt_window=2"
+  b1: {label: "b=1", overrides: [model.bptt_window=1]}
 claims:
   - {id: C2, claim: "b=1 keeps fixed points", paper: "<= 2 %", metrics: [extrapolation_pct], arms: [b1]}
   - {id: X, claim: "b=1 vs full", paper: "-", metrics: [native_ppl], arms: [b1], relative_to: full}

@@ -47,7 +47,7 @@ def test_user_experiment_interrupt_resume_skip(tool, user_yaml: Path, tmp_path: 
         assert m["extrapolation_pct"] == pytest.approx(100 * (by_depth[4] / by_depth[2] - 1))
         assert a["train"]["steps"] == 2 and a["train"]["tokens"] == 2 * 16 * 128
         assert 0 <= m["downstream"] <= 1 and m["prior_mean"] == pytest.approx(2.0)
-    # same seed and data order: the first step's loss (before any update; b_max only changes the
+    # same seed and data order: the first step's loss (before any update; bptt_window only changes the
     # backward pass) is the same in both arms
     first = [json.loads((out / "arms" / n / "metrics.jsonl").read_text().splitlines()[0])["loss"]
              for n in ("full", "b1")]

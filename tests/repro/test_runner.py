@@ -90,7 +90,7 @@ def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Pat
     text = capsys.readouterr().out
     assert "skip full: done" in text and "b1: partial at step 1: resume" in text
     (cmd,) = [line for line in text.splitlines() if "would run" in line]
-    assert f"--run-dir {run_dir(out, 'b1')} --resume auto" in cmd and "model.b_max=1" in cmd
+    assert f"--run-dir {run_dir(out, 'b1')} --resume auto" in cmd and "model.bptt_window=1" in cmd
     # a different experiment in the same directory is refused
     (out / "plan.json").write_text(json.dumps({"experiment": "other", "scale": "test"}))
     assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--dry-run"]) == 2
@@ -174,7 +174,7 @@ def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "slurm").mkdir(parents=True)
     rd = out / "arms" / "b1"
-    (out / "slurm" / "task_1.args").write_text(f"tiny\n{rd}\nmodel.b_max=1\ntrain.eval_depth=2\n")
+    (out / "slurm" / "task_1.args").write_text(f"tiny\n{rd}\nmodel.bptt_window=1\ntrain.eval_depth=2\n")
     (out / "slurm" / "task_1.after").write_text(f"reproduce\n--evaluate-arm\nb1\n--out\n{out}\n")
     script = ["bash", str(ROOT / "slurm" / "sweep_array.sh")]
     env = _array_env(tmp_path, out)
@@ -183,7 +183,7 @@ def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
     (tr,) = calls(tmp_path, "torchrun")
     argv = tr["argv"]
     assert argv[argv.index("--config") + 1] == "tiny" and argv[argv.index("--run-dir") + 1] == str(rd)
-    assert argv[argv.index("--resume") + 1] == "auto" and argv[-2:] == ["model.b_max=1", "train.eval_depth=2"]
+    assert argv[argv.index("--resume") + 1] == "auto" and argv[-2:] == ["model.bptt_window=1", "train.eval_depth=2"]
     assert (rd / "repro_exit").read_text().strip() == "0"
     assert (tmp_path / "eval_calls").read_text().split() == [
         "-m", "megaloop.cli", "reproduce", "--evaluate-arm", "b1", "--out", str(out)]

@@ -31,23 +31,23 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 
 def test_unknown_override_key_names_file_and_arm(tool, capsys, tmp_path: Path) -> None:
-    p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.b_max=1]}',
+    p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
                                            'b1: "model.b_maximum=1"'))
     err = _fail(tool, capsys, p)
     assert str(p) in err and "arm 'b1'" in err and "b_maximum" in err
 
 
 def test_bad_override_value_names_field(tool, capsys, tmp_path: Path) -> None:
-    p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', 'full: "model.injection=nope"'))
+    p = _write(tmp_path, USER_YAML.replace('full: "model.bptt_window=2"', 'full: "model.injection=nope"'))
     err = _fail(tool, capsys, p)
     assert "arm 'full'" in err and "model.injection" in err
 
 
 def test_duplicate_arm_names(tool, capsys, tmp_path: Path) -> None:
-    p = _write(tmp_path, USER_YAML.replace('  full: "model.b_max=2"\n', '  full: "model.b_max=2"\n  full: "model.b_max=3"\n'))
+    p = _write(tmp_path, USER_YAML.replace('  full: "model.bptt_window=2"\n', '  full: "model.bptt_window=2"\n  full: "model.bptt_window=3"\n'))
     err = _fail(tool, capsys, p)
     assert str(p) in err and "duplicate key 'full'" in err
-    listed = USER_YAML.split("arms:")[0] + "arms:\n  - {name: a, overrides: model.b_max=2}\n  - {name: a, overrides: model.b_max=1}\n"
+    listed = USER_YAML.split("arms:")[0] + "arms:\n  - {name: a, overrides: model.bptt_window=2}\n  - {name: a, overrides: model.bptt_window=1}\n"
     err = _fail(tool, capsys, _write(tmp_path, listed))
     assert "arm 'a': duplicate arm name" in err
 
@@ -56,14 +56,14 @@ def test_empty_arms_and_empty_arm(tool, capsys, tmp_path: Path) -> None:
     no_arms = USER_YAML.split("arms:")[0] + "arms: {}\n"
     err = _fail(tool, capsys, _write(tmp_path, no_arms))
     assert "bad.yaml: arms: no arms defined" in err
-    empty = USER_YAML.split("arms:")[0] + "arms:\n  full: \"model.b_max=2\"\n  b1:\n"
+    empty = USER_YAML.split("arms:")[0] + "arms:\n  full: \"model.bptt_window=2\"\n  b1:\n"
     err = _fail(tool, capsys, _write(tmp_path, empty))
     assert "arm 'b1': empty arm" in err
 
 
 def test_arms_cannot_change_seed_data_or_budget(tool, capsys, tmp_path: Path) -> None:
     for ov in ("train.seed=7", "data.shuffle_seed=3", "train.max_steps=9", "train.global_batch_size=8"):
-        p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', f'full: "model.b_max=2 {ov}"'))
+        p = _write(tmp_path, USER_YAML.replace('full: "model.bptt_window=2"', f'full: "model.bptt_window=2 {ov}"'))
         err = _fail(tool, capsys, p)
         assert "arm 'full'" in err and ov.split("=")[0] in err and "same for every arm" in err
 
@@ -96,7 +96,7 @@ def test_plan_resolution(user_yaml: Path) -> None:
     # order: scale, common, arm, command line, the tool's
     assert full.overrides[:4] == ["train.max_steps=2", "optim.warmup_steps=1", "train.save_interval=1",
                                   "train.eval_batches=1"]
-    assert full.overrides[4:7] == ["depth.kind=fixed", "depth.depth=2", "model.b_max=2"]
+    assert full.overrides[4:7] == ["depth.kind=fixed", "depth.depth=2", "model.bptt_window=2"]
     assert full.overrides[7] == "train.stop_after=1" and "train.eval_depth=2" in full.overrides
     assert plan.eval.max_seqs == 3 and plan.eval.depths == [1, 2, 4] and plan.eval.depth == 2
     assert plan.settings["max_steps"] == 2 and plan.settings["tokens_per_step"] == 16 * 128
@@ -132,7 +132,7 @@ def test_shipped_experiments(name: str) -> None:
     arms = {a.name: a for a in tiny.arms}
     if name == "tbptt":
         assert all(a.depth_kind == "fixed" and "depth.depth=5" in a.overrides for a in tiny.arms)
-        assert "model.b_max=5" in arms["huginn_bR"].overrides and "model.b_max=2" in arms["parcae_b2"].overrides
+        assert "model.bptt_window=5" in arms["huginn_bR"].overrides and "model.bptt_window=2" in arms["parcae_b2"].overrides
     if name == "depth":
         assert [a.overrides for a in tiny.arms if a.name == "learned_h0.05"][0].count("depth.entropy_coef=0.05") == 1
         assert "depth.init=uniform_1_10" in arms["uniform10"].overrides
@@ -144,12 +144,12 @@ def test_shipped_experiments(name: str) -> None:
 
 
 def test_arm_names_a_paper_arm(tool, capsys, tmp_path: Path, user_yaml: Path) -> None:
-    p = _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', "full: {arm: fixed5_b2, overrides: model.b_max=3}"))
+    p = _write(tmp_path, USER_YAML.replace('full: "model.bptt_window=2"', "full: {arm: fixed5_b2, overrides: model.bptt_window=3}"))
     full = load_plan(str(p), "test").arm("full")
     assert full.paper_arm == "fixed5_b2" and full.overrides[:4] == arm_overrides("fixed5_b2")
-    # then the scale's, common, the arm's own (its b_max wins over the paper arm's), the tool's
+    # then the scale's, common, the arm's own (its bptt_window wins over the paper arm's), the tool's
     assert full.overrides[4:6] == ["train.max_steps=2", "optim.warmup_steps=1"]
-    assert full.overrides[8:11] == ["depth.kind=fixed", "depth.depth=2", "model.b_max=3"]
+    assert full.overrides[8:11] == ["depth.kind=fixed", "depth.depth=2", "model.bptt_window=3"]
     assert load_plan(str(user_yaml), "test").arm("full").paper_arm is None
-    err = _fail(tool, capsys, _write(tmp_path, USER_YAML.replace('full: "model.b_max=2"', "full: {arm: nope}")))
+    err = _fail(tool, capsys, _write(tmp_path, USER_YAML.replace('full: "model.bptt_window=2"', "full: {arm: nope}")))
     assert "arm 'full': arm: 'nope' is not an arm of arms.yaml" in err

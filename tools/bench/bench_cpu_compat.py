@@ -36,7 +36,7 @@ def main():
 
     def step(fn):
         t = time.perf_counter()
-        fn(ids, labels=ids, depth=args.depth, backprop=args.depth, noise_seed=0).mean().backward()
+        fn(ids, labels=ids, depth=args.depth, bptt_window=args.depth, noise_seed=0).mean().backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t
 

@@ -1,7 +1,7 @@
 """Prefill latency: distilled student (SPEC §10) vs the teacher at R recurrences (terminal cache).
 
 Teacher prefill = ``model(prompt, past_key_values=new terminal cache, num_recurrences=R,
-logits_to_keep=1)``; student prefill = :func:`megaloop.distill.prefill_student.student_prefill`
+logits_to_keep=1)``; student prefill = :func:`megaloop.post.distill.prefill_student.student_prefill`
 (prelude → student (a copy of the core, applied once) → one teacher recurrence → coda, same
 terminal cache, last-token logits). Both fill the identical cache layout; decoding afterwards is
 the same. Weights are random (latency does not depend on them). Reported: median / min latency
@@ -21,7 +21,7 @@ import time
 import torch
 from common import command, export_model, export_model_args, model_args, sync, write_result
 
-from megaloop.distill.prefill_student import PrefillStudent, student_prefill
+from megaloop.post.distill.prefill_student import PrefillStudent, student_prefill
 
 
 def main():

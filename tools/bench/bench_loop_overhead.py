@@ -31,7 +31,7 @@ def main():
     dev = device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
-    looped_cfg = ModelConfig(**common, injection="parcae_nonorm", b_max=64)
+    looped_cfg = ModelConfig(**common, injection="parcae_nonorm", bptt_window=64)
     looped = native_model(looped_cfg, args.vocab).to(dev, dtype)
     gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
     gtc = transformer_config(gpt_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
@@ -44,7 +44,7 @@ def main():
 
     def step_looped(window):
         def run():
-            looped(ids, labels=ids, depth=5, backprop=window, noise_seed=0).mean().backward()
+            looped(ids, labels=ids, depth=5, bptt_window=window, noise_seed=0).mean().backward()
             looped.zero_grad(set_to_none=True)
         return run
 

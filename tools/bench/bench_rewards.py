@@ -9,7 +9,7 @@ Each of the ``mbpp:tiny`` tasks is scored with its reference solution (reward 1)
 median of ``--rounds`` rounds that interleave the variants, and CPU ms per reward (this process +
 the sandboxes it reaped: independent of other load on the machine). Rows:
 
-* ``before`` — the previous reward (``megaloop/rl/sandbox.py`` at ``--before-rev``: one
+* ``before`` — the previous reward (``megaloop/post/rl/sandbox.py`` at ``--before-rev``: one
   subprocess per completion with an in-interpreter audit hook, exit status as the verdict; no
   namespaces), sequential, loaded from git (skipped when git or the revision is missing);
 * ``after, workers=N`` — the sandboxed reward (bwrap namespaces, per-run uid, trusted verdict),
@@ -39,7 +39,7 @@ BEFORE_REV = "65b0666500831c2c639c2d25246bbec2180e10e8"  # last revision of the 
 
 
 def _pairs(task, repeats: int) -> tuple[list, list]:
-    from megaloop.rl.sandbox import DATA_DIR
+    from megaloop.post.rl.sandbox import DATA_DIR
 
     recs = [json.loads(l) for l in (DATA_DIR / "mbpp_tiny.jsonl").read_text().splitlines() if l.strip()]
     pairs, want = [], []
@@ -51,7 +51,7 @@ def _pairs(task, repeats: int) -> tuple[list, list]:
 
 def _old_module(rev: str):
     try:
-        src = subprocess.run(["git", "show", f"{rev}:megaloop/rl/sandbox.py"], cwd=ROOT, capture_output=True,
+        src = subprocess.run(["git", "show", f"{rev}:megaloop/post/rl/sandbox.py"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -88,7 +88,7 @@ def main() -> None:
     p.add_argument("--workers", default="1,2,4", help="comma-separated pool sizes")
     p.add_argument("--before-rev", default=BEFORE_REV)
     args = p.parse_args()
-    from megaloop.rl.sandbox import CodeTask, CodeTaskConfig, sandbox_backend
+    from megaloop.post.rl.sandbox import CodeTask, CodeTaskConfig, sandbox_backend
 
     backend = sandbox_backend()
     if backend.kind != "bwrap":
@@ -97,7 +97,7 @@ def main() -> None:
     stats = {}  # sandbox run outcomes of the "after" variants
     old = _old_module(args.before_rev)
     if old is not None:
-        from megaloop.rl.sandbox import DATA_DIR
+        from megaloop.post.rl.sandbox import DATA_DIR
 
         task = old.CodeTask(DATA_DIR / "mbpp_tiny.jsonl")
         variants.append(("before", "subprocess + audit hook (no namespaces)", 1,

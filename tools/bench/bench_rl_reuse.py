@@ -19,8 +19,8 @@ import time
 import torch
 from common import command, export_model, export_model_args, model_args, sync, write_result
 
-from megaloop.rl.parts import HFLoopedParts
-from megaloop.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
+from megaloop.post.rl.parts import HFLoopedParts
+from megaloop.post.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
 
 
 def main():

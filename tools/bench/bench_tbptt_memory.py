@@ -36,7 +36,7 @@ def measure(model, ids, depth, window):
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-        loss = model(ids, labels=ids, depth=depth, backprop=window, noise_seed=0).mean()
+        loss = model(ids, labels=ids, depth=depth, bptt_window=window, noise_seed=0).mean()
     loss.backward()
     model.zero_grad(set_to_none=True)
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
@@ -51,7 +51,7 @@ def main():
     single_process_megatron()
     from megaloop.model.config import ModelConfig
 
-    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, b_max=64)
+    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bptt_window=64)
     dev = device()
     model = native_model(cfg, args.vocab).to(dev)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)

@@ -35,7 +35,7 @@ def main() -> None:
     dev = device()
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
-                      injection="parcae_nonorm", b_max=args.depth)
+                      injection="parcae_nonorm", bptt_window=args.depth)
     native = native_model(cfg, args.vocab)
     # the plain model's weights: the native model's (local-spec names); with TE layers (GPU), the same
     # seeded initialisation built once more with the local spec
@@ -54,7 +54,7 @@ def main() -> None:
                         generator=torch.Generator(device=dev).manual_seed(0))
 
     def step_native():
-        native(ids, labels=ids, depth=args.depth, backprop=args.depth, noise_seed=0).mean().backward()
+        native(ids, labels=ids, depth=args.depth, bptt_window=args.depth, noise_seed=0).mean().backward()
         native.zero_grad(set_to_none=True)
 
     def step_plain():

@@ -15,7 +15,7 @@ embedded corpus) with the run's seed, ``--batch`` sequences of the preset's ``se
 the same order; AdamW (β 0.9/0.95, wd 0.1 on matrices, ε 1e-8), gradient clipping at 1, WSD (linear
 warm-up over 10 % of the steps, constant, linear decay to 0 over the last 20 %, the same LR per
 update as megaloop's scheduler, see ``parity_refs.wsd_lr``); mean depth ``--mean-depth`` with a
-backprop window ``--backprop``, each system with its own depth sampler (megaloop: PLN per
+TBPTT window ``--bptt-window``, each system with its own depth sampler (megaloop: PLN per
 microbatch unless the preset says otherwise; Huginn: poisson-lognormal-filling per step; Parcae:
 poisson-truncated-full per sequence). Validation: megaloop's whole validation split at every R in
 ``--depths`` (same tokens, labels and loss mask for every system; the evaluation-time state init of
@@ -68,7 +68,7 @@ def _protocol_overrides(args) -> list[str]:
             f"train.micro_batch_size={args.micro_batch}", f"train.seed={args.seed}",
             "train.eval_batches=0", "train.log_interval=1000000", "train.eval_interval=0",
             f"train.save_interval={args.steps}", "depth.kind=pln", f"depth.mean={args.mean_depth}",
-            "depth.cap=64", f"model.b_max={args.backprop}"]
+            "depth.cap=64", f"model.bptt_window={args.bptt_window}"]
 
 
 def _trainer(args, overrides: list[str], run_dir: Path):
@@ -137,7 +137,7 @@ def run_reference(args, out_dir: Path) -> dict:
     m = t.cfg.model
     shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
                   n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
-                  mean_depth=int(args.mean_depth), backprop=args.backprop)
+                  mean_depth=int(args.mean_depth), bptt_window=args.bptt_window)
     ref = load_reference(args.system, args.ref_path, shape, args.seed)
     decay, no_decay = [], []
     for name, p in ref.model.named_parameters():
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--mean-depth", type=float, default=5.0)
-    p.add_argument("--backprop", type=int, default=4)
+    p.add_argument("--bptt-window", type=int, default=4)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 5, 64])
     p.add_argument("--zero-init-depths", type=int, nargs="+", default=[1, 5],
                    help="depths also evaluated from h^0 = 0 (control for noise that recurrences wash out)")

@@ -50,7 +50,7 @@ class Shape:
     vocab: int = 4096
     seq_len: int = 128
     mean_depth: int = 5
-    backprop: int = 4
+    bptt_window: int = 4
 
 
 class _Any:
@@ -173,7 +173,7 @@ class Huginn(Reference):
         cfg = cfgmod.RecurrentConfig.from_name(
             "nebel-raven-3.5b", n_embd=sh.hidden, num_attention_heads=sh.heads, num_key_value_heads=sh.heads,
             intermediate_size=sh.ffn, n_layers_in_prelude=sh.n_prelude, n_layers_in_recurrent_block=sh.n_core,
-            n_layers_in_coda=sh.n_coda, mean_recurrence=sh.mean_depth, mean_backprop_depth=sh.backprop,
+            n_layers_in_coda=sh.n_coda, mean_recurrence=sh.mean_depth, mean_backprop_depth=sh.bptt_window,
             vocab_size=sh.vocab, padding_multiple=128, block_size=sh.seq_len, attn_impl="sdpa",
             use_fused_head=False, activation_checkpoint_impl="none")
         torch.manual_seed(seed)
@@ -233,7 +233,7 @@ class Parcae(Reference):
             intermediate_size=sh.ffn, recurrent_embedding_dimension=sh.hidden,
             recurrent_intermediation_embedding_dimension=sh.ffn, n_layers_in_prelude=sh.n_prelude,
             n_layers_in_recurrent_block=sh.n_core, n_layers_in_coda=sh.n_coda, mean_recurrence=sh.mean_depth,
-            mean_backprop_depth=sh.backprop, vocab_size=sh.vocab, padding_multiple=128, block_size=sh.seq_len,
+            mean_backprop_depth=sh.bptt_window, vocab_size=sh.vocab, padding_multiple=128, block_size=sh.seq_len,
             mlp_class_name="GatedMLP", nonlin_name="SiLU", use_fused_head=False, attn_impl="sdpa",
             activation_checkpoint_impl="none")
         torch.manual_seed(seed)

@@ -1,0 +1,193 @@
+"""``megaloop distill-prefill`` / ``tools/distill_prefill.py``: train a prefill student (SPEC §10).
+
+    python tools/distill_prefill.py --teacher hf/S --out students/S --depth 5 --steps 2000 \\
+        --batch-size 8 --seq-len 512 --lambda-kl 1.0 [--data default|FILE.txt|FILE.jsonl]
+
+``--teacher`` is a megaloop checkpoint or an HF folder. Writes ``OUT/student.safetensors``,
+``OUT/student.json`` (teacher config, σ_T², depth, λ_KL, held-out metrics before and after) and
+``OUT/metrics.jsonl``. Use it with :func:`megaloop.post.distill.prefill_student.student_prefill`
+(or ``--student OUT`` of ``megaloop eval`` / ``megaloop generate``).
+
+Experiments: ``--student-init random`` (a fresh student of the same shape instead of the core's
+copy), ``--no-hidden-loss`` / ``--no-kl-loss`` (drop one loss term). Several processes
+(``torchrun --nproc_per_node N -m megaloop.cli distill-prefill --deepspeed zero3 ...``) train the
+student under DeepSpeed ZeRO-1/2/3, each rank on its share of ``--batch-size`` rows (the teacher is
+replicated, frozen); rank 0 writes the folder. ``--save-every N`` checkpoints into
+``OUT/checkpoints``; ``--resume`` continues from the latest exactly. An ``--out`` that already holds a
+student is refused unless ``--resume`` or ``--overwrite`` is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloop distill-prefill", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", required=True, help="megaloop checkpoint or HF folder")
+    p.add_argument("--out", required=True, help="output folder for the student")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the teacher's)")
+    p.add_argument("--data", default="default", help="'default' (embedded corpus), FILE.txt or FILE.jsonl ({'text': ...})")
+    p.add_argument("--max-chars", type=int, default=4_000_000,
+                   help="read at most this many characters of the data (default 4M, ~1M tokens; 0: all)")
+    p.add_argument("--depth", type=int, default=5, help="teacher depth R of the targets")
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--lambda-kl", type=float, default=1.0)
+    p.add_argument("--calib-batches", type=int, default=8)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--num-layers", type=int, default=None, help="student layers (default: the teacher's n_core)")
+    p.add_argument("--init-state", choices=("teacher", "zero"), default="teacher")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--student-init", choices=("teacher", "random"), default="teacher",
+                   help="student weights: a copy of the teacher's core, or a fresh random init")
+    p.add_argument("--no-hidden-loss", action="store_true", help="drop the hidden-state (endpoint MSE) term")
+    p.add_argument("--no-kl-loss", action="store_true", help="drop the KL term (same as --lambda-kl 0)")
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                   help="DeepSpeed JSON config (or zero1 | zero2 | zero3, the shipped ones)")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the student already in --out; without it such an --out is refused")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``megaloop distill-prefill ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    from megaloop.errors import UserError, report
+
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except UserError as err:
+        return report(err, "megaloop distill-prefill")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megaloop.post.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, config_dict,
+                                                  evaluate_student, save_student, token_stream, train_student,
+                                                  window_batches)
+    from megaloop.config_utils import ConfigError
+    from megaloop.errors import report
+    from megaloop.hf.load import check_model_path, load_model
+    from megaloop.post.ds_config import load_ds_config
+    from megaloop.post.engine import init_post_distributed, launched_world, make_engine
+    from megaloop.post.rl.io import check_out, model_tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        cfg = DistillConfig(depth=args.depth, lambda_kl=0.0 if args.no_kl_loss else args.lambda_kl, steps=args.steps,
+                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
+                            weight_decay=args.weight_decay, clip_grad=args.clip_grad, calib_batches=args.calib_batches,
+                            seed=args.seed, log_every=args.log_every, hidden_loss=not args.no_hidden_loss)
+    except ValueError as err:  # DistillConfig's checks
+        return report(err, "megaloop distill-prefill")
+    args_out = Path(args.out)
+    ckpt = check_out(args_out, ("metrics.jsonl", "student.json"), "a student", resume=args.resume,
+                     overwrite=args.overwrite)
+    ds_config = None
+    if args.deepspeed is not None:
+        ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),
+                                   clip_grad=cfg.clip_grad, batch_flag="--batch-size")
+    check_model_path(args.teacher, "--teacher")
+    _check_data(args.data)
+    info, device = init_post_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+                                         args.deepspeed)
+    lead = info.rank == 0
+    say = print if lead else (lambda *_a, **_k: None)
+    teacher, source = load_model(args.teacher)
+    if not teacher.config.looped:
+        raise ConfigError(f"--teacher {args.teacher}: not a looped model")
+    tok = model_tokenizer(args.tokenizer, args.teacher, source)
+    if tok is None:
+        raise ConfigError(f"--teacher {args.teacher}: no tokenizer found; pass --tokenizer")
+    teacher.to(device).eval()
+    try:
+        ids = token_stream(tok, args.data, args.max_chars or None)
+        n_eval = max(args.seq_len + 1, ids.numel() // 20)
+        train_ids, eval_ids = ids[:-n_eval], ids[-n_eval:]
+        batches = window_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed, device)
+        eval_it = window_batches(eval_ids, cfg.batch_size, min(cfg.seq_len, n_eval - 1), cfg.seed + 1, device)
+        eval_set = [next(eval_it) for _ in range(args.eval_batches)]
+        calib = [next(batches) for _ in range(cfg.calib_batches)]
+    except (OSError, ValueError, KeyError, TypeError) as err:  # the --data file's content
+        raise ConfigError(f"--data {args.data}: {str(err).splitlines()[0]}") from None
+    sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
+    say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
+    student = PrefillStudent.from_teacher(teacher, args.num_layers, args.init_state, init=args.student_init,
+                                          seed=cfg.seed)
+    before = evaluate_student(teacher, student, eval_set, cfg, sigma2)
+    say("held-out before: " + json.dumps({k: round(v, 5) for k, v in before.items()}))
+    if lead:
+        args_out.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            (args_out / "metrics.jsonl").unlink(missing_ok=True)
+    engine = make_engine(student, ds_config, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                         clip_grad=cfg.clip_grad)
+    start = 0
+    if args.resume:
+        client = engine.load(ckpt)
+        if client is None:
+            raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+        start = int(client["step"])
+        say(f"resumed at step {start} from {ckpt}")
+    saving = args.save_every or args.resume
+    t0 = time.time()
+    res = train_student(teacher, student, batches, cfg, sigma2=sigma2, metrics_path=args_out / "metrics.jsonl"
+                        if lead else None, log=say, engine=engine, start_step=start, save_every=args.save_every,
+                        save=(lambda step: engine.save(ckpt, f"step{step:06d}", {"step": step, "sigma2": sigma2}))
+                        if saving else None)
+    state = engine.full_state_dict()
+    final = PrefillStudent(teacher.config, student.num_layers, student.init_state).to(device)
+    final.load_state_dict(state)
+    after = evaluate_student(teacher, final.eval(), eval_set, cfg, sigma2)
+    say("held-out after:  " + json.dumps({k: round(v, 5) for k, v in after.items()}))
+    if lead:
+        save_student(final.cpu(), args_out, meta={
+            "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
+            "student_init": args.student_init, "teacher": source, "data": args.data, "config": config_dict(cfg),
+            "world_size": info.world, "deepspeed": None if ds_config is None else
+            {"config": args.deepspeed, "zero_stage": engine.stage},
+            "train_seconds": round(time.time() - t0, 2), "eval_before": before, "eval_after": after,
+            "final_train": res["history"][-1] if res["history"] else None})
+        print(f"wrote {args_out}")
+    return 0
+
+
+def _check_data(data: str) -> None:
+    """Refuse a --data file that is missing, empty or not UTF-8 before anything is loaded."""
+    from megaloop.config_utils import ConfigError
+
+    if data == "default":
+        return
+    p = Path(data)
+    if not p.is_file():
+        raise ConfigError(f"--data {p}: no such file")
+    raw = p.read_bytes()
+    if not raw.strip():
+        raise ConfigError(f"--data {p}: the file is empty")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"--data {p}:{line}: not UTF-8 text") from None
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""``megaloop rl`` / ``tools/rl_train.py``: GRPO with endpoint reuse on a verifiable task.
+
+    python tools/rl_train.py --model runs/tiny/checkpoints --out hf/tiny-rl --task arithmetic \\
+        --arm reuse --depth 5 --neumann-b 5 --steps 50 --group-size 8 --prompts 4
+
+``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;
+``--out`` receives an HF folder (weights, code files, tokenizer, ``megaloop_rl.json`` with the
+config and final metrics) and ``metrics.jsonl`` (one record per step). An ``--out`` that already
+holds a run is refused unless ``--resume`` (continue it) or ``--overwrite`` (replace it) is given.
+
+``--task mbpp:PATH.jsonl`` (or ``mbpp:tiny``) scores completions by running them in a bubblewrap
+sandbox (:mod:`megaloop.post.rl.sandbox`), ``--reward-workers`` at a time; without a working sandbox it
+refuses to start unless ``--unsafe-code-exec`` is given. The isolation used is recorded
+(``reward_isolation`` in ``metrics.jsonl``, ``reward_sandbox`` in ``megaloop_rl.json``).
+
+Several processes (``torchrun --nproc_per_node N -m megaloop.cli rl --deepspeed zero2 ...`` or the
+deepspeed launcher) train data-parallel under DeepSpeed ZeRO-1/2 (:mod:`megaloop.post`): each rank
+rolls out its share of the ``--prompts x --group-size`` rows, the advantages are normalised over
+whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoints in
+``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``); ``--resume`` continues from the
+latest one exactly. ``megaloop rl grad-check --model M`` prints the reuse/recompute gradient cosine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from megaloop.post.rl.reuse import ARMS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloop rl", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="megaloop checkpoint or HF folder")
+    p.add_argument("--out", required=True, help="output HF folder")
+    p.add_argument("--task", default="arithmetic",
+                   help="arithmetic | arithmetic-pm | gsm8k:PATH.jsonl | exact:PATH.jsonl | mbpp:PATH.jsonl | mbpp:tiny")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the model's)")
+    p.add_argument("--arm", choices=ARMS, default="reuse")
+    p.add_argument("--depth", type=int, default=5, help="R (rollout prefill/decode, recompute/bptt depth)")
+    p.add_argument("--neumann-b", type=int, default=5, help="b of Neumann-(b-1) for reuse/recompute")
+    p.add_argument("--bptt-window", type=int, default=None, help="bptt arm: truncate to the last b recurrences")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    p.add_argument("--max-new-tokens", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--cache-mode", choices=("terminal", "per_visit"), default="terminal")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--loss-norm", choices=("sequence", "token"), default="sequence")
+    p.add_argument("--no-scale-rewards", action="store_true", help="centre advantages without dividing by the std")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                   help="DeepSpeed JSON config (or zero1 | zero2 | the shipped ones): train under a ZeRO engine")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in --out (its metrics.jsonl); without it such an --out is refused")
+    p.add_argument("--reward-workers", type=int, default=4,
+                   help="mbpp: completions scored in parallel sandboxes (default 4)")
+    p.add_argument("--reward-mode", choices=("all", "fraction"), default="all",
+                   help="mbpp: 1.0 only when every test passes (all), or the share of tests passed (fraction)")
+    p.add_argument("--unsafe-code-exec", action="store_true",
+                   help="mbpp: allow running completions WITHOUT a sandbox when bubblewrap does not work here "
+                        "(recorded in metrics.jsonl and megaloop_rl.json)")
+    return p
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``megaloop rl [grad-check] ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    from megaloop.errors import UserError, report
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] == "grad-check":
+            from megaloop.post.rl.grad_check import main as grad_check
+
+            return grad_check(argv[1:])
+        return _run(build_parser().parse_args(argv))
+    except UserError as err:
+        return report(err, "megaloop rl")
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.errors import report
+    from megaloop.hf.load import check_model_path, load_model
+    from megaloop.post.ds_config import load_ds_config
+    from megaloop.post.engine import init_post_distributed, launched_world, make_engine
+    from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
+    from megaloop.post.rl.io import check_out, model_tokenizer, save_hf
+    from megaloop.post.rl.tasks import make_task
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.reward_workers < 1:
+            raise ValueError(f"--reward-workers must be >= 1, got {args.reward_workers}")
+        cfg = GRPOConfig(arm=args.arm, depth=args.depth, neumann_b=args.neumann_b,
+                         bptt_window=args.bptt_window, group_size=args.group_size, prompts_per_step=args.prompts,
+                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         cache_mode=args.cache_mode, scale_rewards=not args.no_scale_rewards,
+                         loss_norm=args.loss_norm, kl_coef=args.kl_coef, lr=args.lr,
+                         weight_decay=args.weight_decay, clip_grad=args.clip_grad or None, steps=args.steps,
+                         seed=args.seed)
+        task = make_task(args.task, reward_workers=args.reward_workers, unsafe_code_exec=args.unsafe_code_exec,
+                         reward_mode=args.reward_mode)
+    except ValueError as err:  # GRPOConfig / task options (a UserError or a plain ValueError)
+        return report(err, "megaloop rl")
+    out = Path(args.out)
+    metrics = out / "metrics.jsonl"
+    ckpt = check_out(out, ("metrics.jsonl", "megaloop_rl.json"), "a run", resume=args.resume, overwrite=args.overwrite)
+    ds_config = None
+    if args.deepspeed is not None:
+        ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
+                                   world=launched_world(), clip_grad=cfg.clip_grad, stages=(0, 1, 2),
+                                   batch_flag="--prompts x --group-size")
+    check_model_path(args.model, "--model")
+    info, device = init_post_distributed(args.device, args.deepspeed)
+    model, source = load_model(args.model, num_recurrences=args.depth)
+    tok = model_tokenizer(args.tokenizer, args.model, source)
+    if tok is None:
+        raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")
+    model.to(device)
+    lead = info.rank == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        if not args.resume:
+            metrics.unlink(missing_ok=True)
+    t0 = time.time()
+    engine = make_engine(model, ds_config, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         clip_grad=cfg.clip_grad)
+    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine)
+    if args.resume:
+        if not trainer.load(ckpt):
+            raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+        if lead:
+            print(f"resumed at step {trainer.step_no} from {ckpt}")
+    history = trainer.train(metrics_path=metrics if lead else None,
+                            save_dir=ckpt if (args.save_every or args.resume) else None, save_every=args.save_every)
+    policy = engine.full_state_dict()
+    if not lead:
+        return 0
+    model.load_state_dict(policy)
+    model.config.num_recurrences = cfg.depth
+    summary = {"source": source, "task": args.task, "config": config_dict(cfg), "seconds": round(time.time() - t0, 2),
+               "world_size": info.world, "deepspeed": None if ds_config is None else
+               {"config": args.deepspeed, "zero_stage": engine.stage},
+               "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,
+               "final": history[-1] if history else None,
+               "reward_mean_first": history[0]["reward_mean"] if history else None,
+               "reward_mean_last": history[-1]["reward_mean"] if history else None}
+    save_hf(model.cpu(), out, tok, extra=summary)
+    print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

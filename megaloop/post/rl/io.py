@@ -1,0 +1,87 @@
+"""Tokenizers of RL policies / distillation teachers (``bytes``, files, the model's own), output
+folders (``--out``, HF folders). The models themselves load through :func:`megaloop.hf.load.load_model`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from megaloop.post.rl.tasks import ByteTokenizer, TextTokenizer
+
+
+def load_tokenizer(spec: str | Path | None, fallback_dir: str | Path | None = None) -> TextTokenizer | None:
+    """``bytes`` → :class:`ByteTokenizer`; a tokenizer file/dir or ``default`` → megaloop's
+    :class:`~megaloop.data.tokenizer.Tokenizer`; None → the one in ``fallback_dir`` if any."""
+    from megaloop.data.tokenizer import load_tokenizer as _load
+
+    if spec is None:
+        if fallback_dir is not None and (Path(fallback_dir) / "tokenizer.json").is_file():
+            return _load(fallback_dir)
+        if fallback_dir is not None and (Path(fallback_dir) / "megaloop_tokenizer.json").is_file():
+            return load_tokenizer(json.loads((Path(fallback_dir) / "megaloop_tokenizer.json").read_text())["spec"])
+        return None
+    if str(spec) == "bytes":
+        return ByteTokenizer()
+    if str(spec) == "default":
+        from megaloop.data.default_corpus import ensure_default_tokenizer
+
+        return _load(ensure_default_tokenizer())
+    return _load(spec)
+
+
+def model_tokenizer(explicit: str | Path | None, model_path: str | Path, source: dict) -> TextTokenizer | None:
+    """The tokenizer for a model from :func:`megaloop.hf.load.load_model` (``source``): ``explicit``
+    (``--tokenizer``), else the HF folder's own, else the one its checkpoint's run used; None if none."""
+    tok = load_tokenizer(explicit, fallback_dir=model_path if source["kind"] == "hf" else None)
+    if tok is None and source.get("tokenizer"):
+        tok = load_tokenizer(source["tokenizer"])
+    return tok
+
+
+def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, overwrite: bool) -> Path:
+    """``out/checkpoints`` of a run folder (``--out``); :class:`ConfigError` first when ``--out``
+    already holds ``what`` (one of ``markers``) without ``--resume`` / ``--overwrite``, when both
+    are given, or when ``--resume`` finds no checkpoint."""
+    from megaloop.config_utils import ConfigError
+
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if not resume and not overwrite and any((out / m).exists() for m in markers):
+        raise ConfigError(f"--out {out} already holds {what} ({' / '.join(markers)}); pass --resume to continue "
+                          "it or --overwrite to replace it")
+    ckpt = out / "checkpoints"
+    if resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
+        raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+    return ckpt
+
+
+def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | None = None,
+            extra: dict | None = None) -> Path:
+    """Save an HF folder loadable with ``trust_remote_code`` (code files and tokenizer copied)."""
+    from megaloop.hf.convert import CODE_FILES, HF_DIR
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    eos = getattr(tokenizer, "eos_id", None)
+    if eos is not None and getattr(model.config, "eos_token_id", None) is None:
+        model.config.eos_token_id = eos
+        model.generation_config.eos_token_id = eos
+        if model.generation_config.pad_token_id is None:
+            model.generation_config.pad_token_id = eos
+    model.save_pretrained(str(out), safe_serialization=True)
+    for name in CODE_FILES:
+        shutil.copyfile(HF_DIR / name, out / name)
+    tok_path = getattr(tokenizer, "path", None)
+    if tok_path is not None and Path(tok_path).suffix == ".json":
+        shutil.copyfile(tok_path, out / "tokenizer.json")
+        src_cfg = Path(tok_path).parent / "tokenizer_config.json"
+        if src_cfg.is_file():
+            shutil.copyfile(src_cfg, out / "tokenizer_config.json")
+    elif isinstance(tokenizer, ByteTokenizer):
+        (out / "megaloop_tokenizer.json").write_text(json.dumps({"spec": "bytes"}))
+    if extra:
+        (out / "megaloop_rl.json").write_text(json.dumps(extra, indent=1, default=str))
+    return out

@@ -1,0 +1,209 @@
+"""Verifiable reward tasks for RL and the small text interface they share with the trainer.
+
+* :class:`Example` — a prompt and what the reward function needs to check a completion.
+* :class:`RewardFn` — ``reward(example, completion_text) -> float``; exact, deterministic checks.
+* :class:`Task` — ``sample(n, rng) -> list[Example]`` plus a ``reward``; tasks plug into
+  :func:`megaloop.post.rl.grpo.train` unchanged.
+
+Built in: :class:`ArithmeticTask` (``"3+4="`` → ``"7"``, checked exactly), :class:`JsonlTask`
+(prompt/answer records, e.g. GSM8K exported to JSONL, with :class:`FinalNumberReward` or
+:class:`ExactMatchReward`), and :class:`ByteTokenizer` (bytes + EOS) for byte-level toy models.
+The MBPP+-style code task (:class:`megaloop.post.rl.sandbox.CodeTask`, ``mbpp:PATH.jsonl`` or
+``mbpp:tiny``) runs each completion in a bubblewrap sandbox and judges the values its function
+returns in the trusted parent (type-strict, see :mod:`megaloop.post.rl.verdict`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from megaloop.post.rl.examples import Example, read_jsonl
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    def __call__(self, example: Example, completion: str) -> float: ...
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+
+    def sample(self, n: int, rng: random.Random) -> list[Example]: ...
+
+    def reward(self, example: Example, completion: str) -> float: ...
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What RL/distillation need from a tokenizer (``megaloop.data.tokenizer.Tokenizer`` fits)."""
+
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# ----------------------------------------------------------------------------- rewards
+_INT = re.compile(r"-?\d+")
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def leading_integer(text: str) -> str | None:
+    """The integer the completion starts with (after spaces), or None: ``" 17\\n..." → "17"``."""
+    m = _INT.match(text.lstrip(" "))
+    return m.group(0) if m else None
+
+
+class ExactAnswerReward:
+    """1.0 when the completion starts with exactly the answer, followed by a non-digit or the end
+    (``"7"``, ``"7\\n"``, ``"7 is"`` for answer 7; not ``"72"``, ``"07"``); else 0.0."""
+
+    def __call__(self, example: Example, completion: str) -> float:
+        return 1.0 if leading_integer(completion) == example.answer.strip() else 0.0
+
+
+def _norm_number(s: str) -> str:
+    s = s.replace(",", "").strip()
+    try:
+        v = float(s)
+    except ValueError:
+        return s
+    return str(int(v)) if v == int(v) else repr(v)
+
+
+class FinalNumberReward:
+    """GSM8K-style: the number after ``####`` if the completion has one, else its last number,
+    compared numerically (commas ignored) with ``example.answer``."""
+
+    def __call__(self, example: Example, completion: str) -> float:
+        tail = completion.split("####")[-1] if "####" in completion else completion
+        nums = _NUM.findall(tail)
+        if not nums:
+            return 0.0
+        pick = nums[0] if "####" in completion else nums[-1]
+        return 1.0 if _norm_number(pick) == _norm_number(example.answer) else 0.0
+
+
+class ExactMatchReward:
+    """1.0 when the stripped completion (cut at the first newline) equals the stripped answer."""
+
+    def __call__(self, example: Example, completion: str) -> float:
+        return 1.0 if completion.split("\n")[0].strip() == example.answer.strip() else 0.0
+
+
+# ----------------------------------------------------------------------------- tasks
+class ArithmeticTask:
+    """Single-digit arithmetic: prompts ``"a+b="`` (and ``"a-b="`` with a ≥ b, ``ops="+-"``),
+    answer the exact result; reward :class:`ExactAnswerReward`."""
+
+    name = "arithmetic"
+
+    def __init__(self, ops: str = "+", lo: int = 0, hi: int = 9, prefix: str = ""):
+        if not ops or set(ops) - set("+-*"):
+            raise ValueError(f"ops must use '+', '-', '*', got {ops!r}")
+        self.ops, self.lo, self.hi, self.prefix = ops, lo, hi, prefix
+        self._reward = ExactAnswerReward()
+
+    def make(self, a: int, op: str, b: int) -> Example:
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        return Example(prompt=f"{self.prefix}{a}{op}{b}=", answer=str(value), meta={"a": a, "b": b, "op": op})
+
+    def sample(self, n: int, rng: random.Random) -> list[Example]:
+        out = []
+        for _ in range(n):
+            op = rng.choice(self.ops)
+            a, b = rng.randint(self.lo, self.hi), rng.randint(self.lo, self.hi)
+            if op == "-" and a < b:
+                a, b = b, a
+            out.append(self.make(a, op, b))
+        return out
+
+    def reward(self, example: Example, completion: str) -> float:
+        return self._reward(example, completion)
+
+
+class JsonlTask:
+    """Prompt/answer records from a JSONL file (``{"prompt": ..., "answer": ...}``; other keys
+    kept in ``meta``), e.g. GSM8K with ``answer`` the final number. ``template`` formats the
+    prompt (``"Question: {prompt}\\nAnswer:"``)."""
+
+    def __init__(self, path: str | Path, reward: RewardFn | None = None, template: str = "{prompt}",
+                 prompt_key: str = "prompt", answer_key: str = "answer", name: str | None = None):
+        self.path = Path(path)
+        self.name = name or self.path.stem
+        self.examples = []
+        for _, rec in read_jsonl(self.path, required=(prompt_key, answer_key)):
+            meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
+            self.examples.append(Example(template.format(prompt=rec[prompt_key]), str(rec[answer_key]), meta))
+        if not self.examples:
+            raise ValueError(f"{self.path}: no records")
+        self._reward = reward or FinalNumberReward()
+
+    def sample(self, n: int, rng: random.Random) -> list[Example]:
+        return [rng.choice(self.examples) for _ in range(n)]
+
+    def reward(self, example: Example, completion: str) -> float:
+        return self._reward(example, completion)
+
+
+class CallableRewardTask:
+    """Wraps another task with a different :class:`RewardFn` (shaped rewards, tests)."""
+
+    def __init__(self, task: Task, reward: RewardFn, name: str | None = None):
+        self.task, self._reward = task, reward
+        self.name = name or f"{task.name}+reward"
+
+    def sample(self, n: int, rng: random.Random) -> list[Example]:
+        return self.task.sample(n, rng)
+
+    def reward(self, example: Example, completion: str) -> float:
+        return self._reward(example, completion)
+
+
+TASKS = {"arithmetic": lambda: ArithmeticTask("+"), "arithmetic-pm": lambda: ArithmeticTask("+-")}
+
+
+def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = False,
+              reward_mode: str = "all") -> Task:
+    """``arithmetic`` | ``arithmetic-pm`` | ``gsm8k:PATH.jsonl`` | ``exact:PATH.jsonl`` |
+    ``mbpp:PATH.jsonl`` (``mbpp:tiny``: the shipped sample). The keyword options configure the
+    code-execution reward of ``mbpp:`` (:class:`megaloop.post.rl.sandbox.CodeTaskConfig`); building it
+    raises :class:`~megaloop.post.rl.sandbox.SandboxUnavailable` (a ``ValueError``) when no sandbox
+    works and ``unsafe_code_exec`` is False."""
+    if spec in TASKS:
+        return TASKS[spec]()
+    kind, _, path = spec.partition(":")
+    if kind == "mbpp" and path:
+        from megaloop.post.rl.sandbox import CodeTask, CodeTaskConfig
+
+        return CodeTask(path, config=CodeTaskConfig(reward_mode=reward_mode, workers=reward_workers,
+                                                    unsafe_code_exec=unsafe_code_exec))
+    if kind == "gsm8k" and path:
+        return JsonlTask(path, FinalNumberReward(), template="Question: {prompt}\nAnswer:", name="gsm8k")
+    if kind == "exact" and path:
+        return JsonlTask(path, ExactMatchReward())
+    raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "
+                     "mbpp:PATH.jsonl")
+
+
+# ----------------------------------------------------------------------------- tokenizers
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, EOS = 256 (``vocab_size`` 257)."""
+
+    eos_id = 256
+    vocab_size = 257
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "bytes", "vocab_size": self.vocab_size, "eos_id": self.eos_id}

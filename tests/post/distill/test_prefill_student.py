@@ -1,0 +1,141 @@
+"""Distilled prefill (SPEC §10): student init, exact prefill plumbing, training lowers the loss,
+decoding after student prefill with a terminal cache, save/load, CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megaloop.post.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, distill_loss,
+                                              generate, load_student, save_student, student_prefill,
+                                              token_stream, train_student, window_batches)
+from megaloop.post.rl.parts import HFLoopedParts
+from megaloop.post.rl.tasks import ByteTokenizer
+from tests.post.rl.helpers import corpus_ids, tiny_config
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _random_teacher(injection="parcae_nonorm", **kw):
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    torch.manual_seed(0)
+    return MegaloopForCausalLM(tiny_config(injection=injection, hidden_size=32, intermediate_size=64, **kw)).eval()
+
+
+class OracleStudent(torch.nn.Module):
+    """ẑ = the teacher's state after R−1 recurrences: student prefill must then equal teacher prefill at R."""
+
+    init_state = "teacher"
+
+    def __init__(self, teacher, depth):
+        super().__init__()
+        self.parts, self.depth = HFLoopedParts(teacher), depth
+
+    def forward(self, p, h0):
+        z = h0
+        for _ in range(self.depth - 1):
+            z = self.parts.step(z, p.e)
+        return z
+
+
+@pytest.mark.parametrize("injection", ["parcae_nonorm", "huginn_linear", "deq_qkv"])
+def test_prefill_plumbing_is_exact(injection):
+    teacher = _random_teacher(injection, num_key_value_heads=2)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref_cache = teacher.new_cache("terminal")
+    with torch.no_grad():
+        ref = teacher(ids, past_key_values=ref_cache, num_recurrences=4).logits[:, -1:]
+    logits, cache = student_prefill(teacher, OracleStudent(teacher, 4), ids)
+    assert torch.allclose(logits, ref, atol=1e-5, rtol=1e-5)
+    assert cache.mode == "terminal" and set(cache.banks) == set(ref_cache.banks)
+    for key, bank in ref_cache.banks.items():
+        for a, b in zip(cache.banks[key].view(), bank.view()):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), key
+    nxt = ref.argmax(-1)  # decoding continues identically from either cache
+    with torch.no_grad():
+        a = teacher(nxt, past_key_values=cache, num_recurrences=3).logits
+        b = teacher(nxt, past_key_values=ref_cache, num_recurrences=3).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError):
+        student_prefill(teacher, OracleStudent(teacher, 4), ids, cache=teacher.new_cache("per_visit"))
+
+
+def test_student_starts_as_one_teacher_recurrence():
+    teacher = _random_teacher("orthoinj")
+    student = PrefillStudent.from_teacher(teacher)
+    parts = HFLoopedParts(teacher)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        e = parts.encode(ids)
+        h0 = parts.init_state(e)
+        assert torch.allclose(student(parts.pass_for(e), h0), parts.step(h0, e), atol=1e-6)
+    assert PrefillStudent.from_teacher(teacher, num_layers=3).num_layers == 3
+
+
+def test_loss_definition():
+    z_hat, z = torch.zeros(2, 3, 4), torch.ones(2, 3, 4)
+    logits = torch.randn(2, 3, 10)
+    loss, terms = distill_loss(z_hat, z, logits, logits, sigma2=2.0, lambda_kl=0.5)
+    assert terms["hidden"] == pytest.approx(0.5) and abs(terms["kl"]) < 1e-6 and float(loss) == pytest.approx(0.5)
+    other = torch.randn(2, 3, 10)
+    _, t2 = distill_loss(z, z, other, logits, sigma2=1.0, lambda_kl=1.0)
+    p, q = logits.log_softmax(-1), other.log_softmax(-1)
+    assert t2["kl"] == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-5) and t2["hidden"] == 0
+
+
+def test_student_training_lowers_loss_then_prefill_and_decode(tiny_teacher, tmp_path):
+    teacher, _ = tiny_teacher
+    data = corpus_ids()
+    cfg = DistillConfig(depth=5, lambda_kl=1.0, steps=150, batch_size=4, seq_len=32, lr=2e-3, warmup=10,
+                        calib_batches=2, log_every=1000)
+    batches = window_batches(data, cfg.batch_size, cfg.seq_len, seed=0)
+    calib = [next(batches) for _ in range(2)]
+    sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
+    assert sigma2 > 0
+    student = PrefillStudent.from_teacher(teacher)
+    before = [p.detach().clone() for p in teacher.parameters()]
+    res = train_student(teacher, student, batches, cfg, sigma2=sigma2, log=None)
+    hist = res["history"]
+    first = sum(h["loss"] for h in hist[:10]) / 10
+    last = sum(h["loss"] for h in hist[-10:]) / 10
+    assert last < 0.7 * first, (first, last)
+    assert all(torch.equal(a, p) for a, p in zip(before, teacher.parameters()))  # teacher frozen, untouched
+    assert all(p.requires_grad for p in teacher.parameters())
+
+    prompt = torch.tensor([list(b"The return value of the function ")])
+    out, cache = generate(teacher, student, prompt, max_new_tokens=6, decode_recurrences=5)
+    cfg_t = teacher.config
+    assert out.shape == (1, prompt.shape[1] + 6)
+    assert cache.mode == "terminal" and cache.visits == 1
+    assert cache.num_banks() == cfg_t.n_prelude + cfg_t.n_core + cfg_t.n_coda
+    assert cache.get_seq_length() == prompt.shape[1] + 5  # the last sampled token is not fed back
+    assert cache.kv_bytes_per_token() == teacher.kv_bytes_per_token("terminal")
+
+    path = save_student(student, tmp_path / "student", meta={"sigma2": sigma2, "depth": 5})
+    loaded, info = load_student(path)
+    assert info["sigma2"] == sigma2 and info["num_layers"] == cfg_t.n_core and info["init_state"] == "teacher"
+    a, _ = student_prefill(teacher, student, prompt)
+    b, _ = student_prefill(teacher, loaded, prompt)
+    assert torch.equal(a, b)
+
+
+def test_cli(tiny_teacher, tmp_path):
+    from megaloop.post.distill.cli import main
+
+    _, hf_dir = tiny_teacher
+    text = tmp_path / "data.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "stud"
+    rc = main(["--teacher", str(hf_dir), "--out", str(out), "--data", str(text), "--steps", "3",
+               "--batch-size", "2", "--seq-len", "16", "--calib-batches", "1", "--eval-batches", "1",
+               "--depth", "3"])
+    assert rc == 0
+    info = json.loads((out / "student.json").read_text())
+    assert info["depth"] == 3 and info["sigma2"] > 0 and "prefill_top1" in info["eval_after"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    load_student(out)
+    assert token_stream(ByteTokenizer(), str(text)).numel() == len(text.read_text()) + 1
