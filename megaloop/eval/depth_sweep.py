@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 from megaloop.config_utils import ConfigError
 from megaloop.eval.ppl import EvalData, evaluate_ppl
 from megaloop.inference.kv_cache import check_depth
+from megaloop.runtime.files import save_figure
 
 DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16, 32, 64)
 
@@ -89,12 +90,7 @@ def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence d
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["DEFAULT_DEPTHS", "depth_sweep", "parse_depths", "plot_sweep"]

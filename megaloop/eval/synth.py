@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from megaloop.config_utils import ConfigError
 from megaloop.eval.depth_sweep import parse_depths
+from megaloop.runtime.files import save_figure
 
 SHIPPED = Path(__file__).resolve().parent / "tasks" / "megaloop_synth.jsonl"
 DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16)
@@ -163,12 +164,7 @@ def plot_synth(table: SynthTable, path: str | Path, title: str = "synthetic prog
         ax.grid(alpha=0.3)
     ax_a.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 __all__ = ["DEFAULT_DEPTHS", "SHIPPED", "SynthTable", "load_problems", "plot_synth", "score_problems",

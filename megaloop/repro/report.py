@@ -22,6 +22,7 @@ from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
 from megaloop.runtime.files import atomic_write_json
 from megaloop.train.metrics import read_metrics
+from megaloop.runtime.files import save_figure
 
 TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
          "prior_p5", "prior_entropy", "downstream")
@@ -84,15 +85,10 @@ def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
 
 def _finish(fig, ax, path: Path) -> Path:
     """Grid, legend (when anything is labelled), save and close a one-axes figure."""
-    import matplotlib.pyplot as plt
-
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _portable(path: Any, base: Path | None = None) -> str:
@@ -321,10 +317,7 @@ def plot_prior(results: dict, path: Path, max_depth: int = 20) -> Path:
     else:
         a_mean.text(0.5, 0.5, "no depth prior logged", ha="center", transform=a_mean.transAxes)
     fig.suptitle(f"{results['experiment']} ({results['scale']}): depth prior over training", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _ema(xs: list, decay: float = 0.9) -> list:

@@ -1,4 +1,4 @@
-"""Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename)."""
+"""Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename); figures."""
 
 from __future__ import annotations
 
@@ -29,3 +29,15 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
     """Atomically write ``obj`` as JSON (NaN/inf written as such, like ``json.dumps``)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out a matplotlib ``fig``, write it to ``path`` (parents created), close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -12,6 +12,7 @@ from typing import Any
 
 from megaloop.runtime.files import atomic_write_json, atomic_write_text
 from megaloop.screen.core import TERMINAL, WHOLE_SET, Screen, finite, log, lr_tag, point_state, run_name
+from megaloop.runtime.files import save_figure
 
 
 # ====================================================================================== report
@@ -95,10 +96,7 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     ax.grid(True, which="major", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def proposal_command(args: argparse.Namespace, screen: Screen, grid: list[float]) -> str:

@@ -27,6 +27,8 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megaloop.post.rl.io import add_run_folder_args
+
     p = argparse.ArgumentParser(prog="megaloop distill-prefill", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="megaloop checkpoint or HF folder")
@@ -56,12 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hidden-loss", action="store_true", help="drop the hidden-state (endpoint MSE) term")
     p.add_argument("--no-kl-loss", action="store_true", help="drop the KL term (same as --lambda-kl 0)")
     p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
-                   help="DeepSpeed JSON config (or zero1 | zero2 | zero3, the shipped ones)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the student already in --out; without it such an --out is refused")
+    add_run_folder_args(p, "zero1 | zero2 | zero3", "student")
     return p
 
 

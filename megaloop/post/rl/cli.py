@@ -33,6 +33,8 @@ from megaloop.post.rl.reuse import ARMS
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megaloop.post.rl.io import add_run_folder_args
+
     p = argparse.ArgumentParser(prog="megaloop rl", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="megaloop checkpoint or HF folder")
@@ -60,12 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
-    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
-                   help="DeepSpeed JSON config (or zero1 | zero2 | the shipped ones): train under a ZeRO engine")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the run already in --out (its metrics.jsonl); without it such an --out is refused")
+    add_run_folder_args(p, "zero1 | zero2", "run (its metrics.jsonl)")
     p.add_argument("--reward-workers", type=int, default=4,
                    help="mbpp: completions scored in parallel sandboxes (default 4)")
     p.add_argument("--reward-mode", choices=("all", "fraction"), default="all",

@@ -41,6 +41,17 @@ def model_tokenizer(explicit: str | Path | None, model_path: str | Path, source:
     return tok
 
 
+def add_run_folder_args(p, stages: str, what: str) -> None:
+    """``--deepspeed`` (``stages``: the ZeRO configs the command accepts), ``--save-every``,
+    ``--resume``, ``--overwrite``: the run-folder options of ``megaloop rl`` / ``distill-prefill``."""
+    p.add_argument("--deepspeed", default=None, metavar="CONFIG",
+                   help=f"DeepSpeed JSON config (or {stages}, the shipped ones): train under a ZeRO engine")
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help=f"replace the {what} already in --out; without it such an --out is refused")
+
+
 def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, overwrite: bool) -> Path:
     """``out/checkpoints`` of a run folder (``--out``); :class:`ConfigError` first when ``--out``
     already holds ``what`` (one of ``markers``) without ``--resume`` / ``--overwrite``, when both
