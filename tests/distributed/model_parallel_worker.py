@@ -1,4 +1,5 @@
-"""TP=2 (± sequence parallel) vs TP=1: logits and parameter gradients of every injection variant.
+"""TP=2 (± sequence parallel) vs TP=1: logits and parameter gradients of every injection variant
+and of the optional model pieces (QK-norm, normalised injection input, tied embeddings).
 
 torchrun --nproc_per_node 2|4 tests/distributed/model_parallel_worker.py
 """
@@ -14,8 +15,14 @@ from megaloop.train.grads import finalize_grads
 TOL = 1e-5
 
 
+# name -> ModelConfig overrides: every injection, then the optional pieces on one of them
+VARIANTS = {inj: {"injection": inj} for inj in INJECTIONS}
+VARIANTS["qk_norm+input_norm+tied"] = {"injection": "parcae_nonorm", "qk_norm": True, "input_norm": True,
+                                       "tie_embeddings": True}
+
+
 def run(inj: str, tp: int, sp: bool):
-    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=16, injection=inj, n_prelude=1, n_core=2, n_coda=1)
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=16, n_prelude=1, n_core=2, n_coda=1, **VARIANTS[inj])
     chunks, tc = build_model(cfg, vocab_size=250, tp=tp, pp=1, vpp=None, sequence_parallel=sp, seed=11)
     model = chunks[0]
     g = torch.Generator().manual_seed(5)
@@ -37,11 +44,11 @@ def main():
     layouts = [(2, False), (2, True)] + ([(4, False), (4, True)] if world >= 4 else [])
     results = {}
     set_layout(tp=1)
-    for inj in INJECTIONS:
+    for inj in VARIANTS:
         results[(inj, 1, False)] = run(inj, 1, False)
     for tp, sp in layouts:
         set_layout(tp=tp)
-        for inj in INJECTIONS:
+        for inj in VARIANTS:
             loss, logits, grads, weights = run(inj, tp, sp)
             ref_loss, ref_logits, ref_grads, ref_w = results[(inj, 1, False)]
             check(set(grads) == set(ref_grads), f"{inj} tp={tp}: parameter names differ")
@@ -54,7 +61,7 @@ def main():
             check(e_loss < TOL and e_logit < TOL, f"{inj} tp={tp} sp={sp}: loss {e_loss:.2e} logits {e_logit:.2e}")
             check(e_grad < TOL, f"{inj} tp={tp} sp={sp}: grad rel err {e_grad:.2e} at {worst}")
             if rank == 0:
-                print(f"OK {inj:14s} tp={tp} sp={int(sp)} loss {e_loss:.1e} logits {e_logit:.1e} grads {e_grad:.1e}", flush=True)
+                print(f"OK {inj:24s} tp={tp} sp={int(sp)} loss {e_loss:.1e} logits {e_logit:.1e} grads {e_grad:.1e}", flush=True)
     torch.distributed.barrier()
     if rank == 0:
         print("ALL OK")

@@ -1,4 +1,5 @@
-"""TP=2/4 (with and without sequence parallelism) vs TP=1 for every injection, over gloo."""
+"""TP=2/4 (with and without sequence parallelism) vs TP=1 for every injection and for QK-norm,
+normalised injection input and tied embeddings, over gloo."""
 
 import pytest
 
@@ -13,3 +14,4 @@ def test_tp_matches_tp1(nproc):
     assert "ALL OK" in out
     # 5 injections × layouts (tp=2 ±sp; with 4 ranks also tp=4 ±sp)
     assert out.count("OK ") >= (10 if nproc == 2 else 20)
+    assert out.count("OK qk_norm+input_norm+tied") == (2 if nproc == 2 else 4)
