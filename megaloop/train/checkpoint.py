@@ -29,6 +29,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 from megaloop.errors import UserError
 from megaloop.model.build import unwrap
+from megaloop.runtime.files import atomic_write_text
 
 META = "megaloop.json"
 SHARDING_META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -57,12 +58,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """:func:`megaloop.runtime.files.atomic_write_text`, then the directory entry made durable."""
+    atomic_write_text(path, text)
     _fsync_dir(path.parent)
 
 

@@ -21,7 +21,7 @@ HOSTS = "gpu-a01 gpu-a02"
 
 def test_scripts_exist() -> None:
     names = {p.name for p in SCRIPTS}
-    assert {"common.sh", "train_S.sh", "train_M.sh", "train_L.sh", "lr_screen_array.sh"} <= names
+    assert {"common.sh", "train_S.sh", "train_M.sh", "train_L.sh", "sweep_array.sh"} <= names
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -176,15 +176,17 @@ def test_usr1_is_forwarded_then_requeued(tmp_path: Path) -> None:
     assert "received SIGUSR1" in out
 
 
-def test_lr_screen_array_point(tmp_path: Path) -> None:
+def test_sweep_array_point(tmp_path: Path) -> None:
+    """One LR-screen point as a task of the one array script (what `megaloop lr-screen --launcher
+    slurm` submits: SWEEP_DIR, task_<i>.args, the exit status in RUN_DIR/screen_exit)."""
     screen = tmp_path / "screen"
     (screen / "slurm").mkdir(parents=True)
     run_dir = screen / "lr_0.002"
-    (screen / "slurm" / "point_1.args").write_text(
+    (screen / "slurm" / "task_1.args").write_text(
         f"tiny\n{run_dir}\noptim.lr=0.002\ntrain.stop_after=6\ndata.val_path=default:screen\n")
-    env = _slurm_env(tmp_path, SCREEN_DIR=str(screen), SLURM_ARRAY_TASK_ID="1", SLURM_NNODES="1",
-                     SLURM_JOB_NODELIST="gpu-a01", STUB_HOSTS="gpu-a01", GPUS_PER_NODE="2")
-    _run("lr_screen_array.sh", env, expect=0)
+    env = _slurm_env(tmp_path, SWEEP_DIR=str(screen), SWEEP_EXIT_FILE="screen_exit", SLURM_ARRAY_TASK_ID="1",
+                     SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu-a01", STUB_HOSTS="gpu-a01", GPUS_PER_NODE="2")
+    _run("sweep_array.sh", env, expect=0)
     (tr,) = calls(tmp_path, "torchrun")
     argv = tr["argv"]
     assert _flag(argv, "--nnodes") == "1" and _flag(argv, "--nproc_per_node") == "2"
@@ -195,6 +197,6 @@ def test_lr_screen_array_point(tmp_path: Path) -> None:
     # outside an array job / without the screen directory: clear errors
     env2 = dict(env)
     del env2["SLURM_ARRAY_TASK_ID"]
-    assert "array job" in _run("lr_screen_array.sh", env2, expect=2).stderr
+    assert "array job" in _run("sweep_array.sh", env2, expect=2).stderr
     env3 = dict(env, SLURM_ARRAY_TASK_ID="9")
-    assert "point_9.args" in _run("lr_screen_array.sh", env3, expect=2).stderr
+    assert "task_9.args" in _run("sweep_array.sh", env3, expect=2).stderr
