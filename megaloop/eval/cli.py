@@ -39,7 +39,7 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
 
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | fixed-point | harness")
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | fixed-point | harness | synth")
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
