@@ -12,24 +12,20 @@ import argparse
 import statistics
 
 import torch
-from common import command, device, model_args, native_model, single_process_megatron, timed, write_result
+from common import command, model_args, native_model, parse_megatron_bench, timed, write_result
 
 
 def main():
     p = argparse.ArgumentParser()
     model_args(p, seq=256, batch=4)
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--bf16", action="store_true")
-    args = p.parse_args()
-    single_process_megatron()
+    args, dev, dtype = parse_megatron_bench(p)
     from megatron.core.models.gpt import GPTModel
 
     from megaloop.model.config import ModelConfig
     from megaloop.model.specs import layer_spec, transformer_config
     from megaloop.runtime.cpu_compat import without_redirect
 
-    dev = device()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
     looped_cfg = ModelConfig(**common, injection="parcae_nonorm", bptt_window=64)
     looped = native_model(looped_cfg, args.vocab).to(dev, dtype)

@@ -16,7 +16,7 @@ import dataclasses
 import statistics
 
 import torch
-from common import command, device, model_args, native_model, single_process_megatron, timed, write_result
+from common import command, model_args, native_model, parse_megatron_bench, timed, write_result
 
 
 def main() -> None:
@@ -24,16 +24,12 @@ def main() -> None:
     model_args(p, seq=256, batch=4)
     p.add_argument("--depth", type=int, default=5)
     p.add_argument("--reps", type=int, default=8)
-    p.add_argument("--bf16", action="store_true")
-    args = p.parse_args()
-    single_process_megatron()
+    args, dev, dtype = parse_megatron_bench(p)
     from megaloop.hf.convert import hf_config_from_native, native_to_hf_state_dict
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.model.config import ModelConfig
     from megaloop.train.flops import microbatch_flops
 
-    dev = device()
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
     cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
                       injection="parcae_nonorm", bptt_window=args.depth)
     native = native_model(cfg, args.vocab)

@@ -117,6 +117,16 @@ def native_model(cfg, vocab: int, seed: int = 0):
     return LoopedGPT(cfg, tc, vocab_size=vocab, seed=seed)
 
 
+def parse_megatron_bench(p):
+    """Add ``--bf16``, parse, start single-process megatron; returns ``(args, device, dtype)``."""
+    import torch
+
+    p.add_argument("--bf16", action="store_true")
+    args = p.parse_args()
+    single_process_megatron()
+    return args, device(), torch.bfloat16 if args.bf16 else torch.float32
+
+
 def single_process_megatron(seed: int = 1234) -> None:
     from megaloop.runtime.parallel import ParallelDims, init_distributed
 
