@@ -52,7 +52,7 @@ from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 TOLERANCE = 1e-4
 HF_DIR = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
-              "recurrence_megaloop.py", "modeling_megaloop.py")
+              "layers_megaloop.py", "modeling_megaloop.py")
 AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,

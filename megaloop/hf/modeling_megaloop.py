@@ -31,7 +31,7 @@ new tokens' depth-``r`` KV, causally, plus the cached prefix banks); afterwards 
   run deeper than the cached ones, recurrence ``r`` reads each cached token's visit
   ``min(r, R_token − 1)``. Token-by-token per-visit decoding equals the plain parallel forward.
 
-Recurrence API (:class:`LoopedPass` in ``recurrence_megaloop.py``, from ``model.begin(input_ids)``): ``init_state``, ``step(h, r)``
+Recurrence API (:class:`LoopedPass`, from ``model.begin(input_ids)``): ``init_state``, ``step(h, r)``
 (one recurrence), ``readout(h)`` (coda → norm → head), ``rows(idx)``. The forward, adaptive decoding,
 megaloop's fixed-point solver, RL gradient estimators and distilled prefill all walk the model
 through it; nothing else touches the prelude / core / injection / coda modules.
@@ -39,7 +39,7 @@ through it; nothing else touches the prelude / core / injection / coda modules.
 Adaptive per-token depth (``exit_criterion="latent:1e-3"``, ``min_depth``, ``max_depth`` as forward /
 ``generate`` kwargs or config fields): one-token steps over a filled cache stop each row's recurrence
 when its state settles (``adaptive_megaloop.py``); ``cache.exit_depths`` logs the per-row depths.
-Injections live in ``injection_megaloop.py``.
+Injections live in ``injection_megaloop.py``, the layers in ``layers_megaloop.py``.
 
 Depth of a forward: ``num_recurrences`` when passed; else a one-token forward over a non-empty
 cache uses ``decode_recurrences`` and any other forward ``prefill_recurrences`` (both default to
@@ -50,8 +50,8 @@ parallel forward at that depth. Runs under transformers 4.57 and 5.x (APIs detec
 from __future__ import annotations
 
 import inspect
-import math
-from typing import Mapping, Optional, Union
+from contextlib import nullcontext
+from typing import Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +60,14 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .adaptive_megaloop import ExitPolicy, adaptive_decode
-from .cache_megaloop import MegaloopCache, _Bank, one_cache  # noqa: F401  (re-exported)
+from .cache_megaloop import MegaloopCache, one_cache
 from .configuration_megaloop import MegaloopConfig
-from .injection_megaloop import (DEQInjection, DiagonalInjection, HuginnInjection,  # noqa: F401  (re-exported)
-                                 build_injection, inverse_softplus, rms_norm)
-from .recurrence_megaloop import LoopedPass, apply_rotary, rotary_cos_sin  # noqa: F401  (rotary_cos_sin re-exported)
+from .injection_megaloop import DiagonalInjection, HuginnInjection, build_injection
+from .layers_megaloop import (MegaloopAttention, MegaloopEmbedding, MegaloopLayer, MegaloopRMSNorm,
+                              rotary_cos_sin)
 
+KV = tuple[torch.Tensor, torch.Tensor]
+BankReader = Callable[[str, int, int], Optional[KV]]  # (group, layer index, recurrence) -> cached (k, v)
 EVAL_NOISE_STRIDE = 1_000_003
 # transformers APIs that differ (4.57 … 5.x), detected by feature: recent 5.x name the outputs' cache field
 # ``cache`` (``past_key_values`` warns); 5.x generate() passes ``next_sequence_length``, 4.x ``cache_position``.
@@ -82,103 +84,121 @@ def eval_noise(seed: int, start: int, stop: int, dim: int) -> torch.Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, dim)
 
 
-# ----------------------------------------------------------------------------- modules
-class MegaloopRMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-class MegaloopMLP(nn.Module):
-    def __init__(self, config: MegaloopConfig):
-        super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+# ----------------------------------------------------------------------------- recurrence API
+def _take_rows(t, idx: torch.Tensor, b: int):
+    """Rows ``idx`` of batch-first tensors (tuples recursed; broadcast tensors kept)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_take_rows(x, idx, b) for x in t)
+    return t.index_select(0, idx) if t.dim() >= 2 and t.shape[0] == b else t
 
 
-class MegaloopAttention(nn.Module):
-    """Causal GQA self-attention over [cached prefix banks; new tokens]. With ``inject`` (DEQ-QKV
-    core layers) ``q/k/v_inject(e)`` is added to the projections."""
+class LoopedPass:
+    """The recurrence of a looped :class:`MegaloopModel`, one piece at a time — the single way
+    code outside this file walks the model (HF forward, adaptive decoding, fixed-point solver,
+    RL gradient estimators, distilled prefill)::
 
-    def __init__(self, config: MegaloopConfig, inject: bool = False):
-        super().__init__()
-        d, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
-        self.qk_norm = bool(getattr(config, "qk_norm", False))
-        if self.qk_norm:
-            self.q_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
-            self.k_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
-        self.inject = inject
-        if inject:
-            self.q_inject = nn.Linear(d, self.num_heads * hd, bias=False)
-            self.k_inject = nn.Linear(d, self.num_kv_heads * hd, bias=False)
-            self.v_inject = nn.Linear(d, self.num_kv_heads * hd, bias=False)
+        p = lm.begin(input_ids)          # embedding + prelude over the new tokens: p.e [b, s, d]
+        h = p.init_state()               # h⁰ [b, s, d] (eval: per-position Gaussian; train: noise)
+        h, kv = p.step(h, r)             # recurrence r: exit(core(inject(h, e))); kv: one (k, v) per core layer
+        logits, kv = p.readout(h)        # coda → final norm → head: [b, s, V]; kv: one per coda layer
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: Optional[torch.Tensor],
-                past: Optional[tuple[torch.Tensor, torch.Tensor]], e: Optional[torch.Tensor] = None):
-        b, s, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.inject:
-            q, k, v = q + self.q_inject(e), k + self.k_inject(e), v + self.v_inject(e)
-        q = q.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        new_kv = (k, v)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and s > 1,
-                                             scale=1.0 / math.sqrt(self.head_dim))
-        out = out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)
-        return self.o_proj(out), new_kv
+    Attention reads earlier tokens through ``read(group, layer, recurrence)`` (a
+    :class:`MegaloopCache`, a dict of frozen banks ``{(group, layer): (k, v)}`` or nothing); the
+    new tokens attend to each other causally at the same recurrence, as in training. The new
+    K/V are returned, never stored: the caller decides what a cache keeps.
+    """
 
+    def __init__(self, model: "MegaloopModel", x: torch.Tensor, positions: torch.Tensor,
+                 mask: Optional[torch.Tensor], read: Optional[BankReader], head: Optional[nn.Module] = None,
+                 e: Optional[torch.Tensor] = None):
+        cfg = model.config
+        self.model, self.config, self.head = model, cfg, head
+        self.positions, self.mask = positions, mask
+        self.read: BankReader = read or (lambda group, index, recurrence: None)
+        self.rope = rotary_cos_sin(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
+        self.prelude_kv: list[KV] = []
+        if e is None:
+            for i, layer in enumerate(model.prelude):
+                x, kv = layer(x, self.rope, mask, self.read("prelude", i, 0))
+                self.prelude_kv.append(kv)
+            e = x
+        self.e = e
+        self.e_qkv = e if model.injection.uses_qkv_injection else None
+        self._ctx = None
 
-class MegaloopEmbedding(nn.Embedding):
-    """Token embedding whose output is multiplied by ``config.embedding_multiplier`` (1 = plain);
-    a tied head uses the unscaled weight."""
+    @property
+    def batch_size(self) -> int:
+        return self.e.shape[0]
 
-    def __init__(self, config: MegaloopConfig):
-        super().__init__(config.vocab_size, config.hidden_size)
-        self.multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+    @property
+    def ctx(self):
+        """``injection.prepare(e)``, built once, with autograd whenever ``e`` carries a graph (a
+        first step under ``no_grad`` — TBPTT's skipped recurrences — must not leave it graph-less)."""
+        if self._ctx is None:
+            with torch.enable_grad() if self.e.requires_grad else nullcontext():
+                self._ctx = self.model.injection.prepare(self.e)
+        return self._ctx
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = super().forward(input_ids)
-        return x * self.multiplier if self.multiplier != 1.0 else x
+    def init_state(self, zero: bool = False) -> torch.Tensor:
+        """``h⁰`` [b, s, d] in the model's mode (``zero=True``: zeros)."""
+        return torch.zeros_like(self.e) if zero else self.model.init_state(self.e, self.positions)
 
+    def inject(self, h: torch.Tensor) -> torch.Tensor:
+        """The core's input ``inject(h, e)`` [b, s, d] (DEQ-QKV: ``h``; ``e`` enters Q/K/V)."""
+        return self.model.injection(h, self.ctx)
 
-class MegaloopLayer(nn.Module):
-    """Pre-norm transformer layer; returns (output, this layer's new (k, v))."""
+    def step(self, h: torch.Tensor, r: int = 0, block=None) -> tuple[torch.Tensor, list[KV]]:
+        """Recurrence ``r`` (0-based; selects the per-visit cached banks): ``exit(core(inject(h, e)))``.
+        ``block`` (an object with ``injection`` and ``layers``, e.g. a prefill student) replaces the
+        model's own injection and core layers."""
+        inj, layers = (self.model.injection, self.model.core) if block is None else (block.injection, block.layers)
+        ctx = self.ctx if block is None else inj.prepare(self.e)
+        z, kvs = inj(h, ctx), []
+        for i, layer in enumerate(layers):
+            z, kv = layer(z, self.rope, self.mask, self.read("core", i, r), self.e_qkv)
+            kvs.append(kv)
+        return inj.exit(z), kvs
 
-    def __init__(self, config: MegaloopConfig, inject: bool = False):
-        super().__init__()
-        self.input_layernorm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = MegaloopAttention(config, inject=inject)
-        self.post_attention_layernorm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MegaloopMLP(config)
+    def coda(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
+        """Coda layers over the state (before the final norm) and their K/V."""
+        kvs = []
+        for i, layer in enumerate(self.model.coda):
+            h, kv = layer(h, self.rope, self.mask, self.read("coda", i, 0))
+            kvs.append(kv)
+        return h, kvs
 
-    def forward(self, x, rope, mask, past, e=None):
-        a, kv = self.self_attn(self.input_layernorm(x), rope, mask, past, e)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+    def readout(self, h: torch.Tensor, keep: int = 0) -> tuple[torch.Tensor, list[KV]]:
+        """Logits [b, s | keep, V] of state ``h`` (coda → final norm → head) and the coda K/V."""
+        if self.head is None:
+            raise ValueError("readout needs the head: begin the pass on MegaloopForCausalLM")
+        x, kvs = self.coda(h)
+        x = self.model.norm(x)
+        return self.head(x[:, -keep:] if keep else x), kvs
+
+    def rows(self, idx: torch.Tensor) -> "LoopedPass":
+        """This pass restricted to batch rows ``idx`` (cached banks gathered on first read)."""
+        b, sub = self.batch_size, object.__new__(LoopedPass)
+        sub.__dict__.update(self.__dict__)
+        sub.positions, sub.mask = _take_rows(self.positions, idx, b), _take_rows(self.mask, idx, b)
+        sub.rope, sub.e, sub.e_qkv = _take_rows(self.rope, idx, b), self.e[idx], _take_rows(self.e_qkv, idx, b)
+        sub._ctx = _take_rows(self.ctx, idx, b)
+        sub.prelude_kv = [_take_rows(kv, idx, b) for kv in self.prelude_kv]
+        gathered: dict = {}
+        base = self.read
+
+        def read(group: str, index: int, recurrence: int) -> Optional[KV]:
+            kv = base(group, index, recurrence)
+            if kv is None:
+                return None
+            key = (group, index, kv[0].data_ptr(), tuple(kv[0].shape))
+            if key not in gathered:
+                gathered[key] = _take_rows(kv, idx, b)
+            return gathered[key]
+
+        sub.read = read
+        return sub
 
 
 # ----------------------------------------------------------------------------- models
@@ -278,6 +298,16 @@ class MegaloopModel(MegaloopPreTrainedModel):
             return (torch.randn(e.shape, device=e.device, dtype=torch.float32) * cfg.state_init_std).to(e.dtype)
         return (self.eval_noise_rows(positions) * cfg.state_init_std).to(e.dtype)
 
+    def frame(self, positions: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], b: int, s: int,
+              past: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Positions [b, s] of ``s`` new tokens after ``past`` cached ones (default ``past..past+s-1``;
+        a 1-D ``positions`` is shared by every row) and their attention mask (:meth:`attention_mask_for`)."""
+        if positions is None:
+            positions = torch.arange(past, past + s, device=device)[None].expand(b, s)
+        elif positions.dim() == 1:
+            positions = positions[None].expand(b, s)
+        return positions, self.attention_mask_for(attention_mask, b, s, past, device)
+
     @staticmethod
     def attention_mask_for(attention_mask: Optional[torch.Tensor], b: int, s: int, past: int,
                            device: torch.device) -> Optional[torch.Tensor]:
@@ -322,11 +352,7 @@ class MegaloopModel(MegaloopPreTrainedModel):
             read = past.read if past is not None else None
         ref = e if e is not None else input_ids
         b, s = ref.shape[0], ref.shape[1]
-        if positions is None:
-            positions = torch.arange(past_len, past_len + s, device=ref.device)[None].expand(b, s)
-        elif positions.dim() == 1:
-            positions = positions[None].expand(b, s)
-        mask = self.attention_mask_for(attention_mask, b, s, past_len, ref.device)
+        positions, mask = self.frame(positions, attention_mask, b, s, past_len, ref.device)
         x = self.embed_tokens(input_ids) if e is None else e
         return LoopedPass(self, x, positions, mask, read, head, e=e)
 
@@ -370,11 +396,7 @@ class MegaloopModel(MegaloopPreTrainedModel):
         if cache is not None and past and cache.batch_size not in (None, b):
             raise ValueError(f"cache holds {cache.batch_size} sequences, input has {b}")
         depth = self.depth_for(s, past, num_recurrences)
-        if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=x.device)[None].expand(b, s)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids[None].expand(b, s)
-        mask = self.attention_mask_for(attention_mask, b, s, past, x.device)
+        position_ids, mask = self.frame(position_ids, attention_mask, b, s, past, x.device)
         keep_all = cache is not None and cache.mode == "per_visit"
         new: dict = {}
         states = [x] if output_hidden_states else None

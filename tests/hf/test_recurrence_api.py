@@ -1,7 +1,6 @@
 """The export model's recurrence API (``LoopedPass``) is the one way to walk a looped model:
 it reproduces the model's own forward, and no module outside ``hf/modeling_megaloop.py`` reaches
-into the model's prelude / core / injection / coda (the export model's own files,
-``hf/modeling_megaloop.py`` and ``hf/recurrence_megaloop.py``, are where they live)."""
+into the model's prelude / core / injection / coda (they live in ``hf/modeling_megaloop.py``)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,9 @@ from tests.post.rl.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = {"prelude", "core", "coda", "injection"}
-# the export model itself (modules and recurrence API); the native megatron model (its own modules, its own methods); the parity
+# the export model itself (and its recurrence API); the native megatron model (its own modules, its own methods); the parity
 # harness's adapters of the reference implementations (their models, not megaloop's)
-EXEMPT = {"megaloop/hf/modeling_megaloop.py", "megaloop/hf/recurrence_megaloop.py", "tools/bench/parity_refs.py"}
+EXEMPT = {"megaloop/hf/modeling_megaloop.py", "tools/bench/parity_refs.py"}
 EXEMPT_DIRS = ("megaloop/model/",)
 
 

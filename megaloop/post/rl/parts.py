@@ -82,8 +82,10 @@ class HFLoopedParts:
         return self.pass_for(e).step(z)[0]
 
     def readout(self, z: torch.Tensor) -> torch.Tensor:
-        p = self._pass if self._pass is not None and self._pass.e.shape[:2] == z.shape[:2] else self.model.begin(e=z)
-        return p.readout(z)[0]
+        # the readout reads only the pass's positions (rotary tables, mask), never its e: any pass
+        # over z's [b, s] positions serves
+        same = self._pass is not None and self._pass.e.shape[:2] == z.shape[:2]
+        return (self._pass if same else self.model.begin(e=z)).readout(z)[0]
 
 
 class NativeLoopedParts:
