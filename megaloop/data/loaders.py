@@ -44,6 +44,20 @@ def _check_dp(dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
     require(micro_batch_size >= 1, "micro_batch_size", f"must be >= 1, got {micro_batch_size}")
 
 
+def _stop_streaming(ds: Any, release: Any) -> None:
+    """Stop streaming's download threads of ``ds`` (workers=0), then ``release`` its resources.
+
+    Those threads hold the dataset, so without this a dropped loader's dataset (its shared
+    memory and file descriptors) would live to the end of the process."""
+    it = ds.__dict__.get("_iterator")
+    if it is not None:
+        it.exit()
+    pool = ds.__dict__.pop("_executor", None)
+    if pool is not None:
+        pool.shutdown(wait=True)
+    release()
+
+
 def _shutdown(it: Any) -> None:
     """Stop a DataLoader iterator's worker processes now (not at garbage collection)."""
     stop = getattr(it, "_shutdown_workers", None)
@@ -90,7 +104,8 @@ class TrainLoader:
                                               workers_per_rank=1, worker=dp_rank)
         self._ds.length = -(-self._ds.epoch_size // dp_size)
         self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
-                                           self._ds._locals_shm)
+                                           vars(self._ds))
+        self._closer = weakref.finalize(self, _stop_streaming, self._ds, self._finalizer)
         self._collate = _Collate(int(self.manifest["eos_id"]), cfg.mask_document_boundaries)
         self._epoch = 0
         self._base_samples = 0  # global samples consumed in this epoch before _batches
@@ -195,13 +210,7 @@ class TrainLoader:
         self._generation += 1
         _shutdown(self._active)
         self._active = None
-        it = self._ds.__dict__.get("_iterator")  # streaming's download threads (workers=0)
-        if it is not None:
-            it.exit()
-        pool = self._ds.__dict__.pop("_executor", None)
-        if pool is not None:
-            pool.shutdown(wait=True)
-        self._finalizer()
+        self._closer()
 
 
 class _EvalItems(Dataset):
@@ -250,7 +259,7 @@ class EvalLoader:
         self._ds, fd = src.open(shuffle=False, shuffle_seed=0, batch_size=micro_batch_size,
                                 num_canonical_nodes=1, cfg=None)
         self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
-                                           self._ds._locals_shm)
+                                           vars(self._ds))
         self._collate = _Collate(int(self.manifest["eos_id"]), mask_document_boundaries,
                                  with_source)
         self._loader = DataLoader(_EvalItems(self._ds, self._indices, self._real),

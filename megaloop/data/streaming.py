@@ -38,7 +38,9 @@ ensure_streaming_importable()
 import streaming  # noqa: E402
 import streaming.base.dataset as _sd  # noqa: E402
 import streaming.base.shared.prefix as _sp  # noqa: E402
+import streaming.base.shared as _sh  # noqa: E402
 import streaming.base.world as _sw  # noqa: E402
+from streaming.base.shared import SharedMemory as _SharedMemory  # noqa: E402
 from streaming.base.world import World  # noqa: E402,F401  (re-exported to loaders)
 
 _PATCH_LOCK = threading.Lock()
@@ -71,13 +73,37 @@ def _solo_construction() -> Iterator[None]:
     """Build a StreamingDataset as a lone process, one construction per machine at a time."""
     lock = Path(tempfile.gettempdir()) / "megaloop_streaming_prefix.lock"
     with _PATCH_LOCK, file_lock(lock):
-        saved = (_sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist)
+        saved = (_sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist, _sp.SharedMemory)
         _sd.dist = _sp.dist = _sw.dist = _SoloDist  # type: ignore[assignment]
         _sd.maybe_init_dist = lambda: False  # type: ignore[assignment]
+        _sp.SharedMemory = _probe_without_atexit  # type: ignore[assignment]
         try:
             yield
         finally:
-            _sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist = saved  # type: ignore[assignment]
+            (_sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist,
+             _sp.SharedMemory) = saved  # type: ignore[assignment]
+
+
+def _probe_without_atexit(name: str, create: bool | None = None, size: int = 0,
+                          auto_cleanup: bool = True) -> Any:
+    """streaming's prefix search attaches to every live prefix's segments with an atexit hook
+    that keeps each one open until the process exits: two file descriptors per segment per
+    dataset built, which exhausts a 1,024-descriptor limit in a long process (a test session).
+    Attaching without the hook lets the probe be closed as soon as it is dropped."""
+    return _SharedMemory(name, create, size, auto_cleanup=auto_cleanup and create is not False)
+
+
+def _shared_segments(state: dict) -> list[Any]:
+    """streaming's ``SharedMemory`` objects in a dataset's ``vars()`` (locals, barrier, arrays)."""
+    found: list[Any] = []
+    stack = list(state.values())
+    while stack:
+        v = stack.pop()
+        if isinstance(v, _SharedMemory):
+            found.append(v)
+        elif isinstance(v, (_sh.SharedArray, _sh.SharedScalar, _sh.SharedBarrier)):
+            stack.extend(vars(v).values())
+    return found
 
 
 # ----------------------------------------------------------------------------------- datasets
@@ -257,11 +283,20 @@ def _scrub_stale_registrations(local: str) -> None:
         shm.shm.close()
 
 
-def _release(fd: int | None, prefix: int | None, locals_shm: Any = None) -> None:
-    """Free a cache slot and streaming's leftover file locks of one dataset."""
+def _release(fd: int | None, prefix: int | None, state: dict | None = None) -> None:
+    """Free a cache slot, one dataset's shared-memory segments and its leftover file locks.
+
+    ``state`` is the dataset's ``vars()``: its segments are closed, and unlinked where the
+    dataset created them; streaming itself only does that at process exit, so a process that
+    builds many loaders would otherwise keep every one's segments (and descriptors) to the end."""
+    state = state or {}
+    locals_shm = state.get("_locals_shm")
     if locals_shm is not None:  # unregister the local dir first (what the dataset's __del__ does)
         with contextlib.suppress(Exception):
             locals_shm.buf[:4] = np.int32(0).tobytes()
+    for seg in _shared_segments(state):
+        with contextlib.suppress(Exception):
+            seg.cleanup()
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
