@@ -5,6 +5,7 @@
     megaloop reproduce --experiment depth --scale M --launcher slurm --wait --out runs/repro_depth_M \\
         --sbatch-arg=--partition=gpu -- data.path=/data/txt360_mds data.val_path=/data/eval/val
     megaloop reproduce --render runs/repro_tbptt/results.json      # re-render report.md + PNGs
+    megaloop reproduce --render runs/repro_tbptt/results.json --experiment tbptt   # + the file's claims now
 
 (``python tools/reproduce.py ...`` is the same command.) An experiment is a YAML of arms (name ->
 a paper arm of megaloop/configs/arms.yaml and/or config overrides), scales and an evaluation plan
@@ -37,7 +38,8 @@ from pathlib import Path
 from megaloop.errors import UserError
 from megaloop.repro import report as rep
 from megaloop.repro.evaluate import checkpoint_step, evaluate_arm
-from megaloop.repro.runs import check_out, log, plan_sweep, run_dir, write_plan
+from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
+                                 screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, load_plan, shipped_experiments
 from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
 
@@ -53,9 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", default="tiny", help="scale of the experiment file (tiny, S, M, L, ...; default tiny)")
     p.add_argument("--out", help="experiment directory (default runs/repro_<experiment>_<scale>)")
     p.add_argument("--arms", help="comma-separated subset of the arms to train/evaluate/report")
+    p.add_argument("--seeds", help="comma-separated training seeds: every arm once per seed (replaces the file's "
+                   "`seeds:`); cells become mean ± sd and verdicts use the spread")
     p.add_argument("--max-seqs", type=int, default=None, help="evaluation: validation sequences (plan's default)")
     p.add_argument("--depths", default=None, help="evaluation: comma-separated sweep depths (plan's default)")
-    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render report.md and PNGs from a results.json")
+    p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render report.md and PNGs from a results.json "
+                   "(with --experiment: take the claims and their verdict checks from that file)")
     p.add_argument("--evaluate-arm", metavar="ARM", help="only evaluate one trained arm of OUT/plan.json "
                    "(what each arm runs after its training)")
     add_launch_args(p, default_parallel="threads / threads-per-run")
@@ -76,6 +81,18 @@ def _eval_update(args: argparse.Namespace) -> dict:
     return upd
 
 
+def _seeds(args: argparse.Namespace) -> list[int] | None:
+    if args.seeds is None:
+        return None
+    try:
+        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise UserError(f"--seeds: expected distinct integers >= 0, got {args.seeds!r}")
+    return seeds
+
+
 def _read_json(path: Path, what: str) -> dict:
     try:
         return json.loads(path.read_text())
@@ -87,6 +104,15 @@ def render(args: argparse.Namespace) -> int:
     """``--render``: report.md and the PNGs from a results.json."""
     path = Path(args.render)
     results = _read_json(path, "--render")
+    if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
+        plan = load_plan(args.experiment, results["scale"])
+        missing = sorted({a for c in plan.claims for a in c.arms} - {a.get("group") or a["name"] for a in results["arms"]})
+        if missing:
+            raise UserError(f"--experiment: {args.experiment} claims arms {missing} that {path} does not hold")
+        results["claims"] = [c.__dict__ for c in plan.claims]
+        results["verdicts"] = [{"id": c["id"], **v} for c, v in zip(results["claims"], rep.verdicts(results))]
+        if path.name == "results.json":
+            rep.write_results(path.parent, results)
     outputs = rep.render(results, Path(args.out) if args.out else path.parent)
     rep.print_table(results)
     print("  wrote " + ", ".join(map(str, outputs)))
@@ -127,34 +153,56 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
         raise UserError("--experiment: required (a shipped name or a YAML path), or --render")
     launch = launch_from_args(args, default_parallel=None)
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    plan = load_plan(args.experiment, args.scale, extras, _eval_update(args), only)
-    out = Path(args.out or f"runs/repro_{plan.experiment}_{plan.scale}").resolve()
-    check_out(out, plan)
+    base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
+    out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
+    plan, screens, waiting = resolve_lrs(out, base)
+    check_out(out, plan, skip=waiting)
     s = plan.settings
-    log(f"experiment {plan.experiment} ({Path(plan.source).name}) at scale {plan.scale}: {len(plan.arms)} "
-        f"arm(s), preset {plan.config}, {s['max_steps']} steps x {s['tokens_per_step']:,} tokens, seed "
-        f"{s['seed']}" + (f"; {plan.note}" if plan.note else ""))
+    log(f"experiment {plan.experiment} ({Path(plan.source).name}) at scale {plan.scale}: {len(plan.groups())} "
+        f"arm(s)" + (f" x {len(plan.seeds)} seeds {plan.seeds}" if plan.seeds else "") + f", preset {plan.config}, "
+        f"{s['max_steps']} steps x {s['tokens_per_step']:,} tokens, seed {s['seed']}"
+        + (f"; {plan.note}" if plan.note else ""))
+    if plan.screen is not None:
+        sp = plan.screen
+        log(f"LR screens of {', '.join(screened_groups(plan))}: grid {sp.grid}, stop after {sp.stop_after} of "
+            f"{s['max_steps']} updates, val CE at R={sp.eval_depth} on {sp.screen_set}")
     if not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         write_plan(out, plan)
-    sweep, states = plan_sweep(out, plan)
-    active = slurm_active(sweep) if launch.launcher == "slurm" and not args.dry_run else {}
+    code, active = 0, {}
+    if plan.screen is not None:  # the screens first: the arms that wait for them start after
+        sweep = screen_sweep(out, plan)
+        active = slurm_active(sweep) if launch.launcher == "slurm" and not args.dry_run else {}
+        code, active = execute(sweep, pending(sweep, active, lambda r: screen_point_done(out, plan, r)), launch,
+                               active)
+        if waiting and not args.dry_run and not code:
+            plan, screens, still = resolve_lrs(out, base)
+            check_out(out, plan, skip=still)
+            write_plan(out, plan)
+            waiting = still
+    for name in waiting:
+        log(f"{name}: waiting for its LR screen" + (" (dry run: its rate is not known yet)" if args.dry_run else
+                                                    ": rerun this command when the screen's runs are done"))
+    if not code:
+        sweep, states = plan_sweep(out, plan, skip=waiting)
+        more = slurm_active(sweep) if launch.launcher == "slurm" and not args.dry_run else {}
 
-    def finished(run: Run) -> str | None:
-        st = states[run.name]
-        if st["status"] == "done":
-            return f"done (step {st['step']}, evaluated)"
-        if st["status"] != "pending" and run.name not in active:
-            log(f"{run.name}: {st['status']} at step {st['step']}: " + ("resume" if run.train else "evaluate"))
-        return None
+        def finished(run: Run) -> str | None:
+            st = states[run.name]
+            if st["status"] == "done":
+                return f"done (step {st['step']}, evaluated)"
+            if st["status"] != "pending" and run.name not in more:
+                log(f"{run.name}: {st['status']} at step {st['step']}: " + ("resume" if run.train else "evaluate"))
+            return None
 
-    code, active = execute(sweep, pending(sweep, active, finished), launch, active)
+        code, more = execute(sweep, pending(sweep, more, finished), launch, more)
+        active = {**active, **more}
     if args.dry_run:
         return 0
-    where = (f"{launch.parallel} arm(s) in parallel x {launch.threads} thread(s)"
+    where = (f"{launch.parallel} run(s) in parallel x {launch.threads} thread(s)"
              + (f" x {launch.nproc} proc(s)" if launch.nproc > 1 else "")) if launch.launcher == "local" \
         else " ".join(launch.sbatch_args) or "default sbatch options"
-    results = rep.collect(out, plan, active, {launch.launcher: where})
+    results = rep.collect(out, plan, active, {launch.launcher: where}, screens=screens, waiting=waiting)
     path = rep.write_results(out, results)
     outputs = rep.render(results, out)
     rep.print_table(results)

@@ -20,6 +20,7 @@ from typing import Any
 from megaloop.repro.evaluate import SUMMARY, machine
 from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
+from megaloop.repro.verdicts import Check, check_text, claim_verdict, verdict_text
 from megaloop.runtime.files import atomic_write_json
 from megaloop.train.metrics import read_metrics
 from megaloop.runtime.files import save_figure
@@ -103,8 +104,19 @@ def _portable(path: Any, base: Path | None = None) -> str:
     return p.name
 
 
-def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launcher: dict | None = None) -> dict:
-    """Results of every arm of ``plan`` in ``out`` (``active``: arms still in slurm -> job id)."""
+def _lr_of(overrides: list[str]) -> float | None:
+    lrs = [o.split("=", 1)[1] for o in overrides if o.startswith("optim.lr=")]
+    try:
+        return float(lrs[-1]) if lrs else None
+    except ValueError:
+        return None
+
+
+def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launcher: dict | None = None,
+            screens: dict[str, dict] | None = None, waiting: list[str] = ()) -> dict:
+    """Results of every run of ``plan`` in ``out`` (``active``: runs still in slurm -> job id;
+    ``screens``: each screened arm's ``runs.screen_result``; ``waiting``: runs whose LR screen is
+    not finished)."""
     import json
 
     active = active or {}
@@ -113,7 +125,10 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
         rd = run_dir(out, arm)
         st = arm_state(out, plan, arm)
         status = "queued" if arm.name in active and st["status"] != "done" else st["status"]
-        entry: dict[str, Any] = {"name": arm.name, "label": arm.label, "looped": arm.looped,
+        if arm.name in waiting and status == "pending":
+            status = "waiting"
+        entry: dict[str, Any] = {"name": arm.name, "group": arm.arm, "seed": arm.seed, "lr": _lr_of(arm.overrides),
+                                 "lr_source": arm.lr, "label": arm.label, "looped": arm.looped,
                                  "depth_kind": arm.depth_kind, "overrides": arm.overrides, "status": status,
                                  "step": st["step"], "exit_code": st["exit_code"],
                                  "run_dir": _portable(rd, Path(out))}
@@ -134,12 +149,54 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
                     machines.append(s["machine"])
         entry["metrics"] = metrics
         arms.append(entry)
-    return {"experiment": plan.experiment, "description": plan.description, "source": _portable(plan.source),
-            "scale": plan.scale, "config": plan.config, "note": plan.note, "settings": plan.settings,
-            "extras": plan.extras, "eval": plan.eval.to_dict(),
-            "claims": [c.__dict__ for c in plan.claims], "arms": arms,
-            "machine": machines[0] if machines else machine(), "launcher": launcher or {},
-            "complete": all(a["status"] == "done" for a in arms), "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    screens = {g: {k: v for k, v in r.items() if k != "points"}
+               | {"points": [{k: p.get(k) for k in ("lr", "status", "val_ce", "steps")} for p in r["points"]]}
+               for g, r in (screens or {}).items()}
+    res = {"experiment": plan.experiment, "description": plan.description, "source": _portable(plan.source),
+           "scale": plan.scale, "config": plan.config, "note": plan.note, "settings": plan.settings,
+           "extras": plan.extras, "eval": plan.eval.to_dict(), "seeds": plan.seeds,
+           "claims": [c.__dict__ for c in plan.claims], "arms": arms, "screens": screens,
+           "machine": machines[0] if machines else machine(), "launcher": launcher or {},
+           "complete": all(a["status"] == "done" for a in arms), "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res["verdicts"] = [{"id": c["id"], **v} for c, v in zip(res["claims"], verdicts(res))]
+    return res
+
+
+def groups(results: dict) -> list[dict]:
+    """The experiment file's arms over their seeds: ``{name, label, runs, n, status, mean, sd}``;
+    mean and sample sd of every numeric metric over the runs that are done (sd None for n < 2)."""
+    out: dict[str, dict] = {}
+    for a in results["arms"]:
+        g = out.setdefault(a.get("group") or a["name"], {"name": a.get("group") or a["name"], "label": a["label"],
+                                                         "looped": a["looped"], "runs": [], "done": []})
+        g["runs"].append(a)
+        if a["status"] == "done":
+            g["done"].append(a)
+    rows = []
+    for g in out.values():
+        done = g.pop("done")
+        runs = g.pop("runs")
+        mean, sd = {}, {}
+        keys = {k for a in done for k, v in a["metrics"].items() if _finite(v)}
+        for k in sorted(keys):
+            xs = [a["metrics"][k] for a in done if _finite(a["metrics"].get(k))]
+            if len(xs) != len(done):
+                continue
+            mean[k] = sum(xs) / len(xs)
+            sd[k] = math.sqrt(sum((x - mean[k]) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+        status = "done" if len(done) == len(runs) else ", ".join(sorted({a["status"] for a in runs if a["status"] != "done"}))
+        rows.append({**g, "runs": [a["name"] for a in runs], "n": len(done), "status": status,
+                     "lr": sorted({a["lr"] for a in runs if a.get("lr") is not None}), "mean": mean, "sd": sd})
+    return rows
+
+
+def verdicts(results: dict) -> list[dict]:
+    """Each claim's computed verdict (``verdicts.claim_verdict``) from the runs that are done."""
+    by_seed: dict[str, dict] = {}
+    for a in results["arms"]:
+        if a["status"] == "done":
+            by_seed.setdefault(a.get("group") or a["name"], {})[a.get("seed")] = a["metrics"]
+    return [claim_verdict([Check(**c) for c in claim.get("expect") or []], by_seed) for claim in results["claims"]]
 
 
 def write_results(out: Path, results: dict) -> Path:
@@ -172,6 +229,13 @@ def label(results: dict, metric: str) -> str:
     if metric == "extrapolation_pct":
         return f"R={max(results['eval']['depths'])} extrap. %"
     return METRICS[metric]
+
+
+def cell(metric: str, group: dict) -> str:
+    """A table cell of one arm over its seeds: ``mean`` or ``mean ± sd``."""
+    text = fmt(metric, group["mean"].get(metric))
+    sd = group["sd"].get(metric)
+    return f"{text} ± {fmt(metric, sd).lstrip('+')}" if _finite(sd) else text
 
 
 def _rel(a: Any, b: Any) -> float | None:
@@ -226,32 +290,56 @@ def render_markdown(results: dict) -> str:
         lines.append("- **Launcher**: " + ", ".join(f"{k} {v}" for k, v in la.items()))
     lines += [f"- Source: `{Path(results['source']).name}`; updated {results['updated']}"
               + ("" if results["complete"] else " — **incomplete: some arms are not finished**"), ""]
-    head = ["arm"] + [label(results, k) for k in TABLE]
+    seeds = results.get("seeds")
+    if seeds:
+        lines += [f"- **Seeds**: {seeds} (`train.seed`; the data order is the same for every seed): cells are "
+                  "mean ± sample sd over the seeds that finished", ""]
+    rows = groups(results)
+    with_lr = any(g["lr"] for g in rows)
+    head = ["arm"] + (["LR"] if with_lr else []) + [label(results, k) for k in TABLE]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for a in results["arms"]:
-        name = a["label"] if a["label"] == a["name"] else f"{a['label']} (`{a['name']}`)"
-        if a["status"] != "done":
-            name += f" [{a['status']}]"
-        lines.append("| " + " | ".join([_md_escape(name)] + [fmt(k, a["metrics"].get(k)) for k in TABLE]) + " |")
+    for g in rows:
+        name = g["label"] if g["label"] == g["name"] else f"{g['label']} (`{g['name']}`)"
+        if g["status"] != "done":
+            name += f" [{g['status']}]"
+        lr = [", ".join(f"{x:g}" for x in g["lr"]) or "—"] if with_lr else []
+        lines.append("| " + " | ".join([_md_escape(name)] + lr + [cell(k, g) for k in TABLE]) + " |")
     lines += ["", "Sharing penalty = 100·(PPL_terminal/PPL_per-visit − 1) at R; R=64 extrapolation = "
               "100·(PPL@R_max/PPL@R − 1) (native); training FLOPs are model FLOPs (SPEC §6); prior columns "
               "are the final depth distribution (p(5) = probability of depth 5).", ""]
-    arms = {a["name"]: a for a in results["arms"]}
+    means = {g["name"]: {"metrics": g["mean"]} for g in rows}
     labels = {k: label(results, k) for k in METRICS}
     if results.get("claims"):
         lines += ["## Paper claims (SPEC §12) beside this run", "",
-                  "The paper's figures are for its S/M/L models; at a small scale compare directions, not values.",
-                  "", "| # | claim | paper | measured here |", "|---|---|---|---|"]
-        for c in results["claims"]:
+                  "The paper's figures are for its S/M/L models; at a small scale compare directions, not values. "
+                  "Verdicts are computed from each claim's `expect:` checks (megaloop/repro/verdicts.py): holds / "
+                  "opposite when the 95 % interval over seeds (or the check's noise floor) is on one side, "
+                  "else within noise.",
+                  "", "| # | claim | paper | measured here | verdict |", "|---|---|---|---|---|"]
+        for c, v in zip(results["claims"], verdicts(results)):
+            detail = "; ".join(check_text(r) for r in v["checks"])
             lines.append(f"| {c['id']} | {_md_escape(c['claim'])} | {_md_escape(c['paper'])} | "
-                         f"{_md_escape(claim_measured(c, arms, labels))} |")
+                         f"{_md_escape(claim_measured(c, means, labels))} | **{verdict_text(v)}**"
+                         + (f": {_md_escape(detail)}" if detail else "") + " |")
         lines.append("")
-    lines += ["## Runs", "", "| arm | status | steps | tokens | train s | final loss | val CE | overrides |",
-              "|---|---|---|---|---|---|---|---|"]
+    for g, sc in (results.get("screens") or {}).items():
+        pts = ", ".join(f"{p['lr']:g}: " + (f"{p['val_ce']:.4f}" if _finite(p.get("val_ce")) else p["status"])
+                        for p in sc["points"])
+        where = ("interior" if sc.get("interior") else f"**{sc.get('edge')} edge** (extend the grid: "
+                 f"{sc.get('proposed_grid')})") if sc.get("best_lr") is not None else "no finished point"
+        lines += [f"- **LR screen of `{g}`** (val CE at R={sc.get('eval_depth')} on `{sc.get('screen_set')}`, "
+                  f"stopped after {sc.get('stop_after')} updates): {pts}; selected "
+                  f"{fmt('x', sc.get('best_lr')) if sc.get('best_lr') is None else format(sc['best_lr'], 'g')} ({where})"]
+    if results.get("screens"):
+        lines.append("")
+    lines += ["## Runs", "", "| run | status | seed | LR | steps | tokens | train s | final loss | val CE | overrides |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for a in results["arms"]:
         t = a["train"]
         own = [o for o in a["overrides"] if not o.startswith(("logging.", "train.eval_depth="))]
-        lines.append(f"| `{a['name']}` | {a['status']} | {t.get('steps', 0)} | {t.get('tokens', 0):,} | "
+        lr = f"{a['lr']:g}" if a.get("lr") is not None else "config"
+        seed = a.get("seed") if a.get("seed") is not None else results["settings"].get("seed")
+        lines.append(f"| `{a['name']}` | {a['status']} | {seed} | {lr} | {t.get('steps', 0)} | {t.get('tokens', 0):,} | "
                      f"{fmt('s', t.get('train_seconds'))} | {fmt('final_loss', t.get('final_loss'))} | "
                      f"{fmt('val_ce', t.get('val_ce'))} | `{_md_escape(' '.join(own))}` |")
     lines += ["", "![PPL vs depth](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
@@ -360,12 +448,16 @@ def render(results: dict, out: Path) -> list[Path]:
 def print_table(results: dict) -> None:
     """The main table on the console (plain text)."""
     cols = ["arm", "status"] + [label(results, k) for k in TABLE]
-    rows = [[a["name"], a["status"]] + [fmt(k, a["metrics"].get(k)) for k in TABLE] for a in results["arms"]]
+    rows = [[g["name"], g["status"] if g["n"] <= 1 else f"{g['status']} ({g['n']} seeds)"]
+            + [cell(k, g) for k in TABLE] for g in groups(results)]
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     print(f"\n{results['experiment']} at scale {results['scale']}:")
     for r in [cols] + rows:
         print("  " + "  ".join(str(x).rjust(w) if i > 1 else str(x).ljust(w) for i, (x, w) in enumerate(zip(r, widths))))
+    for c, v in zip(results.get("claims") or [], verdicts(results)):
+        if v["verdict"] is not None:
+            print(f"  {c['id']}: {verdict_text(v)} — {c['claim']}")
 
 
-__all__ = ["collect", "claim_measured", "fmt", "print_table", "render", "render_markdown", "train_summary",
-           "write_results"]
+__all__ = ["cell", "collect", "claim_measured", "fmt", "groups", "print_table", "render", "render_markdown",
+           "train_summary", "verdicts", "write_results"]

@@ -70,8 +70,9 @@ def check_identity(out: Path, plan: Plan, arm: Arm) -> None:
                         f"(differs in: {' '.join(changed)}); use a new --out or the same experiment/scale/overrides")
 
 
-def check_out(out: Path, plan: Plan) -> None:
-    """OUT holds this experiment at this scale (or nothing), and no arm started differently."""
+def check_out(out: Path, plan: Plan, skip: list[str] = ()) -> None:
+    """OUT holds this experiment at this scale (or nothing), and no arm started differently
+    (``skip``: runs whose overrides are not complete yet, i.e. waiting for an LR screen)."""
     path = out / "plan.json"
     try:
         old = json.loads(path.read_text())
@@ -81,7 +82,8 @@ def check_out(out: Path, plan: Plan) -> None:
         raise SpecError(f"--out: {out} holds experiment {old.get('experiment')!r} at scale {old.get('scale')!r}, "
                         f"not {plan.experiment!r} at {plan.scale!r}; use another --out")
     for arm in plan.arms:
-        check_identity(out, plan, arm)
+        if arm.name not in skip:
+            check_identity(out, plan, arm)
 
 
 def write_plan(out: Path, plan: Plan) -> None:
@@ -96,13 +98,96 @@ def write_plan(out: Path, plan: Plan) -> None:
     atomic_write_json(path, d, indent=1, sort_keys=False)
 
 
-def plan_sweep(out: Path, plan: Plan) -> tuple[Sweep, dict[str, dict]]:
-    """The experiment as a sweep (one run per arm, in plan order: the array index) and each arm's
-    :func:`arm_state`; a trained arm is only evaluated."""
+def plan_sweep(out: Path, plan: Plan, skip: list[str] = ()) -> tuple[Sweep, dict[str, dict]]:
+    """The experiment as a sweep (one run per arm and seed, in plan order: the array index) and
+    each run's :func:`arm_state`; a trained arm is only evaluated; ``skip``: runs left out."""
     runs, states = [], {}
     for arm in plan.arms:
+        if arm.name in skip:
+            continue
         st = states[arm.name] = arm_state(out, plan, arm)
         runs.append(Run(name=arm.name, run_dir=run_dir(out, arm), config=plan.config, overrides=arm.overrides,
                         after=["reproduce", "--evaluate-arm", arm.name, "--out", str(out)],
                         train=st["status"] != "trained", step=st["step"]))
     return Sweep(out=out, runs=runs, tag=TAG, exit_file=EXIT_FILE), states
+
+
+# ----------------------------------------------------------------------------- LR screens
+SCREEN_RESERVED = ("train.eval_depth=", "logging.")  # the tool's own keys of an arm (the screen sets its own)
+
+
+def screen_dir(out: Path, group: str) -> Path:
+    return Path(out) / "screens" / group
+
+
+def screen_of(out: Path, plan: Plan, group: str):
+    """The LR screen of the file's arm ``group`` (a ``megaloop.screen.core.Screen``): its first
+    seed's config and overrides at every grid point, in ``OUT/screens/<arm>/lr_<lr>/``."""
+    from megaloop.screen.core import WHOLE_SET, Screen
+
+    assert plan.screen is not None
+    arm = plan.runs_of(group)[0]
+    own = [o for o in arm.overrides if not o.startswith(SCREEN_RESERVED)]
+    sp = plan.screen
+    return Screen(config=plan.config, out=screen_dir(out, group).resolve(), lrs=list(sp.grid),
+                  stop_after=sp.stop_after, max_steps=plan.settings["max_steps"], eval_depth=sp.eval_depth,
+                  eval_batches=sp.eval_batches or WHOLE_SET, screen_set=sp.screen_set, overrides=own,
+                  micro_batch_size=0, warmup_steps=0)
+
+
+def screened_groups(plan: Plan) -> list[str]:
+    return [g for g in plan.groups() if plan.runs_of(g)[0].lr == "screen"]
+
+
+def screen_result(out: Path, plan: Plan, group: str) -> dict:
+    """``{points: [{lr, status, val_ce, ...}], best_lr, interior, edge, proposed_grid, complete}``
+    of one arm's screen (``megaloop.screen.core.select_best`` over its finished points)."""
+    from megaloop.screen.core import point_state, select_best
+
+    screen = screen_of(out, plan, group)
+    points = [{"lr": lr, **point_state(screen.run_dir(lr), screen.end_step)} for lr in screen.lrs]
+    return {**select_best(points), "points": points, "stop_after": screen.end_step,
+            "eval_depth": screen.eval_depth, "screen_set": screen.screen_set}
+
+
+def resolve_lrs(out: Path, plan: Plan) -> tuple[Plan, dict[str, dict], list[str]]:
+    """The plan with every screened (and ``same_as``) arm's ``optim.lr`` set from its finished
+    screen; each screened arm's :func:`screen_result`; and the runs still waiting for a screen."""
+    import dataclasses
+
+    from megaloop.screen.core import lr_tag
+
+    results = {g: screen_result(out, plan, g) for g in screened_groups(plan)}
+    arms, waiting = [], []
+    for arm in plan.arms:
+        source = arm.arm if arm.lr == "screen" else arm.lr.split(":", 1)[1] if arm.lr else None
+        if source is None:
+            arms.append(arm)
+            continue
+        res = results[source]
+        if not res["complete"] or res["best_lr"] is None:
+            waiting.append(arm.name)
+            arms.append(arm)
+            continue
+        arms.append(dataclasses.replace(arm, overrides=[*arm.overrides, f"optim.lr={lr_tag(res['best_lr'])}"]))
+    return dataclasses.replace(plan, arms=arms), results, waiting
+
+
+def screen_sweep(out: Path, plan: Plan) -> Sweep:
+    """Every screened arm's grid points as one sweep (``screen_exit`` per point)."""
+    from megaloop.screen.core import EXIT_FILE
+
+    runs = []
+    for g in screened_groups(plan):
+        for run in screen_of(out, plan, g).sweep().runs:
+            runs.append(Run(name=f"{g}/{run.name}", run_dir=run.run_dir, config=run.config, overrides=run.overrides))
+    return Sweep(out=out, runs=runs, tag=TAG, exit_file=EXIT_FILE)
+
+
+def screen_point_done(out: Path, plan: Plan, run: Run) -> str | None:
+    """Why a screen point needs no launch (finished or diverged), else None."""
+    from megaloop.screen.core import TERMINAL, point_state
+
+    assert plan.screen is not None
+    st = point_state(run.run_dir, min(plan.screen.stop_after, plan.settings["max_steps"]))
+    return f"{st['status']} (val_ce {st['val_ce']})" if st["status"] in TERMINAL else None

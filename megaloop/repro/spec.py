@@ -13,8 +13,23 @@ Schema (every key but ``arms`` optional; unknown keys are errors)::
       b2_huginn: "model.injection=huginn_linear model.bptt_window=2"
       b4_huginn: {label: "b=4, Huginn-Linear", arm: fixed5_b4, overrides: [...], scales: {tiny: "..."}}
     claims:                             # SPEC §12 rows printed beside the measured figure
-      - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn]}
+      - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn],
+         expect: [{arm: b2_huginn, metric: extrapolation_pct, op: "<", value: 2}]}  # the computed verdict
       - {id: C9, ..., metrics: [native_ppl], arms: [looped], relative_to: untied12}
+    seeds: [0, 1, 2]                    # each arm once per training seed (same data order); mean ± sd
+    lr: screen                          # every arm's LR: a number, `screen`, or {same_as: ARM}
+    scales: {tiny: {screen: {range: [1e-3, 8e-3], points: 4, stop_after: 150}}}   # the screens' grid
+
+``seeds`` (default: one run per arm at the config's ``train.seed``, named by the arm) runs every
+arm as ``<arm>.seed<N>`` with ``train.seed=N``; the data order (``data.shuffle_seed``) stays the
+same. ``lr: screen`` (top level, or an arm's ``lr:``) screens that arm's learning rate first, as
+SPEC §11 / the paper's Appendix B.1: the scale's grid (``screen:``; default the LR-screen tool's
+range, points and stop of that scale), each point the arm's own config with its full
+``train.max_steps`` WSD horizon, stopped after ``stop_after`` updates, selected by validation CE at
+R=``eval_depth`` (5) on the frozen screen set (``screen_set``; default the embedded corpus's
+``default:screen``), interior checked; the arm then trains at the selected rate (once per seed).
+``{same_as: ARM}`` reuses a screened arm's rate (variants that change only lambda_H or the draw
+correlation); a number fixes it. Claim verdicts: ``megaloop/repro/verdicts.py``.
 
 ``arm:`` names a paper arm of megaloop/configs/arms.yaml (the one definition of each paper arm,
 also ``megaloop train --arm NAME``); an experiment arm adds only what that file does not define
@@ -41,14 +56,16 @@ import yaml
 
 from megaloop.config_utils import ConfigError
 from megaloop.errors import UserError
+from megaloop.repro.screens import ScreenPlan, as_rate, screen_plan
+from megaloop.repro.verdicts import parse_checks
 
 EXPERIMENTS_DIR = Path(__file__).resolve().parent / "experiments"
 ARM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,79}$")  # used as the arm's run-directory name
 DEFAULT_SCALES = ("tiny", "S", "M", "L")
-TOP_KEYS = ("name", "description", "common", "scales", "eval", "arms", "claims")
-SCALE_KEYS = ("config", "overrides", "eval", "note")
-ARM_KEYS = ("label", "arm", "overrides", "scales")
-CLAIM_KEYS = ("id", "claim", "paper", "metrics", "arms", "relative_to")
+TOP_KEYS = ("name", "description", "common", "scales", "eval", "arms", "claims", "seeds", "lr")
+SCALE_KEYS = ("config", "overrides", "eval", "note", "screen")
+ARM_KEYS = ("label", "arm", "overrides", "scales", "lr")
+CLAIM_KEYS = ("id", "claim", "paper", "metrics", "arms", "relative_to", "expect")
 # fixed across arms: same seed, data order and budget (set them in `common` or a scale instead)
 ARM_FORBIDDEN = ("train.seed", "train.max_steps", "train.global_batch_size", "data.")
 # keys that do not change what an arm computes (an arm may be resumed with other values)
@@ -177,16 +194,26 @@ class Claim:
     metrics: list[str]
     arms: list[str]
     relative_to: str | None = None
+    expect: list[dict] = field(default_factory=list)  # checks of the computed verdict (verdicts.py)
 
 
 @dataclass
 class Arm:
+    """One run of the experiment: an arm of the file at one seed (``group``: the file's arm)."""
+
     name: str
     label: str
     overrides: list[str]  # the complete list passed to `megaloop train` (tool's keys last)
     looped: bool = True
     depth_kind: str = "fixed"
     paper_arm: str | None = None  # the arms.yaml arm its overrides start with
+    group: str | None = None  # the experiment file's arm (None: ``name``)
+    seed: int | None = None  # train.seed of this run (None: the config's, no seed list)
+    lr: str | None = None  # "screen" | "same_as:<arm>" | None (the overrides fix it)
+
+    @property
+    def arm(self) -> str:
+        return self.group or self.name
 
 
 @dataclass
@@ -204,6 +231,15 @@ class Plan:
     claims: list[Claim]
     extras: list[str]
     settings: dict  # seed, steps, batch, seq_len, ... (identical across arms, checked)
+    seeds: list[int] | None = None  # None: one run per arm at the config's seed
+    screen: ScreenPlan | None = None  # set when some arm screens its LR
+
+    def groups(self) -> list[str]:
+        """The experiment file's arms, in order (each has one run per seed)."""
+        return list(dict.fromkeys(a.arm for a in self.arms))
+
+    def runs_of(self, group: str) -> list[Arm]:
+        return [a for a in self.arms if a.arm == group]
 
     def arm(self, name: str) -> Arm:
         for a in self.arms:
@@ -218,10 +254,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Plan":
+        screen = d.get("screen")
         return cls(experiment=d["experiment"], description=d["description"], source=d["source"],
                    scale=d["scale"], config=d["config"], note=d["note"],
                    arms=[Arm(**a) for a in d["arms"]], eval=EvalPlan(**d["eval"]),
-                   claims=[Claim(**c) for c in d["claims"]], extras=list(d["extras"]), settings=d["settings"])
+                   claims=[Claim(**c) for c in d["claims"]], extras=list(d["extras"]), settings=d["settings"],
+                   seeds=d.get("seeds"), screen=ScreenPlan(**screen) if screen else None)
 
 
 # ----------------------------------------------------------------------------- loading
@@ -296,19 +334,23 @@ def _paper_arm(name: Any, where: str) -> list[str]:
     return list(arms[name]["overrides"])
 
 
-def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | None, list[str], list[str]]:
-    """(label, paper arm, the paper arm's overrides, the arm's own overrides) of one arm."""
+_UNSET = object()
+
+
+def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | None, list[str], list[str], Any]:
+    """(label, paper arm, the paper arm's overrides, the arm's own overrides, its ``lr:`` or
+    ``_UNSET``) of one arm."""
     where = f"{path}: arm {name!r}"
     if raw is None:
         raise SpecError(f"{where}: empty arm (give overrides, or [] for the scale's config unchanged)")
-    label, paper, paper_ov = name, None, []
+    label, paper, paper_ov, lr = name, None, [], _UNSET
     if isinstance(raw, dict):
         unknown = sorted(set(raw) - set(ARM_KEYS))
         if unknown:
             raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(ARM_KEYS)})")
-        if not {"arm", "overrides", "scales"} & set(raw):
+        if not {"arm", "overrides", "scales", "lr"} & set(raw):
             raise SpecError(f"{where}: empty arm (no `arm:` or `overrides:`)")
-        label, paper = str(raw.get("label") or name), raw.get("arm")
+        label, paper, lr = str(raw.get("label") or name), raw.get("arm"), raw.get("lr", _UNSET)
         paper_ov = _paper_arm(paper, where) if paper is not None else []
         ov = _overrides(raw.get("overrides"), where)
         per_scale = raw.get("scales") or {}
@@ -321,10 +363,34 @@ def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | 
     if bad:
         raise SpecError(f"{where}: {bad[0]} must be the same for every arm (same seed, data order and "
                         "budget); set it in `common:` or the scale's overrides")
-    return label, paper, paper_ov, ov
+    return label, paper, paper_ov, ov, lr
 
 
-def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, str]:
+def _lr(value: Any, where: str) -> tuple[str | None, list[str]]:
+    """An ``lr:`` value -> (``Arm.lr``, overrides it adds)."""
+    if value is None or value is _UNSET:
+        return None, []
+    if value == "screen":
+        return "screen", []
+    if isinstance(value, dict) and list(value) == ["same_as"] and isinstance(value["same_as"], str):
+        return f"same_as:{value['same_as']}", []
+    if as_rate(value) is not None:
+        return None, [f"optim.lr={as_rate(value)!r}"]
+    raise SpecError(f"{where}: lr: expected a positive number, `screen` or {{same_as: ARM}}, got {value!r}")
+
+
+def _seeds(value: Any, path: Path) -> list[int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
+        raise SpecError(f"{path}: seeds: expected a non-empty list of integers >= 0, got {value!r}")
+    if len(set(value)) != len(value):
+        raise SpecError(f"{path}: seeds: {value!r} repeats a seed")
+    return list(value)
+
+
+def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, str, Any]:
     scales = data.get("scales")
     if scales is None:
         scales = {s: {"config": s} for s in DEFAULT_SCALES}
@@ -345,7 +411,7 @@ def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, st
     ev = s.get("eval") or {}
     if not isinstance(ev, dict):
         raise SpecError(f"{where}: eval: expected a mapping")
-    return config, _overrides(s.get("overrides"), where), ev, str(s.get("note") or "")
+    return config, _overrides(s.get("overrides"), where), ev, str(s.get("note") or ""), s.get("screen")
 
 
 def _claims(data: dict, names: set[str], path: Path) -> list[Claim]:
@@ -368,41 +434,62 @@ def _claims(data: dict, names: set[str], path: Path) -> list[Claim]:
         for a in arms + ([c["relative_to"]] if c.get("relative_to") else []):
             if a not in names:
                 raise SpecError(f"{where}: arm {a!r} is not an arm of this experiment")
+        try:
+            checks = parse_checks(c.get("expect"), names, set(METRICS))
+        except ConfigError as err:
+            raise SpecError(f"{where}: {err}") from None
         out.append(Claim(id=str(c["id"]), claim=str(c["claim"]), paper=str(c["paper"]), metrics=metrics,
-                         arms=arms, relative_to=c.get("relative_to")))
+                         arms=arms, relative_to=c.get("relative_to"),
+                         expect=[{k: v for k, v in vars(ch).items()} for ch in checks]))
     return out
 
 
 def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
-              eval_update: dict | None = None, only: list[str] | None = None) -> Plan:
+              eval_update: dict | None = None, only: list[str] | None = None,
+              seeds: list[int] | None = None) -> Plan:
     """Resolve ``experiment`` (shipped name or YAML path) at ``scale``: every arm's overrides are
     validated with ``load_config`` (first error: ``SpecError`` naming the file and arm).
     ``extras``: overrides of every arm (command line); ``eval_update``: eval-plan fields set on
-    the command line; ``only``: train/evaluate only these arms."""
+    the command line; ``only``: train/evaluate only these arms (file arms or seeded run names);
+    ``seeds``: the command line's seeds (replace the file's ``seeds:``)."""
     from megaloop.config import load_config
 
     path = experiment_path(experiment)
     data = read_experiment(path)
     name = str(data.get("name") or path.stem)
-    config, scale_ov, scale_eval, note = _scale(data, scale, path)
+    config, scale_ov, scale_eval, note, screen_raw = _scale(data, scale, path)
     common = _overrides(data.get("common"), f"{path}: common")
     extras = _overrides(list(extras or []), "command-line override")
+    seeds = seeds if seeds is not None else _seeds(data.get("seeds"), path)
+    if seeds is not None and "train.seed" in _keys(extras):
+        raise SpecError(f"command-line override train.seed: {path} runs its own seeds {seeds}; drop the override")
     if data.get("eval") is not None and not isinstance(data["eval"], dict):
         raise SpecError(f"{path}: eval: expected a mapping")
     plan_eval = eval_plan({**(data.get("eval") or {}), **scale_eval}, eval_update, f"{path}: eval")
     raw = _raw_arms(data, path)
-    arms, settings = [], None
+    arms, settings, first_cfg = [], None, None
+
+    def load(where: str, overrides: list[str]):
+        try:
+            return load_config(config, overrides)
+        except ConfigError as err:
+            raise SpecError(f"{where}: {err}") from None
+        except (OSError, ValueError) as err:  # e.g. a preset YAML that does not parse
+            raise SpecError(f"{where}: {err}") from None
+
     for arm_name, arm_raw in raw:
-        label, paper, paper_ov, arm_ov = _arm_parts(arm_name, arm_raw, scale, path)
+        where = f"{path}: arm {arm_name!r}"
+        label, paper, paper_ov, arm_ov, lr_raw = _arm_parts(arm_name, arm_raw, scale, path)
+        own_lr = lr_raw is not _UNSET
+        lr, lr_ov = _lr(lr_raw if own_lr else data.get("lr"), where)
+        if (lr is not None or lr_ov) and "optim.lr" in _keys(arm_ov + extras):
+            raise SpecError(f"{where}: optim.lr is set by `lr:` ({lr_raw if own_lr else data.get('lr')!r}); "
+                            "remove the override or the arm's `lr:`")
         tool = [f"train.eval_depth={plan_eval.depth}", "logging.progress=false",
                 f"logging.name=repro-{name}-{scale}-{arm_name}"]
-        full = [*paper_ov, *scale_ov, *common, *arm_ov, *extras, *tool]
-        try:
-            cfg = load_config(config, full)
-        except ConfigError as err:
-            raise SpecError(f"{path}: arm {arm_name!r}: {err}") from None
-        except (OSError, ValueError) as err:  # e.g. a preset YAML that does not parse
-            raise SpecError(f"{path}: arm {arm_name!r}: {err}") from None
+        full = [*paper_ov, *scale_ov, *common, *arm_ov, *lr_ov, *extras, *tool]
+        cfg = load(where, full)
+        first_cfg = first_cfg or cfg
         mine = {"seed": cfg.train.seed, "max_steps": cfg.train.max_steps, "stop_after": cfg.train.stop_after,
                 "global_batch_size": cfg.train.global_batch_size, "seq_len": cfg.model.seq_len,
                 "data_path": cfg.data.path, "shuffle": cfg.data.shuffle, "shuffle_seed": cfg.data.shuffle_seed}
@@ -410,25 +497,64 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
             settings = mine
         elif mine != settings:
             diff = ", ".join(f"{k} {settings[k]!r} vs {mine[k]!r}" for k in mine if mine[k] != settings[k])
-            raise SpecError(f"{path}: arm {arm_name!r}: differs from the first arm in {diff}; seeds, data "
+            raise SpecError(f"{where}: differs from the first arm in {diff}; seeds, data "
                             "and budget must be the same for every arm")
-        arms.append(Arm(name=arm_name, label=label, overrides=full, looped=cfg.model.looped,
-                        depth_kind=cfg.depth.kind, paper_arm=paper))
+        arm = Arm(name=arm_name, label=label, overrides=full, looped=cfg.model.looped,
+                  depth_kind=cfg.depth.kind, paper_arm=paper, lr=lr)
+        if seeds is None:
+            arms.append(arm)
+            continue
+        for seed in seeds:
+            run = f"{arm_name}.seed{seed}"
+            if not ARM_NAME.match(run):
+                raise SpecError(f"{where}: run name {run!r} is too long (arm names with seeds: <= 72 characters)")
+            arms.append(Arm(**{**vars(arm), "name": run, "group": arm_name, "seed": seed,
+                               "overrides": [*full, f"train.seed={seed}"]}))
+    names = {a for a, _ in raw}
+    runs = [a.name for a in arms]
+    clash = sorted({r for r in runs if r in names and seeds is not None} | {r for r in runs if runs.count(r) > 1})
+    if clash:
+        raise SpecError(f"{path}: arm {clash[0]!r}: the name of a seeded run of another arm; rename the arm")
+    screen = None
+    for arm in arms:
+        if arm.lr and arm.lr.startswith("same_as:"):
+            target = arm.lr.split(":", 1)[1]
+            ref = next((a for a in arms if a.arm == target), None)
+            if ref is None or ref.lr != "screen":
+                why = "is not an arm of this experiment" if ref is None else "does not screen its LR (lr: screen)"
+                raise SpecError(f"{path}: arm {arm.arm!r}: lr: same_as {target!r} {why}")
+        if arm.lr == "screen" and screen is None:
+            try:
+                screen = screen_plan(screen_raw, config, first_cfg)
+            except ConfigError as err:
+                raise SpecError(f"{path}: scales.{scale}.screen{err}") from None
+    if screen is not None:  # every grid point of every screened arm must be a valid config
+        for arm in arms:
+            if arm.lr == "screen" and arm.seed in (None, (seeds or [None])[0]):
+                for lr in screen.grid:
+                    load(f"{path}: arm {arm.arm!r}: LR screen point {lr:g}",
+                         [*arm.overrides, f"optim.lr={lr!r}", f"train.stop_after={screen.stop_after}"])
     if only:
-        names = {a.name for a in arms}
         for o in only:
-            if o not in names:
-                raise SpecError(f"--arms: {o!r} is not an arm of {path} (arms: {', '.join(a.name for a in arms)})")
-        arms = [a for a in arms if a.name in only]
+            if o not in names and o not in runs:
+                raise SpecError(f"--arms: {o!r} is not an arm of {path} (arms: {', '.join(a for a, _ in raw)})")
+        keep = set(only)
+        for arm in arms:  # an arm that reuses a screened rate needs that arm's screen
+            if arm.lr and arm.lr.startswith("same_as:") and (arm.name in keep or arm.arm in keep):
+                keep.add(arm.lr.split(":", 1)[1])
+        arms = [a for a in arms if a.name in keep or a.arm in keep]
     assert settings is not None
     settings["tokens_per_step"] = settings["global_batch_size"] * settings["seq_len"]
-    claims = _claims(data, {a for a, _ in raw}, path)
+    if seeds is not None:
+        settings["seeds"] = seeds
+    claims = _claims(data, names, path)
     if only:
-        claims = [c for c in claims if set(c.arms + ([c.relative_to] if c.relative_to else [])) <= set(only)]
+        groups = {a.arm for a in arms}
+        claims = [c for c in claims if set(c.arms + ([c.relative_to] if c.relative_to else [])) <= groups]
     return Plan(experiment=name, description=str(data.get("description") or "").strip(), source=str(path),
                 scale=scale, config=config, note=note, arms=arms, eval=plan_eval, claims=claims,
-                extras=extras, settings=settings)
+                extras=extras, settings=settings, seeds=seeds, screen=screen)
 
 
-__all__ = ["Arm", "Claim", "EvalPlan", "METRICS", "Plan", "SpecError", "experiment_path", "identity_overrides",
+__all__ = ["Arm", "Claim", "EvalPlan", "METRICS", "Plan", "ScreenPlan", "SpecError", "experiment_path", "identity_overrides",
            "load_plan", "read_experiment", "shipped_experiments"]

@@ -101,3 +101,41 @@ def test_train_summary_dedupes_resumed_steps() -> None:
     rows[-1]["model_flops_total"] = 5.5  # the trainer's cumulative count wins
     assert train_summary(rows, 100, looped=True)["train_flops"] == 5.5
     assert "prior_mean" not in train_summary(rows, 100, looped=False)
+
+
+def _seeded(name: str, seed: int, status: str = "done", **metrics) -> dict:
+    label = {"orthoinj": "OrthoInj", "parcae_decay": "Parcae-Decay"}[name]
+    a = _arm(f"{name}.seed{seed}", label, True, status=status, **metrics)
+    return {**a, "group": name, "seed": seed, "lr": 0.002}
+
+
+def test_seeds_are_averaged_and_claims_get_computed_verdicts(tmp_path: Path, tool, capsys) -> None:
+    res = json.loads(json.dumps(RESULTS))
+    res["seeds"] = [0, 1, 2]
+    res["arms"] = [_seeded("orthoinj", s, native_ppl=p, terminal_ppl=p + 1) for s, p in enumerate((100.0, 102.0, 104.0))]
+    res["arms"] += [_seeded("parcae_decay", s, native_ppl=110.0, terminal_ppl=t) for s, t in enumerate((115.0, 116.0, 114.0))]
+    res["arms"].append(_seeded("parcae_decay", 3, status="partial", native_ppl=1.0, terminal_ppl=1.0))
+    res["claims"][0]["expect"] = [{"arm": "orthoinj", "metric": "terminal_ppl", "vs": "parcae_decay", "op": "<"}]
+    res["claims"][1]["expect"] = [{"arm": "orthoinj", "metric": "extrapolation_pct", "op": ">", "value": 25}]
+    md = render_markdown(res)
+    row = next(line for line in md.splitlines() if line.startswith("| OrthoInj"))
+    assert row.startswith("| OrthoInj (`orthoinj`) | 0.002 | 102.00 ± 2.00 | 103.00 ± 2.00 |")
+    pd = next(line for line in md.splitlines() if line.startswith("| Parcae-Decay"))
+    assert "[partial]" in pd and "110.00 ± 0.00 |" in pd and "115.00 ± 1.00" in pd  # the unfinished seed is left out
+    c10 = next(line for line in md.splitlines() if line.startswith("| C10"))
+    assert "**holds (3 seeds)**" in c10 and "n=3" in c10  # terminal PPL −10.4 % ± 2 %: the interval is below 0
+    c1 = next(line for line in md.splitlines() if line.startswith("| C1 "))
+    assert "**not measured**" in c1  # no extrapolation figure in these runs
+    assert "mean ± sample sd over the seeds" in md and "| `orthoinj.seed1` | done | 1 | 0.002 |" in md
+    # --render --experiment takes the claims of the experiment file as it is now and recomputes verdicts
+    src = tmp_path / "results.json"
+    src.write_text(json.dumps(res))
+    yaml = tmp_path / "inj.yaml"
+    yaml.write_text("scales: {tiny: {config: tiny}}\narms:\n  orthoinj: model.injection=orthoinj\n"
+                    "  parcae_decay: model.injection=parcae_decay\nclaims:\n"
+                    "  - {id: X, claim: c, paper: p, metrics: [terminal_ppl], arms: [orthoinj], relative_to: parcae_decay,\n"
+                    "     expect: {arm: orthoinj, metric: terminal_ppl, vs: parcae_decay, op: '>'}}\n")
+    assert tool.main(["--render", str(src), "--experiment", str(yaml)]) == 0
+    assert "X: opposite (3 seeds)" in capsys.readouterr().out
+    saved = json.loads(src.read_text())
+    assert [c["id"] for c in saved["claims"]] == ["X"] and saved["verdicts"][0]["verdict"] == "opposite"

@@ -126,6 +126,7 @@ def test_shipped_experiments(name: str) -> None:
         assert {a.name for a in plan.arms} == EXPECTED_ARMS[name], scale
         assert plan.eval.depth == 5 and max(plan.eval.depths) == 64 and plan.eval.sharing
         assert plan.claims and all(c.id.startswith("C") for c in plan.claims)
+        assert all(c.expect for c in plan.claims)  # every claim row gets a computed verdict
     tiny = plans["tiny"]
     assert tiny.config == "tiny" and 250 <= tiny.settings["max_steps"] <= 600 and tiny.eval.max_seqs
     assert plans["S"].settings["max_steps"] == 20000 and plans["L"].settings["global_batch_size"] == 1024
