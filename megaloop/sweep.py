@@ -447,7 +447,7 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
     """Run (or, dry, print) ``todo``; returns the exit status so far (130: interrupted) and the runs
     still in slurm. ``sbatch`` failures raise :class:`SubmitError`."""
     if launch.dry_run:
-        if launch.launcher == "slurm":
+        if launch.launcher == "slurm" and todo:
             submit(sweep, todo, launch)
         for r in todo if launch.launcher == "local" else ():
             steps = ([megaloop_command(["train", *r.train_args()], launch.nproc)] if r.train else []) + \

@@ -157,3 +157,13 @@ def test_seeds_on_the_command_line(tool, capsys, tmp_path: Path) -> None:
         assert tool.main(["--experiment", str(path), "--scale", "test", "--out", str(out), "--dry-run",
                           f"--seeds={bad}"]) == 2
         assert "--seeds: expected" in capsys.readouterr().err
+
+
+def test_slurm_dry_run_submits_the_screen_and_lists_waiting_arms(tool, capsys, tmp_path: Path) -> None:
+    path, out = _yaml(tmp_path, SCREENED), tmp_path / "out"
+    assert tool.main(["--experiment", str(path), "--scale", "test", "--out", str(out), "--dry-run",
+                      "--launcher", "slurm"]) == 0
+    text = capsys.readouterr().out
+    (sbatch,) = [line for line in text.splitlines() if "sbatch" in line]  # one array: the screen's 3 points
+    assert "--array=0-2 " in sbatch
+    assert "task 2 full/lr_0.004: megaloop train" in text and "full: waiting for its LR screen" in text
