@@ -105,6 +105,7 @@ class MegaloopConfig(PreTrainedConfig):
         embedding_multiplier: float = 1.0,
         qk_norm: bool = False,
         input_norm: bool = False,
+        sandwich_norm: bool = False,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -146,6 +147,7 @@ class MegaloopConfig(PreTrainedConfig):
         self.embedding_multiplier = float(embedding_multiplier)  # on the embedding output (not on inputs_embeds)
         self.qk_norm = bool(qk_norm)  # RMSNorm on each head's q and k before RoPE
         self.input_norm = bool(input_norm)  # the injection reads RMSNorm_g(e)
+        self.sandwich_norm = bool(sandwich_norm)  # RMSNorm of the residual stream after each residual add
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

@@ -207,6 +207,8 @@ _LAYER_MAP = {  # native suffix -> HF suffix (1:1)
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "post_attn_norm.weight": "post_attn_norm.weight",  # sandwich_norm
+    "post_mlp_norm.weight": "post_mlp_norm.weight",
 }
 _GROUPS = ("prelude", "core", "coda", "layers")
 
@@ -304,7 +306,7 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std_value,
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
         embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, input_norm=mcfg.input_norm,
-        bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
+        sandwich_norm=mcfg.sandwich_norm, bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
 
 
@@ -325,7 +327,8 @@ def native_config_from_hf(cfg: MegaloopConfig):
         deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
         norm_eps=cfg.rms_norm_eps, transformer_impl="local",
         embed_scale=float(getattr(cfg, "embedding_multiplier", 1.0)), qk_norm=bool(getattr(cfg, "qk_norm", False)),
-        input_norm=bool(getattr(cfg, "input_norm", False)))
+        input_norm=bool(getattr(cfg, "input_norm", False)),
+        sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)))
 
 
 def _pad_multiple(v: int) -> int:

@@ -115,7 +115,9 @@ class MegaloopEmbedding(nn.Embedding):
 
 
 class MegaloopLayer(nn.Module):
-    """Pre-norm transformer layer; returns (output, this layer's new (k, v))."""
+    """Pre-norm transformer layer; returns (output, this layer's new (k, v)). With
+    ``config.sandwich_norm`` (Huginn's sandwich block) the residual stream is renormalised after
+    each residual add by ``post_attn_norm`` / ``post_mlp_norm``."""
 
     def __init__(self, config: MegaloopConfig, inject: bool = False):
         super().__init__()
@@ -123,8 +125,15 @@ class MegaloopLayer(nn.Module):
         self.self_attn = MegaloopAttention(config, inject=inject)
         self.post_attention_layernorm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MegaloopMLP(config)
+        self.sandwich = bool(getattr(config, "sandwich_norm", False))
+        if self.sandwich:
+            self.post_attn_norm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_mlp_norm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope, mask, past, e=None):
         a, kv = self.self_attn(self.input_layernorm(x), rope, mask, past, e)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), kv
+        if self.sandwich:
+            x = self.post_attn_norm(x)
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return (self.post_mlp_norm(x) if self.sandwich else x), kv

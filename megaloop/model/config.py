@@ -65,6 +65,9 @@ class ModelConfig:
     # init_std/√(2·physical layers); 0 = zero init (Parcae's "scaled-zero")
     out_init_std: float | None = None
     qk_norm: bool = False  # RMSNorm (learned gains) on each head's queries and keys before RoPE
+    # Huginn's sandwich blocks: the residual stream is renormalised after each residual add,
+    # x <- RMSNorm(x + attn(RMSNorm(x))), x <- RMSNorm(x + mlp(RMSNorm(x))), learned gains; every layer
+    sandwich_norm: bool = False
     # learned-gain RMSNorm on the prelude output e where the injection reads it (Parcae's
     # prelude_norm). parcae_decay always has it (its recipe); deq_qkv reads e in its core layers
     input_norm: bool = False
@@ -177,7 +180,8 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     d, f = cfg.hidden_size, cfg.ffn_size
     kv = d * cfg.groups // cfg.num_heads
     hd = d // cfg.num_heads
-    layer = d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d + (2 * hd if cfg.qk_norm else 0)  # qkv, proj, SwiGLU, norms
+    layer = (d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d + (2 * hd if cfg.qk_norm else 0)  # qkv, proj, SwiGLU, norms
+             + (2 * d if cfg.sandwich_norm else 0))
     v = cfg.padded_vocab(vocab_size)
     emb = v * d
     head = 0 if cfg.tie_embeddings else v * d

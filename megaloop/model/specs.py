@@ -22,6 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megaloop.config_utils import ConfigError
 from megaloop.model.config import ModelConfig
@@ -42,6 +43,31 @@ class RMSNorm(MegatronModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _normed_bda(bda: Any, norm: torch.nn.Module) -> Any:
+    """megatron's bias-dropout-add factory ``bda(training, fused)(out_with_bias, residual, p)``
+    followed by ``norm`` on its result (the residual sum)."""
+    def factory(training: bool, fused: bool) -> Any:
+        add = bda(training, fused)
+        return lambda out_with_bias, residual, prob: norm(add(out_with_bias, residual, prob))
+    return factory
+
+
+class SandwichTransformerLayer(TransformerLayer):
+    """Huginn's sandwich block on megatron's layer: [s, b, h] -> [s, b, h] with
+    ``x <- post_attn_norm(x + attn(input_layernorm(x)))``, ``x <- post_mlp_norm(x + mlp(pre_mlp_layernorm(x)))``.
+
+    The two learned-gain RMSNorms wrap megatron's bias-dropout-add, so everything else (TP, SP,
+    recompute, the TE spec) is megatron's layer unchanged.
+    """
+
+    def __init__(self, config: TransformerConfig, submodules: Any, *args: Any, **kwargs: Any):
+        super().__init__(config, submodules, *args, **kwargs)
+        self.post_attn_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_mlp_norm = RMSNorm(config, config.hidden_size, eps=config.layernorm_epsilon)
+        self.self_attn_bda = _normed_bda(self.self_attn_bda, self.post_attn_norm)
+        self.mlp_bda = _normed_bda(self.mlp_bda, self.post_mlp_norm)
 
 
 def rms_norm_noparam(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -142,6 +168,8 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
             spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if deq_inject:
         spec.submodules.self_attention.module = DEQInjectedSelfAttention
+    if cfg.sandwich_norm:
+        spec.module = SandwichTransformerLayer
     return spec
 
 

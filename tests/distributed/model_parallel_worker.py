@@ -1,5 +1,5 @@
 """TP=2 (± sequence parallel) vs TP=1: logits and parameter gradients of every injection variant
-and of the optional model pieces (QK-norm, normalised injection input, tied embeddings).
+and of the optional model pieces (QK-norm, normalised injection input, tied embeddings, sandwich norms).
 
 torchrun --nproc_per_node 2|4 tests/distributed/model_parallel_worker.py
 """
@@ -17,8 +17,8 @@ TOL = 1e-5
 
 # name -> ModelConfig overrides: every injection, then the optional pieces on one of them
 VARIANTS = {inj: {"injection": inj} for inj in INJECTIONS}
-VARIANTS["qk_norm+input_norm+tied"] = {"injection": "parcae_nonorm", "qk_norm": True, "input_norm": True,
-                                       "tie_embeddings": True}
+VARIANTS["qk_norm+input_norm+tied+sandwich"] = {"injection": "parcae_nonorm", "qk_norm": True, "input_norm": True,
+                                                "tie_embeddings": True, "sandwich_norm": True}
 
 
 def run(inj: str, tp: int, sp: bool):

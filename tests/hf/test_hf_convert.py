@@ -28,7 +28,7 @@ VARIANTS = {  # name -> ModelConfig overrides
     "orthoinj_early": dict(injection="orthoinj_early"),
     # learning-parity options: embedding scale, QK-norm, input norm, zero-init output projections
     "huginn_options": dict(injection="huginn_linear", embed_scale="sqrt_d", qk_norm=True, input_norm=True,
-                           tie_embeddings=True, out_init_std=0.0, num_query_groups=2),
+                           tie_embeddings=True, out_init_std=0.0, num_query_groups=2, sandwich_norm=True),
     "nonorm_options": dict(injection="parcae_nonorm", input_norm=True, qk_norm=True, embed_scale=2.5),
 }
 
@@ -120,6 +120,14 @@ def test_conversion_validates_and_writes_folder(converted):
         gen = json.loads((hf / "generation_config.json").read_text())
         assert gen["eos_token_id"] == 0 and gen["suppress_tokens"] == list(range(VOCAB, 256))
     assert converted["parcae_decay"]["report"]["step"] == 3
+    # sandwich norms (Huginn's blocks) travel as config + two gains per layer, and were validated above
+    sandwich = converted["huginn_options"]["hf"]
+    assert json.loads((sandwich / "config.json").read_text())["sandwich_norm"] is True
+    from safetensors import safe_open
+
+    with safe_open(str(sandwich / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert {f"model.{g}.0.{n}.weight" for g in ("prelude", "core", "coda") for n in ("post_attn_norm", "post_mlp_norm")} <= keys
 
 
 def test_isolated_load_matches_native(converted, tmp_path):

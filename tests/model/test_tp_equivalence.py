@@ -14,4 +14,4 @@ def test_tp_matches_tp1(nproc):
     assert "ALL OK" in out
     # 5 injections × layouts (tp=2 ±sp; with 4 ranks also tp=4 ±sp)
     assert out.count("OK ") >= (10 if nproc == 2 else 20)
-    assert out.count("OK qk_norm+input_norm+tied") == (2 if nproc == 2 else 4)
+    assert out.count("OK qk_norm+input_norm+tied+sandwich") == (2 if nproc == 2 else 4)
