@@ -10,7 +10,7 @@ import dataclasses
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -19,6 +19,13 @@ from megaloop.errors import UserError
 
 class ConfigError(UserError, ValueError):
     """A config value is invalid; the message names the field."""
+
+
+def check_keys(mapping: dict, known: Sequence[str], where: str, error: type[Exception] = ConfigError) -> None:
+    """Raise ``error`` naming ``where`` and every key of ``mapping`` that is not in ``known``."""
+    unknown = sorted(map(str, set(mapping) - set(known)))
+    if unknown:
+        raise error(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
 
 
 def require(cond: bool, field: str, msg: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megaloop.config_utils import ConfigError
+from megaloop.config_utils import ConfigError, check_keys
 
 SCREEN_KEYS = ("range", "grid", "points", "stop_after", "eval_depth", "eval_batches", "screen_set")
 
@@ -57,9 +57,7 @@ def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping with {' / '.join(SCREEN_KEYS)}")
-    unknown = sorted(set(raw) - set(SCREEN_KEYS))
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(SCREEN_KEYS)})")
+    check_keys(raw, SCREEN_KEYS, where)
     defaults = SCALE_DEFAULTS.get(scale_of(config) or "", {})
 
     def lrs(v: Any, key: str) -> list[float]:

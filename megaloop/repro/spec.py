@@ -54,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from megaloop.config_utils import ConfigError
+from megaloop.config_utils import ConfigError, check_keys
 from megaloop.errors import UserError
 from megaloop.repro.screens import ScreenPlan, as_rate, screen_plan
 from megaloop.repro.verdicts import parse_checks
@@ -292,9 +292,7 @@ def read_experiment(path: Path) -> dict:
         raise SpecError(f"{path}: cannot read ({err.strerror})") from None
     if not isinstance(data, dict):
         raise SpecError(f"{path}: expected a mapping with an `arms:` section")
-    unknown = sorted(set(data) - set(TOP_KEYS))
-    if unknown:
-        raise SpecError(f"{path}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(TOP_KEYS)})")
+    check_keys(data, TOP_KEYS, path, SpecError)
     return data
 
 
@@ -345,9 +343,7 @@ def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | 
         raise SpecError(f"{where}: empty arm (give overrides, or [] for the scale's config unchanged)")
     label, paper, paper_ov, lr = name, None, [], _UNSET
     if isinstance(raw, dict):
-        unknown = sorted(set(raw) - set(ARM_KEYS))
-        if unknown:
-            raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(ARM_KEYS)})")
+        check_keys(raw, ARM_KEYS, where, SpecError)
         if not {"arm", "overrides", "scales", "lr"} & set(raw):
             raise SpecError(f"{where}: empty arm (no `arm:` or `overrides:`)")
         label, paper, lr = str(raw.get("label") or name), raw.get("arm"), raw.get("lr", _UNSET)
@@ -402,9 +398,7 @@ def _scale(data: dict, scale: str, path: Path) -> tuple[str, list[str], dict, st
     where = f"{path}: scales.{scale}"
     if not isinstance(s, dict):
         raise SpecError(f"{where}: expected a mapping with config / overrides / eval / note")
-    unknown = sorted(set(s) - set(SCALE_KEYS))
-    if unknown:
-        raise SpecError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(SCALE_KEYS)})")
+    check_keys(s, SCALE_KEYS, where, SpecError)
     config = s.get("config", scale)
     if not isinstance(config, str):
         raise SpecError(f"{where}: config: expected a preset name or YAML path, got {config!r}")
@@ -420,9 +414,7 @@ def _claims(data: dict, names: set[str], path: Path) -> list[Claim]:
         where = f"{path}: claims[{i}]"
         if not isinstance(c, dict):
             raise SpecError(f"{where}: expected a mapping with id / claim / paper / metrics / arms")
-        unknown = sorted(set(c) - set(CLAIM_KEYS))
-        if unknown:
-            raise SpecError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(CLAIM_KEYS)})")
+        check_keys(c, CLAIM_KEYS, where, SpecError)
         missing = [k for k in ("id", "claim", "paper", "metrics", "arms") if k not in c]
         if missing:
             raise SpecError(f"{where}: missing {', '.join(missing)}")

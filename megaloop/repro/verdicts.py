@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from megaloop.config_utils import ConfigError
+from megaloop.config_utils import ConfigError, check_keys
 
 OPS = (">", "<", "within")
 DIFFS = ("relative", "absolute")
@@ -113,9 +113,7 @@ def parse_checks(raw: Any, arms: set[str], metrics: set[str]) -> list[Check]:
         where = f"expect[{i}]"
         if not isinstance(c, dict):
             raise ConfigError(f"{where}: expected a mapping with arm / metric / op")
-        unknown = sorted(set(c) - set(CHECK_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(str, unknown))} (known: {', '.join(CHECK_KEYS)})")
+        check_keys(c, CHECK_KEYS, where)
         missing = [k for k in ("arm", "metric", "op") if k not in c]
         if missing:
             raise ConfigError(f"{where}: missing {', '.join(missing)}")
