@@ -42,12 +42,15 @@ import torch  # noqa: E402
 MEGALOOP_CONFIGS: dict[str, list[str]] = {
     "default": [],
     # Huginn's code (nebel-raven-3.5b at this shape): takase init (std √(2/5d), residual outputs
-    # std/√(2·(1 + 2·5 + 1))), embeddings ×√d, tied, like-init state (std √(2/5d)·√d), rope 50k;
-    # its sandwich blocks end in a norm: e is normalised (input_norm) and so is the core output
-    # (huginn_linear's exit norm, parameter-free here). Not matched: sandwich norms inside the
-    # blocks, QK biases, the bias-free adapter.
+    # std/√(2·(1 + 2·5 + 1))), embeddings ×√d, tied, like-init state (std √(2/5d)·√d), rope 50k,
+    # sandwich blocks (x <- norm(x + attn(norm(x))), x <- norm(x + mlp(norm(x)))): so e and the core
+    # output already leave a learned-gain norm (no input_norm, no extra exit norm). Not matched: QK
+    # biases, the bias-free adapter. (Before sandwich_norm existed, input_norm=true and the
+    # parameter-free exit norm stood in for the blocks' final norms: results/parity/steps*/
+    # huginn_matched.json were made with that definition, which their `overrides` field records.)
     "huginn_matched": ["model.injection=huginn_linear", "model.init_std=small", "model.embed_scale=sqrt_d",
-                       "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.input_norm=true",
+                       "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.sandwich_norm=true",
+                       "model.input_norm=false", "model.exit_norm=false",
                        "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false"],
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
