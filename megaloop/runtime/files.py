@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -11,10 +12,12 @@ from typing import Any
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename."""
+    """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename. The file
+    gets the mode a plain ``open`` would give it (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -24,6 +27,14 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+@functools.cache
+def _umask() -> int:
+    """The process umask (read once: reading it means setting it, which is process-wide)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
