@@ -40,7 +40,7 @@ from megaloop.repro import report as rep
 from megaloop.repro.evaluate import checkpoint_step, evaluate_arm
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
-from megaloop.repro.spec import Plan, load_plan, shipped_experiments
+from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
 from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
 
 PROG = "megaloop reproduce"
@@ -88,9 +88,7 @@ def _seeds(args: argparse.Namespace) -> list[int] | None:
         seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
-    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
-        raise UserError(f"--seeds: expected distinct integers >= 0, got {args.seeds!r}")
-    return seeds
+    return check_seeds(seeds, "--seeds")
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -110,7 +108,7 @@ def render(args: argparse.Namespace) -> int:
         if missing:
             raise UserError(f"--experiment: {args.experiment} claims arms {missing} that {path} does not hold")
         results["claims"] = [c.__dict__ for c in plan.claims]
-        results["verdicts"] = [{"id": c["id"], **v} for c, v in zip(results["claims"], rep.verdicts(results))]
+        rep.add_verdicts(results)
         if path.name == "results.json":
             rep.write_results(path.parent, results)
     outputs = rep.render(results, Path(args.out) if args.out else path.parent)

@@ -20,7 +20,7 @@ from typing import Any
 from megaloop.repro.evaluate import SUMMARY, machine
 from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
-from megaloop.repro.verdicts import Check, check_text, claim_verdict, verdict_text
+from megaloop.repro.verdicts import Check, check_text, claim_verdict, mean_sd, verdict_text
 from megaloop.runtime.files import atomic_write_json
 from megaloop.train.metrics import read_metrics
 from megaloop.runtime.files import save_figure
@@ -158,8 +158,7 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
            "claims": [c.__dict__ for c in plan.claims], "arms": arms, "screens": screens,
            "machine": machines[0] if machines else machine(), "launcher": launcher or {},
            "complete": all(a["status"] == "done" for a in arms), "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
-    res["verdicts"] = [{"id": c["id"], **v} for c, v in zip(res["claims"], verdicts(res))]
-    return res
+    return add_verdicts(res)
 
 
 def groups(results: dict) -> list[dict]:
@@ -182,8 +181,7 @@ def groups(results: dict) -> list[dict]:
             xs = [a["metrics"][k] for a in done if _finite(a["metrics"].get(k))]
             if len(xs) != len(done):
                 continue
-            mean[k] = sum(xs) / len(xs)
-            sd[k] = math.sqrt(sum((x - mean[k]) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else None
+            mean[k], sd[k] = mean_sd(xs)
         status = "done" if len(done) == len(runs) else ", ".join(sorted({a["status"] for a in runs if a["status"] != "done"}))
         rows.append({**g, "runs": [a["name"] for a in runs], "n": len(done), "status": status,
                      "lr": sorted({a["lr"] for a in runs if a.get("lr") is not None}), "mean": mean, "sd": sd})
@@ -197,6 +195,12 @@ def verdicts(results: dict) -> list[dict]:
         if a["status"] == "done":
             by_seed.setdefault(a.get("group") or a["name"], {})[a.get("seed")] = a["metrics"]
     return [claim_verdict([Check(**c) for c in claim.get("expect") or []], by_seed) for claim in results["claims"]]
+
+
+def add_verdicts(results: dict) -> dict:
+    """``results["verdicts"]``: each claim's id and computed verdict; returns ``results``."""
+    results["verdicts"] = [{"id": c["id"], **v} for c, v in zip(results["claims"], verdicts(results))]
+    return results
 
 
 def write_results(out: Path, results: dict) -> Path:
@@ -459,5 +463,5 @@ def print_table(results: dict) -> None:
             print(f"  {c['id']}: {verdict_text(v)} — {c['claim']}")
 
 
-__all__ = ["cell", "collect", "claim_measured", "fmt", "groups", "print_table", "render", "render_markdown",
+__all__ = ["add_verdicts", "cell", "collect", "claim_measured", "fmt", "groups", "print_table", "render", "render_markdown",
            "train_summary", "verdicts", "write_results"]

@@ -160,7 +160,7 @@ def resolve_lrs(out: Path, plan: Plan) -> tuple[Plan, dict[str, dict], list[str]
     results = {g: screen_result(out, plan, g) for g in screened_groups(plan)}
     arms, waiting = [], []
     for arm in plan.arms:
-        source = arm.arm if arm.lr == "screen" else arm.lr.split(":", 1)[1] if arm.lr else None
+        source = arm.lr_source
         if source is None:
             arms.append(arm)
             continue

@@ -215,6 +215,13 @@ class Arm:
     def arm(self) -> str:
         return self.group or self.name
 
+    @property
+    def lr_source(self) -> str | None:
+        """The file arm whose LR screen sets this run's rate (itself for ``lr: screen``), or None."""
+        if self.lr == "screen":
+            return self.arm
+        return self.lr.split(":", 1)[1] if self.lr else None
+
 
 @dataclass
 class Plan:
@@ -370,19 +377,21 @@ def _lr(value: Any, where: str) -> tuple[str | None, list[str]]:
         return "screen", []
     if isinstance(value, dict) and list(value) == ["same_as"] and isinstance(value["same_as"], str):
         return f"same_as:{value['same_as']}", []
-    if as_rate(value) is not None:
-        return None, [f"optim.lr={as_rate(value)!r}"]
+    rate = as_rate(value)
+    if rate is not None:
+        return None, [f"optim.lr={rate!r}"]
     raise SpecError(f"{where}: lr: expected a positive number, `screen` or {{same_as: ARM}}, got {value!r}")
 
 
-def _seeds(value: Any, path: Path) -> list[int] | None:
+def check_seeds(value: Any, where: str) -> list[int] | None:
+    """A seed list (the file's ``seeds:`` or ``--seeds``): distinct integers >= 0, or None."""
     if value is None:
         return None
     if (not isinstance(value, list) or not value
             or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)):
-        raise SpecError(f"{path}: seeds: expected a non-empty list of integers >= 0, got {value!r}")
+        raise SpecError(f"{where}: expected a non-empty list of integers >= 0, got {value!r}")
     if len(set(value)) != len(value):
-        raise SpecError(f"{path}: seeds: {value!r} repeats a seed")
+        raise SpecError(f"{where}: expected distinct seeds: {value!r} repeats a seed")
     return list(value)
 
 
@@ -452,7 +461,7 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     config, scale_ov, scale_eval, note, screen_raw = _scale(data, scale, path)
     common = _overrides(data.get("common"), f"{path}: common")
     extras = _overrides(list(extras or []), "command-line override")
-    seeds = seeds if seeds is not None else _seeds(data.get("seeds"), path)
+    seeds = seeds if seeds is not None else check_seeds(data.get("seeds"), f"{path}: seeds")
     if seeds is not None and "train.seed" in _keys(extras):
         raise SpecError(f"command-line override train.seed: {path} runs its own seeds {seeds}; drop the override")
     if data.get("eval") is not None and not isinstance(data["eval"], dict):
@@ -508,32 +517,30 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     if clash:
         raise SpecError(f"{path}: arm {clash[0]!r}: the name of a seeded run of another arm; rename the arm")
     screen = None
+    screened = {a.arm: a for a in reversed(arms) if a.lr == "screen"}  # file arm -> its first run
     for arm in arms:
-        if arm.lr and arm.lr.startswith("same_as:"):
-            target = arm.lr.split(":", 1)[1]
-            ref = next((a for a in arms if a.arm == target), None)
-            if ref is None or ref.lr != "screen":
-                why = "is not an arm of this experiment" if ref is None else "does not screen its LR (lr: screen)"
-                raise SpecError(f"{path}: arm {arm.arm!r}: lr: same_as {target!r} {why}")
-        if arm.lr == "screen" and screen is None:
-            try:
-                screen = screen_plan(screen_raw, config, first_cfg)
-            except ConfigError as err:
-                raise SpecError(f"{path}: scales.{scale}.screen{err}") from None
-    if screen is not None:  # every grid point of every screened arm must be a valid config
-        for arm in arms:
-            if arm.lr == "screen" and arm.seed in (None, (seeds or [None])[0]):
-                for lr in screen.grid:
-                    load(f"{path}: arm {arm.arm!r}: LR screen point {lr:g}",
-                         [*arm.overrides, f"optim.lr={lr!r}", f"train.stop_after={screen.stop_after}"])
+        target = arm.lr_source
+        if target is not None and target not in screened:
+            why = ("does not screen its LR (lr: screen)" if target in names
+                   else "is not an arm of this experiment")
+            raise SpecError(f"{path}: arm {arm.arm!r}: lr: same_as {target!r} {why}")
+    if screened:
+        try:
+            screen = screen_plan(screen_raw, config, first_cfg)
+        except ConfigError as err:
+            raise SpecError(f"{path}: scales.{scale}.screen{err}") from None
+        for arm in screened.values():  # every grid point of every screen must be a valid config
+            for lr in screen.grid:
+                load(f"{path}: arm {arm.arm!r}: LR screen point {lr:g}",
+                     [*arm.overrides, f"optim.lr={lr!r}", f"train.stop_after={screen.stop_after}"])
     if only:
         for o in only:
             if o not in names and o not in runs:
                 raise SpecError(f"--arms: {o!r} is not an arm of {path} (arms: {', '.join(a for a, _ in raw)})")
         keep = set(only)
         for arm in arms:  # an arm that reuses a screened rate needs that arm's screen
-            if arm.lr and arm.lr.startswith("same_as:") and (arm.name in keep or arm.arm in keep):
-                keep.add(arm.lr.split(":", 1)[1])
+            if arm.lr_source and (arm.name in keep or arm.arm in keep):
+                keep.add(arm.lr_source)
         arms = [a for a in arms if a.name in keep or a.arm in keep]
     assert settings is not None
     settings["tokens_per_step"] = settings["global_batch_size"] * settings["seq_len"]

@@ -131,7 +131,8 @@ def parse_checks(raw: Any, arms: set[str], metrics: set[str]) -> list[Check]:
     return out
 
 
-def _stats(xs: list[float]) -> tuple[float, float | None]:
+def mean_sd(xs: list[float]) -> tuple[float, float | None]:
+    """Mean and sample standard deviation (None for fewer than 2 values) of ``xs``."""
     n = len(xs)
     mean = sum(xs) / n
     if n < 2:
@@ -148,7 +149,7 @@ def check_verdict(check: Check, by_seed: dict[str, dict[Any, dict]]) -> dict:
     if not xs or any(x is None for x in xs):
         out["verdict"] = MISSING
         return out
-    mean, sd = _stats([float(x) for x in xs])  # type: ignore[arg-type]
+    mean, sd = mean_sd([float(x) for x in xs])  # type: ignore[arg-type]
     margin = max(check.noise, t975(len(xs) - 1) * sd / math.sqrt(len(xs)) if sd is not None else 0.0)
     out.update(mean=mean, sd=sd, margin=margin)
     if check.op == "within":
@@ -198,4 +199,4 @@ def check_text(r: dict) -> str:
 
 
 __all__ = ["Check", "HOLDS", "MISSING", "NOISE", "OPPOSITE", "check_text", "check_verdict", "claim_verdict",
-           "parse_checks", "t975", "verdict_text"]
+           "mean_sd", "parse_checks", "t975", "verdict_text"]
