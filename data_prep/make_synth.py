@@ -2,7 +2,7 @@
 """Write the depth-hungry synthetic source (straight-line programs over Z_m) as a TxT360 tree.
 
     python data_prep/make_synth.py --out ROOT [--num-docs 200000] [--modulus 7] [--k-min 1 --k-max 8]
-        [--n-vars 1] [--scratch 0.5] [--eval-ks 1-8] [--eval-per-k 50] [--with-default-corpus]
+        [--n-vars 1] [--scratch 0.5] [--scratch-lines 1.0] [--mark-hidden] [--eval-ks 1-8] [--eval-per-k 50] [--with-default-corpus]
 
 Writes (``megaloop.data.synth``): ``ROOT/data/synth-programs/1-1/<i>_<n>.jsonl`` (records
 ``{"text", "meta": {"k", "answer", "scratch", ...}}``), ``ROOT/heldout.jsonl`` (held-out problems:
@@ -65,6 +65,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="probability of a distractor reassignment before each update (n-vars > 1)")
     p.add_argument("--scratch", type=float, default=0.5,
                    help="share of training programs showing intermediate values as #comments")
+    p.add_argument("--scratch-lines", type=float, default=1.0,
+                   help="in those programs, probability that each update shows its value (below 1: "
+                        "hidden runs between shown values must be computed internally)")
+    p.add_argument("--mark-hidden", action="store_true",
+                   help="hidden updates carry a '#?' comment (held-out prompts: on every update)")
     p.add_argument("--eval-ks", default="1-8", help="k values of the held-out problems, e.g. 1-8 or 1,2,4")
     p.add_argument("--eval-per-k", type=int, default=50, help="held-out problems per k")
     p.add_argument("--eval-seed", type=int, default=20, help="seed of the held-out problems")
@@ -104,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         synth = SynthConfig(modulus=args.modulus, k_min=args.k_min, k_max=args.k_max, n_vars=args.n_vars,
                             ops=args.ops, var_operand=args.var_operand, reassign=args.reassign,
-                            scratch=args.scratch)
+                            scratch=args.scratch, scratch_lines=args.scratch_lines,
+                            mark_hidden=args.mark_hidden)
         spec = TreeSpec(num_docs=args.num_docs, num_files=args.num_files, seed=args.seed,
                         eval_ks=parse_ks(args.eval_ks), eval_per_k=args.eval_per_k,
                         eval_seed=args.eval_seed, synth=synth)

@@ -53,7 +53,7 @@ HELDOUT_KS = tuple(range(1, 9))
 HELDOUT_PER_K = 50
 TRAIN_STREAM, HELDOUT_STREAM = "train", "heldout"
 CHAR_VOCAB = 259  # 256 byte symbols + 3 specials: a byte-level BPE with no merges = characters
-_LINE = re.compile(r"^([a-z])([+\-*]?)=([a-z]|\d+)(?:#\d+)?$")
+_LINE = re.compile(r"^([a-z])([+\-*]?)=([a-z]|\d+)(?:#(?:\d+|\?))?$")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,12 @@ class SynthConfig:
     training program (uniform); n_vars: variables per program (1 = a running computation);
     ops: update operators from ``+-*``; var_operand: probability that an update reads another
     variable (n_vars > 1); reassign: probability of a distractor reassignment before each update
-    (n_vars > 1); scratch: share of training documents with intermediate values as comments.
+    (n_vars > 1); scratch: share of training documents with intermediate values as comments;
+    scratch_lines: in such a document, the probability that each update shows its value (1.0: all;
+    below 1 the hidden runs between shown values must be computed internally, a chain whose value
+    is supervised at the next shown comment or the answer); mark_hidden: every update carries a
+    comment, its value where shown and ``#?`` where hidden (held-out prompts: ``#?`` on every update),
+    so the position where a value is computed is the same on every line.
     """
 
     modulus: int = 7
@@ -75,6 +80,8 @@ class SynthConfig:
     var_operand: float = 0.3
     reassign: float = 0.3
     scratch: float = 0.5
+    scratch_lines: float = 1.0
+    mark_hidden: bool = False
 
     def __post_init__(self) -> None:
         require(2 <= self.modulus <= 1000, "synth.modulus", f"must be in [2, 1000], got {self.modulus}")
@@ -87,7 +94,7 @@ class SynthConfig:
                 "synth.ops", f"distinct operators from {OPS!r}, got {self.ops!r}")
         require("*" not in self.ops or self.modulus > 2, "synth.ops",
                 "'*' needs modulus > 2 (in Z_2 only x*=1 keeps information, and it changes nothing)")
-        for name in ("var_operand", "reassign", "scratch"):
+        for name in ("var_operand", "reassign", "scratch", "scratch_lines"):
             v = getattr(self, name)
             require(0.0 <= v <= 1.0, f"synth.{name}", f"must be in [0, 1], got {v}")
 
@@ -107,24 +114,27 @@ class Problem:
     updates: tuple[int, ...]
     values: tuple[int, ...]
     answer: int
+    mark_hidden: bool = False  # hidden updates carry a ``#?`` comment
 
     @property
     def prompt(self) -> str:
         """The program up to and including ``print(x%m)`` and its newline (what the model reads)."""
-        return "\n".join(self.lines) + f"\nprint({self.var}%{self.modulus})\n"
+        return self.text(False)[:-len(self.target)]
 
     @property
     def target(self) -> str:
         """The scored continuation: the printed value and the newline that ends it."""
         return f"{self.answer}\n"
 
-    def text(self, scratch: bool = False) -> str:
-        """The document: the program (intermediate values as ``#v`` comments with ``scratch``),
-        the print statement and the printed value."""
+    def text(self, scratch: bool | Sequence[bool] = False) -> str:
+        """The document: the program (intermediate values as ``#v`` comments with ``scratch``:
+        True for every update, or one flag per update), the print statement and the printed value."""
         lines = list(self.lines)
-        if scratch:
-            for i, v in zip(self.updates, self.values):
-                lines[i] = f"{lines[i]}#{v}"
+        shown = [bool(scratch)] * len(self.updates) if isinstance(scratch, bool) else list(scratch)
+        require(len(shown) == len(self.updates), "scratch", f"{len(shown)} flags for {len(self.updates)} updates")
+        for i, v, show in zip(self.updates, self.values, shown):
+            if show or self.mark_hidden:
+                lines[i] = f"{lines[i]}#{v if show else '?'}"
         return "\n".join(lines) + f"\nprint({self.var}%{self.modulus})\n{self.target}"
 
     def record(self, pid: str) -> dict:
@@ -187,7 +197,7 @@ def _draw(rng: random.Random, k: int, cfg: SynthConfig) -> Problem:
         values.append(env[var])
         lines.append(f"{var}{op}={rhs}")
     return Problem(k=k, var=var, modulus=m, lines=tuple(lines), updates=tuple(updates),
-                   values=tuple(values), answer=env[var])
+                   values=tuple(values), answer=env[var], mark_hidden=cfg.mark_hidden)
 
 
 def draw_problem(rng: random.Random, k: int, cfg: SynthConfig, max_tries: int = 1000) -> Problem:
@@ -248,13 +258,15 @@ def training_documents(cfg: SynthConfig, file_index: int, num_docs: int, *, seed
         k = rng.randint(cfg.k_min, cfg.k_max)
         p = draw_problem(rng, k, cfg)
         scratch = rng.random() < cfg.scratch
+        shown = [rng.random() < cfg.scratch_lines for _ in p.updates] if scratch and cfg.scratch_lines < 1.0 \
+            else scratch
         if p.prompt in exclude:
             skipped += 1
             if skipped > 100 * num_docs + 1000:
                 raise ConfigError("synth: nearly every training program is a held-out one; widen the family")
             continue
         made += 1
-        yield {"text": p.text(scratch), "meta": {"k": p.k, "answer": p.answer, "scratch": scratch,
+        yield {"text": p.text(shown), "meta": {"k": p.k, "answer": p.answer, "scratch": scratch,
                                                  "modulus": p.modulus, "n_vars": cfg.n_vars}}
 
 

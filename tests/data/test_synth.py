@@ -14,7 +14,7 @@ import pytest
 
 from megaloop.config_utils import ConfigError
 from megaloop.data.synth import (SOURCE, SynthConfig, TreeSpec, draw_problem, heldout_problems, heldout_records,
-                                 training_documents, write_synth_tree)
+                                 run_program, training_documents, write_synth_tree)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "data_prep"))
@@ -76,6 +76,55 @@ def test_printed_value_is_what_python_prints(synth):
     assert {d["meta"]["k"] for d in docs} == set(range(cfg.k_min, cfg.k_max + 1))
 
 
+def test_scratch_lines_shows_some_running_values_and_keeps_the_program():
+    """``scratch_lines`` < 1: each update of a scratch document shows its value independently, so
+    hidden runs between shown values occur; every shown comment is the running value at its line,
+    and stripping the comments gives the same program as without scratch."""
+    cfg = SynthConfig(modulus=5, ops="+*", k_min=2, k_max=6, scratch=1.0, scratch_lines=0.5)
+    shown_counts = []
+    for d in training_documents(cfg, 0, 300, seed=7):
+        program, answer = split_doc(d["text"])
+        assert python_print(program) == answer == str(d["meta"]["answer"])
+        env = {}
+        updates = [line for line in program.splitlines() if re.match(r"^[a-z][+*]=", line)]
+        assert len(updates) == d["meta"]["k"]
+        shown = 0
+        for line in program.splitlines()[:-1]:
+            stmt, _, comment = line.partition("#")
+            exec(stmt, {}, env)  # noqa: S102
+            if comment:
+                shown += 1
+                assert int(comment) == list(env.values())[0] % 5
+        shown_counts.append((shown, d["meta"]["k"]))
+    assert any(s == 0 for s, _ in shown_counts) and any(s == k for s, k in shown_counts)
+    assert any(0 < s < k for s, k in shown_counts)
+    frac = sum(s for s, _ in shown_counts) / sum(k for _, k in shown_counts)
+    assert 0.4 < frac < 0.6
+    # scratch_lines=1 (the default) draws nothing extra: the documents equal the all-comment ones
+    full = list(training_documents(SynthConfig(scratch=0.5), 0, 50, seed=3))
+    same = list(training_documents(SynthConfig(scratch=0.5, scratch_lines=1.0), 0, 50, seed=3))
+    assert full == same
+
+
+def test_mark_hidden_puts_a_comment_on_every_update():
+    """``mark_hidden``: shown updates carry their value, hidden ones ``#?``; held-out prompts carry
+    ``#?`` on every update; the programs stay valid Python printing the answer."""
+    cfg = SynthConfig(modulus=5, ops="+*", k_max=5, scratch=1.0, scratch_lines=0.5, mark_hidden=True)
+    marks = []
+    for d in training_documents(cfg, 0, 200, seed=2):
+        program, answer = split_doc(d["text"])
+        assert python_print(program) == answer
+        comments = [re.search(r"#(\d+|\?)$", line) for line in program.splitlines() if re.match(r"^[a-z][+*]=", line)]
+        assert len(comments) == d["meta"]["k"] and all(comments)
+        marks += [c.group(1) == "?" for c in comments]
+    assert 0.4 < sum(marks) / len(marks) < 0.6
+    for p in heldout_problems(cfg, ks=(1, 3), per_k=5, seed=1):
+        updates = [line for line in p.prompt.splitlines() if re.match(r"^[a-z][+*]=", line)]
+        assert len(updates) == p.k and all(u.endswith("#?") for u in updates)
+        assert python_print(p.prompt) == str(p.answer) and p.prompt + p.target == p.text()
+        assert run_program(p.prompt.splitlines()[:-1], 5)[p.var] == p.answer
+
+
 def test_every_update_is_needed_and_k_counts_them():
     """Held-out answers need the whole chain: deleting any one update of the printed variable
     changes what Python prints."""
@@ -119,6 +168,7 @@ def test_shipped_task_data_is_the_generator_default():
 def test_config_errors_name_the_field():
     for kw, field in (({"modulus": 1}, "synth.modulus"), ({"k_min": 3, "k_max": 2}, "synth.k_min"),
                       ({"ops": "+/"}, "synth.ops"), ({"scratch": 1.5}, "synth.scratch"),
+                      ({"scratch_lines": -0.1}, "synth.scratch_lines"),
                       ({"n_vars": 0}, "synth.n_vars"), ({"ops": "*", "modulus": 2}, "synth.ops")):
         with pytest.raises(ConfigError, match=field):
             SynthConfig(**kw)
