@@ -53,6 +53,9 @@ class ModelConfig:
     # the std Huginn's and Parcae's code use; 0.056 at d=128, 0.020 at d=1024). Default chosen by the
     # learning-parity ablations (README "Learning parity"): 0.02 at d=128 cost 0.18 nats at 300 steps
     init_std: float | str = "small"
+    # orthogonal instead of normal weight init at the same per-entry scale: each matrix (fused
+    # QKV and SwiGLU fc1 as one) is orthogonal with gain std·√max(rows, cols) (Parcae's init_orthogonal)
+    init_orthogonal: bool = False
     deq_std: float = 0.02  # σ of DEQ-QKV injection projections
     bptt_window: int = 10  # TBPTT window cap: b = min(r, bptt_window)
     rope_base: float = 10000.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 from contextlib import nullcontext
 import importlib.util
+import math
 from typing import Any
 
 import torch
@@ -173,13 +174,32 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     return spec
 
 
+def _orthogonal(std: float):
+    """Orthogonal init whose entries have std ``std`` on average: gain std·√max(rows, cols)."""
+    def init(w: torch.Tensor) -> torch.Tensor:
+        rows = w.shape[0]
+        return torch.nn.init.orthogonal_(w, gain=std * math.sqrt(max(rows, w.numel() // rows)))
+    return init
+
+
+def _init(cfg: ModelConfig):
+    """Init of every other weight matrix (embedding, QKV, fc1, untied head): megatron's normal at
+    ``init_std`` by default (None)."""
+    return _orthogonal(cfg.init_std_value) if cfg.init_orthogonal else None
+
+
 def _out_init(cfg: ModelConfig):
     """Init of the residual-output projections: megatron's scaled normal by default (None)."""
     if cfg.out_init_std is None:
-        return None
-    std = float(cfg.out_init_std)
+        if not cfg.init_orthogonal:
+            return None
+        std = cfg.init_std_value / math.sqrt(2.0 * cfg.physical_layers)  # megatron's scaled std
+    else:
+        std = float(cfg.out_init_std)
     if std == 0.0:
         return torch.nn.init.zeros_
+    if cfg.init_orthogonal:
+        return _orthogonal(std)
     return lambda w: torch.nn.init.normal_(w, 0.0, std)
 
 
@@ -208,6 +228,7 @@ def transformer_config(cfg: ModelConfig, *, tp: int, pp: int, vpp: int | None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_std_value,
+        init_method=_init(cfg),
         output_layer_init_method=_out_init(cfg),
         qk_layernorm=cfg.qk_norm,
         use_cpu_initialization=True,

@@ -57,3 +57,33 @@ def test_fp8_settings_are_validated_before_compute():
     with pytest.raises(ConfigError, match="model.fp8: tokens per microbatch"):
         RunConfig(model=ModelConfig(hidden_size=32, num_heads=2, seq_len=9, fp8="hybrid"),
                   train=TrainConfig(global_batch_size=1, micro_batch_size=1))
+
+
+@pytest.mark.parametrize("out_init_std", [None, 0.0, 0.01])
+def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_init_std):
+    """``model.init_orthogonal``: every weight matrix is orthogonal (WᵀW or WWᵀ = gain²·I, gain =
+    std·√max(rows, cols)) at the normal init's per-entry std; zero-init outputs stay zero."""
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=16, init_orthogonal=True, out_init_std=out_init_std,
+                      tie_embeddings=False)
+    model = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                      vocab_size=128, seed=11)
+    std = cfg.init_std_value
+    out_std = std / (2.0 * cfg.physical_layers) ** 0.5 if out_init_std is None else out_init_std
+    seen = set()
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or "injection" in name:
+            continue
+        w = p.detach().double()
+        kind = ("out" if name.endswith(("linear_proj.weight", "linear_fc2.weight")) else "in")
+        s = out_std if kind == "out" else std
+        seen.add(kind)
+        if s == 0.0:
+            assert torch.count_nonzero(w) == 0, name
+            continue
+        rows, cols = w.shape
+        gram = w.T @ w if rows >= cols else w @ w.T
+        gain2 = s * s * max(rows, cols)
+        torch.testing.assert_close(gram, gain2 * torch.eye(min(rows, cols), dtype=torch.double),
+                                   rtol=0, atol=1e-6 * gain2, msg=name)
+        assert abs(float(w.std()) - s) < 0.1 * s, name  # same per-entry scale as the normal init
+    assert seen == {"in", "out"}
