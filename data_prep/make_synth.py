@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Write the depth-hungry synthetic source (straight-line programs over Z_m) as a TxT360 tree.
 
-    python data_prep/make_synth.py --out ROOT [--num-docs 200000] [--modulus 7] [--k-min 1 --k-max 8]
-        [--n-vars 1] [--scratch 0.5] [--scratch-lines 1.0] [--mark-hidden] [--eval-ks 1-8] [--eval-per-k 50] [--with-default-corpus]
+    python data_prep/make_synth.py --out ROOT [--num-docs 200000] [--modulus 5] [--ops +*] [--k-min 1 --k-max 6]
+        [--n-vars 1] [--scratch 1.0] [--scratch-lines 0.5] [--no-mark-hidden] [--eval-ks 1-8] [--eval-per-k 50]
+        [--with-default-corpus]
 
 Writes (``megaloop.data.synth``): ``ROOT/data/synth-programs/1-1/<i>_<n>.jsonl`` (records
 ``{"text", "meta": {"k", "answer", "scratch", ...}}``), ``ROOT/heldout.jsonl`` (held-out problems:
@@ -54,21 +55,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-docs", type=int, default=200_000, help="training programs")
     p.add_argument("--num-files", type=int, default=4, help="JSONL files (one converter partition each)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the training programs")
-    p.add_argument("--modulus", type=int, default=7, help="m: values live in Z_m, print(x%%m)")
+    p.add_argument("--modulus", type=int, default=5, help="m: values live in Z_m, print(x%%m)")
     p.add_argument("--k-min", type=int, default=1, help="fewest target updates per training program")
-    p.add_argument("--k-max", type=int, default=8, help="most target updates per training program")
+    p.add_argument("--k-max", type=int, default=6, help="most target updates per training program")
     p.add_argument("--n-vars", type=int, default=1, help="variables per program (1: one running value)")
-    p.add_argument("--ops", default="+-*", help="update operators, a subset of +-*")
+    p.add_argument("--ops", default="+*", help="update operators, a subset of +-*")
     p.add_argument("--var-operand", type=float, default=0.3,
                    help="probability that an update reads another variable (n-vars > 1)")
     p.add_argument("--reassign", type=float, default=0.3,
                    help="probability of a distractor reassignment before each update (n-vars > 1)")
-    p.add_argument("--scratch", type=float, default=0.5,
+    p.add_argument("--scratch", type=float, default=1.0,
                    help="share of training programs showing intermediate values as #comments")
-    p.add_argument("--scratch-lines", type=float, default=1.0,
+    p.add_argument("--scratch-lines", type=float, default=0.5,
                    help="in those programs, probability that each update shows its value (below 1: "
                         "hidden runs between shown values must be computed internally)")
-    p.add_argument("--mark-hidden", action="store_true",
+    p.add_argument("--mark-hidden", action=argparse.BooleanOptionalAction, default=True,
                    help="hidden updates carry a '#?' comment (held-out prompts: on every update)")
     p.add_argument("--eval-ks", default="1-8", help="k values of the held-out problems, e.g. 1-8 or 1,2,4")
     p.add_argument("--eval-per-k", type=int, default=50, help="held-out problems per k")

@@ -4,7 +4,7 @@
 # preset on one CPU thread, and print the k x R table of held-out answer accuracy / CE (+ PNG).
 #   bash launch/synth.sh [megaloop train overrides, e.g. train.max_steps=300]
 # Knobs: DATA_DIR (runs/synth-data) RUN_DIR (runs/synth) NUM_DOCS (60000) THREADS (1)
-#        DEPTHS (1,2,4,5,8,16) SYNTH_ARGS (extra make_synth.py flags, e.g. "--n-vars 2")
+#        DEPTHS (1,2,3,4,5,6,8,16,32,64) SYNTH_ARGS (extra make_synth.py flags, e.g. "--n-vars 2")
 # Data and finished training are reused on a rerun (the run resumes from its last checkpoint).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,5 +25,5 @@ python data_prep/txt360_to_mds.py --input "$DATA_DIR/tree" --out "$DATA_DIR/trai
 megaloop train --config synth --run-dir "$RUN_DIR" --resume auto data.path="$DATA_DIR/train" "$@"
 
 megaloop eval synth --checkpoint "$RUN_DIR" --problems "$DATA_DIR/tree/heldout.jsonl" \
-    --depths "${DEPTHS:-1,2,4,5,8,16}" --threads "${THREADS:-1}" \
+    --depths "${DEPTHS:-1,2,3,4,5,6,8,16,32,64}" --threads "${THREADS:-1}" \
     --json "$RUN_DIR/synth_table.json" --plot "$RUN_DIR/synth_table.png"

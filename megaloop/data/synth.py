@@ -15,8 +15,11 @@ computed step by step in Z_m). The value of ``x`` after update ``j`` depends on 
 answering needs a k-step chain. Every program is filtered so that each of its ``k`` updates
 matters (dropping any one changes the answer: no ``x*=1``, no ``x*=c`` at ``x≡0``).
 
-Dense supervision (``scratch``): that share of the *training* documents shows each intermediate
-value as a comment (``x+=4#0``), which teaches the one-step tables; held-out problems never do.
+Dense supervision (``scratch``, ``scratch_lines``, ``mark_hidden``): that share of the *training*
+documents shows intermediate values as comments (``x+=4#0``), each update with probability
+``scratch_lines``; with ``mark_hidden`` the other updates carry ``#?``. Hidden runs between shown
+values must be computed internally, so the model learns to carry the chain; held-out problems show
+no value (every update ``#?`` with ``mark_hidden``).
 
 Held-out problems (``heldout_problems``) come from their own random stream; training documents
 whose bare program equals a held-out prompt are skipped, so no held-out answer is trained on.
@@ -72,16 +75,17 @@ class SynthConfig:
     so the position where a value is computed is the same on every line.
     """
 
-    modulus: int = 7
+    # defaults: the regime where depth was found to matter (README "A depth-hungry synthetic task")
+    modulus: int = 5
     k_min: int = 1
-    k_max: int = 8
+    k_max: int = 6
     n_vars: int = 1
-    ops: str = OPS
+    ops: str = "+*"
     var_operand: float = 0.3
     reassign: float = 0.3
-    scratch: float = 0.5
-    scratch_lines: float = 1.0
-    mark_hidden: bool = False
+    scratch: float = 1.0
+    scratch_lines: float = 0.5
+    mark_hidden: bool = True
 
     def __post_init__(self) -> None:
         require(2 <= self.modulus <= 1000, "synth.modulus", f"must be in [2, 1000], got {self.modulus}")
@@ -90,6 +94,7 @@ class SynthConfig:
         require(self.k_max <= 64, "synth.k_max", f"must be <= 64, got {self.k_max}")
         require(1 <= self.n_vars <= len(VAR_POOL), "synth.n_vars",
                 f"must be in [1, {len(VAR_POOL)}], got {self.n_vars}")
+        require(isinstance(self.mark_hidden, bool), "synth.mark_hidden", f"must be true or false, got {self.mark_hidden!r}")
         require(bool(self.ops) and set(self.ops) <= set(OPS) and len(set(self.ops)) == len(self.ops),
                 "synth.ops", f"distinct operators from {OPS!r}, got {self.ops!r}")
         require("*" not in self.ops or self.modulus > 2, "synth.ops",

@@ -15,7 +15,7 @@ from megaloop.eval.synth import SHIPPED, load_problems, plot_synth, synth_table
 from megaloop.inference.engine import InferenceEngine
 from tests.inference.helpers import make_model
 
-ALPHA = "\x00\x01\x020123456789abcdefghijkmnpqrstuvwxyz=+-*%()#\n"  # every character of the programs
+ALPHA = "\x00\x01\x020123456789abcdefghijkmnpqrstuvwxyz=+-*%()#?\n"  # every character of the programs
 
 
 class ProgTokenizer:
@@ -133,7 +133,7 @@ def test_plot_and_format(engine, tmp_path):
     assert "R=1" in text and "R=2" in text and len(text.splitlines()) == 4
     png = plot_synth(table, tmp_path / "t.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert table.to_dict()["chance"] == pytest.approx(1 / 7)
+    assert table.to_dict()["chance"] == pytest.approx(1 / 5)
     assert math.isfinite(table.ce[0][0])
 
 
