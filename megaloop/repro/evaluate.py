@@ -81,21 +81,30 @@ def _run_plain(argv: list[str], log: Path, env: dict) -> int:
 
 def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | None, device: str,
                    python: str = sys.executable) -> dict[str, list[str]]:
-    """``{stage: argv}`` of the arm's evaluation (``sweep`` and, with harness tasks, ``harness``)."""
+    """``{stage: argv}`` of the arm's evaluation: ``synth`` (with ``eval.synth``), ``sweep`` (unless
+    ``eval.sweep`` is false) and, with harness tasks, ``harness``."""
     out = run_dir / "eval"
     head = [python, "-m", "megaloop.cli", "eval"]
     common = ["--checkpoint", str(run_dir), "--depth", str(plan.depth), "--device", device]
     if threads:
         common += ["--threads", str(threads)]
     depths = plan.depths if arm.looped else [plan.depth]
-    sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, depths)), "--data", plan.data,
-             "--batch-size", str(plan.batch_size), "--json", str(out / "sweep.json"),
-             "--plot", str(out / "sweep.png")]
-    if plan.sharing:
-        sweep.append("--sharing")
-    if plan.max_seqs:
-        sweep += ["--max-seqs", str(plan.max_seqs)]
-    cmds = {"sweep": sweep}
+    cmds: dict[str, list[str]] = {}
+    if plan.synth:
+        cmds["synth"] = [*head, "synth", "--checkpoint", str(run_dir), "--device", device,
+                         "--depths", ",".join(map(str, depths)), "--json", str(out / "synth.json"),
+                         "--plot", str(out / "synth.png")]
+        cmds["synth"] += ["--threads", str(threads)] if threads else []
+        cmds["synth"] += ["--problems", plan.synth] if plan.synth != "shipped" else []
+    if plan.sweep:
+        sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, depths)), "--data", plan.data,
+                 "--batch-size", str(plan.batch_size), "--json", str(out / "sweep.json"),
+                 "--plot", str(out / "sweep.png")]
+        if plan.sharing:
+            sweep.append("--sharing")
+        if plan.max_seqs:
+            sweep += ["--max-seqs", str(plan.max_seqs)]
+        cmds["sweep"] = sweep
     if plan.harness:
         h = [*head, "harness", *common, "--tasks", ",".join(plan.harness), "--json", str(out / "harness.json")]
         if plan.harness_limit:
@@ -127,7 +136,30 @@ def summarize(run_dir: Path, plan: EvalPlan, looped: bool) -> dict:
         out["harness"] = res
         accs = [m["acc"] for m in res.values() if isinstance(m.get("acc"), (int, float))]
         out["downstream"] = sum(accs) / len(accs) if accs else None
+    synth_path = run_dir / "eval" / "synth.json"
+    if plan.synth and synth_path.is_file():
+        out.update(synth_metrics(json.loads(synth_path.read_text()), plan.depth, plan.synth_min_k))
     return out
+
+
+def synth_metrics(table: dict, depth: int, min_k: int) -> dict:
+    """``synth_acc`` / ``synth_acc_r1``: mean answer accuracy over held-out k >= ``min_k`` at the
+    training depth R and at R=1 (None where not scored); ``synth_extrap_pts``: 100 x (accuracy at
+    the deepest depth − accuracy at R), in points; ``synth_table``: the k x R accuracies."""
+    ks, depths, acc, n = table["ks"], table["depths"], table["acc"], table["n"]
+    rows = [i for i, k in enumerate(ks) if k >= min_k]
+
+    def at(d: int) -> float | None:
+        if d not in depths or not rows:
+            return None
+        j = depths.index(d)
+        return sum(acc[i][j] * n[i] for i in rows) / sum(n[i] for i in rows)
+
+    at_r, deepest = at(depth), at(max(depths))
+    return {"synth_acc": at_r, "synth_acc_r1": at(1),
+            "synth_extrap_pts": 100.0 * (deepest - at_r) if at_r is not None and deepest is not None
+            and max(depths) > depth else None,
+            "synth_table": {"ks": ks, "depths": depths, "acc": acc}}
 
 
 def evaluate_arm(run_dir: Path, arm: Arm, plan: EvalPlan, *, max_steps: int, threads: int | None = None,

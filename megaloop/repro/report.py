@@ -27,6 +27,7 @@ from megaloop.runtime.files import save_figure
 
 TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
          "prior_p5", "prior_entropy", "downstream")
+SYNTH_TABLE = ("synth_acc_r1", "synth_acc", "synth_extrap_pts")  # shown when an arm has them
 MAX_CURVE_POINTS = 400
 MAX_PRIOR_ROWS = 120
 
@@ -221,11 +222,19 @@ def fmt(metric: str, x: Any) -> str:
         return f"{x:+.2f}"
     if metric == "train_flops":
         return f"{x:.3e}"
-    if metric in ("prior_p5", "downstream"):
+    if metric == "synth_extrap_pts":
+        return f"{x:+.1f}"
+    if metric in ("prior_p5", "downstream", "synth_acc", "synth_acc_r1"):
         return f"{x:.3f}"
     if metric in ("prior_mean", "prior_entropy", "val_ce", "final_loss"):
         return f"{x:.3f}"
     return f"{x:.2f}" if abs(x) < 1e5 else f"{x:.4g}"
+
+
+def table_columns(rows: list[dict]) -> tuple[str, ...]:
+    """The main table's metrics: ``TABLE``, plus the synthetic-task columns when an arm has them."""
+    synth = any(_finite(g["mean"].get(k)) for g in rows for k in SYNTH_TABLE)
+    return TABLE + (SYNTH_TABLE if synth else ())
 
 
 def label(results: dict, metric: str) -> str:
@@ -287,7 +296,10 @@ def render_markdown(results: dict) -> str:
         f"- **Evaluation**: R={ev['depth']} (training depth), sweep {ev['depths']}, "
         f"{'terminal vs per-visit KV' if ev['sharing'] else 'no sharing'}, "
         f"{ev['max_seqs'] or 'all'} validation sequences of `{ev['data']}`; downstream = mean acc of "
-        f"{', '.join(ev['harness']) or 'no tasks'}",
+        f"{', '.join(ev['harness']) or 'no tasks'}"
+        + (f"; synthetic task `{ev['synth']}` at every sweep depth, accuracy over held-out k >= "
+           f"{ev.get('synth_min_k', 3)} (synth acc R_max − R = accuracy change from R to R={max(ev['depths'])})"
+           if ev.get("synth") else ""),
         f"- **Machine**: {mach}",
     ]
     if la:
@@ -300,14 +312,15 @@ def render_markdown(results: dict) -> str:
                   "mean ± sample sd over the seeds that finished", ""]
     rows = groups(results)
     with_lr = any(g["lr"] for g in rows)
-    head = ["arm"] + (["LR"] if with_lr else []) + [label(results, k) for k in TABLE]
+    cols = table_columns(rows)
+    head = ["arm"] + (["LR"] if with_lr else []) + [label(results, k) for k in cols]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g in rows:
         name = g["label"] if g["label"] == g["name"] else f"{g['label']} (`{g['name']}`)"
         if g["status"] != "done":
             name += f" [{g['status']}]"
         lr = [", ".join(f"{x:g}" for x in g["lr"]) or "—"] if with_lr else []
-        lines.append("| " + " | ".join([_md_escape(name)] + lr + [cell(k, g) for k in TABLE]) + " |")
+        lines.append("| " + " | ".join([_md_escape(name)] + lr + [cell(k, g) for k in cols]) + " |")
     lines += ["", "Sharing penalty = 100·(PPL_terminal/PPL_per-visit − 1) at R; R=64 extrapolation = "
               "100·(PPL@R_max/PPL@R − 1) (native); training FLOPs are model FLOPs (SPEC §6); prior columns "
               "are the final depth distribution (p(5) = probability of depth 5).", ""]
@@ -451,9 +464,11 @@ def render(results: dict, out: Path) -> list[Path]:
 
 def print_table(results: dict) -> None:
     """The main table on the console (plain text)."""
-    cols = ["arm", "status"] + [label(results, k) for k in TABLE]
+    grouped = groups(results)
+    metrics = table_columns(grouped)
+    cols = ["arm", "status"] + [label(results, k) for k in metrics]
     rows = [[g["name"], g["status"] if g["n"] <= 1 else f"{g['status']} ({g['n']} seeds)"]
-            + [cell(k, g) for k in TABLE] for g in groups(results)]
+            + [cell(k, g) for k in metrics] for g in grouped]
     widths = [max(len(str(r[i])) for r in [cols] + rows) for i in range(len(cols))]
     print(f"\n{results['experiment']} at scale {results['scale']}:")
     for r in [cols] + rows:

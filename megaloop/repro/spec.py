@@ -76,6 +76,9 @@ METRICS = {  # results key -> report column
     "train_flops": "training FLOPs", "prior_mean": "prior mean", "prior_p5": "p(5)",
     "prior_entropy": "prior entropy", "downstream": "downstream acc", "val_ce": "val CE (trainer)",
     "final_loss": "final loss",
+    # the synthetic task (eval.synth): answer accuracy over held-out k >= eval.synth_min_k
+    "synth_acc": "synth acc@R", "synth_acc_r1": "synth acc@1",
+    "synth_extrap_pts": "synth acc R_max − R (pts)",
 }
 
 
@@ -132,7 +135,10 @@ def identity_overrides(overrides: list[str]) -> list[str]:
 class EvalPlan:
     """What every arm is evaluated on. ``depth``: the training depth R (native PPL@R, sharing
     penalty at R, reference of the extrapolation); ``depths``: the sweep (its max is the
-    extrapolation depth); ``max_seqs``: validation sequences (None: the whole set)."""
+    extrapolation depth); ``max_seqs``: validation sequences (None: the whole set); ``sweep``:
+    run the PPL sweep (needs validation data); ``synth``: held-out synthetic problems (a JSONL of
+    ``data_prep/make_synth.py``, or ``shipped``) scored by ``megaloop eval synth`` at every depth,
+    accuracy averaged over chain lengths k >= ``synth_min_k``."""
 
     depth: int = 5
     depths: list[int] = field(default_factory=lambda: [1, 2, 4, 5, 8, 16, 32, 64])
@@ -142,6 +148,9 @@ class EvalPlan:
     batch_size: int = 4
     harness: list[str] = field(default_factory=lambda: ["megaloop_toy_mc"])
     harness_limit: int | None = None
+    sweep: bool = True
+    synth: str | None = None
+    synth_min_k: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
@@ -162,9 +171,24 @@ class EvalPlan:
             raise ConfigError(f"eval.batch_size: must be an integer >= 1, got {self.batch_size!r}")
         if not isinstance(self.harness, list) or not all(isinstance(t, str) and t for t in self.harness):
             raise ConfigError(f"eval.harness: must be a list of task names, got {self.harness!r}")
+        if not isinstance(self.sweep, bool):
+            raise ConfigError(f"eval.sweep: expected true/false, got {self.sweep!r}")
+        if self.synth is not None and (not isinstance(self.synth, str) or not self.synth):
+            raise ConfigError(f"eval.synth: expected 'shipped' or a held-out problems JSONL, got {self.synth!r}")
+        if not isinstance(self.synth_min_k, int) or isinstance(self.synth_min_k, bool) or self.synth_min_k < 1:
+            raise ConfigError(f"eval.synth_min_k: must be an integer >= 1, got {self.synth_min_k!r}")
+        if not (self.sweep or self.harness or self.synth):
+            raise ConfigError("eval: nothing to evaluate (sweep: false, no harness tasks, no synth problems)")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The plan's fields; the synthetic-task fields only when used, so plans written before
+        they existed keep their digest."""
+        d = asdict(self)
+        if self.sweep:
+            del d["sweep"]
+        if self.synth is None:
+            del d["synth"], d["synth_min_k"]
+        return d
 
     def digest(self) -> str:
         """Stable hash: an arm's evaluation is redone when the plan changes."""

@@ -139,6 +139,13 @@ def test_shipped_experiments(name: str) -> None:
         assert "depth.init=uniform_1_10" in arms["uniform10"].overrides
     if name == "untied":
         assert not arms["untied12"].looped and "model.num_layers=12" in arms["untied12"].overrides
+    # the synthetic-task scale: the synth preset, no PPL sweep, held-out answers at every depth
+    synth = load_plan(name, "synth")
+    assert synth.config == "synth" and {a.name for a in synth.arms} == EXPECTED_ARMS[name]
+    assert not synth.eval.sweep and synth.eval.synth and synth.eval.synth_min_k == 3 and not synth.eval.harness
+    assert max(synth.eval.depths) == 64 and 1 in synth.eval.depths
+    if name != "tbptt":  # the synth preset's b=2 over the paper arms' 10, as the tiny scale keeps 4
+        assert all("model.bptt_window=2" in a.overrides for a in synth.arms if a.looped)
     # every shipped arm is a paper arm of megaloop/configs/arms.yaml, whose overrides come first
     for arm in tiny.arms:
         assert arm.paper_arm and arm.overrides[:len(arm_overrides(arm.paper_arm))] == arm_overrides(arm.paper_arm)
@@ -154,3 +161,22 @@ def test_arm_names_a_paper_arm(tool, capsys, tmp_path: Path, user_yaml: Path) ->
     assert load_plan(str(user_yaml), "test").arm("full").paper_arm is None
     err = _fail(tool, capsys, _write(tmp_path, USER_YAML.replace('full: "model.bptt_window=2"', "full: {arm: nope}")))
     assert "arm 'full': arm: 'nope' is not an arm of arms.yaml" in err
+
+
+def test_synth_eval_plan_fields_and_digest_stability() -> None:
+    """The synthetic-task fields are validated, and a plan that does not use them keeps the digest
+    it had before they existed (results made then are not re-evaluated)."""
+    import hashlib
+    import json
+    from dataclasses import asdict
+
+    plain = EvalPlan(depth=2, depths=[1, 2, 4])
+    old = {k: v for k, v in asdict(plain).items() if k not in ("sweep", "synth", "synth_min_k")}
+    assert plain.digest() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    synth = EvalPlan(depth=2, depths=[1, 2, 4], sweep=False, harness=[], synth="shipped")
+    assert synth.digest() != plain.digest() and synth.to_dict()["synth_min_k"] == 3
+    for kw, field in (({"sweep": "no"}, "eval.sweep"), ({"synth": ""}, "eval.synth"),
+                      ({"synth": "x.jsonl", "synth_min_k": 0}, "eval.synth_min_k"),
+                      ({"sweep": False, "harness": []}, "nothing to evaluate")):
+        with pytest.raises(ConfigError, match=field):
+            EvalPlan(**kw)

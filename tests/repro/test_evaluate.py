@@ -1,0 +1,64 @@
+"""One arm's evaluation plan (megaloop/repro/evaluate.py) with the synthetic task: the stage
+commands, the metrics from ``megaloop eval synth``'s table, and the summary an evaluation writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megaloop.repro.evaluate import evaluate_arm, stage_commands, synth_metrics
+from megaloop.repro.spec import Arm, EvalPlan
+from tests.repro.conftest import fake_checkpoint
+
+# eval synth's JSON (only the fields read): accuracy per k (rows) and depth (columns)
+TABLE = {"ks": [1, 2, 3, 4], "depths": [1, 2, 5, 64], "n": [10, 10, 20, 30],
+         "acc": [[1.0, 1.0, 1.0, 1.0], [0.5, 1.0, 1.0, 1.0], [0.2, 0.4, 0.9, 0.85], [0.1, 0.3, 0.8, 0.6]]}
+
+
+def test_synth_metrics_by_hand() -> None:
+    m = synth_metrics(TABLE, depth=5, min_k=3)
+    # k >= 3: 20 problems of k=3 and 30 of k=4, weighted by count
+    assert m["synth_acc"] == pytest.approx((20 * 0.9 + 30 * 0.8) / 50)        # 0.84
+    assert m["synth_acc_r1"] == pytest.approx((20 * 0.2 + 30 * 0.1) / 50)     # 0.14
+    assert m["synth_extrap_pts"] == pytest.approx(100 * ((20 * 0.85 + 30 * 0.6) / 50 - 0.84))  # -14
+    assert m["synth_table"]["acc"] == TABLE["acc"]
+    assert synth_metrics(TABLE, depth=2, min_k=1)["synth_acc"] == pytest.approx((10 + 10 + 20 * 0.4 + 30 * 0.3) / 70)
+    none = synth_metrics(TABLE, depth=8, min_k=9)  # depth not scored, no k >= 9
+    assert none["synth_acc"] is None and none["synth_acc_r1"] is None and none["synth_extrap_pts"] is None
+
+
+def test_stage_commands_with_and_without_the_sweep(tmp_path: Path) -> None:
+    arm = Arm(name="a", label="a", overrides=[])
+    plan = EvalPlan(depth=5, depths=[1, 5, 64], sweep=False, harness=[], synth="probs.jsonl")
+    cmds = stage_commands(tmp_path, arm, plan, threads=1, device="cpu", python="py")
+    assert list(cmds) == ["synth"]
+    argv = cmds["synth"]
+    assert argv[:5] == ["py", "-m", "megaloop.cli", "eval", "synth"]
+    assert argv[argv.index("--depths") + 1] == "1,5,64" and argv[argv.index("--problems") + 1] == "probs.jsonl"
+    assert argv[argv.index("--json") + 1] == str(tmp_path / "eval" / "synth.json")
+    shipped = stage_commands(tmp_path, arm, EvalPlan(synth="shipped"), threads=None, device="cpu", python="py")
+    assert list(shipped) == ["synth", "sweep", "harness"] and "--problems" not in shipped["synth"]
+    assert list(stage_commands(tmp_path, arm, EvalPlan(), threads=None, device="cpu")) == ["sweep", "harness"]
+
+
+def test_evaluate_arm_summarises_the_synth_stage(tmp_path: Path) -> None:
+    run_dir = tmp_path / "arm"
+    fake_checkpoint(run_dir, 100)
+    plan = EvalPlan(depth=5, depths=[1, 2, 5, 64], sweep=False, harness=[], synth="shipped")
+    calls = []
+
+    def run(argv, log, env):  # stands in for `megaloop eval synth`: writes its JSON
+        calls.append(argv[4])
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps(TABLE))
+        return 0
+
+    summary = evaluate_arm(run_dir, Arm(name="a", label="a", overrides=[]), plan, max_steps=100, run=run,
+                           log=lambda _: None)
+    assert calls == ["synth"] and summary["complete"] and summary["stages"] == {"synth": "ok"}
+    assert summary["metrics"]["synth_acc"] == pytest.approx(0.84)
+    assert summary["metrics"]["synth_extrap_pts"] == pytest.approx(-14.0)
+    again = evaluate_arm(run_dir, Arm(name="a", label="a", overrides=[]), plan, max_steps=100, run=run,
+                         log=lambda _: None)
+    assert calls == ["synth"] and again["metrics"]["synth_acc"] == pytest.approx(0.84)  # not redone
