@@ -5,10 +5,10 @@ updated ``k`` times (``x+=c``, ``x-=c``, ``x*=c``, or ``x+=y`` with another vari
 variables may be reassigned between updates), then ``print(x%m)`` and the printed value::
 
     x=3
-    x+=4
-    x*=2
-    print(x%7)
-    0
+    x+=4#2
+    x*=2#?
+    print(x%5)
+    4
 
 The text is valid Python and prints its last line (``%`` commutes with ``+ - *``, so the value is
 computed step by step in Z_m). The value of ``x`` after update ``j`` depends on update ``j-1``:

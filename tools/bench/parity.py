@@ -55,11 +55,15 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
     # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std
-    # √(2/5d)), rope 50k, no embedding scale. Not matched: orthogonal init, the learned readout C
-    # (identity-initialised; the paper's recipes use C = I).
+    # √(2/5d)), rope 50k, no embedding scale, orthogonal init (init_orthogonal; megatron's fused QKV
+    # and fc1 are each one orthogonal matrix, Parcae's q/k/v and w1/w3 separate ones). Not matched:
+    # the learned readout C (identity-initialised; the paper's recipes use C = I). (The first
+    # definition had no orthogonal init; parcae_matched.json was made with it, parcae_matched_ortho.json
+    # with this one, as their `overrides` fields record.)
     "parcae_matched": ["model.injection=parcae_decay", "model.init_std=small", "model.embed_scale=1.0",
                        "model.tie_embeddings=true", "model.state_init_std=0.0559", "model.qk_norm=true",
-                       "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false"],
+                       "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false",
+                       "model.init_orthogonal=true"],
 }
 
 
