@@ -5,7 +5,8 @@
 ``render`` needs nothing but that results dict, so a report can be re-rendered from a copied
 ``results.json`` (``megaloop reproduce --render OUT/results.json``). Figures:
 
-* ``ppl_vs_depth.png``: native PPL against recurrences per looped arm (untied: a flat line);
+* ``ppl_vs_depth.png``: native PPL against recurrences per looped arm (untied: a flat line); at a
+  scale without a PPL sweep, the synthetic task's answer accuracy against recurrences;
 * ``prior_evolution.png``: prior mean depth, p(5) and entropy over training, and the final p(r);
 * ``training_curves.png``: training loss (EMA-smoothed) and the trainer's validation CE.
 """
@@ -60,7 +61,9 @@ def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
         out["train_flops"] = float(sum(r["model_flops"] for r in rows if _finite(r.get("model_flops"))))
         out["flops_source"] = "sum of logged model_flops"
     out["tokens"] = out["steps"] * tokens_per_step
-    out["train_seconds"] = float(sum(r["step_time_s"] for r in rows if _finite(r.get("step_time_s"))))
+    # each logged step's time stands for the steps since the previous logged one (log_interval > 1)
+    gaps = [r["step"] - (rows[i - 1]["step"] if i else 0) for i, r in enumerate(rows)]
+    out["train_seconds"] = float(sum(r["step_time_s"] * g for r, g in zip(rows, gaps) if _finite(r.get("step_time_s"))))
     out["final_loss"] = last.get("loss")
     val = [r for r in rows if _finite(r.get("val_ce"))]
     out["val_ce"] = val[-1]["val_ce"] if val else None
@@ -359,7 +362,7 @@ def render_markdown(results: dict) -> str:
         lines.append(f"| `{a['name']}` | {a['status']} | {seed} | {lr} | {t.get('steps', 0)} | {t.get('tokens', 0):,} | "
                      f"{fmt('s', t.get('train_seconds'))} | {fmt('final_loss', t.get('final_loss'))} | "
                      f"{fmt('val_ce', t.get('val_ce'))} | `{_md_escape(' '.join(own))}` |")
-    lines += ["", "![PPL vs depth](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
+    lines += ["", "![accuracy vs depth](ppl_vs_depth.png)" if ev.get("sweep") is False else "![PPL vs depth](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
               "![training curves](training_curves.png)", ""]
     return "\n".join(lines)
 
@@ -374,26 +377,48 @@ def _plt():
     return plt
 
 
+def _synth_curve(a: dict, min_k: int) -> tuple[list[int], list[float]]:
+    """(depths, accuracy over held-out k >= min_k) of an arm's synthetic-task table."""
+    t = a["metrics"].get("synth_table") or {}
+    rows = [i for i, k in enumerate(t.get("ks", [])) if k >= min_k]
+    if not rows:
+        return [], []
+    return t["depths"], [sum(t["acc"][i][j] for i in rows) / len(rows) for j in range(len(t["depths"]))]
+
+
 def plot_depth(results: dict, path: Path) -> Path:
+    """Native PPL against R per arm; on a scale without a PPL sweep (``eval.sweep: false``), the
+    synthetic task's answer accuracy (mean over k >= ``eval.synth_min_k``) against R."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    depths = results["eval"]["depths"]
-    for a in results["arms"]:
-        rows = [r for r in a["metrics"].get("sweep") or [] if _finite(r.get("native_ppl"))]
-        if not rows:
-            continue
-        if a["looped"]:
-            ax.plot([r["depth"] for r in rows], [r["native_ppl"] for r in rows], "o-", ms=3, label=a["label"])
-        else:
-            ax.axhline(rows[0]["native_ppl"], ls="--", lw=1, color="grey")
-            ax.text(depths[0], rows[0]["native_ppl"], f" {a['label']}", fontsize=7, va="bottom", color="grey")
-    ax.axvline(results["eval"]["depth"], color="black", lw=0.8, ls=":")
+    ev = results["eval"]
+    depths = ev["depths"]
+    if ev.get("sweep") is False:
+        min_k = ev.get("synth_min_k", 3)
+        for a in results["arms"]:
+            xs, ys = _synth_curve(a, min_k)
+            if xs:
+                ax.plot(xs, ys, "o-", ms=3, label=a["label"])
+        ax.set_ylabel(f"held-out answer accuracy (mean over k >= {min_k})")
+        title = "answer accuracy vs depth"
+    else:
+        for a in results["arms"]:
+            rows = [r for r in a["metrics"].get("sweep") or [] if _finite(r.get("native_ppl"))]
+            if not rows:
+                continue
+            if a["looped"]:
+                ax.plot([r["depth"] for r in rows], [r["native_ppl"] for r in rows], "o-", ms=3, label=a["label"])
+            else:
+                ax.axhline(rows[0]["native_ppl"], ls="--", lw=1, color="grey")
+                ax.text(depths[0], rows[0]["native_ppl"], f" {a['label']}", fontsize=7, va="bottom", color="grey")
+        ax.set_ylabel("native validation PPL")
+        title = "PPL vs depth"
+    ax.axvline(ev["depth"], color="black", lw=0.8, ls=":")
     ax.set_xscale("log", base=2)
     ax.set_xticks(depths)
     ax.set_xticklabels([str(d) for d in depths])
     ax.set_xlabel("recurrences R (evaluation)")
-    ax.set_ylabel("native validation PPL")
-    ax.set_title(f"{results['experiment']} ({results['scale']}): PPL vs depth", fontsize=10)
+    ax.set_title(f"{results['experiment']} ({results['scale']}): {title}", fontsize=10)
     return _finish(fig, ax, path)
 
 

@@ -101,6 +101,10 @@ def test_train_summary_dedupes_resumed_steps() -> None:
     rows[-1]["model_flops_total"] = 5.5  # the trainer's cumulative count wins
     assert train_summary(rows, 100, looped=True)["train_flops"] == 5.5
     assert "prior_mean" not in train_summary(rows, 100, looped=False)
+    assert train_summary(rows, 100, looped=True)["train_seconds"] == 3.0
+    # logged every 10 steps: each logged step time stands for its 10 steps
+    sparse = [{"step": s, "loss": 1.0, "step_time_s": 0.5} for s in (10, 20, 30)]
+    assert train_summary(sparse, 100, looped=False)["train_seconds"] == 15.0
 
 
 def _seeded(name: str, seed: int, status: str = "done", **metrics) -> dict:
