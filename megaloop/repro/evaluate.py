@@ -142,24 +142,31 @@ def summarize(run_dir: Path, plan: EvalPlan, looped: bool) -> dict:
     return out
 
 
+def synth_curve(table: dict, min_k: int) -> list[float] | None:
+    """Answer accuracy over held-out k >= ``min_k`` (weighted by problems per k) at each of the
+    table's depths; None when no k >= ``min_k`` was scored. ``table``: ``megaloop eval synth``'s
+    JSON (``ks``, ``depths``, ``acc`` [k][depth], ``n`` per k)."""
+    rows = [i for i, k in enumerate(table["ks"]) if k >= min_k]
+    if not rows:
+        return None
+    total = sum(table["n"][i] for i in rows)
+    return [sum(table["acc"][i][j] * table["n"][i] for i in rows) / total for j in range(len(table["depths"]))]
+
+
 def synth_metrics(table: dict, depth: int, min_k: int) -> dict:
-    """``synth_acc`` / ``synth_acc_r1``: mean answer accuracy over held-out k >= ``min_k`` at the
-    training depth R and at R=1 (None where not scored); ``synth_extrap_pts``: 100 x (accuracy at
-    the deepest depth − accuracy at R), in points; ``synth_table``: the k x R accuracies."""
-    ks, depths, acc, n = table["ks"], table["depths"], table["acc"], table["n"]
-    rows = [i for i, k in enumerate(ks) if k >= min_k]
+    """``synth_acc`` / ``synth_acc_r1``: :func:`synth_curve` at the training depth R and at R=1
+    (None where not scored); ``synth_extrap_pts``: 100 x (accuracy at the deepest depth − accuracy
+    at R), in points; ``synth_table``: the k x R accuracies and problems per k."""
+    depths, curve = table["depths"], synth_curve(table, min_k)
 
     def at(d: int) -> float | None:
-        if d not in depths or not rows:
-            return None
-        j = depths.index(d)
-        return sum(acc[i][j] * n[i] for i in rows) / sum(n[i] for i in rows)
+        return curve[depths.index(d)] if curve is not None and d in depths else None
 
     at_r, deepest = at(depth), at(max(depths))
     return {"synth_acc": at_r, "synth_acc_r1": at(1),
             "synth_extrap_pts": 100.0 * (deepest - at_r) if at_r is not None and deepest is not None
             and max(depths) > depth else None,
-            "synth_table": {"ks": ks, "depths": depths, "acc": acc}}
+            "synth_table": {k: table[k] for k in ("ks", "depths", "acc", "n")}}
 
 
 def evaluate_arm(run_dir: Path, arm: Arm, plan: EvalPlan, *, max_steps: int, threads: int | None = None,

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megaloop.repro.evaluate import SUMMARY, machine
+from megaloop.repro.evaluate import SUMMARY, machine, synth_curve
 from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
 from megaloop.repro.verdicts import Check, check_text, claim_verdict, mean_sd, verdict_text
@@ -362,7 +362,8 @@ def render_markdown(results: dict) -> str:
         lines.append(f"| `{a['name']}` | {a['status']} | {seed} | {lr} | {t.get('steps', 0)} | {t.get('tokens', 0):,} | "
                      f"{fmt('s', t.get('train_seconds'))} | {fmt('final_loss', t.get('final_loss'))} | "
                      f"{fmt('val_ce', t.get('val_ce'))} | `{_md_escape(' '.join(own))}` |")
-    lines += ["", "![accuracy vs depth](ppl_vs_depth.png)" if ev.get("sweep") is False else "![PPL vs depth](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
+    depth_plot = "accuracy vs depth" if ev.get("sweep") is False else "PPL vs depth"
+    lines += ["", f"![{depth_plot}](ppl_vs_depth.png)", "", "![prior evolution](prior_evolution.png)", "",
               "![training curves](training_curves.png)", ""]
     return "\n".join(lines)
 
@@ -377,15 +378,6 @@ def _plt():
     return plt
 
 
-def _synth_curve(a: dict, min_k: int) -> tuple[list[int], list[float]]:
-    """(depths, accuracy over held-out k >= min_k) of an arm's synthetic-task table."""
-    t = a["metrics"].get("synth_table") or {}
-    rows = [i for i, k in enumerate(t.get("ks", [])) if k >= min_k]
-    if not rows:
-        return [], []
-    return t["depths"], [sum(t["acc"][i][j] for i in rows) / len(rows) for j in range(len(t["depths"]))]
-
-
 def plot_depth(results: dict, path: Path) -> Path:
     """Native PPL against R per arm; on a scale without a PPL sweep (``eval.sweep: false``), the
     synthetic task's answer accuracy (mean over k >= ``eval.synth_min_k``) against R."""
@@ -396,9 +388,10 @@ def plot_depth(results: dict, path: Path) -> Path:
     if ev.get("sweep") is False:
         min_k = ev.get("synth_min_k", 3)
         for a in results["arms"]:
-            xs, ys = _synth_curve(a, min_k)
-            if xs:
-                ax.plot(xs, ys, "o-", ms=3, label=a["label"])
+            table = a["metrics"].get("synth_table")
+            curve = synth_curve(table, min_k) if table else None
+            if curve:
+                ax.plot(table["depths"], curve, "o-", ms=3, label=a["label"])
         ax.set_ylabel(f"held-out answer accuracy (mean over k >= {min_k})")
         title = "answer accuracy vs depth"
     else:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from megaloop.repro.evaluate import evaluate_arm, stage_commands, synth_metrics
+from megaloop.repro.evaluate import evaluate_arm, stage_commands, synth_curve, synth_metrics
 from megaloop.repro.spec import Arm, EvalPlan
 from tests.repro.conftest import fake_checkpoint
 
@@ -23,7 +23,10 @@ def test_synth_metrics_by_hand() -> None:
     assert m["synth_acc"] == pytest.approx((20 * 0.9 + 30 * 0.8) / 50)        # 0.84
     assert m["synth_acc_r1"] == pytest.approx((20 * 0.2 + 30 * 0.1) / 50)     # 0.14
     assert m["synth_extrap_pts"] == pytest.approx(100 * ((20 * 0.85 + 30 * 0.6) / 50 - 0.84))  # -14
-    assert m["synth_table"]["acc"] == TABLE["acc"]
+    assert m["synth_table"]["acc"] == TABLE["acc"] and m["synth_table"]["n"] == TABLE["n"]
+    # the per-depth curve the metrics and the report's plot both read
+    assert synth_curve(TABLE, 3) == pytest.approx([(20 * a + 30 * b) / 50 for a, b in zip(TABLE["acc"][2], TABLE["acc"][3])])
+    assert synth_curve(TABLE, 9) is None
     assert synth_metrics(TABLE, depth=2, min_k=1)["synth_acc"] == pytest.approx((10 + 10 + 20 * 0.4 + 30 * 0.3) / 70)
     none = synth_metrics(TABLE, depth=8, min_k=9)  # depth not scored, no k >= 9
     assert none["synth_acc"] is None and none["synth_acc_r1"] is None and none["synth_extrap_pts"] is None
