@@ -104,8 +104,10 @@ class MegaloopConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         embedding_multiplier: float = 1.0,
         qk_norm: bool = False,
+        qk_bias: bool = False,
         input_norm: bool = False,
         sandwich_norm: bool = False,
+        state_readout: bool = False,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -146,8 +148,10 @@ class MegaloopConfig(PreTrainedConfig):
         self.deq_std = float(deq_std)
         self.embedding_multiplier = float(embedding_multiplier)  # on the embedding output (not on inputs_embeds)
         self.qk_norm = bool(qk_norm)  # RMSNorm on each head's q and k before RoPE
+        self.qk_bias = bool(qk_bias)  # learned per-head q and k biases before RoPE (Huginn's)
         self.input_norm = bool(input_norm)  # the injection reads RMSNorm_g(e)
         self.sandwich_norm = bool(sandwich_norm)  # RMSNorm of the residual stream after each residual add
+        self.state_readout = bool(state_readout)  # learned readout C on the final state before the coda
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

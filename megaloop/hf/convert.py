@@ -20,8 +20,10 @@ Weight mapping (megatron local spec → HF):
   query heads, then k, then v) → split into ``self_attn.q_proj`` (heads ordered group by group),
   ``k_proj``, ``v_proj``; ``linear_qkv_inject`` (DEQ-QKV) likewise → ``q/k/v_inject``;
   ``linear_proj`` → ``o_proj``; ``mlp.linear_fc1`` = [gate; up] → ``gate_proj``, ``up_proj``;
-  ``linear_fc2`` → ``down_proj``; ``injection.*`` → ``model.injection.*``;
-  ``final_norm`` → ``model.norm``; ``output_layer.weight`` → ``lm_head.weight`` (tied: the embedding).
+  ``linear_fc2`` → ``down_proj``; ``self_attention.{q,k}_bias`` → ``self_attn.{q,k}_bias``;
+  ``injection.*`` → ``model.injection.*``;
+  ``state_readout.weight`` → ``model.state_readout.weight``; ``final_norm`` → ``model.norm``;
+  ``output_layer.weight`` → ``lm_head.weight`` (tied: the embedding).
 The split is exact (a reshape), so HF → megaloop (``hf_to_native_state_dict``) fuses them back.
 
 Validation (:func:`check_conversion`, default on here and in :func:`megaloop.hf.load.load_model`): native
@@ -207,6 +209,8 @@ _LAYER_MAP = {  # native suffix -> HF suffix (1:1)
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "self_attention.q_bias": "self_attn.q_bias",  # qk_bias
+    "self_attention.k_bias": "self_attn.k_bias",
     "post_attn_norm.weight": "post_attn_norm.weight",  # sandwich_norm
     "post_mlp_norm.weight": "post_mlp_norm.weight",
 }
@@ -228,7 +232,7 @@ def native_to_hf_state_dict(native_sd: dict[str, Any], mcfg) -> dict[str, torch.
             out["model.norm.weight"] = t
         elif name == "output_layer.weight":
             out["lm_head.weight"] = t
-        elif group == "injection":
+        elif group in ("injection", "state_readout"):
             out["model." + name] = t
         elif group in _GROUPS:
             _, idx, rest = name.split(".", 2)
@@ -269,7 +273,7 @@ def hf_to_native_state_dict(hf_sd: dict[str, torch.Tensor], cfg: MegaloopConfig)
         elif name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
                 out["output_layer.weight"] = t
-        elif name.startswith("model.injection."):
+        elif name.startswith(("model.injection.", "model.state_readout.")):
             out[name[len("model."):]] = t
         else:
             _, group, idx, rest = name.split(".", 3)
@@ -301,12 +305,14 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         hidden_size=mcfg.hidden_size, num_attention_heads=mcfg.num_heads, num_key_value_heads=mcfg.groups,
         intermediate_size=mcfg.ffn_size, arch=mcfg.arch, n_prelude=mcfg.n_prelude, n_core=mcfg.n_core,
         n_coda=mcfg.n_coda, num_hidden_layers=mcfg.physical_layers, injection=mcfg.injection,
-        exit_norm=mcfg.exit_norm, rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base, max_position_embeddings=mcfg.seq_len,
+        exit_norm=mcfg.exit_norm, rms_norm_eps=mcfg.norm_eps, rope_theta=mcfg.rope_base,
+        max_position_embeddings=mcfg.seq_len,
         state_init=mcfg.state_init, state_init_std=mcfg.state_init_std, eval_state_init=mcfg.eval_state_init,
         eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std_value,
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
-        embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, input_norm=mcfg.input_norm,
-        sandwich_norm=mcfg.sandwich_norm, bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
+        embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, qk_bias=mcfg.qk_bias,
+        input_norm=mcfg.input_norm, sandwich_norm=mcfg.sandwich_norm, state_readout=mcfg.state_readout,
+        bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
 
 
@@ -327,8 +333,9 @@ def native_config_from_hf(cfg: MegaloopConfig):
         deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
         norm_eps=cfg.rms_norm_eps, transformer_impl="local",
         embed_scale=float(getattr(cfg, "embedding_multiplier", 1.0)), qk_norm=bool(getattr(cfg, "qk_norm", False)),
-        input_norm=bool(getattr(cfg, "input_norm", False)),
-        sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)))
+        input_norm=bool(getattr(cfg, "input_norm", False)), qk_bias=bool(getattr(cfg, "qk_bias", False)),
+        sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)),
+        state_readout=bool(getattr(cfg, "state_readout", False)))
 
 
 def _pad_multiple(v: int) -> int:

@@ -70,6 +70,10 @@ class MegaloopAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
+        self.qk_bias = bool(getattr(config, "qk_bias", False))
+        if self.qk_bias:  # Huginn's per-head query/key biases, added before RoPE
+            self.q_bias = nn.Parameter(torch.zeros(self.num_heads, hd))
+            self.k_bias = nn.Parameter(torch.zeros(self.num_kv_heads, hd))
         self.inject = inject
         if inject:
             self.q_inject = nn.Linear(d, self.num_heads * hd, bias=False)
@@ -87,6 +91,8 @@ class MegaloopAttention(nn.Module):
         v = v.view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.qk_bias:  # [heads, hd] -> [heads, 1, hd] over [b, heads, s, hd]
+            q, k = q + self.q_bias[:, None].to(q.dtype), k + self.k_bias[:, None].to(k.dtype)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         new_kv = (k, v)

@@ -162,7 +162,10 @@ class LoopedPass:
         return inj.exit(z), kvs
 
     def coda(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """Coda layers over the state (before the final norm) and their K/V."""
+        """Readout C (``state_readout``) and the coda layers over the state (before the final
+        norm), and the coda's K/V."""
+        if self.model.state_readout is not None:
+            h = self.model.state_readout(h)
         kvs = []
         for i, layer in enumerate(self.model.coda):
             h, kv = layer(h, self.rope, self.mask, self.read("coda", i, 0))
@@ -227,9 +230,13 @@ class MegaloopPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
         elif isinstance(module, DiagonalInjection):
             module.reset_parameters()
-        elif isinstance(module, MegaloopAttention) and module.inject:
-            for lin in (module.q_inject, module.k_inject, module.v_inject):
-                nn.init.normal_(lin.weight, 0.0, self.config.deq_std)
+        elif isinstance(module, MegaloopAttention):
+            if module.inject:
+                for lin in (module.q_inject, module.k_inject, module.v_inject):
+                    nn.init.normal_(lin.weight, 0.0, self.config.deq_std)
+            if module.qk_bias:
+                nn.init.zeros_(module.q_bias)
+                nn.init.zeros_(module.k_bias)
 
 
 class MegaloopModel(MegaloopPreTrainedModel):
@@ -245,7 +252,10 @@ class MegaloopModel(MegaloopPreTrainedModel):
             self.core = nn.ModuleList([MegaloopLayer(config, inject=deq) for _ in range(config.n_core)])
             self.injection = build_injection(config)
             self.coda = nn.ModuleList([MegaloopLayer(config) for _ in range(config.n_coda)])
+            self.state_readout = (nn.Linear(config.hidden_size, config.hidden_size, bias=False)
+                                  if getattr(config, "state_readout", False) else None)
         else:
+            self.state_readout = None
             self.layers = nn.ModuleList([MegaloopLayer(config) for _ in range(config.num_hidden_layers)])
         self.norm = MegaloopRMSNorm(config.hidden_size, config.rms_norm_eps)
         self._noise_table: Optional[torch.Tensor] = None  # memo of eval_noise rows (CPU or device)

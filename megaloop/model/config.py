@@ -68,12 +68,20 @@ class ModelConfig:
     # init_std/√(2·physical layers); 0 = zero init (Parcae's "scaled-zero")
     out_init_std: float | None = None
     qk_norm: bool = False  # RMSNorm (learned gains) on each head's queries and keys before RoPE
+    # Huginn's QK biases: learned per-head biases on queries and keys (zero-init, no weight decay),
+    # added after the projection (and QK-norm) and before RoPE. No value bias (megatron's add_qkv_bias
+    # would add one)
+    qk_bias: bool = False
     # Huginn's sandwich blocks: the residual stream is renormalised after each residual add,
     # x <- RMSNorm(x + attn(RMSNorm(x))), x <- RMSNorm(x + mlp(RMSNorm(x))), learned gains; every layer
     sandwich_norm: bool = False
     # learned-gain RMSNorm on the prelude output e where the injection reads it (Parcae's
     # prelude_norm). parcae_decay always has it (its recipe); deq_qkv reads e in its core layers
     input_norm: bool = False
+    # learned d×d projection of the final recurrent state before the coda, y = C h^R (Parcae's
+    # readout C): initialised like the other weight matrices (init_std; orthogonal with
+    # init_orthogonal), no weight decay. Off = C = I, the paper's recipes
+    state_readout: bool = False
     norm_eps: float = 1e-5
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
     local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
@@ -111,6 +119,8 @@ class ModelConfig:
         require(not self.input_norm or self.injection not in ("parcae_decay", "deq_qkv"), "model.input_norm",
                 f"not available for injection={self.injection!r} (parcae_decay always normalises e; "
                 "deq_qkv injects e inside the core layers)")
+        require(not self.state_readout or self.arch == "looped", "model.state_readout",
+                "only a looped model has a recurrent state to read out (arch=untied)")
         require(self.bptt_window >= 1, "model.bptt_window", f"must be >= 1, got {self.bptt_window}")
         require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
@@ -173,6 +183,8 @@ class ModelConfig:
                 f"{self.ffn_size} is not divisible by parallel.tp={tp}")
         require(self.vocab_pad_multiple % tp == 0, "model.vocab_pad_multiple",
                 f"{self.vocab_pad_multiple} is not divisible by parallel.tp={tp}")
+        require(not self.qk_bias or self.groups % tp == 0, "model.qk_bias",
+                f"the key biases split with the {self.groups} query groups, which parallel.tp={tp} does not divide")
         if sequence_parallel:
             require(self.seq_len % tp == 0, "model.seq_len",
                     f"{self.seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
@@ -184,7 +196,7 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     kv = d * cfg.groups // cfg.num_heads
     hd = d // cfg.num_heads
     layer = (d * (d + 2 * kv) + d * d + 3 * d * f + 2 * d + (2 * hd if cfg.qk_norm else 0)  # qkv, proj, SwiGLU, norms
-             + (2 * d if cfg.sandwich_norm else 0))
+             + (2 * d if cfg.sandwich_norm else 0) + (d + kv if cfg.qk_bias else 0))
     v = cfg.padded_vocab(vocab_size)
     emb = v * d
     head = 0 if cfg.tie_embeddings else v * d
@@ -193,6 +205,7 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
         inj = {"huginn_linear": 2 * d * d + d, "deq_qkv": cfg.n_core * d * (d + 2 * kv),
                "parcae_decay": d * d + 3 * d}.get(cfg.injection, d * d + 2 * d)
         inj += d if cfg.input_norm else 0
+        inj += d * d if cfg.state_readout else 0  # C, applied once per pass (counted with the injection)
     layers = cfg.physical_layers * layer
     return {"embedding": emb, "layers": layers, "injection": inj, "head": head + d,
             "non_embedding": layers + inj + d, "total": emb + layers + inj + head + d}

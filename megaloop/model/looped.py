@@ -172,6 +172,8 @@ class LoopedGPT(LanguageModule):
             self.injection = build_injection(cfg.injection, config, exit_norm=cfg.exit_norm,
                                              input_norm=cfg.input_norm)
             self._mark_core_replicas()
+            if post_process and cfg.state_readout:
+                self.state_readout = self._build_state_readout(config, seed)
             if post_process and cfg.n_coda:
                 first_coda = first_core + cfg.n_core
                 self.coda = LayerStack(config, spec, list(range(first_coda, first_coda + cfg.n_coda)),
@@ -198,6 +200,23 @@ class LoopedGPT(LanguageModule):
             raise ConfigError(f"model.num_layers: {n} layers do not split over {self.num_stages} pipeline stages")
         per = n // self.num_stages
         return self.stage * per, (self.stage + 1) * per
+
+    def _build_state_readout(self, config: TransformerConfig, seed: int) -> torch.nn.Linear:
+        """Readout C (``model.state_readout``): a bias-free d×d Linear on the final state, replicated
+        over TP (gradient all-reduced under sequence parallelism), initialised by the config's
+        weight init, no weight decay."""
+        d = self.cfg.hidden_size
+        torch.manual_seed(stable_seed(seed, "state_readout"))
+        lin = torch.nn.Linear(d, d, bias=False, dtype=config.params_dtype)
+        with torch.no_grad():
+            config.init_method(lin.weight)
+        lin.weight.no_weight_decay = True
+        lin.weight.sequence_parallel = config.sequence_parallel
+        return lin
+
+    def read_state(self, h: torch.Tensor) -> torch.Tensor:
+        """The coda's input: ``C h`` with ``model.state_readout``, else ``h``. [s, b, d] -> [s, b, d]."""
+        return self.state_readout(h) if self.cfg.state_readout else h
 
     def _mark_core_replicas(self) -> None:
         """Tag core/injection params: summed over the pipeline group, counted once in norms."""
@@ -273,7 +292,8 @@ class LoopedGPT(LanguageModule):
         return self.injection.prepare(e)
 
     def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Coda → final norm → head of a single-stage model: state [s, b, d] -> logits [b, s, V/tp]."""
+        """Readout C → coda → final norm → head of a single-stage model: state [s, b, d] -> logits [b, s, V/tp]."""
+        h = self.read_state(h)
         if self.cfg.n_coda:
             h = self.coda(h, self.rope(h.shape[0]))
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -348,6 +368,7 @@ class LoopedGPT(LanguageModule):
             h = self.run_recurrences(h, e, lo, hi, depth, window, rope)
             if not self.post_process:
                 return torch.cat([h, e], dim=0)
+            h = self.read_state(h)
             if cfg.n_coda:
                 h = self.coda(h, rope, mask)
         else:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -110,6 +110,49 @@ class DEQInjectedSelfAttention(SelfAttention):
         return out + self.linear_qkv_inject(self._inject_e)[0], bias
 
 
+class QKBiasMixin:
+    """Huginn's per-head query/key biases on a megatron ``SelfAttention``: ``q_bias`` [n/tp, hd] and
+    ``k_bias`` [g/tp, hd], zero-initialised, added to every position's query and key heads after
+    the projection (and QK-norm) and before RoPE. Split over TP with the heads (axis 0 in the
+    distributed checkpoint); no weight decay."""
+
+    def __init__(self, config: TransformerConfig, submodules: Any, layer_number: int, **kwargs: Any):
+        super().__init__(config, submodules, layer_number, **kwargs)
+        hd, dt = self.hidden_size_per_attention_head, config.params_dtype
+        self.q_bias = torch.nn.Parameter(torch.zeros(self.num_attention_heads_per_partition, hd, dtype=dt))
+        self.k_bias = torch.nn.Parameter(torch.zeros(self.num_query_groups_per_partition, hd, dtype=dt))
+        for p in (self.q_bias, self.k_bias):
+            tensor_parallel.set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+            p.no_weight_decay = True
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        out = super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                  split_qkv=split_qkv)
+        if not split_qkv:  # pragma: no cover - only megatron's fused single-QKV RoPE asks for this
+            raise NotImplementedError("model.qk_bias: needs split Q/K/V (fused_single_qkv_rope is off)")
+        q, k, *rest = out  # [sq, b, n/tp, hd], [sk, b, g/tp, hd]
+        return (q + self.q_bias.to(q.dtype), k + self.k_bias.to(k.dtype), *rest)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        local = {n: getattr(self, n) for n in ("q_bias", "k_bias")}
+        sd.update(make_sharded_tensors_for_checkpoint(
+            local, prefix, {n: 0 for n in local}, sharded_offsets,
+            tp_group=getattr(self, "tp_group", None) or parallel_state.get_tensor_model_parallel_group(),
+            dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True)))
+        return sd
+
+
+class QKBiasSelfAttention(QKBiasMixin, SelfAttention):
+    """megatron's ``SelfAttention`` with :class:`QKBiasMixin`."""
+
+
+class QKBiasDEQSelfAttention(QKBiasMixin, DEQInjectedSelfAttention):
+    """:class:`DEQInjectedSelfAttention` with :class:`QKBiasMixin`."""
+
+
 class SDPACoreAttention(DotProductAttention):
     """megatron's local core attention computed by ``F.scaled_dot_product_attention`` (fused
     flash/memory-efficient kernels on CPU and GPU instead of explicit [b, n, s, s] scores).
@@ -168,7 +211,9 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
             spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
             spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
     if deq_inject:
-        spec.submodules.self_attention.module = DEQInjectedSelfAttention
+        spec.submodules.self_attention.module = QKBiasDEQSelfAttention if cfg.qk_bias else DEQInjectedSelfAttention
+    elif cfg.qk_bias:
+        spec.submodules.self_attention.module = QKBiasSelfAttention
     if cfg.sandwich_norm:
         spec.module = SandwichTransformerLayer
     return spec

@@ -77,7 +77,7 @@ def layer_params(cfg: RunConfig, tp: int) -> float:
     m = cfg.model
     d, f = m.hidden_size, m.ffn_size
     kv = d * m.groups // m.num_heads
-    return (d * (d + 2 * kv) + d * d + 3 * d * f) / tp + 2 * d
+    return (d * (d + 2 * kv) + d * d + 3 * d * f + ((d + kv) if m.qk_bias else 0)) / tp + 2 * d
 
 
 def injection_params(cfg: RunConfig, tp: int) -> float:
@@ -108,6 +108,8 @@ def stage_params(cfg: RunConfig, layout: Layout, vocab: int) -> list[dict[str, f
             p["layers"] = lp * (m.num_layers // S)
         head = last and not (m.tie_embeddings and S == 1)
         p["head"] = (V * m.hidden_size / t if head else 0.0) + (m.hidden_size if last else 0.0)
+        if last and m.looped and m.state_readout:
+            p["head"] += m.hidden_size * m.hidden_size  # readout C (replicated over TP)
         out.append(p)
     return out
 

@@ -196,8 +196,8 @@ def find_checkpoint(path: str | Path) -> Path:
         ".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one")
 
 
-MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "final_norm.",
-                  "output_layer.")
+MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "state_readout.",
+                  "final_norm.", "output_layer.")
 
 
 def verify_model_tensors(path: Path, model_chunks: list) -> None:

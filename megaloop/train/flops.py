@@ -41,6 +41,8 @@ def forward_flops_per_token(cfg: ModelConfig, vocab: int, seq_len: int, depth: i
     once = (cfg.n_prelude + cfg.n_coda) * layer
     if cfg.injection in ("parcae_decay", "parcae_nonorm", "orthoinj", "orthoinj_early"):
         once += 2.0 * cfg.hidden_size * cfg.hidden_size  # q = Δ ⊙ W ẽ, once per pass
+    if cfg.state_readout:
+        once += 2.0 * cfg.hidden_size * cfg.hidden_size  # C h^R, once per pass
     return once, cfg.n_core * layer + injection_flops_per_token(cfg), head
 
 

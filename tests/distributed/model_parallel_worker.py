@@ -1,5 +1,6 @@
 """TP=2 (± sequence parallel) vs TP=1: logits and parameter gradients of every injection variant
-and of the optional model pieces (QK-norm, normalised injection input, tied embeddings, sandwich norms).
+and of the optional model pieces (QK-norm, normalised injection input, tied embeddings, sandwich norms,
+readout C, QK biases).
 
 torchrun --nproc_per_node 2|4 tests/distributed/model_parallel_worker.py
 """
@@ -17,8 +18,10 @@ TOL = 1e-5
 
 # name -> ModelConfig overrides: every injection, then the optional pieces on one of them
 VARIANTS = {inj: {"injection": inj} for inj in INJECTIONS}
-VARIANTS["qk_norm+input_norm+tied+sandwich"] = {"injection": "parcae_nonorm", "qk_norm": True, "input_norm": True,
-                                                "tie_embeddings": True, "sandwich_norm": True}
+VARIANTS["qk_norm+input_norm+tied+sandwich+readout"] = {
+    "injection": "parcae_nonorm", "qk_norm": True, "input_norm": True, "tie_embeddings": True,
+    "sandwich_norm": True, "state_readout": True}
+VARIANTS["qk_bias"] = {"injection": "huginn_linear", "qk_bias": True}  # GQA + TP=2: tests/hf (TP=2 checkpoint)
 
 
 def run(inj: str, tp: int, sp: bool):

@@ -64,7 +64,7 @@ def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_in
     """``model.init_orthogonal``: every weight matrix is orthogonal (WᵀW or WWᵀ = gain²·I, gain =
     std·√max(rows, cols)) at the normal init's per-entry std; zero-init outputs stay zero."""
     cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=16, init_orthogonal=True, out_init_std=out_init_std,
-                      tie_embeddings=False)
+                      tie_embeddings=False, state_readout=True)
     model = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
                       vocab_size=128, seed=11)
     std = cfg.init_std_value
@@ -87,3 +87,73 @@ def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_in
                                    rtol=0, atol=1e-6 * gain2, msg=name)
         assert abs(float(w.std()) - s) < 0.1 * s, name  # same per-entry scale as the normal init
     assert seen == {"in", "out"}
+
+
+def test_state_readout_applies_c_before_the_coda(megatron_world):
+    """``model.state_readout``: logits = head(norm(coda(C h^R))). With C = I the model equals the same
+    weights without a readout; with any C it equals running the coda on C h by hand. C takes no
+    weight decay and is initialised at the weight init's scale."""
+    from megaloop.config_utils import ConfigError
+
+    kw = dict(hidden_size=64, num_heads=4, seq_len=16, n_prelude=1, n_core=2, n_coda=1)
+    with_c = LoopedGPT(ModelConfig(state_readout=True, **kw),
+                       transformer_config(ModelConfig(state_readout=True, **kw), tp=1, pp=1, vpp=None,
+                                          sequence_parallel=False), vocab_size=128, seed=11).eval()
+    plain_cfg = ModelConfig(**kw)
+    plain = LoopedGPT(plain_cfg, transformer_config(plain_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                      vocab_size=128, seed=11).eval()
+    c = with_c.state_readout.weight
+    assert c.shape == (64, 64) and c.no_weight_decay is True
+    assert abs(float(c.detach().std()) - with_c.cfg.init_std_value) < 0.1 * with_c.cfg.init_std_value
+    missing = plain.load_state_dict(with_c.state_dict(), strict=False)
+    assert missing.unexpected_keys == ["state_readout.weight"] and not missing.missing_keys
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        e = with_c.encode(ids)
+        h = with_c.run_recurrences(with_c.init_state(e, None), e, 0, 3, 3, 3, with_c.rope(16))
+        by_hand = plain.readout(h @ c.T)  # plain: coda -> norm -> head
+        torch.testing.assert_close(with_c(ids, depth=3), by_hand, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(with_c.readout(h), by_hand, rtol=1e-5, atol=1e-5)
+        assert (with_c(ids, depth=3) - plain(ids, depth=3)).abs().max() > 1e-2  # C matters
+        c.copy_(torch.eye(64))
+        torch.testing.assert_close(with_c(ids, depth=3), plain(ids, depth=3), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="model.state_readout"):
+        ModelConfig(arch="untied", state_readout=True)
+
+
+def test_qk_bias_adds_per_head_biases_before_rope(megatron_world):
+    """``model.qk_bias``: zero-initialised (the model equals the same weights without biases), added
+    head by head to the projected queries and keys (GQA: one key bias per group) before RoPE, no
+    weight decay; a TP degree that does not split the key groups is refused."""
+    from megaloop.config_utils import ConfigError
+
+    kw = dict(hidden_size=64, num_heads=4, num_query_groups=2, seq_len=16, n_prelude=1, n_core=2, n_coda=1)
+
+    def build(**extra):
+        cfg = ModelConfig(**kw, **extra)
+        return LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                         vocab_size=128, seed=11).eval()
+
+    biased, plain = build(qk_bias=True), build()
+    attn = biased.core._modules["0"].self_attention
+    assert attn.q_bias.shape == (4, 16) and attn.k_bias.shape == (2, 16)
+    assert attn.q_bias.no_weight_decay and attn.q_bias.tensor_model_parallel
+    res = plain.load_state_dict(biased.state_dict(), strict=False)
+    assert sorted(res.unexpected_keys) == sorted(f"{g}.{i}.self_attention.{n}_bias" for g, i in
+                                                 (("prelude", 0), ("core", 0), ("core", 1), ("coda", 0))
+                                                 for n in "qk") and not res.missing_keys
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(biased(ids, depth=3), plain(ids, depth=3), rtol=1e-5, atol=1e-5)
+        x = torch.randn(16, 2, 64, generator=torch.Generator().manual_seed(4))
+        qb, kb = torch.randn(4, 16), torch.randn(2, 16)
+        attn.q_bias.copy_(qb)
+        attn.k_bias.copy_(kb)
+        q, k, v = attn.get_query_key_value_tensors(x)
+        q0, k0, v0 = plain.core._modules["0"].self_attention.get_query_key_value_tensors(x)
+        torch.testing.assert_close(q, q0 + qb)  # [s, b, heads, hd] + [heads, hd]
+        torch.testing.assert_close(k, k0 + kb)
+        torch.testing.assert_close(v, v0)
+        assert (biased(ids, depth=3) - plain(ids, depth=3)).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="model.qk_bias"):
+        ModelConfig(**kw, qk_bias=True).validate_parallel(4, False)

@@ -8,8 +8,8 @@ from megaloop.model.looped import LoopedGPT, split_recurrences
 from megaloop.model.specs import transformer_config
 
 
-def _model(injection="parcae_nonorm"):
-    cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, bptt_window=10)
+def _model(injection="parcae_nonorm", **extra):
+    cfg = ModelConfig(hidden_size=32, num_heads=2, seq_len=8, injection=injection, bptt_window=10, **extra)
     tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     return LoopedGPT(cfg, tc, vocab_size=64, seed=3)
 
@@ -93,11 +93,13 @@ def test_split_recurrences_covers_all_depths():
             assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
 
 
-@pytest.mark.parametrize("injection", ["parcae_decay", "parcae_nonorm", "huginn_linear", "deq_qkv"])
-def test_param_count_matches_built_model(megatron_world, injection):
+@pytest.mark.parametrize("injection,extra", [("parcae_decay", {}), ("parcae_nonorm", {}), ("huginn_linear", {}),
+                                             ("deq_qkv", {}), ("huginn_linear", {"qk_bias": True, "num_query_groups": 1}),
+                                             ("parcae_decay", {"state_readout": True, "qk_bias": True})])
+def test_param_count_matches_built_model(megatron_world, injection, extra):
     from megaloop.model.config import param_count
 
-    model = _model(injection)
+    model = _model(injection, **extra)
     counted = param_count(model.cfg, 64)["total"]
     assert counted == sum(p.numel() for p in model.parameters())
 

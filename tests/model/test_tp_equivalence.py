@@ -1,5 +1,5 @@
 """TP=2/4 (with and without sequence parallelism) vs TP=1 for every injection and for QK-norm,
-normalised injection input and tied embeddings, over gloo."""
+normalised injection input, tied embeddings, sandwich norms, readout C and QK biases, over gloo."""
 
 import pytest
 
@@ -14,4 +14,5 @@ def test_tp_matches_tp1(nproc):
     assert "ALL OK" in out
     # 5 injections × layouts (tp=2 ±sp; with 4 ranks also tp=4 ±sp)
     assert out.count("OK ") >= (10 if nproc == 2 else 20)
-    assert out.count("OK qk_norm+input_norm+tied+sandwich") == (2 if nproc == 2 else 4)
+    assert out.count("OK qk_norm+input_norm+tied+sandwich+readout") == (2 if nproc == 2 else 4)
+    assert out.count("OK qk_bias ") == (2 if nproc == 2 else 4)

@@ -30,6 +30,13 @@ def test_parameter_counts_match_the_projects_count() -> None:
     st = stage_params(cfg, make_layout(cfg, 4), V)
     core = 2 * 213_248 + 128 * 128 + 2 * 128
     assert sum(sum(p.values()) for p in st) == total + 3 * core
+    # the optional pieces: QK biases in every layer, readout C on the last stage
+    extra = ["parallel.pp=4", "train.global_batch_size=32", "model.qk_bias=true", "model.state_readout=true"]
+    cfg = load_config("tiny", extra)
+    st = stage_params(cfg, make_layout(cfg, 4), V)
+    total = param_count(cfg.model, V)["total"]
+    assert total == 1_918_336 + 4 * 256 + 128 * 128
+    assert sum(sum(p.values()) for p in st) == total + 3 * (core + 2 * 256)
 
 
 def test_static_bytes_by_hand() -> None:

@@ -44,26 +44,29 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # Huginn's code (nebel-raven-3.5b at this shape): takase init (std √(2/5d), residual outputs
     # std/√(2·(1 + 2·5 + 1))), embeddings ×√d, tied, like-init state (std √(2/5d)·√d), rope 50k,
     # sandwich blocks (x <- norm(x + attn(norm(x))), x <- norm(x + mlp(norm(x)))): so e and the core
-    # output already leave a learned-gain norm (no input_norm, no extra exit norm). Not matched: QK
-    # biases, the bias-free adapter. (Before sandwich_norm existed, input_norm=true and the
-    # parameter-free exit norm stood in for the blocks' final norms: results/parity/steps*/
-    # huginn_matched.json were made with that definition, which their `overrides` field records.)
+    # output already leave a learned-gain norm (no input_norm, no extra exit norm), per-head QK
+    # biases before RoPE (qk_bias). Not matched: the bias-free adapter. (Earlier definitions: before
+    # sandwich_norm existed, input_norm=true and the parameter-free exit norm stood in for the
+    # blocks' final norms (results/parity/steps*/huginn_matched.json); huginn_matched_sw.json had no
+    # QK biases; each result's `overrides` field records its definition.)
     "huginn_matched": ["model.injection=huginn_linear", "model.init_std=small", "model.embed_scale=sqrt_d",
                        "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.sandwich_norm=true",
                        "model.input_norm=false", "model.exit_norm=false",
-                       "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false"],
+                       "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false",
+                       "model.qk_bias=true"],
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
     # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std
     # √(2/5d)), rope 50k, no embedding scale, orthogonal init (init_orthogonal; megatron's fused QKV
-    # and fc1 are each one orthogonal matrix, Parcae's q/k/v and w1/w3 separate ones). Not matched:
-    # the learned readout C (identity-initialised; the paper's recipes use C = I). (The first
-    # definition had no orthogonal init; parcae_matched.json was made with it, parcae_matched_ortho.json
-    # with this one, as their `overrides` fields record.)
+    # and fc1 are each one orthogonal matrix, Parcae's q/k/v and w1/w3 separate ones), the learned
+    # readout C before the coda (state_readout: Parcae initialises C like its other weights, an
+    # orthogonal matrix at std √(2/5d), not the identity; no weight decay). (Earlier definitions:
+    # parcae_matched.json had neither orthogonal init nor C, parcae_matched_ortho.json no C, as
+    # their `overrides` fields record.)
     "parcae_matched": ["model.injection=parcae_decay", "model.init_std=small", "model.embed_scale=1.0",
                        "model.tie_embeddings=true", "model.state_init_std=0.0559", "model.qk_norm=true",
                        "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false",
-                       "model.init_orthogonal=true"],
+                       "model.init_orthogonal=true", "model.state_readout=true"],
 }
 
 

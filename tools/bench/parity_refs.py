@@ -14,7 +14,8 @@ archive) of each repository, and this module imports its training model from the
   ``poisson-lognormal-filling`` sampler (one draw per step, ``model.step`` seeds it).
 - Parcae (``sandyresearch/parcae``): ``parcae_lm.models.parcae.Parcae`` from the registry config
   ``parcae-small-140m`` (pre-norm blocks, QK-norm, ``scaled-zero`` orthogonal init, tied embeddings,
-  prelude RMSNorm, diagonal injection, identity-initialised readout C, ``like-init`` state) with the
+  prelude RMSNorm, diagonal injection, learned readout C initialised like its other weights, i.e. a
+  random orthogonal matrix at std √(2/5d), not the identity, ``like-init`` state) with the
   shape overridden, **SwiGLU** (``GatedMLP``/SiLU) instead of its ReLU² MLP and **value embeddings
   off**, so that its FLOPs and parameters match megaloop's. Depth: its own ``poisson-truncated-full``
   sampler, one draw per sequence.
