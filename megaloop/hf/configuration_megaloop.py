@@ -105,6 +105,8 @@ class MegaloopConfig(PreTrainedConfig):
         embedding_multiplier: float = 1.0,
         qk_norm: bool = False,
         qk_bias: bool = False,
+        adapter_init: str = "torch",
+        adapter_bias: bool = True,
         input_norm: bool = False,
         sandwich_norm: bool = False,
         state_readout: bool = False,
@@ -149,6 +151,8 @@ class MegaloopConfig(PreTrainedConfig):
         self.embedding_multiplier = float(embedding_multiplier)  # on the embedding output (not on inputs_embeds)
         self.qk_norm = bool(qk_norm)  # RMSNorm on each head's q and k before RoPE
         self.qk_bias = bool(qk_bias)  # learned per-head q and k biases before RoPE (Huginn's)
+        self.adapter_init = adapter_init  # huginn_linear adapter's init: torch (default Linear) | normal
+        self.adapter_bias = bool(adapter_bias)  # huginn_linear adapter has a bias
         self.input_norm = bool(input_norm)  # the injection reads RMSNorm_g(e)
         self.sandwich_norm = bool(sandwich_norm)  # RMSNorm of the residual stream after each residual add
         self.state_readout = bool(state_readout)  # learned readout C on the final state before the coda
@@ -175,6 +179,7 @@ class MegaloopConfig(PreTrainedConfig):
         need(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
              f"{self.num_key_value_heads} must divide num_attention_heads {self.num_attention_heads}")
         need(self.state_init in STATE_INITS, "state_init", f"one of {STATE_INITS}")
+        need(self.adapter_init in ("torch", "normal"), "adapter_init", f"torch or normal, got {self.adapter_init!r}")
         need(self.eval_state_init in STATE_INITS, "eval_state_init", f"one of {STATE_INITS}")
         need(self.kv_cache_mode in KV_CACHE_MODES, "kv_cache_mode",
              f"unknown mode {self.kv_cache_mode!r}; one of {KV_CACHE_MODES}")

@@ -41,7 +41,8 @@ class HuginnInjection(nn.Module):
 
     def __init__(self, config: MegaloopConfig):
         super().__init__()
-        self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=True)
+        self.adapter = nn.Linear(2 * config.hidden_size, config.hidden_size,
+                                 bias=bool(getattr(config, "adapter_bias", True)))
         self.exit_eps = config.exit_norm_eps
         self.exit_norm = bool(getattr(config, "exit_norm", True))  # false: the paper's no-exit-norm diagnostic
         self.eps = config.rms_norm_eps

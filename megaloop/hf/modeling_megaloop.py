@@ -217,7 +217,12 @@ class MegaloopPreTrainedModel(PreTrainedModel):
         # functions so that weights already loaded from a checkpoint are not re-initialized.
         std = self.config.initializer_range
         if isinstance(module, HuginnInjection):
-            module.adapter.reset_parameters()  # torch's default Linear init (as the native model)
+            if getattr(self.config, "adapter_init", "torch") == "normal":
+                nn.init.normal_(module.adapter.weight, 0.0, std)
+                if module.adapter.bias is not None:
+                    nn.init.zeros_(module.adapter.bias)
+            else:
+                module.adapter.reset_parameters()  # torch's default Linear init (as the native model)
             if module.in_norm_weight is not None:
                 nn.init.ones_(module.in_norm_weight)
         elif isinstance(module, nn.Linear):

@@ -10,6 +10,7 @@ from megaloop.config_utils import require
 INJECTIONS = ("huginn_linear", "parcae_decay", "parcae_nonorm", "orthoinj", "deq_qkv", "orthoinj_early")
 STATE_INITS = ("normal", "zero")
 ARCHS = ("looped", "untied")
+ADAPTER_INITS = ("torch", "normal")
 IMPLS = ("auto", "local", "transformer_engine")
 LOCAL_ATTENTION = ("sdpa", "megatron")
 FP8_FORMATS = ("hybrid", "e4m3")
@@ -57,6 +58,12 @@ class ModelConfig:
     # QKV and SwiGLU fc1 as one) is orthogonal with gain std·√max(rows, cols) (Parcae's init_orthogonal)
     init_orthogonal: bool = False
     deq_std: float = 0.02  # σ of DEQ-QKV injection projections
+    # huginn_linear's adapter W_in [h; e; 1]: "torch" = torch's default Linear init with a bias (the
+    # recipe's "default linear init", SPEC §2); "normal" = the weight init of every other matrix
+    # (init_std; orthogonal with init_orthogonal). adapter_bias=false drops the bias (Huginn's code
+    # uses "normal" without a bias)
+    adapter_init: str = "torch"
+    adapter_bias: bool = True
     bptt_window: int = 10  # TBPTT window cap: b = min(r, bptt_window)
     rope_base: float = 10000.0
     tie_embeddings: bool = False
@@ -121,6 +128,10 @@ class ModelConfig:
                 "deq_qkv injects e inside the core layers)")
         require(not self.state_readout or self.arch == "looped", "model.state_readout",
                 "only a looped model has a recurrent state to read out (arch=untied)")
+        require(self.adapter_init in ADAPTER_INITS, "model.adapter_init", f"one of {ADAPTER_INITS}")
+        require((self.adapter_init == "torch" and self.adapter_bias) or self.injection == "huginn_linear",
+                "model.adapter_init", f"adapter_init/adapter_bias apply to huginn_linear's adapter only "
+                f"(injection={self.injection!r})")
         require(self.bptt_window >= 1, "model.bptt_window", f"must be >= 1, got {self.bptt_window}")
         require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
@@ -202,7 +213,7 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     head = 0 if cfg.tie_embeddings else v * d
     inj = 0
     if cfg.looped:
-        inj = {"huginn_linear": 2 * d * d + d, "deq_qkv": cfg.n_core * d * (d + 2 * kv),
+        inj = {"huginn_linear": 2 * d * d + (d if cfg.adapter_bias else 0), "deq_qkv": cfg.n_core * d * (d + 2 * kv),
                "parcae_decay": d * d + 3 * d}.get(cfg.injection, d * d + 2 * d)
         inj += d if cfg.input_norm else 0
         inj += d * d if cfg.state_readout else 0  # C, applied once per pass (counted with the injection)

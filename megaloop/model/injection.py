@@ -56,13 +56,20 @@ class Injection(MegatronModule):
 
 
 class HuginnLinear(Injection):
-    """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm)."""
+    """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm).
 
-    def __init__(self, config: TransformerConfig, exit_norm: bool = True, input_norm: bool = False):
+    ``init``: ``torch`` (torch's default Linear init, the recipe's) or ``normal`` (the config's weight
+    init, as Huginn's code); ``bias=False`` drops the appended 1."""
+
+    def __init__(self, config: TransformerConfig, exit_norm: bool = True, input_norm: bool = False,
+                 init: str = "torch", bias: bool = True):
         super().__init__(config, input_norm)
         d = config.hidden_size
         self.exit_norm = exit_norm
-        self.adapter = torch.nn.Linear(2 * d, d, bias=True, dtype=config.params_dtype)
+        self.adapter = torch.nn.Linear(2 * d, d, bias=bias, dtype=config.params_dtype)
+        if init == "normal":
+            with torch.no_grad():
+                config.init_method(self.adapter.weight)
         self._tag()
 
     def prepare(self, e: torch.Tensor) -> torch.Tensor:
@@ -147,9 +154,9 @@ class DEQQKV(Injection):
 
 
 def build_injection(name: str, config: TransformerConfig, exit_norm: bool = True,
-                    input_norm: bool = False) -> Injection:
+                    input_norm: bool = False, adapter_init: str = "torch", adapter_bias: bool = True) -> Injection:
     if name == "huginn_linear":
-        return HuginnLinear(config, exit_norm=exit_norm, input_norm=input_norm)
+        return HuginnLinear(config, exit_norm=exit_norm, input_norm=input_norm, init=adapter_init, bias=adapter_bias)
     if name in ("parcae_decay", "parcae_nonorm", "orthoinj", "orthoinj_early"):
         return ParcaeDiagonal(config, name, input_norm=input_norm)
     if name == "deq_qkv":

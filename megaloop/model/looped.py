@@ -170,7 +170,8 @@ class LoopedGPT(LanguageModule):
                                    vp_stage, seed, "core", recompute=cfg.recompute)
             torch.manual_seed(stable_seed(seed, "injection"))
             self.injection = build_injection(cfg.injection, config, exit_norm=cfg.exit_norm,
-                                             input_norm=cfg.input_norm)
+                                             input_norm=cfg.input_norm, adapter_init=cfg.adapter_init,
+                                             adapter_bias=cfg.adapter_bias)
             self._mark_core_replicas()
             if post_process and cfg.state_readout:
                 self.state_readout = self._build_state_readout(config, seed)

@@ -87,7 +87,7 @@ def injection_params(cfg: RunConfig, tp: int) -> float:
     kv = d * m.groups // m.num_heads
     if not m.looped:
         return 0.0
-    return {"huginn_linear": 2 * d * d + d, "deq_qkv": m.n_core * d * (d + 2 * kv) / tp,
+    return {"huginn_linear": 2 * d * d + (d if m.adapter_bias else 0), "deq_qkv": m.n_core * d * (d + 2 * kv) / tp,
             "parcae_decay": d * d + 3 * d}.get(m.injection, d * d + 2 * d)
 
 

@@ -29,7 +29,7 @@ VARIANTS = {  # name -> ModelConfig overrides
     # learning-parity options: embedding scale, QK-norm, input norm, zero-init output projections
     "huginn_options": dict(injection="huginn_linear", embed_scale="sqrt_d", qk_norm=True, input_norm=True,
                            tie_embeddings=True, out_init_std=0.0, num_query_groups=2, sandwich_norm=True,
-                           state_readout=True, qk_bias=True),
+                           state_readout=True, qk_bias=True, adapter_init="normal", adapter_bias=False),
     "nonorm_options": dict(injection="parcae_nonorm", input_norm=True, qk_norm=True, embed_scale=2.5),
 }
 

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from megaloop.model.injection import ParcaeDiagonal, inverse_softplus, project_out
@@ -100,3 +101,32 @@ def test_orthoinj_early_projects_against_e(megatron_world):
     assert along_e.abs().max() < 1e-5
     along_q = (carry.double() * ctx["q"].double()).sum(-1).abs()
     assert along_q.max() > 1e-3  # not the q-projection of `orthoinj`
+
+
+def test_huginn_adapter_init_and_bias_options(megatron_world):
+    """``model.adapter_init=normal`` initialises W_in like every other matrix (std init_std) and
+    ``adapter_bias=false`` drops the bias (Huginn's code); the default is torch's Linear init with a
+    bias (the recipe's); other injections refuse the options."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.model.config import ModelConfig
+    from megaloop.model.looped import LoopedGPT
+    from megaloop.model.specs import transformer_config
+
+    def adapter(**kw):
+        cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=8, injection="huginn_linear", **kw)
+        m = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                      vocab_size=64, seed=3)
+        return cfg, m.injection.adapter
+
+    cfg, ref = adapter(adapter_init="normal", adapter_bias=False)
+    w = ref.weight.detach()
+    assert ref.bias is None and w.shape == (64, 128)
+    assert abs(float(w.std()) - cfg.init_std_value) < 0.05 * cfg.init_std_value
+    _, default = adapter()
+    bound = 1.0 / 128 ** 0.5  # torch's kaiming-uniform bound for fan_in 2d
+    assert default.bias is not None and float(default.weight.detach().abs().max()) <= bound
+    assert abs(float(default.weight.detach().std()) - bound / 3 ** 0.5) < 0.05 * bound
+    with pytest.raises(ConfigError, match="model.adapter_init"):
+        ModelConfig(injection="parcae_nonorm", adapter_bias=False)
+    with pytest.raises(ConfigError, match="model.adapter_init"):
+        ModelConfig(injection="huginn_linear", adapter_init="xavier")

@@ -95,7 +95,8 @@ def test_split_recurrences_covers_all_depths():
 
 @pytest.mark.parametrize("injection,extra", [("parcae_decay", {}), ("parcae_nonorm", {}), ("huginn_linear", {}),
                                              ("deq_qkv", {}), ("huginn_linear", {"qk_bias": True, "num_query_groups": 1}),
-                                             ("parcae_decay", {"state_readout": True, "qk_bias": True})])
+                                             ("parcae_decay", {"state_readout": True, "qk_bias": True}),
+                                             ("huginn_linear", {"adapter_bias": False})])
 def test_param_count_matches_built_model(megatron_world, injection, extra):
     from megaloop.model.config import param_count
 

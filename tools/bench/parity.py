@@ -45,15 +45,17 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # std/√(2·(1 + 2·5 + 1))), embeddings ×√d, tied, like-init state (std √(2/5d)·√d), rope 50k,
     # sandwich blocks (x <- norm(x + attn(norm(x))), x <- norm(x + mlp(norm(x)))): so e and the core
     # output already leave a learned-gain norm (no input_norm, no extra exit norm), per-head QK
-    # biases before RoPE (qk_bias). Not matched: the bias-free adapter. (Earlier definitions: before
+    # biases before RoPE (qk_bias), the adapter initialised like the other matrices (std √(2/5d))
+    # and without a bias (adapter_init=normal, adapter_bias=false). (Earlier definitions: before
     # sandwich_norm existed, input_norm=true and the parameter-free exit norm stood in for the
-    # blocks' final norms (results/parity/steps*/huginn_matched.json); huginn_matched_sw.json had no
-    # QK biases; each result's `overrides` field records its definition.)
+    # blocks' final norms (results/parity/steps*/huginn_matched.json); huginn_matched_sw.json had
+    # neither QK biases nor the adapter's init, huginn_matched_qkb.json no adapter init; each
+    # result's `overrides` field records its definition.)
     "huginn_matched": ["model.injection=huginn_linear", "model.init_std=small", "model.embed_scale=sqrt_d",
                        "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.sandwich_norm=true",
                        "model.input_norm=false", "model.exit_norm=false",
                        "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false",
-                       "model.qk_bias=true"],
+                       "model.qk_bias=true", "model.adapter_init=normal", "model.adapter_bias=false"],
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
     # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std

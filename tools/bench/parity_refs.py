@@ -5,7 +5,8 @@ archive) of each repository, and this module imports its training model from the
 
 - Huginn (``seal-rg/recurrent-pretraining``): ``recpre.model_dynamic.RecurrentGPT`` built from the
   registry config ``nebel-raven-3.5b`` (huginn-0125's architecture: sandwich blocks, takase init,
-  embedding scale √d, tied embeddings, linear adapter, ``like-init`` state, QK bias) with the shape
+  embedding scale √d, tied embeddings, bias-free linear adapter at the init std, ``like-init``
+  state, per-head QK biases) with the shape
   overridden. ``recpre/__init__`` and ``recpre/utils`` import lightning (not installable here): the
   package is entered through a stub ``recpre`` package whose ``utils`` provides only
   ``find_multiple``; ``triton`` is replaced by an inert stand-in (never called with
