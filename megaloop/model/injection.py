@@ -59,7 +59,7 @@ class HuginnLinear(Injection):
     """ζ = W_in [h; e; 1]; the core output passes a parameter-free RMSNorm (exit norm).
 
     ``init``: ``torch`` (torch's default Linear init, the recipe's) or ``normal`` (the config's weight
-    init, as Huginn's code); ``bias=False`` drops the appended 1."""
+    init and a zero bias, as the HF export's init); ``bias=False`` drops the appended 1 (Huginn's code)."""
 
     def __init__(self, config: TransformerConfig, exit_norm: bool = True, input_norm: bool = False,
                  init: str = "torch", bias: bool = True):
@@ -70,6 +70,8 @@ class HuginnLinear(Injection):
         if init == "normal":
             with torch.no_grad():
                 config.init_method(self.adapter.weight)
+                if bias:
+                    self.adapter.bias.zero_()
         self._tag()
 
     def prepare(self, e: torch.Tensor) -> torch.Tensor:

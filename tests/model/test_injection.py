@@ -122,6 +122,7 @@ def test_huginn_adapter_init_and_bias_options(megatron_world):
     w = ref.weight.detach()
     assert ref.bias is None and w.shape == (64, 128)
     assert abs(float(w.std()) - cfg.init_std_value) < 0.05 * cfg.init_std_value
+    assert float(adapter(adapter_init="normal")[1].bias.detach().abs().max()) == 0.0  # as the HF init
     _, default = adapter()
     bound = 1.0 / 128 ** 0.5  # torch's kaiming-uniform bound for fan_in 2d
     assert default.bias is not None and float(default.weight.detach().abs().max()) <= bound
