@@ -57,6 +57,10 @@ class ModelConfig:
     # orthogonal instead of normal weight init at the same per-entry scale: each matrix (fused
     # QKV and SwiGLU fc1 as one) is orthogonal with gain std·√max(rows, cols) (Parcae's init_orthogonal)
     init_orthogonal: bool = False
+    # with init_orthogonal: megatron's fused QKV matrix is initialised as three separate orthogonal
+    # matrices q [heads·head_dim, d], k and v [groups·head_dim, d], each at gain std·√max(rows, cols)
+    # and laid out in megatron's per-group order (Parcae's separate c_q / c_k / c_v). Local spec only
+    qkv_init_split: bool = False
     deq_std: float = 0.02  # σ of DEQ-QKV injection projections
     # huginn_linear's adapter W_in [h; e; 1]: "torch" = torch's default Linear init with a bias (the
     # recipe's "default linear init", SPEC §2); "normal" = the weight init of every other matrix
@@ -126,6 +130,8 @@ class ModelConfig:
         require(not self.input_norm or self.injection not in ("parcae_decay", "deq_qkv"), "model.input_norm",
                 f"not available for injection={self.injection!r} (parcae_decay always normalises e; "
                 "deq_qkv injects e inside the core layers)")
+        require(not self.qkv_init_split or self.init_orthogonal, "model.qkv_init_split",
+                "splits the orthogonal init of the fused QKV matrix: needs model.init_orthogonal=true")
         require(not self.state_readout or self.arch == "looped", "model.state_readout",
                 "only a looped model has a recurrent state to read out (arch=untied)")
         require(self.adapter_init in ADAPTER_INITS, "model.adapter_init", f"one of {ADAPTER_INITS}")

@@ -195,8 +195,37 @@ def use_transformer_engine(cfg: ModelConfig) -> bool:
     return has_te
 
 
+def split_qkv_orthogonal(std: float, heads: int, groups: int, head_dim: int):
+    """Init of megatron's fused QKV master weight [(heads + 2·groups)·head_dim, d] as three
+    orthogonal matrices q [heads·head_dim, d], k, v [groups·head_dim, d] (each at gain
+    std·√max(rows, cols)), placed in megatron's per-group layout [groups, (heads/groups)·q | k | v]."""
+    def init(w: torch.Tensor) -> torch.Tensor:
+        d, per = w.shape[1], heads // groups
+        if w.shape[0] != (heads + 2 * groups) * head_dim:
+            raise ValueError(f"QKV master weight of {tuple(w.shape)} rows, expected {(heads + 2 * groups) * head_dim}")
+        q, k, v = (_orthogonal(std)(w.new_empty(n * head_dim, d)) for n in (heads, groups, groups))
+        with torch.no_grad():
+            w.copy_(torch.cat([q.view(groups, per * head_dim, d), k.view(groups, head_dim, d),
+                               v.view(groups, head_dim, d)], dim=1).reshape_as(w))
+        return w
+    return init
+
+
+class SplitInitQKVLinear(tensor_parallel.ColumnParallelLinear):
+    """megatron's fused QKV projection (``ColumnParallelLinear``) whose CPU-built master weight is
+    initialised by :func:`split_qkv_orthogonal` (``model.qkv_init_split``); each TP rank then keeps
+    its slice as usual, so the init is the same under every TP degree."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, init_method, **kw):
+        init_method = split_qkv_orthogonal(config.init_method_std, config.num_attention_heads,
+                                           config.num_query_groups or config.num_attention_heads, config.kv_channels)
+        super().__init__(input_size, output_size, config=config, init_method=init_method, **kw)
+
+
 def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     """The transformer-layer spec: TE on GPU when available, megatron-core local otherwise."""
+    if cfg.qkv_init_split and use_transformer_engine(cfg):  # pragma: no cover - GPU only
+        raise ConfigError("model.qkv_init_split: only with the local spec (model.transformer_impl=local)")
     if use_transformer_engine(cfg):  # pragma: no cover - GPU only
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -207,6 +236,8 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
             spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
         spec.submodules.input_layernorm = RMSNorm
         spec.submodules.pre_mlp_layernorm = RMSNorm
+        if cfg.qkv_init_split:
+            spec.submodules.self_attention.submodules.linear_qkv = SplitInitQKVLinear
         if cfg.qk_norm:  # per-head [head_dim] gains, shared by the heads (megatron sums them over TP)
             spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
             spec.submodules.self_attention.submodules.k_layernorm = RMSNorm

@@ -89,6 +89,36 @@ def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_in
     assert seen == {"in", "out"}
 
 
+@pytest.mark.parametrize("groups", [None, 2])
+def test_qkv_init_split_gives_separate_orthogonal_q_k_v(megatron_world, groups):
+    """``model.qkv_init_split``: un-interleaving megatron's per-group QKV layout gives three matrices
+    q [heads·hd, d], k, v [groups·hd, d], each orthogonal at gain std·√max(rows, cols); the fused
+    matrix is not (q and k overlap), unlike plain ``init_orthogonal``. Refused without init_orthogonal."""
+    from megaloop.config_utils import ConfigError
+
+    with pytest.raises(ConfigError, match="model.qkv_init_split"):
+        ModelConfig(qkv_init_split=True)
+    cfg = ModelConfig(hidden_size=64, num_heads=4, num_query_groups=groups, seq_len=16, init_orthogonal=True,
+                      qkv_init_split=True)
+    model = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                      vocab_size=128, seed=11)
+    ng, hd, d, std = cfg.groups, 16, 64, cfg.init_std_value
+    per = 4 // ng
+    qkvs = [p.detach().double() for n, p in model.named_parameters() if n.endswith("linear_qkv.weight")]
+    assert len(qkvs) == cfg.physical_layers
+    for w in qkvs:
+        blocks = w.view(ng, (per + 2) * hd, d)
+        q = blocks[:, :per * hd].reshape(-1, d)
+        k, v = blocks[:, per * hd:(per + 1) * hd].reshape(-1, d), blocks[:, (per + 1) * hd:].reshape(-1, d)
+        for m in (q, k, v):
+            rows, cols = m.shape
+            gram = m.T @ m if rows >= cols else m @ m.T
+            gain2 = std * std * max(rows, cols)
+            torch.testing.assert_close(gram, gain2 * torch.eye(min(rows, cols), dtype=torch.double),
+                                       rtol=0, atol=1e-6 * gain2)
+        assert float((q @ k.T).abs().max()) > 1e-3  # separate draws: q and k are not mutually orthogonal
+
+
 def test_state_readout_applies_c_before_the_coda(megatron_world):
     """``model.state_readout``: logits = head(norm(coda(C h^R))). With C = I the model equals the same
     weights without a readout; with any C it equals running the coda on C h by hand. C takes no

@@ -59,16 +59,17 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
     # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std
-    # √(2/5d)), rope 50k, no embedding scale, orthogonal init (init_orthogonal; megatron's fused QKV
-    # and fc1 are each one orthogonal matrix, Parcae's q/k/v and w1/w3 separate ones), the learned
-    # readout C before the coda (state_readout: Parcae initialises C like its other weights, an
-    # orthogonal matrix at std √(2/5d), not the identity; no weight decay). (Earlier definitions:
-    # parcae_matched.json had neither orthogonal init nor C, parcae_matched_ortho.json no C, as
-    # their `overrides` fields record.)
+    # √(2/5d)), rope 50k, no embedding scale, orthogonal init (init_orthogonal), with q, k and v
+    # orthogonal each (qkv_init_split: Parcae's separate c_q/c_k/c_v; its SwiGLU fc is one fused
+    # [w1; w3] matrix, as megatron's fc1), the learned readout C before the coda (state_readout:
+    # Parcae initialises C like its other weights, an orthogonal matrix at std √(2/5d), not the
+    # identity; no weight decay). (Earlier definitions: parcae_matched.json had neither orthogonal
+    # init nor C, parcae_matched_ortho.json no C, parcae_matched_readout.json one orthogonal QKV
+    # matrix, as their `overrides` fields record.)
     "parcae_matched": ["model.injection=parcae_decay", "model.init_std=small", "model.embed_scale=1.0",
                        "model.tie_embeddings=true", "model.state_init_std=0.0559", "model.qk_norm=true",
                        "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false",
-                       "model.init_orthogonal=true", "model.state_readout=true"],
+                       "model.init_orthogonal=true", "model.state_readout=true", "model.qkv_init_split=true"],
 }
 
 
