@@ -224,9 +224,9 @@ class SplitInitQKVLinear(tensor_parallel.ColumnParallelLinear):
 
 def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     """The transformer-layer spec: TE on GPU when available, megatron-core local otherwise."""
-    if cfg.qkv_init_split and use_transformer_engine(cfg):  # pragma: no cover - GPU only
-        raise ConfigError("model.qkv_init_split: only with the local spec (model.transformer_impl=local)")
     if use_transformer_engine(cfg):  # pragma: no cover - GPU only
+        if cfg.qkv_init_split:
+            raise ConfigError("model.qkv_init_split: only with the local spec (model.transformer_impl=local)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm))

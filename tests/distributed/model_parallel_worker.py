@@ -21,8 +21,9 @@ VARIANTS = {inj: {"injection": inj} for inj in INJECTIONS}
 VARIANTS["qk_norm+input_norm+tied+sandwich+readout"] = {
     "injection": "parcae_nonorm", "qk_norm": True, "input_norm": True, "tie_embeddings": True,
     "sandwich_norm": True, "state_readout": True}
-VARIANTS["qk_bias"] = {"injection": "huginn_linear", "qk_bias": True, "adapter_init": "normal", "adapter_bias": False}
-VARIANTS["qk_bias"].update(init_orthogonal=True, qkv_init_split=True)  # the split QKV init sliced per TP rank  # GQA + TP=2: tests/hf (TP=2 checkpoint)
+# GQA + TP=2: tests/hf (TP=2 checkpoint); the split orthogonal QKV init must slice identically per TP rank
+VARIANTS["qk_bias"] = {"injection": "huginn_linear", "qk_bias": True, "adapter_init": "normal", "adapter_bias": False,
+                       "init_orthogonal": True, "qkv_init_split": True}
 
 
 def run(inj: str, tp: int, sp: bool):

@@ -59,6 +59,15 @@ def test_fp8_settings_are_validated_before_compute():
                   train=TrainConfig(global_batch_size=1, micro_batch_size=1))
 
 
+def _assert_scaled_orthogonal(w: torch.Tensor, std: float, name: str) -> None:
+    """WᵀW (tall) or WWᵀ (wide) equals gain²·I with gain = std·√max(rows, cols) (float64 ``w``)."""
+    rows, cols = w.shape
+    gram = w.T @ w if rows >= cols else w @ w.T
+    gain2 = std * std * max(rows, cols)
+    torch.testing.assert_close(gram, gain2 * torch.eye(min(rows, cols), dtype=torch.double),
+                               rtol=0, atol=1e-6 * gain2, msg=name)
+
+
 @pytest.mark.parametrize("out_init_std", [None, 0.0, 0.01])
 def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_init_std):
     """``model.init_orthogonal``: every weight matrix is orthogonal (WᵀW or WWᵀ = gain²·I, gain =
@@ -80,11 +89,7 @@ def test_orthogonal_init_gives_scaled_orthogonal_matrices(megatron_world, out_in
         if s == 0.0:
             assert torch.count_nonzero(w) == 0, name
             continue
-        rows, cols = w.shape
-        gram = w.T @ w if rows >= cols else w @ w.T
-        gain2 = s * s * max(rows, cols)
-        torch.testing.assert_close(gram, gain2 * torch.eye(min(rows, cols), dtype=torch.double),
-                                   rtol=0, atol=1e-6 * gain2, msg=name)
+        _assert_scaled_orthogonal(w, s, name)
         assert abs(float(w.std()) - s) < 0.1 * s, name  # same per-entry scale as the normal init
     assert seen == {"in", "out"}
 
@@ -110,12 +115,8 @@ def test_qkv_init_split_gives_separate_orthogonal_q_k_v(megatron_world, groups):
         blocks = w.view(ng, (per + 2) * hd, d)
         q = blocks[:, :per * hd].reshape(-1, d)
         k, v = blocks[:, per * hd:(per + 1) * hd].reshape(-1, d), blocks[:, (per + 1) * hd:].reshape(-1, d)
-        for m in (q, k, v):
-            rows, cols = m.shape
-            gram = m.T @ m if rows >= cols else m @ m.T
-            gain2 = std * std * max(rows, cols)
-            torch.testing.assert_close(gram, gain2 * torch.eye(min(rows, cols), dtype=torch.double),
-                                       rtol=0, atol=1e-6 * gain2)
+        for part, m in zip("qkv", (q, k, v)):
+            _assert_scaled_orthogonal(m, std, part)
         assert float((q @ k.T).abs().max()) > 1e-3  # separate draws: q and k are not mutually orthogonal
 
 
