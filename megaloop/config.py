@@ -82,7 +82,11 @@ class TrainConfig:
     micro_batch_size: int = 2
     max_steps: int = 100  # schedule horizon
     stop_after: int | None = None  # stop after this many steps without changing the schedule
+    # train.seed seeds the initial weights, the depth draws, the h^0 noise and (added to
+    # data.shuffle_seed) the data order; init_seed, when set, seeds the initial weights alone
+    # (same batches and depth draws, another init: the init-draw spread of a run)
     seed: int = 1234
+    init_seed: int | None = None
     log_interval: int = 1
     save_interval: int = 50
     keep_checkpoints: int = 2
@@ -100,12 +104,20 @@ class TrainConfig:
         require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
                 f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1")
+        require(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
+        require(self.init_seed is None or self.init_seed >= 0, "train.init_seed",
+                f"must be >= 0 or null (= train.seed), got {self.init_seed}")
         require(self.stop_after is None or self.stop_after >= 1, "train.stop_after", "must be >= 1 or null")
         require(self.nonfinite in NONFINITE, "train.nonfinite", f"one of {NONFINITE}")
         require(self.save_interval >= 0, "train.save_interval", "must be >= 0")
         require(self.keep_checkpoints >= 1, "train.keep_checkpoints", "must be >= 1")
         require(self.eval_depth >= 1, "train.eval_depth", "must be >= 1")
         require(self.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0 = the whole validation set)")
+
+    @property
+    def weights_seed(self) -> int:
+        """Seed of the initial weights: ``init_seed``, else ``seed``."""
+        return self.seed if self.init_seed is None else self.init_seed
 
     def num_microbatches(self, dp: int) -> int:
         per = self.micro_batch_size * dp

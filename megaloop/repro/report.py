@@ -295,7 +295,7 @@ def render_markdown(results: dict) -> str:
         f"{s['global_batch_size']} x {s['seq_len']} tokens = {tokens:,} tokens per arm"
         + (f"; {results['note']}" if results.get("note") else ""),
         f"- **Same for every arm**: seed {s['seed']}, data `{s['data_path']}` (shuffle {s['shuffle']}, "
-        f"shuffle seed {s['shuffle_seed']}), so the same data order",
+        f"shuffle seed {s['shuffle_seed']}), so the same data order at one seed",
         f"- **Evaluation**: R={ev['depth']} (training depth), sweep {ev['depths']}, "
         f"{'terminal vs per-visit KV' if ev['sharing'] else 'no sharing'}, "
         f"{ev['max_seqs'] or 'all'} validation sequences of `{ev['data']}`; downstream = mean acc of "
@@ -311,7 +311,8 @@ def render_markdown(results: dict) -> str:
               + ("" if results["complete"] else " — **incomplete: some arms are not finished**"), ""]
     seeds = results.get("seeds")
     if seeds:
-        lines += [f"- **Seeds**: {seeds} (`train.seed`; the data order is the same for every seed): cells are "
+        lines += [f"- **Seeds**: {seeds} (`train.seed`: initial weights, depth draws and data order, whose shuffle seed is "
+                  "`data.shuffle_seed` + `train.seed`, all change with the seed): cells are "
                   "mean ± sample sd over the seeds that finished", ""]
     rows = groups(results)
     with_lr = any(g["lr"] for g in rows)

@@ -16,13 +16,14 @@ Schema (every key but ``arms`` optional; unknown keys are errors)::
       - {id: C2, claim: "...", paper: "<= 2 % ...", metrics: [extrapolation_pct], arms: [b2_huginn],
          expect: [{arm: b2_huginn, metric: extrapolation_pct, op: "<", value: 2}]}  # the computed verdict
       - {id: C9, ..., metrics: [native_ppl], arms: [looped], relative_to: untied12}
-    seeds: [0, 1, 2]                    # each arm once per training seed (same data order); mean ± sd
+    seeds: [0, 1, 2]                    # each arm once per training seed; mean ± sd
     lr: screen                          # every arm's LR: a number, `screen`, or {same_as: ARM}
     scales: {tiny: {screen: {range: [1e-3, 8e-3], points: 4, stop_after: 150}}}   # the screens' grid
 
 ``seeds`` (default: one run per arm at the config's ``train.seed``, named by the arm) runs every
-arm as ``<arm>.seed<N>`` with ``train.seed=N``; the data order (``data.shuffle_seed``) stays the
-same. ``lr: screen`` (top level, or an arm's ``lr:``) screens that arm's learning rate first, as
+arm as ``<arm>.seed<N>`` with ``train.seed=N``: the initial weights, the depth draws and the data
+order (the loader shuffles with ``data.shuffle_seed + train.seed``) all change with the seed, as a
+seed does in Megatron-LM; the arms of one seed share all three. ``lr: screen`` (top level, or an arm's ``lr:``) screens that arm's learning rate first, as
 SPEC §11 / the paper's Appendix B.1: the scale's grid (``screen:``; default the LR-screen tool's
 range, points and stop of that scale), each point the arm's own config with its full
 ``train.max_steps`` WSD horizon, stopped after ``stop_after`` updates, selected by validation CE at

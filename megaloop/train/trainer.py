@@ -120,7 +120,7 @@ class Trainer:
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
-            sequence_parallel=par.sequence_parallel, seed=cfg.train.seed, ddp=True,
+            sequence_parallel=par.sequence_parallel, seed=cfg.train.weights_seed, ddp=True,
             distributed_optimizer=par.distributed_optimizer)
         self.tc.finalize_model_grads_func = finalize_grads
         self.tc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync

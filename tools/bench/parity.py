@@ -11,7 +11,7 @@ in ``OUT`` as ``OUT/parity.md`` (tables) and ``OUT/parity.png`` (loss curves, PP
     python tools/bench/parity.py --report DIR
 
 The protocol (every system): megaloop's own train loader over the chosen data (default: the
-embedded corpus) with the run's seed, ``--batch`` sequences of the preset's ``seq_len`` per step in
+embedded corpus) with the run's seed (``--init-seed`` re-draws only the initial weights), ``--batch`` sequences of the preset's ``seq_len`` per step in
 the same order; AdamW (β 0.9/0.95, wd 0.1 on matrices, ε 1e-8), gradient clipping at 1, WSD (linear
 warm-up over 10 % of the steps, constant, linear decay to 0 over the last 20 %, the same LR per
 update as megaloop's scheduler, see ``parity_refs.wsd_lr``); mean depth ``--mean-depth`` with a
@@ -151,7 +151,8 @@ def run_reference(args, out_dir: Path) -> dict:
     shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
                   n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
                   mean_depth=int(args.mean_depth), bptt_window=args.bptt_window)
-    ref = load_reference(args.system, args.ref_path, shape, args.seed)
+    ref = load_reference(args.system, args.ref_path, shape,
+                         args.seed if args.init_seed is None else args.init_seed)  # its initial weights
     decay, no_decay = [], []
     for name, p in ref.model.named_parameters():
         (no_decay if ref.no_decay(name, p) else decay).append(p)
@@ -274,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--init-seed", type=int, default=None,
+                   help="seed of the initial weights alone (default: --seed; megaloop: train.init_seed; a "
+                        "reference: torch's seed before it builds its model, so also its training-time "
+                        "h^0 draws); batches, depth draws and evaluation noise stay those of --seed")
     p.add_argument("--mean-depth", type=float, default=5.0)
     p.add_argument("--bptt-window", type=int, default=4)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 5, 64])
@@ -302,11 +307,13 @@ def main(argv: list[str] | None = None) -> int:
     cmd = " ".join(["python tools/bench/parity.py"] + [a if " " not in a else repr(a) for a in
                                                        (argv if argv is not None else sys.argv[1:])])
     if args.system == "megaloop":
-        res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + list(args.overrides), out)
+        init = [] if args.init_seed is None else [f"train.init_seed={args.init_seed}"]
+        res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides), out)
     else:
         res = run_reference(args, out)
     res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
-               seed=args.seed, command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
+               seed=args.seed, init_seed=args.init_seed if args.init_seed is not None else args.seed,
+               command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
     dest = out / f"{args.label}.json"
     tmp = dest.with_suffix(".tmp")
     tmp.write_text(json.dumps(res, indent=1))
