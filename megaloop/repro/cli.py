@@ -6,6 +6,7 @@
         --sbatch-arg=--partition=gpu -- data.path=/data/txt360_mds data.val_path=/data/eval/val
     megaloop reproduce --render runs/repro_tbptt/results.json      # re-render report.md + PNGs
     megaloop reproduce --render runs/repro_tbptt/results.json --experiment tbptt   # + the file's claims now
+    megaloop reproduce --render runs/a/results.json --merge runs/b/results.json --out runs/ab   # seeds of two runs
 
 (``python tools/reproduce.py ...`` is the same command.) An experiment is a YAML of arms (name ->
 a paper arm of megaloop/configs/arms.yaml and/or config overrides), scales and an evaluation plan
@@ -38,6 +39,7 @@ from pathlib import Path
 from megaloop.errors import UserError
 from megaloop.repro import report as rep
 from megaloop.repro.evaluate import checkpoint_step, evaluate_arm
+from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
@@ -61,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depths", default=None, help="evaluation: comma-separated sweep depths (plan's default)")
     p.add_argument("--render", metavar="RESULTS_JSON", help="only re-render report.md and PNGs from a results.json "
                    "(with --experiment: take the claims and their verdict checks from that file)")
+    p.add_argument("--merge", metavar="RESULTS_JSON", action="append", default=[],
+                   help="with --render and --out: merge these results (other seeds of the same experiment) "
+                   "with the --render one into OUT/results.json (megaloop/repro/merge.py); repeatable")
     p.add_argument("--evaluate-arm", metavar="ARM", help="only evaluate one trained arm of OUT/plan.json "
                    "(what each arm runs after its training)")
     add_launch_args(p, default_parallel="threads / threads-per-run")
@@ -102,6 +107,19 @@ def render(args: argparse.Namespace) -> int:
     """``--render``: report.md and the PNGs from a results.json."""
     path = Path(args.render)
     results = _read_json(path, "--render")
+    if args.merge:
+        if not args.out:
+            raise UserError("--merge: needs --out, the folder of the merged result (the inputs stay as they are)")
+        paths = [path, *map(Path, args.merge)]
+        out = Path(args.out)
+        target = (out / "results.json").resolve()
+        if any(p.resolve() == target for p in paths):
+            raise UserError(f"--out: {out} holds one of the merged files; choose a new folder")
+        results = merge_results(paths, [results, *(_read_json(p, "--merge") for p in paths[1:])], out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "results.json"
+        rep.add_verdicts(results)
+        rep.write_results(out, results)
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
         plan = load_plan(args.experiment, results["scale"])
         missing = sorted({a for c in plan.claims for a in c.arms} - {a.get("group") or a["name"] for a in results["arms"]})
@@ -143,6 +161,8 @@ def evaluate_one(args: argparse.Namespace) -> int:
 
 def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     """The experiment: launch the unfinished arms, then collect, render and report."""
+    if args.merge and not args.render:
+        raise UserError("--merge: goes with --render (the first results.json) and --out")
     if args.render:
         return render(args)
     if args.evaluate_arm:

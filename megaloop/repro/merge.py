@@ -1,0 +1,104 @@
+"""Merge the ``results.json`` of one experiment run at different seeds into one result.
+
+Seeds of an experiment may run as separate invocations (another day, another machine, a slurm
+array that finished in parts): ``megaloop reproduce --render A/results.json --merge B/results.json
+--out DIR`` writes ``DIR/results.json`` (and the report) holding every run of both, so the cells
+become mean ± sd over all seeds and the verdicts use the whole spread.
+
+The files must be the same experiment at the same scale, preset, budget, data and evaluation plan
+(``settings`` other than the seed, and ``eval``, equal), and each arm must carry the same
+overrides in every file apart from ``train.seed`` and ``logging.*``. A run of a file without a
+seed list counts as the run at that file's ``settings.seed``; every run is named
+``<arm>.seed<N>``; a seed of an arm found in two files is an error (never silently one of them).
+The claims (and their checks) are the first file's; ``--experiment`` replaces them as for
+``--render``. Run directories are kept as paths relative to the merged result's folder.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from megaloop.errors import UserError
+
+__all__ = ["merge_results"]
+
+_FREE_OVERRIDES = ("train.seed=", "logging.")  # may differ between the files of one experiment
+_FREE_SETTINGS = ("seed", "seeds")
+
+
+def _fixed(overrides: list[str]) -> list[str]:
+    return [o for o in overrides if not o.startswith(_FREE_OVERRIDES)]
+
+
+def _runs(results: dict, path: Path, out: Path) -> list[dict]:
+    seed0 = results["settings"].get("seed")
+    runs = []
+    for a in results["arms"]:
+        group = a.get("group") or a["name"]
+        seed = a.get("seed") if a.get("seed") is not None else seed0
+        if seed is None:
+            raise UserError(f"--merge: {path}: run {a['name']!r} has no seed and the file no settings.seed")
+        rd = a.get("run_dir")
+        if rd is not None and not Path(rd).is_absolute():
+            rd = os.path.relpath(path.parent / rd, out)
+        runs.append({**a, "group": group, "seed": int(seed), "name": f"{group}.seed{seed}", "run_dir": rd,
+                     "_file": str(path)})
+    return runs
+
+
+def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
+    """One results dict from ``loaded`` (the parsed files at ``paths``), for writing into ``out``."""
+    if len(paths) < 2:
+        raise UserError("--merge: needs at least two results.json files (--render A --merge B ...)")
+    out = Path(out).resolve()
+    first, p0 = loaded[0], paths[0]
+    for res, p in zip(loaded[1:], paths[1:]):
+        for key in ("experiment", "scale", "config"):
+            if res.get(key) != first.get(key):
+                raise UserError(f"--merge: {p} is {key} {res.get(key)!r}, {p0} is {first.get(key)!r}: "
+                                "only seeds of one experiment merge")
+        s0 = {k: v for k, v in first["settings"].items() if k not in _FREE_SETTINGS}
+        s1 = {k: v for k, v in res["settings"].items() if k not in _FREE_SETTINGS}
+        diff = sorted(k for k in s0.keys() | s1.keys() if s0.get(k) != s1.get(k))
+        if diff:
+            raise UserError(f"--merge: {p} differs from {p0} in settings {diff} "
+                            f"({[(s0.get(k), s1.get(k)) for k in diff]}): only the seed may differ")
+        if res.get("eval") != first.get("eval"):
+            diff = sorted(k for k in first["eval"].keys() | res["eval"].keys()
+                          if first["eval"].get(k) != res["eval"].get(k))
+            raise UserError(f"--merge: {p} was evaluated with another plan than {p0} (eval {diff})")
+    runs: dict[tuple[str, int], dict] = {}
+    overrides: dict[str, tuple[list[str], str]] = {}
+    for res, p in zip(loaded, paths):
+        for r in _runs(res, Path(p).resolve(), out):
+            key = (r["group"], r["seed"])
+            if key in runs:
+                raise UserError(f"--merge: arm {r['group']!r} at seed {r['seed']} is in both {runs[key]['_file']} "
+                                f"and {p}; drop one of them")
+            fixed = _fixed(r["overrides"])
+            if r["group"] in overrides and overrides[r["group"]][0] != fixed:
+                a, b = overrides[r["group"]][0], fixed
+                raise UserError(f"--merge: arm {r['group']!r} has other overrides in {p} than in "
+                                f"{overrides[r['group']][1]}: {sorted(set(a) ^ set(b))}")
+            overrides.setdefault(r["group"], (fixed, str(p)))
+            runs[key] = r
+    seeds = list(dict.fromkeys(s for _, s in runs))  # in file order
+    order = list(dict.fromkeys(g for g, _ in runs))
+    arms = [{k: v for k, v in runs[(g, s)].items() if k != "_file"} for g in order for s in seeds if (g, s) in runs]
+    screens: dict[str, Any] = {}
+    for res, p in zip(loaded, paths):
+        for g, sc in (res.get("screens") or {}).items():
+            if g in screens and screens[g].get("lr") != sc.get("lr"):
+                raise UserError(f"--merge: arm {g!r}: LR screen selected {sc.get('lr')} in {p}, "
+                                f"{screens[g].get('lr')} in an earlier file")
+            screens.setdefault(g, sc)
+    launcher = dict(first.get("launcher") or {})
+    launcher["merged"] = ", ".join(f"{os.path.relpath(Path(p).resolve(), out)} (seeds "
+                                   f"{sorted({r['seed'] for r in _runs(res, Path(p).resolve(), out)})})"
+                                   for res, p in zip(loaded, paths))
+    return {**first, "settings": {**first["settings"], "seeds": seeds}, "seeds": seeds, "arms": arms,
+            "screens": screens, "launcher": launcher, "complete": all(a["status"] == "done" for a in arms),
+            "updated": time.strftime("%Y-%m-%d %H:%M:%S")}

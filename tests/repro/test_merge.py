@@ -1,0 +1,91 @@
+"""Merging the results of one experiment run at different seeds (megaloop/repro/merge.py,
+``megaloop reproduce --render A --merge B --out DIR``): runs pooled per arm, verdicts over the whole
+spread, mismatches refused naming the file, the inputs never rewritten."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.repro.test_report import RESULTS, _arm
+
+
+def _file(tmp_path: Path, name: str, seeds: list[int] | None, ppl: dict[str, list[float]], **settings) -> Path:
+    """A results.json of arms orthoinj / parcae_decay; ``seeds=None``: the unseeded layout (one run per
+    arm at settings.seed, named by the arm, as `megaloop reproduce` without a seed list writes it)."""
+    res = json.loads(json.dumps(RESULTS))
+    res["settings"].update(settings)
+    res["seeds"] = seeds
+    res["claims"] = [{"id": "C10", "claim": "c", "paper": "p", "metrics": ["terminal_ppl"], "arms": ["orthoinj"],
+                      "relative_to": "parcae_decay",
+                      "expect": [{"arm": "orthoinj", "metric": "terminal_ppl", "vs": "parcae_decay", "op": "<"}]}]
+    res["arms"] = []
+    for group, label in (("orthoinj", "OrthoInj"), ("parcae_decay", "Parcae-Decay")):
+        for i, p in enumerate(ppl[group]):
+            seed = None if seeds is None else seeds[i]
+            a = _arm(group if seed is None else f"{group}.seed{seed}", label, True, terminal_ppl=p, native_ppl=p)
+            a.update(group=group, seed=seed, run_dir=f"arms/{a['name']}",
+                     overrides=[f"model.injection={group}", f"logging.name=repro-{a['name']}"]
+                     + ([] if seed is None else [f"train.seed={seed}"]))
+            res["arms"].append(a)
+    path = tmp_path / name / "results.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(res))
+    return path
+
+
+def test_merge_pools_seeds_and_computes_verdicts_over_all(tool, tmp_path: Path, capsys) -> None:
+    a = _file(tmp_path, "a", None, {"orthoinj": [100.0], "parcae_decay": [110.0]})  # settings.seed 1234
+    b = _file(tmp_path, "b", [1, 2], {"orthoinj": [101.0, 99.0], "parcae_decay": [111.0, 112.0]})
+    before = (a.read_text(), b.read_text())
+    out = tmp_path / "ab"
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(out)]) == 0
+    assert "C10: holds (3 seeds)" in capsys.readouterr().out
+    merged = json.loads((out / "results.json").read_text())
+    assert merged["seeds"] == merged["settings"]["seeds"] == [1234, 1, 2]
+    assert [x["name"] for x in merged["arms"]] == ["orthoinj.seed1234", "orthoinj.seed1", "orthoinj.seed2",
+                                                   "parcae_decay.seed1234", "parcae_decay.seed1", "parcae_decay.seed2"]
+    assert merged["arms"][0]["run_dir"] == "../a/arms/orthoinj" and merged["arms"][1]["run_dir"] == "../b/arms/orthoinj.seed1"
+    assert merged["verdicts"][0]["verdict"] == "holds"
+    md = (out / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| OrthoInj"))
+    assert "100.00 ± 1.00" in row  # mean ± sample sd of 100, 101, 99
+    assert (a.read_text(), b.read_text()) == before  # the inputs are untouched
+
+
+def test_merge_refusals_name_the_file(tool, tmp_path: Path, capsys) -> None:
+    a = _file(tmp_path, "a", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    same = _file(tmp_path, "same", [1, 2], {"orthoinj": [100.0, 1.0], "parcae_decay": [110.0, 1.0]})
+    budget = _file(tmp_path, "budget", [2], {"orthoinj": [100.0], "parcae_decay": [110.0]}, max_steps=9)
+    other = _file(tmp_path, "other", [2], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    res = json.loads(other.read_text())
+    res["arms"][0]["overrides"].append("model.qk_norm=true")
+    other.write_text(json.dumps(res))
+    cases = [
+        (["--render", str(a), "--merge", str(same), "--out", str(tmp_path / "x")],
+         f"arm 'orthoinj' at seed 1 is in both {a.resolve()} and {same}"),
+        (["--render", str(a), "--merge", str(budget), "--out", str(tmp_path / "x")],
+         f"{budget} differs from {a} in settings ['max_steps']"),
+        (["--render", str(a), "--merge", str(other), "--out", str(tmp_path / "x")],
+         f"arm 'orthoinj' has other overrides in {other} than in"),
+        (["--render", str(a), "--merge", str(same)], "--merge: needs --out"),
+        (["--render", str(a), "--merge", str(same), "--out", str(a.parent)], "holds one of the merged files"),
+        (["--merge", str(same), "--out", str(tmp_path / "x")], "--merge: goes with --render"),
+    ]
+    for argv, message in cases:
+        assert tool.main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "x").exists()  # nothing written for a refused merge
+
+
+@pytest.mark.parametrize("field", ["experiment", "scale"])
+def test_merge_needs_the_same_experiment(tool, tmp_path: Path, capsys, field: str) -> None:
+    a = _file(tmp_path, "a", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    b = _file(tmp_path, "b", [2], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    res = json.loads(b.read_text())
+    res[field] = "other"
+    b.write_text(json.dumps(res))
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(tmp_path / "x")]) == 2
+    assert f"{b} is {field} 'other'" in capsys.readouterr().err
