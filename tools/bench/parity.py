@@ -206,6 +206,41 @@ def _mean_last(xs: list[float], k: int = 10) -> float:
     return sum(xs[-k:]) / len(xs[-k:])
 
 
+def _gain(v: dict) -> float:
+    return 100 * (1 - v["5"] / v["1"]) if "1" in v and "5" in v else float("nan")
+
+
+def _spread_table(res: list[dict]) -> list[str]:
+    """Mean ± sample sd over results that differ only in their initial weights (``--init-seed``):
+    same system, steps, batch seed and megaloop model config (a reference: same commit)."""
+    import statistics
+
+    groups: dict[str, list[dict]] = {}
+    for r in res:
+        what = json.dumps(r.get("config"), sort_keys=True) if r["system"] == "megaloop" else r.get("reference_commit")
+        groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what]), []).append(r)
+    rows = []
+    for g in groups.values():
+        inits = {r.get("init_seed", r.get("seed")) for r in g}
+        if len(g) < 2 or len(inits) != len(g):
+            continue
+
+        def cell(xs: list[float], fmt: str) -> str:
+            return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+
+        gains = [_gain(r["val_ppl"]) for r in g]
+        rows.append(f"| {', '.join(r['label'] for r in g)} | {g[0]['system']} | {sorted(inits)} | "
+                    f"{cell([_mean_last(r['losses']) for r in g], '.3f')} | "
+                    f"{cell([r['val_ppl']['1'] for r in g], '.2f')} | {cell([r['val_ppl']['5'] for r in g], '.2f')} | "
+                    f"{cell(gains, '.2f')} % ({min(gains):.2f}–{max(gains):.2f}) |")
+    if not rows:
+        return []
+    return ["", "Init-draw spread: runs that differ only in their initial weights (`--init-seed`; same batches "
+            "and depth draws), mean ± sample sd (gain: min–max).", "",
+            "| runs | system | init seeds | train loss | val PPL R=1 | val PPL R=5 | gain R=1→5 |",
+            "|---|---|---|---|---|---|---|", *rows]
+
+
 def render(out_dir: Path) -> Path:
     """parity.md + parity.png from every ``*.json`` result in ``out_dir``."""
     import matplotlib
@@ -220,9 +255,7 @@ def render(out_dir: Path) -> Path:
              "|---" * (7 + len(res[0]["depths_evaluated"])) + "|"]
     for r in res:
         v = r["val_ppl"]
-        gain = 100 * (1 - v["5"] / v["1"]) if "1" in v and "5" in v else float("nan")
-        z = r.get("val_ppl_zero_init", {})
-        gz = 100 * (1 - z["5"] / z["1"]) if "1" in z and "5" in z else float("nan")
+        gain, gz = _gain(v), _gain(r.get("val_ppl_zero_init", {}))
         lines.append(f"| {r['label']} | {r['system']} | {r['steps']} | {_mean_last(r['losses']):.3f} | " +
                      " | ".join(f"{v[str(d)]:.2f}" for d in r["depths_evaluated"]) +
                      f" | {gain:.2f} % | {gz:.2f} % | {sum(r['depths']) / len(r['depths']):.2f} |")
@@ -236,6 +269,7 @@ def render(out_dir: Path) -> Path:
         lines.append(f"| {r['label']} | {rows[1]['rel_change']:.3g} | {rows[2]['rel_change']:.3g} | "
                      f"{rows[3]['rel_change']:.3g} | {rows[1]['state_share']:.3f} | {r['states']['rms_e']:.3g} | "
                      f"{rows[-1]['rms_h']:.3g} | {rows[2]['contraction']:.3g} |")
+    lines += _spread_table(res)
     lines += ["", "Commands:", ""] + [f"- `{r['command']}`" for r in res]
     refs = {r["system"]: r.get("reference_commit") for r in res if r.get("reference_commit")}
     if refs:

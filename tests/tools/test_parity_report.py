@@ -1,0 +1,49 @@
+"""tools/bench/parity.py --report: the per-run table and the init-draw spread of runs that differ
+only in their initial weights (``--init-seed``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+
+def _parity():
+    spec = importlib.util.spec_from_file_location("parity_tool", ROOT / "tools" / "bench" / "parity.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _result(label: str, system: str, init_seed: int, loss: float, r1: float, r5: float, config=None) -> dict:
+    rows = [{"rel_change": 0.1, "state_share": 0.3, "rms_h": 1.0, "contraction": 0.2}] * 4
+    return {"label": label, "system": system, "steps": 10, "seed": 1234, "init_seed": init_seed,
+            "losses": [loss] * 10, "depths": [5] * 10, "depths_evaluated": [1, 5],
+            "val_ppl": {"1": r1, "5": r5}, "val_ppl_zero_init": {"1": r1, "5": r5},
+            "states": {"per_recurrence": rows, "rms_e": 1.0}, "config": config,
+            "reference_commit": None if system == "megaloop" else "abc", "command": f"cmd {label}"}
+
+
+def test_spread_table_groups_init_draws_only(tmp_path: Path) -> None:
+    cfg = {"hidden_size": 128, "injection": "parcae_decay"}
+    runs = [_result("m_a", "megaloop", 1234, 3.5, 50.0, 48.0, cfg), _result("m_b", "megaloop", 1, 3.7, 52.0, 49.4, cfg),
+            _result("other", "megaloop", 2, 9.0, 90.0, 80.0, {**cfg, "injection": "orthoinj"}),
+            _result("ref_a", "parcae", 1234, 3.6, 53.0, 49.0), _result("ref_b", "parcae", 1, 3.6, 51.0, 48.0)]
+    for r in runs:
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    md = _parity().render(tmp_path).read_text()
+    assert "| m_a | megaloop | 10 | 3.500 | 50.00 | 48.00 | 4.00 % |" in md
+    spread = md.split("Init-draw spread")[1].split("Commands:")[0]
+    # gains 4.00 % and 5.00 %: mean 4.50, sample sd 0.71; loss 3.5/3.7: 3.600 ± 0.141
+    assert "| m_a, m_b | megaloop | [1, 1234] | 3.600 ± 0.141 | 51.00 ± 1.41 | 48.70 ± 0.99 | 4.50 ± 0.71 % (4.00–5.00) |" in spread
+    assert "ref_a, ref_b | parcae | [1, 1234]" in spread
+    assert "other" not in spread  # another model config is not an init draw of the same run
+    assert (tmp_path / "parity.png").is_file()
+
+
+def test_no_spread_table_without_repeated_configs(tmp_path: Path) -> None:
+    r = _result("solo", "megaloop", 1234, 3.5, 50.0, 48.0, {"hidden_size": 128})
+    (tmp_path / "solo.json").write_text(json.dumps(r))
+    assert "Init-draw spread" not in _parity().render(tmp_path).read_text()
