@@ -111,15 +111,11 @@ def render(args: argparse.Namespace) -> int:
         if not args.out:
             raise UserError("--merge: needs --out, the folder of the merged result (the inputs stay as they are)")
         paths = [path, *map(Path, args.merge)]
-        out = Path(args.out)
-        target = (out / "results.json").resolve()
-        if any(p.resolve() == target for p in paths):
-            raise UserError(f"--out: {out} holds one of the merged files; choose a new folder")
-        results = merge_results(paths, [results, *(_read_json(p, "--merge") for p in paths[1:])], out)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / "results.json"
-        rep.add_verdicts(results)
-        rep.write_results(out, results)
+        path = Path(args.out) / "results.json"
+        if any(p.resolve() == path.resolve() for p in paths):
+            raise UserError(f"--out: {args.out} holds one of the merged files; choose a new folder")
+        results = rep.add_verdicts(merge_results(paths, [results, *(_read_json(p, "--merge") for p in paths[1:])],
+                                                 path.parent))
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
         plan = load_plan(args.experiment, results["scale"])
         missing = sorted({a for c in plan.claims for a in c.arms} - {a.get("group") or a["name"] for a in results["arms"]})
@@ -127,8 +123,9 @@ def render(args: argparse.Namespace) -> int:
             raise UserError(f"--experiment: {args.experiment} claims arms {missing} that {path} does not hold")
         results["claims"] = [c.__dict__ for c in plan.claims]
         rep.add_verdicts(results)
-        if path.name == "results.json":
-            rep.write_results(path.parent, results)
+    if args.merge or (args.experiment and path.name == "results.json"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rep.write_results(path.parent, results)
     outputs = rep.render(results, Path(args.out) if args.out else path.parent)
     rep.print_table(results)
     print("  wrote " + ", ".join(map(str, outputs)))

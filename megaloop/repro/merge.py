@@ -34,6 +34,7 @@ def _fixed(overrides: list[str]) -> list[str]:
 
 
 def _runs(results: dict, path: Path, out: Path) -> list[dict]:
+    """The file's runs, each named ``<arm>.seed<N>`` with its seed and its run directory relative to ``out``."""
     seed0 = results["settings"].get("seed")
     runs = []
     for a in results["arms"]:
@@ -44,9 +45,12 @@ def _runs(results: dict, path: Path, out: Path) -> list[dict]:
         rd = a.get("run_dir")
         if rd is not None and not Path(rd).is_absolute():
             rd = os.path.relpath(path.parent / rd, out)
-        runs.append({**a, "group": group, "seed": int(seed), "name": f"{group}.seed{seed}", "run_dir": rd,
-                     "_file": str(path)})
+        runs.append({**a, "group": group, "seed": int(seed), "name": f"{group}.seed{seed}", "run_dir": rd})
     return runs
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
@@ -55,39 +59,39 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
         raise UserError("--merge: needs at least two results.json files (--render A --merge B ...)")
     out = Path(out).resolve()
     first, p0 = loaded[0], paths[0]
+    s0 = {k: v for k, v in first["settings"].items() if k not in _FREE_SETTINGS}
     for res, p in zip(loaded[1:], paths[1:]):
         for key in ("experiment", "scale", "config"):
             if res.get(key) != first.get(key):
                 raise UserError(f"--merge: {p} is {key} {res.get(key)!r}, {p0} is {first.get(key)!r}: "
                                 "only seeds of one experiment merge")
-        s0 = {k: v for k, v in first["settings"].items() if k not in _FREE_SETTINGS}
         s1 = {k: v for k, v in res["settings"].items() if k not in _FREE_SETTINGS}
-        diff = sorted(k for k in s0.keys() | s1.keys() if s0.get(k) != s1.get(k))
-        if diff:
+        if diff := _differing(s0, s1):
             raise UserError(f"--merge: {p} differs from {p0} in settings {diff} "
                             f"({[(s0.get(k), s1.get(k)) for k in diff]}): only the seed may differ")
-        if res.get("eval") != first.get("eval"):
-            diff = sorted(k for k in first["eval"].keys() | res["eval"].keys()
-                          if first["eval"].get(k) != res["eval"].get(k))
+        if diff := _differing(first["eval"], res["eval"]):
             raise UserError(f"--merge: {p} was evaluated with another plan than {p0} (eval {diff})")
     runs: dict[tuple[str, int], dict] = {}
-    overrides: dict[str, tuple[list[str], str]] = {}
+    where: dict[tuple[str, int], Path] = {}  # the file each run came from
+    overrides: dict[str, tuple[list[str], Path]] = {}
+    merged = []
     for res, p in zip(loaded, paths):
-        for r in _runs(res, Path(p).resolve(), out):
+        file_runs = _runs(res, Path(p).resolve(), out)
+        merged.append(f"{os.path.relpath(Path(p).resolve(), out)} (seeds {sorted({r['seed'] for r in file_runs})})")
+        for r in file_runs:
             key = (r["group"], r["seed"])
             if key in runs:
-                raise UserError(f"--merge: arm {r['group']!r} at seed {r['seed']} is in both {runs[key]['_file']} "
+                raise UserError(f"--merge: arm {r['group']!r} at seed {r['seed']} is in both {where[key]} "
                                 f"and {p}; drop one of them")
             fixed = _fixed(r["overrides"])
-            if r["group"] in overrides and overrides[r["group"]][0] != fixed:
-                a, b = overrides[r["group"]][0], fixed
+            known, source = overrides.setdefault(r["group"], (fixed, p))
+            if known != fixed:
                 raise UserError(f"--merge: arm {r['group']!r} has other overrides in {p} than in "
-                                f"{overrides[r['group']][1]}: {sorted(set(a) ^ set(b))}")
-            overrides.setdefault(r["group"], (fixed, str(p)))
-            runs[key] = r
+                                f"{source}: {sorted(set(known) ^ set(fixed))}")
+            runs[key], where[key] = r, Path(p).resolve()
     seeds = list(dict.fromkeys(s for _, s in runs))  # in file order
-    order = list(dict.fromkeys(g for g, _ in runs))
-    arms = [{k: v for k, v in runs[(g, s)].items() if k != "_file"} for g in order for s in seeds if (g, s) in runs]
+    groups = list(dict.fromkeys(g for g, _ in runs))
+    arms = [runs[(g, s)] for g in groups for s in seeds if (g, s) in runs]
     screens: dict[str, Any] = {}
     for res, p in zip(loaded, paths):
         for g, sc in (res.get("screens") or {}).items():
@@ -95,10 +99,7 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
                 raise UserError(f"--merge: arm {g!r}: LR screen selected {sc.get('lr')} in {p}, "
                                 f"{screens[g].get('lr')} in an earlier file")
             screens.setdefault(g, sc)
-    launcher = dict(first.get("launcher") or {})
-    launcher["merged"] = ", ".join(f"{os.path.relpath(Path(p).resolve(), out)} (seeds "
-                                   f"{sorted({r['seed'] for r in _runs(res, Path(p).resolve(), out)})})"
-                                   for res, p in zip(loaded, paths))
+    launcher = {**(first.get("launcher") or {}), "merged": ", ".join(merged)}
     return {**first, "settings": {**first["settings"], "seeds": seeds}, "seeds": seeds, "arms": arms,
             "screens": screens, "launcher": launcher, "complete": all(a["status"] == "done" for a in arms),
             "updated": time.strftime("%Y-%m-%d %H:%M:%S")}

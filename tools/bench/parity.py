@@ -151,8 +151,7 @@ def run_reference(args, out_dir: Path) -> dict:
     shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
                   n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
                   mean_depth=int(args.mean_depth), bptt_window=args.bptt_window)
-    ref = load_reference(args.system, args.ref_path, shape,
-                         args.seed if args.init_seed is None else args.init_seed)  # its initial weights
+    ref = load_reference(args.system, args.ref_path, shape, args.init_seed)  # seeds its initial weights
     decay, no_decay = [], []
     for name, p in ref.model.named_parameters():
         (no_decay if ref.no_decay(name, p) else decay).append(p)
@@ -213,7 +212,7 @@ def _gain(v: dict) -> float:
 def _spread_table(res: list[dict]) -> list[str]:
     """Mean ± sample sd over results that differ only in their initial weights (``--init-seed``):
     same system, steps, batch seed and megaloop model config (a reference: same commit)."""
-    import statistics
+    from megaloop.repro.verdicts import mean_sd
 
     groups: dict[str, list[dict]] = {}
     for r in res:
@@ -226,7 +225,8 @@ def _spread_table(res: list[dict]) -> list[str]:
             continue
 
         def cell(xs: list[float], fmt: str) -> str:
-            return f"{statistics.mean(xs):{fmt}} ± {statistics.stdev(xs):{fmt}}"
+            mean, sd = mean_sd(xs)
+            return f"{mean:{fmt}} ± {sd:{fmt}}"
 
         gains = [_gain(r["val_ppl"]) for r in g]
         rows.append(f"| {', '.join(r['label'] for r in g)} | {g[0]['system']} | {sorted(inits)} | "
@@ -335,18 +335,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset not in MEGALOOP_CONFIGS:
         p.error(f"--preset: unknown {args.preset!r}; one of {sorted(MEGALOOP_CONFIGS)}")
     torch.set_num_threads(args.threads)
+    init_given = args.init_seed is not None
+    args.init_seed = args.init_seed if init_given else args.seed
     args.label = args.label or (args.system if args.system != "megaloop" else f"megaloop_{args.preset}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["python tools/bench/parity.py"] + [a if " " not in a else repr(a) for a in
                                                        (argv if argv is not None else sys.argv[1:])])
     if args.system == "megaloop":
-        init = [] if args.init_seed is None else [f"train.init_seed={args.init_seed}"]
+        init = [f"train.init_seed={args.init_seed}"] if init_given else []
         res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides), out)
     else:
         res = run_reference(args, out)
     res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
-               seed=args.seed, init_seed=args.init_seed if args.init_seed is not None else args.seed,
+               seed=args.seed, init_seed=args.init_seed,
                command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
     dest = out / f"{args.label}.json"
     tmp = dest.with_suffix(".tmp")
