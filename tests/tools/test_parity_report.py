@@ -47,3 +47,28 @@ def test_no_spread_table_without_repeated_configs(tmp_path: Path) -> None:
     r = _result("solo", "megaloop", 1234, 3.5, 50.0, 48.0, {"hidden_size": 128})
     (tmp_path / "solo.json").write_text(json.dumps(r))
     assert "Init-draw spread" not in _parity().render(tmp_path).read_text()
+
+
+def test_welch_equals_hand_computation() -> None:
+    # a = [4, 5], b = [6, 7]: means 4.5 / 6.5, sample variances 0.5 each, se = √(0.25 + 0.25),
+    # t = −2/√0.5 = −2.828; df = 0.5² / (0.25² + 0.25²) = 2; with 2 df the t CDF is
+    # 1/2 + t / (2√(2 + t²)), so p = 2·(1/2 − 2.828 / (2√10)) = 0.1056.
+    t, df, p = _parity().welch([4.0, 5.0], [6.0, 7.0])
+    assert abs(t + 2 * 2 ** 0.5) < 1e-9 and abs(df - 2.0) < 1e-9
+    assert abs(p - (1 - 8 ** 0.5 / 10 ** 0.5)) < 1e-9
+
+
+def test_vs_reference_table_means_ratio_and_bars(tmp_path: Path) -> None:
+    cfg = {"hidden_size": 128}
+    runs = [_result("m_a", "megaloop", 1234, 3.50, 50.0, 48.0, cfg), _result("m_b", "megaloop", 1, 3.52, 52.0, 49.4, cfg),
+            _result("ref_a", "parcae", 1234, 3.49, 50.0, 45.0), _result("ref_b", "parcae", 1, 3.51, 50.0, 46.0)]
+    for r in runs:
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    md = _parity().render(tmp_path).read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| m_a (2) | parcae (2) |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # losses 3.50/3.52 vs 3.49/3.51: Δ +0.010 (bar met); gains 4.00/5.00 % vs 10.00/8.00 %:
+    # means 4.50 vs 9.00, ratio 2.00 (bar not met); Welch on the gains: t = −4.5/√(0.25 + 1) = −4.02
+    assert cells[2] == "+0.010" and cells[4] == "yes"
+    assert cells[5] == "4.50 % vs 9.00 %" and cells[6] == "2.00" and cells[8] == "no"
+    assert cells[7].startswith("t = -4.02, df = ")

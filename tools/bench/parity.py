@@ -209,20 +209,73 @@ def _gain(v: dict) -> float:
     return 100 * (1 - v["5"] / v["1"]) if "1" in v and "5" in v else float("nan")
 
 
-def _spread_table(res: list[dict]) -> list[str]:
-    """Mean ± sample sd over results that differ only in their initial weights (``--init-seed``):
-    same system, steps, batch seed and megaloop model config (a reference: same commit)."""
-    from megaloop.repro.verdicts import mean_sd
-
+def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
+    """Groups of >= 2 results that differ only in their initial weights (``--init-seed``): same
+    system, steps, batch seed and megaloop model config (a reference: same commit)."""
     groups: dict[str, list[dict]] = {}
     for r in res:
         what = json.dumps(r.get("config"), sort_keys=True) if r["system"] == "megaloop" else r.get("reference_commit")
         groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what]), []).append(r)
+    return [g for g in groups.values() if len(g) >= 2 and len({r.get("init_seed", r.get("seed")) for r in g}) == len(g)]
+
+
+def welch(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Welch's unequal-variance t test of mean(xs) vs mean(ys): (t, Welch–Satterthwaite df,
+    two-sided p). Needs >= 2 values on each side."""
+    from scipy import stats
+
+    r = stats.ttest_ind(xs, ys, equal_var=False)
+    return float(r.statistic), float(r.df), float(r.pvalue)
+
+
+# Issue #19's acceptance bars for a reference-matched config vs its reference.
+LOSS_BAR, GAIN_RATIO_BAR = 0.03, 1.5
+
+
+def _test(t: float, df: float, p: float) -> str:
+    return f"t = {t:.2f}, df = {df:.1f}, p " + (f"= {p:.3f}" if p >= 1e-3 else "< 0.001")
+
+
+def _vs_reference_table(groups: list[list[dict]]) -> list[str]:
+    """Every megaloop init-draw group against every reference group of the same steps and batch
+    seed, on the means over draws: Δ train loss (megaloop − reference), the ratio of R=1→5 gains
+    (larger / smaller), each with Welch's t test over the draws, and whether the bars hold."""
+    from megaloop.repro.verdicts import mean_sd
+
     rows = []
-    for g in groups.values():
+    for m in (g for g in groups if g[0]["system"] == "megaloop"):
+        for ref in (g for g in groups if g[0]["system"] != "megaloop"):
+            if (m[0]["steps"], m[0].get("seed")) != (ref[0]["steps"], ref[0].get("seed")):
+                continue
+            ml, rl = [_mean_last(r["losses"]) for r in m], [_mean_last(r["losses"]) for r in ref]
+            mg, rg = [_gain(r["val_ppl"]) for r in m], [_gain(r["val_ppl"]) for r in ref]
+            dl = mean_sd(ml)[0] - mean_sd(rl)[0]
+            gm, gr = mean_sd(mg)[0], mean_sd(rg)[0]
+            ratio = max(gm, gr) / min(gm, gr) if min(gm, gr) > 0 else float("inf")
+            tl, dfl, pl = welch(ml, rl)
+            tg, dfg, pg = welch(mg, rg)
+            rows.append(f"| {m[0]['label']} ({len(m)}) | {ref[0]['system']} ({len(ref)}) | {dl:+.3f} | "
+                        f"{_test(tl, dfl, pl)} | {'yes' if abs(dl) <= LOSS_BAR else 'no'} | "
+                        f"{gm:.2f} % vs {gr:.2f} % | {ratio:.2f} | {_test(tg, dfg, pg)} | "
+                        f"{'yes' if ratio <= GAIN_RATIO_BAR else 'no'} |")
+    if not rows:
+        return []
+    return ["", f"Against each reference, on the means over init draws; bars of a reference-matched config "
+            f"(|Δ loss| ≤ {LOSS_BAR} nats, gain ratio ≤ {GAIN_RATIO_BAR}); Welch's t test over the draws "
+            "(two-sided).", "",
+            "| megaloop (draws) | reference (draws) | Δ train loss | loss test | loss bar | gain R=1→5 | "
+            "gain ratio | gain test | gain bar |", "|---|---|---|---|---|---|---|---|---|", *rows]
+
+
+def _spread_table(res: list[dict]) -> list[str]:
+    """Mean ± sample sd over every init-draw group (:func:`_init_draw_groups`), then the
+    megaloop-vs-reference comparison of the groups."""
+    from megaloop.repro.verdicts import mean_sd
+
+    groups = _init_draw_groups(res)
+    rows = []
+    for g in groups:
         inits = {r.get("init_seed", r.get("seed")) for r in g}
-        if len(g) < 2 or len(inits) != len(g):
-            continue
 
         def cell(xs: list[float], fmt: str) -> str:
             mean, sd = mean_sd(xs)
@@ -238,7 +291,7 @@ def _spread_table(res: list[dict]) -> list[str]:
     return ["", "Init-draw spread: runs that differ only in their initial weights (`--init-seed`; same batches "
             "and depth draws), mean ± sample sd (gain: min–max).", "",
             "| runs | system | init seeds | train loss | val PPL R=1 | val PPL R=5 | gain R=1→5 |",
-            "|---|---|---|---|---|---|---|", *rows]
+            "|---|---|---|---|---|---|---|", *rows, *_vs_reference_table(groups)]
 
 
 def render(out_dir: Path) -> Path:
