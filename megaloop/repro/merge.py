@@ -6,8 +6,10 @@ array that finished in parts): ``megaloop reproduce --render A/results.json --me
 become mean ± sd over all seeds and the verdicts use the whole spread.
 
 The files must be the same experiment at the same scale, preset, budget, data and evaluation plan
-(``settings`` other than the seed, and ``eval``, equal), and each arm must carry the same
-overrides in every file apart from ``train.seed`` and ``logging.*``. A run of a file without a
+(``settings`` other than the seed, and ``eval``, equal), and each arm must resolve to the same
+run config in every file apart from ``train.seed`` and ``logging.*``: the preset with the arm's
+overrides applied, so two launchers that spell one config differently (an arm's overrides listed
+once or twice, an old field name, a default written out) still merge. A run of a file without a
 seed list counts as the run at that file's ``settings.seed``; every run is named
 ``<arm>.seed<N>``; a seed of an arm found in two files is an error (never silently one of them).
 The claims (and their checks) are the first file's; ``--experiment`` replaces them as for
@@ -31,6 +33,26 @@ _FREE_SETTINGS = ("seed", "seeds")
 
 def _fixed(overrides: list[str]) -> list[str]:
     return [o for o in overrides if not o.startswith(_FREE_OVERRIDES)]
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _resolved(config: str, overrides: list[str], where: Path, arm: str) -> dict[str, Any]:
+    """The run config an arm's overrides give on ``config`` (a preset name or path), flattened to
+    dotted keys, without the fields that may differ between the files (seed, logging)."""
+    from megaloop.config import load_config
+    from megaloop.config_utils import ConfigError, to_dict
+
+    try:
+        cfg = _flat(to_dict(load_config(config, _fixed(overrides))))
+    except ConfigError as e:
+        raise UserError(f"--merge: {where}: arm {arm!r} does not resolve on config {config!r}: {e}") from None
+    return {k: v for k, v in cfg.items() if k != "train.seed" and not k.startswith("logging.")}
 
 
 def _runs(results: dict, path: Path, out: Path) -> list[dict]:
@@ -73,7 +95,7 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
             raise UserError(f"--merge: {p} was evaluated with another plan than {p0} (eval {diff})")
     runs: dict[tuple[str, int], dict] = {}
     where: dict[tuple[str, int], Path] = {}  # the file each run came from
-    overrides: dict[str, tuple[list[str], Path]] = {}
+    configs: dict[str, tuple[dict[str, Any], Path]] = {}  # arm -> its resolved config, first file
     merged = []
     for res, p in zip(loaded, paths):
         file_runs = _runs(res, Path(p).resolve(), out)
@@ -83,11 +105,11 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
             if key in runs:
                 raise UserError(f"--merge: arm {r['group']!r} at seed {r['seed']} is in both {where[key]} "
                                 f"and {p}; drop one of them")
-            fixed = _fixed(r["overrides"])
-            known, source = overrides.setdefault(r["group"], (fixed, p))
-            if known != fixed:
-                raise UserError(f"--merge: arm {r['group']!r} has other overrides in {p} than in "
-                                f"{source}: {sorted(set(known) ^ set(fixed))}")
+            cfg = _resolved(res["config"], r["overrides"], p, r["group"])
+            known, source = configs.setdefault(r["group"], (cfg, p))
+            if diff := _differing(known, cfg):
+                raise UserError(f"--merge: arm {r['group']!r} resolves to another config in {p} than in "
+                                f"{source}: " + ", ".join(f"{k} {known.get(k)!r} vs {cfg.get(k)!r}" for k in diff))
             runs[key], where[key] = r, Path(p).resolve()
     seeds = list(dict.fromkeys(s for _, s in runs))  # in file order
     groups = list(dict.fromkeys(g for g, _ in runs))

@@ -69,7 +69,7 @@ def test_merge_refusals_name_the_file(tool, tmp_path: Path, capsys) -> None:
         (["--render", str(a), "--merge", str(budget), "--out", str(tmp_path / "x")],
          f"{budget} differs from {a} in settings ['max_steps']"),
         (["--render", str(a), "--merge", str(other), "--out", str(tmp_path / "x")],
-         f"arm 'orthoinj' has other overrides in {other} than in"),
+         f"arm 'orthoinj' resolves to another config in {other} than in {a}: model.qk_norm False vs True"),
         (["--render", str(a), "--merge", str(same)], "--merge: needs --out"),
         (["--render", str(a), "--merge", str(same), "--out", str(a.parent)], "holds one of the merged files"),
         (["--merge", str(same), "--out", str(tmp_path / "x")], "--merge: goes with --render"),
@@ -89,3 +89,22 @@ def test_merge_needs_the_same_experiment(tool, tmp_path: Path, capsys, field: st
     b.write_text(json.dumps(res))
     assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(tmp_path / "x")]) == 2
     assert f"{b} is {field} 'other'" in capsys.readouterr().err
+
+
+def test_merge_compares_resolved_configs_not_spellings(tool, tmp_path: Path, capsys) -> None:
+    """Another launcher's spelling of the same config (old field name, an override listed twice,
+    a default written out) merges; an override that does not resolve is refused naming the file."""
+    a = _file(tmp_path, "a", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    b = _file(tmp_path, "b", [2], {"orthoinj": [101.0], "parcae_decay": [111.0]})
+    res = json.loads(b.read_text())
+    res["arms"][0]["overrides"] = ["model.b_max=10", "model.injection=parcae_decay", "model.qk_norm=false",
+                                   "model.injection=orthoinj", "model.b_max=4", "train.seed=2"]
+    b.write_text(json.dumps(res))
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(tmp_path / "ab")]) == 0
+    assert "(2 seeds)" in capsys.readouterr().out
+    res["arms"][0]["overrides"].append("model.no_such_field=1")
+    b.write_text(json.dumps(res))
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"--merge: {b}: arm 'orthoinj' does not resolve on config 'tiny'" in err and "no_such_field" in err
+    assert not (tmp_path / "x").exists()
