@@ -28,7 +28,7 @@ def _result(label: str, system: str, init_seed: int, loss: float, r1: float, r5:
 
 def test_spread_table_groups_init_draws_only(tmp_path: Path) -> None:
     cfg = {"hidden_size": 128, "injection": "parcae_decay"}
-    runs = [_result("m_a", "megaloop", 1234, 3.5, 50.0, 48.0, cfg), _result("m_b", "megaloop", 1, 3.7, 52.0, 49.4, cfg),
+    runs = [_result("m_a", "megaloop", 1234, 3.5, 50.0, 48.0, cfg), _result("m_b", "megaloop", 1, 3.7, 52.0, 49.4, {**cfg, "added_later": False}),
             _result("other", "megaloop", 2, 9.0, 90.0, 80.0, {**cfg, "injection": "orthoinj"}),
             _result("ref_a", "parcae", 1234, 3.6, 53.0, 49.0), _result("ref_b", "parcae", 1, 3.6, 51.0, 48.0)]
     for r in runs:

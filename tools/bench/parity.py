@@ -212,9 +212,13 @@ def _gain(v: dict) -> float:
 def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
     """Groups of >= 2 results that differ only in their initial weights (``--init-seed``): same
     system, steps, batch seed and megaloop model config (a reference: same commit)."""
+    def off_dropped(cfg):  # an option a later release added, default off, reads as absent
+        return {k: off_dropped(v) for k, v in cfg.items() if v is not None and v is not False} if isinstance(cfg, dict) else cfg
+
     groups: dict[str, list[dict]] = {}
     for r in res:
-        what = json.dumps(r.get("config"), sort_keys=True) if r["system"] == "megaloop" else r.get("reference_commit")
+        what = (json.dumps(off_dropped(r.get("config")), sort_keys=True) if r["system"] == "megaloop"
+                else r.get("reference_commit"))
         groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what]), []).append(r)
     return [g for g in groups.values() if len(g) >= 2 and len({r.get("init_seed", r.get("seed")) for r in g}) == len(g)]
 
