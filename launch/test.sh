@@ -26,4 +26,4 @@ if [ -z "${MEGALOOP_TF5_PYTHON:-}" ]; then
   export MEGALOOP_TF5_PYTHON="$TF5_VENV/bin/python"
 fi
 export MEGALOOP_CACHE="${MEGALOOP_CACHE:-$ROOT/.cache/megaloop}"
-python -m pytest tests -q --timeout 900 "$@"
+python -m pytest tests -q --timeout 900 --durations=25 "$@"

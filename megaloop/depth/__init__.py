@@ -16,6 +16,8 @@ _LAZY = {
     "pln": "distributions",
     "pln_mu": "distributions",
     "pln_probs": "distributions",
+    "poisson": "distributions",
+    "poisson_probs": "distributions",
     "sample_categorical": "distributions",
     "LearnedDepthPrior": "prior",
     "DepthSampler": "sampler",

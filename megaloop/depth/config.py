@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from megaloop.config_utils import require
 
-DEPTH_KINDS = ("fixed", "pln", "learned")
+DEPTH_KINDS = ("fixed", "pln", "learned", "poisson")
 PRIOR_INITS = ("pln", "uniform", "uniform_1_10")  # or "from:PATH" (another run's learned prior)
 INIT_FROM = "from:"
 REWARD_ARMS = ("exp", "neglog", "negexp", "raw_ce")
@@ -18,14 +18,16 @@ class DepthConfig:
     """How each microbatch's recurrence depth is drawn.
 
     kind: ``fixed`` (always ``depth``), ``pln`` (Poisson-lognormal, mean ``mean`` exactly after the
-    cap), or ``learned`` (categorical prior over 1..``r_max`` updated from per-microbatch CE).
+    cap), ``learned`` (categorical prior over 1..``r_max`` updated from per-microbatch CE), or
+    ``poisson`` (``min(max(Poisson(mean), 1), cap)``: Parcae's trainer's law, for reference-matched
+    runs; ``mean`` is the Poisson rate, so E[R] = mean + e^-mean before the cap; not a paper arm).
     """
 
     kind: str = "pln"
     depth: int = 5  # fixed depth
-    mean: float = 5.0  # PLN mean after capping; also the prior's target mean R̄ unless set below
+    mean: float = 5.0  # PLN mean after capping (poisson: the rate); also the prior's target mean R̄ unless set below
     sigma: float = 0.5  # PLN log-normal std
-    cap: int = 64  # PLN cap
+    cap: int = 64  # PLN / poisson cap
     r_max: int = 64  # learned prior support 1..r_max
     init: str = "pln"  # learned prior init: pln | uniform | uniform_1_10 | from:RUN_DIR_OR_CHECKPOINT
     reward: str = "exp"  # exp (= exp(-ℓ), default) | neglog | negexp | raw_ce
@@ -50,6 +52,9 @@ class DepthConfig:
         # PLN needs mean > 1 strictly: mean 1 is a point mass (use kind=fixed), and every mass must be > 0.
         require(1.0 < self.mean < self.cap or self.kind != "pln", "depth.mean",
                 f"must lie in (1, cap={self.cap}), got {self.mean}")
+        require(self.mean > 0 or self.kind != "poisson", "depth.mean",
+                f"poisson: the rate must be > 0, got {self.mean}")
+        require(self.cap >= 2 or self.kind != "poisson", "depth.cap", f"poisson: must be >= 2, got {self.cap}")
         require(self.r_max >= 1, "depth.r_max", f"must be >= 1, got {self.r_max}")
         require(self.init in PRIOR_INITS or (self.init_from is not None and self.init_from != ""), "depth.init",
                 f"unknown init {self.init!r}; one of {PRIOR_INITS} or {INIT_FROM}PATH (a run dir or checkpoint)")

@@ -1,4 +1,5 @@
-"""Training-depth distributions (SPEC §4): ``fixed(R)`` and the capped Poisson-lognormal ``pln``.
+"""Training-depth distributions (SPEC §4): ``fixed(R)``, the capped Poisson-lognormal ``pln``, and
+``poisson`` (Parcae's trainer's law, for reference-matched runs; not a paper arm).
 
 PLN: ``τ ~ N(μ, σ²)``, ``R = Poisson(e^τ) + 1``, ``R ← min(R, cap)``. ``μ`` is solved numerically so
 that ``E[min(R, cap)]`` equals the requested mean exactly (to ~1e-12), and :func:`pln_probs` gives the
@@ -21,7 +22,7 @@ from megaloop.config_utils import require
 
 __all__ = [
     "DepthDistribution", "categorical_entropy", "categorical_mean", "fixed", "fixed_probs", "pln",
-    "pln_expected_depth", "pln_mu", "pln_probs", "sample_categorical",
+    "pln_expected_depth", "pln_mu", "pln_probs", "poisson", "poisson_probs", "sample_categorical",
 ]
 
 # Quadrature over the latent normal: trapezoid rule on a uniform grid of z = (τ-μ)/σ in [-Z, Z].
@@ -201,3 +202,27 @@ def fixed(depth: int) -> DepthDistribution:
 def pln(mean: float, sigma: float = 0.5, cap: int = 64) -> DepthDistribution:
     """Capped PLN with ``E[min(R, cap)] = mean`` exactly (see :func:`pln_mu`)."""
     return DepthDistribution(f"pln(mean={mean:g}, sigma={sigma:g}, cap={int(cap)})", pln_probs(mean, sigma, cap))
+
+
+def poisson_probs(rate: float, cap: int = 64) -> torch.Tensor:
+    """``R = min(max(N, 1), cap)``, ``N ~ Poisson(rate)``: float64 pmf over depths ``1..cap``.
+
+    Parcae's trainer draws ``clamp(Poisson(mean_recurrence), min=1)`` per sequence, so ``P(R=1) =
+    P(N=0) + P(N=1)`` and ``E[R] = rate + e^{-rate}`` before the cap (5.0067 at rate 5); the tail
+    ``P(N >= cap)`` sits at ``cap``. Every mass is > 0.
+    """
+    require(rate > 0, "depth.mean", f"poisson: the rate must be > 0, got {rate}")
+    require(int(cap) == cap and cap >= 2, "depth.cap", f"poisson: must be an integer >= 2, got {cap}")
+    k = torch.arange(int(cap), dtype=torch.float64)  # Poisson values 0..cap-1
+    pmf = (k * math.log(rate) - rate - torch.lgamma(k + 1)).exp()
+    p = torch.empty(int(cap), dtype=torch.float64)
+    p[0] = pmf[0] + pmf[1]  # N in {0, 1} -> depth 1
+    p[1:-1] = pmf[2:]  # N = d -> depth d, 2 <= d <= cap-1
+    p[-1] = max(1.0 - float(pmf.sum()), 0.0)  # P(N >= cap) -> depth cap
+    p = p.clamp_min(torch.finfo(torch.float64).tiny)
+    return p / p.sum()
+
+
+def poisson(rate: float, cap: int = 64) -> DepthDistribution:
+    """``max(Poisson(rate), 1)`` capped at ``cap`` (:func:`poisson_probs`)."""
+    return DepthDistribution(f"poisson(rate={rate:g}, min=1, cap={int(cap)})", poisson_probs(rate, cap))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from megaloop.config_utils import ConfigError
 from megaloop.depth.config import DepthConfig
-from megaloop.depth.distributions import DepthDistribution, fixed, pln, sample_categorical
+from megaloop.depth.distributions import DepthDistribution, fixed, pln, poisson, sample_categorical
 from megaloop.depth.prior import LearnedDepthPrior, as_float64, per_depth_ce
 
 __all__ = ["DepthSampler", "assert_plan_synchronised", "step_seed"]
@@ -56,6 +56,8 @@ class DepthSampler:
             self.prior = LearnedDepthPrior(cfg, init_state)
         elif cfg.kind == "pln":
             self.static = pln(cfg.mean, cfg.sigma, cfg.cap)
+        elif cfg.kind == "poisson":
+            self.static = poisson(cfg.mean, cfg.cap)
         else:
             self.static = fixed(cfg.depth)
 

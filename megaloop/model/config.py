@@ -79,6 +79,9 @@ class ModelConfig:
     # init_std/√(2·physical layers); 0 = zero init (Parcae's "scaled-zero")
     out_init_std: float | None = None
     qk_norm: bool = False  # RMSNorm (learned gains) on each head's queries and keys before RoPE
+    # false: the QK-norm gains stay at 1 and are not trained (Parcae's weightless F.rms_norm on q and
+    # k; the weights are kept, frozen, so checkpoints and exports keep their layout). Needs qk_norm
+    qk_norm_gain: bool = True
     # Huginn's QK biases: learned per-head biases on queries and keys (zero-init, no weight decay),
     # added after the projection (and QK-norm) and before RoPE. No value bias (megatron's add_qkv_bias
     # would add one)
@@ -130,6 +133,8 @@ class ModelConfig:
         require(not self.input_norm or self.injection not in ("parcae_decay", "deq_qkv"), "model.input_norm",
                 f"not available for injection={self.injection!r} (parcae_decay always normalises e; "
                 "deq_qkv injects e inside the core layers)")
+        require(self.qk_norm_gain or self.qk_norm, "model.qk_norm_gain",
+                "false fixes the QK-norm gains at 1; it needs model.qk_norm=true")
         require(not self.qkv_init_split or self.init_orthogonal, "model.qkv_init_split",
                 "splits the orthogonal init of the fused QKV matrix: needs model.init_orthogonal=true")
         require(not self.state_readout or self.arch == "looped", "model.state_readout",

@@ -46,6 +46,16 @@ class RMSNorm(MegatronModule):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class FixedGainRMSNorm(RMSNorm):
+    """:class:`RMSNorm` whose gains stay at 1 (``requires_grad=False``): a weightless RMSNorm that
+    keeps the learned-gain module's state-dict layout (``model.qk_norm_gain=false``)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kw: Any):
+        super().__init__(config, hidden_size, eps, **kw)
+        self.weight.requires_grad_(False)
+        self.weight.sequence_parallel = False  # no gradient to reduce
+
+
 def _normed_bda(bda: Any, norm: torch.nn.Module) -> Any:
     """megatron's bias-dropout-add factory ``bda(training, fused)(out_with_bias, residual, p)``
     followed by ``norm`` on its result (the residual sum)."""
@@ -227,6 +237,8 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
     if use_transformer_engine(cfg):  # pragma: no cover - GPU only
         if cfg.qkv_init_split:
             raise ConfigError("model.qkv_init_split: only with the local spec (model.transformer_impl=local)")
+        if not cfg.qk_norm_gain:
+            raise ConfigError("model.qk_norm_gain: false only with the local spec (model.transformer_impl=local)")
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         spec = copy.deepcopy(get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_norm))
@@ -239,8 +251,9 @@ def layer_spec(cfg: ModelConfig, deq_inject: bool = False) -> ModuleSpec:
         if cfg.qkv_init_split:
             spec.submodules.self_attention.submodules.linear_qkv = SplitInitQKVLinear
         if cfg.qk_norm:  # per-head [head_dim] gains, shared by the heads (megatron sums them over TP)
-            spec.submodules.self_attention.submodules.q_layernorm = RMSNorm
-            spec.submodules.self_attention.submodules.k_layernorm = RMSNorm
+            qk_norm = RMSNorm if cfg.qk_norm_gain else FixedGainRMSNorm
+            spec.submodules.self_attention.submodules.q_layernorm = qk_norm
+            spec.submodules.self_attention.submodules.k_layernorm = qk_norm
     if deq_inject:
         spec.submodules.self_attention.module = QKBiasDEQSelfAttention if cfg.qk_bias else DEQInjectedSelfAttention
     elif cfg.qk_bias:

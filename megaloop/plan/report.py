@@ -22,6 +22,8 @@ def depth_text(cfg: RunConfig) -> str:
         return f"fixed({d.depth})"
     if d.kind == "pln":
         return f"PLN(mean {d.mean:g}, sigma {d.sigma:g}, cap {d.cap})"
+    if d.kind == "poisson":
+        return f"max(Poisson({d.mean:g}), 1), cap {d.cap}"
     return f"learned prior, initial law {d.init} (mean {d.mean:g}, r_max {d.r_max})"
 
 

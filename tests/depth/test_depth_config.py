@@ -11,7 +11,7 @@ from megaloop.depth.config import DepthConfig
 @pytest.mark.parametrize(
     "kwargs,field",
     [
-        ({"kind": "poisson"}, "depth.kind"),
+        ({"kind": "zipf"}, "depth.kind"),
         ({"reward": "ppl"}, "depth.reward"),
         ({"init": "zipf"}, "depth.init"),
         ({"kind": "pln", "mean": 1.0}, "depth.mean"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -73,3 +75,40 @@ def test_extreme_pln_masses_positive() -> None:
         p = pln_probs(mean, sigma, cap)
         assert bool((p > 0).all()) and abs(float(p.sum()) - 1) < 1e-12
         assert pln_expected_depth(mean, sigma, cap) == pytest.approx(mean, abs=1e-9)
+
+
+def test_poisson_probs_equal_parcae_law_exactly() -> None:
+    """``max(Poisson(λ), 1)`` capped: hand pmf from the factorial formula, tail at the cap."""
+    from megaloop.depth.distributions import poisson, poisson_probs
+
+    lam, cap = 5.0, 12
+    p = poisson_probs(lam, cap)
+    q = [math.exp(-lam) * lam**n / math.factorial(n) for n in range(cap)]
+    assert p.shape == (cap,) and abs(float(p.sum()) - 1.0) < 1e-12
+    assert abs(float(p[0]) - (q[0] + q[1])) < 1e-15  # N = 0 is clamped to depth 1
+    for d in range(2, cap):
+        assert abs(float(p[d - 1]) - q[d]) < 1e-15
+    assert abs(float(p[-1]) - (1.0 - sum(q))) < 1e-12  # P(N >= cap)
+    mean = poisson(lam, 64).mean()
+    assert abs(mean - (lam + math.exp(-lam))) < 1e-9  # E[max(N, 1)] = λ + e^-λ, cap 64 far out
+
+
+def test_poisson_sampler_monte_carlo_matches_torch_poisson() -> None:
+    """The sampler's draws follow the law Parcae's trainer draws with torch.poisson + clamp."""
+    from megaloop.depth import DepthConfig, DepthSampler
+
+    s = DepthSampler(DepthConfig(kind="poisson", mean=5.0), seed=3)
+    draws = np.array([d for step in range(1, 2001) for d in s.plan(step, 50)])
+    ref = torch.poisson(torch.full((100_000,), 5.0), generator=torch.Generator().manual_seed(0)).clamp(min=1)
+    assert abs(draws.mean() - float(ref.mean())) < 0.05
+    for d in (1, 2, 5, 10):
+        assert abs((draws == d).mean() - float((ref == d).double().mean())) < 0.006
+
+
+@pytest.mark.parametrize("field,kw", [("depth.mean", {"mean": 0.0}), ("depth.cap", {"cap": 1})])
+def test_poisson_config_errors_name_field(field: str, kw: dict) -> None:
+    from megaloop.config_utils import ConfigError
+    from megaloop.depth import DepthConfig
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        DepthConfig(kind="poisson", **kw)

@@ -188,3 +188,45 @@ def test_qk_bias_adds_per_head_biases_before_rope(megatron_world):
         assert (biased(ids, depth=3) - plain(ids, depth=3)).abs().max() > 1e-3
     with pytest.raises(ConfigError, match="model.qk_bias"):
         ModelConfig(**kw, qk_bias=True).validate_parallel(4, False)
+
+
+def test_qk_norm_gain_false_keeps_gains_at_one_through_training(megatron_world, tmp_path):
+    """``model.qk_norm_gain=false`` (Parcae's weightless QK RMSNorm): the gains exist (same state-dict
+    layout), equal 1, take no gradient and no optimizer update, so the model equals the learned-gain
+    model at init and the weightless ``F.rms_norm`` of q and k throughout; the TE spec and a missing
+    ``qk_norm`` are refused naming the field."""
+    from megaloop.config import load_config
+    from megaloop.config_utils import ConfigError
+    from megaloop.model.build import unwrap
+    from megaloop.train.trainer import Trainer
+
+    kw = dict(hidden_size=64, num_heads=4, seq_len=16, n_prelude=1, n_core=2, n_coda=1, qk_norm=True)
+    built = {}
+    for gain in (True, False):
+        cfg = ModelConfig(**kw, qk_norm_gain=gain)
+        built[gain] = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                                vocab_size=128, seed=11).eval()
+    assert built[True].state_dict().keys() == built[False].state_dict().keys()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(built[False](ids, depth=3), built[True](ids, depth=3), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="model.qk_norm_gain"):
+        ModelConfig(qk_norm_gain=False)
+
+    t = Trainer(load_config("tiny", ["model.qk_norm=true", "model.qk_norm_gain=false", "train.max_steps=3",
+                                     "train.global_batch_size=4", "train.micro_batch_size=2",
+                                     "optim.warmup_steps=1", "logging.progress=false",
+                                     "train.eval_interval=0", "train.save_interval=0"]), tmp_path / "run")
+    t.setup()
+    model = unwrap(t.model[0])
+    gains = {n: p for n, p in model.named_parameters() if "q_layernorm" in n or "k_layernorm" in n}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert len(gains) == 8 and not any(p.requires_grad for p in gains.values())  # 4 layers x (q, k)
+    for _ in range(3):
+        t.train_step()
+    t.loader.close()
+    for n, p in model.named_parameters():
+        if n in gains:
+            assert torch.equal(p.detach(), torch.ones_like(p)), n
+        elif n.endswith("input_layernorm.weight"):
+            assert not torch.equal(p.detach(), before[n]), n  # the other norms' gains do train

@@ -63,13 +63,17 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # orthogonal each (qkv_init_split: Parcae's separate c_q/c_k/c_v; its SwiGLU fc is one fused
     # [w1; w3] matrix, as megatron's fc1), the learned readout C before the coda (state_readout:
     # Parcae initialises C like its other weights, an orthogonal matrix at std √(2/5d), not the
-    # identity; no weight decay). (Earlier definitions: parcae_matched.json had neither orthogonal
+    # identity; no weight decay), weightless QK-norm (qk_norm_gain=false: Parcae's F.rms_norm on q
+    # and k has no gains) and Parcae's depth law max(Poisson(5), 1) (depth.kind=poisson; its trainer
+    # draws it per sequence). (Earlier definitions: parcae_matched.json had neither orthogonal
     # init nor C, parcae_matched_ortho.json no C, parcae_matched_readout.json one orthogonal QKV
-    # matrix, as their `overrides` fields record.)
+    # matrix, parcae_matched_qkvsplit.json learned QK-norm gains and PLN-5 depths, as their
+    # `overrides` fields record.)
     "parcae_matched": ["model.injection=parcae_decay", "model.init_std=small", "model.embed_scale=1.0",
                        "model.tie_embeddings=true", "model.state_init_std=0.0559", "model.qk_norm=true",
                        "model.out_init_std=0", "model.rope_base=50000", "model.input_norm=false",
-                       "model.init_orthogonal=true", "model.state_readout=true", "model.qkv_init_split=true"],
+                       "model.init_orthogonal=true", "model.state_readout=true", "model.qkv_init_split=true",
+                       "model.qk_norm_gain=false", "depth.kind=poisson"],
 }
 
 
