@@ -72,3 +72,21 @@ def test_vs_reference_table_means_ratio_and_bars(tmp_path: Path) -> None:
     assert cells[2] == "+0.010" and cells[4] == "yes"
     assert cells[5] == "4.50 % vs 9.00 %" and cells[6] == "2.00" and cells[8] == "no"
     assert cells[7].startswith("t = -4.02, df = ")
+
+
+def test_spread_keeps_a_new_definition_apart_from_the_old(tmp_path: Path) -> None:
+    """A result made before ``qk_norm_gain`` existed (key absent) groups with ``qk_norm_gain=true``
+    (the old behaviour), not with ``false``; another depth law (other depth draws) is another group,
+    even where the model config reads the same."""
+    cfg = {"hidden_size": 128, "qk_norm": True}
+    runs = [_result("old_a", "megaloop", 1234, 3.5, 50.0, 48.0, cfg),
+            _result("old_b", "megaloop", 1, 3.5, 50.0, 48.0, {**cfg, "qk_norm_gain": True}),
+            _result("new_a", "megaloop", 1234, 3.6, 50.0, 47.0, {**cfg, "qk_norm_gain": False}),
+            _result("new_b", "megaloop", 1, 3.6, 50.0, 47.0, {**cfg, "qk_norm_gain": False}),
+            {**_result("law_a", "megaloop", 1234, 3.7, 50.0, 46.0, cfg), "depths": [4] * 10},
+            {**_result("law_b", "megaloop", 1, 3.7, 50.0, 46.0, cfg), "depths": [4] * 10}]
+    for r in runs:
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    spread = _parity().render(tmp_path).read_text().split("Init-draw spread")[1].split("Commands:")[0]
+    for group in ("| old_a, old_b |", "| new_a, new_b |", "| law_a, law_b |"):
+        assert group in spread, group

@@ -213,17 +213,25 @@ def _gain(v: dict) -> float:
     return 100 * (1 - v["5"] / v["1"]) if "1" in v and "5" in v else float("nan")
 
 
+# Model options added later whose value that keeps the earlier behaviour is not off/None: results
+# made before the option existed lack the key and group with results that hold this value.
+LEGACY_VALUES = {"qk_norm_gain": True}
+
+
 def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
     """Groups of >= 2 results that differ only in their initial weights (``--init-seed``): same
-    system, steps, batch seed and megaloop model config (a reference: same commit)."""
-    def off_dropped(cfg):  # an option a later release added, default off, reads as absent
-        return {k: off_dropped(v) for k, v in cfg.items() if v is not None and v is not False} if isinstance(cfg, dict) else cfg
+    system, steps, batch seed, and for megaloop the same model config and depth draws (so the same
+    depth law); a reference: same commit."""
+    def off_dropped(cfg):  # an option a later release added reads as absent at its old behaviour
+        return ({k: off_dropped(v) for k, v in cfg.items()
+                 if (v != LEGACY_VALUES[k] if k in LEGACY_VALUES else v is not None and v is not False)}
+                if isinstance(cfg, dict) else cfg)
 
     groups: dict[str, list[dict]] = {}
     for r in res:
-        what = (json.dumps(off_dropped(r.get("config")), sort_keys=True) if r["system"] == "megaloop"
+        what = ([off_dropped(r.get("config")), r.get("depths")] if r["system"] == "megaloop"
                 else r.get("reference_commit"))
-        groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what]), []).append(r)
+        groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what], sort_keys=True), []).append(r)
     return [g for g in groups.values() if len(g) >= 2 and len({r.get("init_seed", r.get("seed")) for r in g}) == len(g)]
 
 
