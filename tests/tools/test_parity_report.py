@@ -90,3 +90,11 @@ def test_spread_keeps_a_new_definition_apart_from_the_old(tmp_path: Path) -> Non
     spread = _parity().render(tmp_path).read_text().split("Init-draw spread")[1].split("Commands:")[0]
     for group in ("| old_a, old_b |", "| new_a, new_b |", "| law_a, law_b |"):
         assert group in spread, group
+
+
+def test_repeated_init_seed_is_reported_not_spread(tmp_path: Path, capsys) -> None:
+    cfg = {"hidden_size": 128}
+    for r in (_result("run", "megaloop", 1234, 3.5, 50.0, 48.0, cfg), _result("rerun", "megaloop", 1234, 3.5, 50.0, 48.0, cfg)):
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    assert "Init-draw spread" not in _parity().render(tmp_path).read_text()
+    assert "no init-draw spread for rerun, run" in capsys.readouterr().err

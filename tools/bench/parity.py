@@ -232,7 +232,14 @@ def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
         what = ([off_dropped(r.get("config")), r.get("depths")] if r["system"] == "megaloop"
                 else r.get("reference_commit"))
         groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what], sort_keys=True), []).append(r)
-    return [g for g in groups.values() if len(g) >= 2 and len({r.get("init_seed", r.get("seed")) for r in g}) == len(g)]
+    out = []
+    for g in (g for g in groups.values() if len(g) >= 2):
+        if len({r.get("init_seed", r.get("seed")) for r in g}) == len(g):
+            out.append(g)
+        else:  # reruns of one init draw are not a spread; say so rather than drop the group silently
+            print(f"parity report: no init-draw spread for {', '.join(r['label'] for r in g)}: "
+                  "the same config at a repeated init seed", file=sys.stderr)
+    return out
 
 
 def welch(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
