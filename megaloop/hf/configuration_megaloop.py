@@ -110,6 +110,7 @@ class MegaloopConfig(PreTrainedConfig):
         input_norm: bool = False,
         sandwich_norm: bool = False,
         state_readout: bool = False,
+        state_final_norm: bool = False,
         use_cache: bool = True,
         bos_token_id: int | None = None,
         eos_token_id: int | None = None,
@@ -156,6 +157,7 @@ class MegaloopConfig(PreTrainedConfig):
         self.input_norm = bool(input_norm)  # the injection reads RMSNorm_g(e)
         self.sandwich_norm = bool(sandwich_norm)  # RMSNorm of the residual stream after each residual add
         self.state_readout = bool(state_readout)  # learned readout C on the final state before the coda
+        self.state_final_norm = bool(state_final_norm)  # the final norm (same weight) on h^R before C/the coda
         self.use_cache = use_cache
         super().__init__(tie_word_embeddings=tie_word_embeddings, bos_token_id=bos_token_id,
                          eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)

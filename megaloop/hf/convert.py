@@ -312,6 +312,7 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
         embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, qk_bias=mcfg.qk_bias,
         input_norm=mcfg.input_norm, sandwich_norm=mcfg.sandwich_norm, state_readout=mcfg.state_readout,
+        state_final_norm=mcfg.state_final_norm,
         adapter_init=mcfg.adapter_init, adapter_bias=mcfg.adapter_bias,
         bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
@@ -337,6 +338,7 @@ def native_config_from_hf(cfg: MegaloopConfig):
         input_norm=bool(getattr(cfg, "input_norm", False)), qk_bias=bool(getattr(cfg, "qk_bias", False)),
         sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)),
         state_readout=bool(getattr(cfg, "state_readout", False)),
+        state_final_norm=bool(getattr(cfg, "state_final_norm", False)),
         adapter_init=getattr(cfg, "adapter_init", "torch"), adapter_bias=bool(getattr(cfg, "adapter_bias", True)))
 
 

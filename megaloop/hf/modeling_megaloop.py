@@ -162,8 +162,9 @@ class LoopedPass:
         return inj.exit(z), kvs
 
     def coda(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """Readout C (``state_readout``) and the coda layers over the state (before the final
-        norm), and the coda's K/V."""
+        """Final norm on the state (``state_final_norm``), readout C (``state_readout``) and the
+        coda layers over the state (before the final norm), and the coda's K/V."""
+        h = self.model.norm(h) if getattr(self.config, "state_final_norm", False) else h  # shared weight
         if self.model.state_readout is not None:
             h = self.model.state_readout(h)
         kvs = []

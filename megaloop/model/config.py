@@ -96,6 +96,11 @@ class ModelConfig:
     # readout C): initialised like the other weight matrices (init_std; orthogonal with
     # init_orthogonal), no weight decay. Off = C = I, the paper's recipes
     state_readout: bool = False
+    # the final RMSNorm (the same module and weight as before the head) also applied to the final
+    # recurrent state before the readout/coda: y = coda(C·RMSNorm_g(h^R)), logits = head(RMSNorm_g(y))
+    # (Huginn's code: its iterate_forward returns ln_f(h), then the coda, then ln_f again). Off in
+    # the paper's recipes
+    state_final_norm: bool = False
     norm_eps: float = 1e-5
     transformer_impl: str = "auto"  # auto = transformer_engine when CUDA + TE, else local
     local_attention: str = "sdpa"  # local spec's core attention: sdpa (torch fused) | megatron (explicit scores)
@@ -139,6 +144,8 @@ class ModelConfig:
                 "splits the orthogonal init of the fused QKV matrix: needs model.init_orthogonal=true")
         require(not self.state_readout or self.arch == "looped", "model.state_readout",
                 "only a looped model has a recurrent state to read out (arch=untied)")
+        require(not self.state_final_norm or self.arch == "looped", "model.state_final_norm",
+                "only a looped model has a recurrent state to normalise (arch=untied)")
         require(self.adapter_init in ADAPTER_INITS, "model.adapter_init", f"one of {ADAPTER_INITS}")
         require((self.adapter_init == "torch" and self.adapter_bias) or self.injection == "huginn_linear",
                 "model.adapter_init", f"adapter_init/adapter_bias apply to huginn_linear's adapter only "

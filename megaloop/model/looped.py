@@ -216,7 +216,11 @@ class LoopedGPT(LanguageModule):
         return lin
 
     def read_state(self, h: torch.Tensor) -> torch.Tensor:
-        """The coda's input: ``C h`` with ``model.state_readout``, else ``h``. [s, b, d] -> [s, b, d]."""
+        """The coda's input: ``C h`` with ``model.state_readout``, else ``h``; with
+        ``model.state_final_norm`` h is first normalised by the final norm (its weight shared with
+        the one before the head; both live on the last pipeline stage). [s, b, d] -> [s, b, d]."""
+        if self.cfg.state_final_norm:
+            h = self.final_norm(h)
         return self.state_readout(h) if self.cfg.state_readout else h
 
     def _mark_core_replicas(self) -> None:

@@ -2,7 +2,8 @@
 
 torchrun --nproc_per_node 2 tests/distributed/hf_tp2_ckpt_worker.py OUT_DIR
 
-Both models have QK biases (split over TP with the heads) and the readout C (last PP stage).
+Both models have QK biases (split over TP with the heads), the readout C and the final norm on the
+state (last PP stage).
 OUT_DIR/tp2/checkpoints/step_00000001: TP=2 model (parcae_decay, GQA 2 groups), every parameter
 perturbed (per-rank noise on TP shards); OUT_DIR/tp2/logits.pt: its eval-mode logits at depth 5 on
 OUT_DIR/tp2/ids.pt (gathered over TP). OUT_DIR/pp2/checkpoints/step_00000001: PP=2 model
@@ -28,7 +29,8 @@ NO_DATA = DataConfig(path="/nonexistent/hf-test-data")  # no tokenizer to find: 
 
 def model_cfg(injection: str) -> ModelConfig:
     return ModelConfig(hidden_size=64, num_heads=4, num_query_groups=2, seq_len=32, vocab_size=250,
-                       injection=injection, state_init_std=0.5, qk_bias=True, state_readout=True)
+                       injection=injection, state_init_std=0.5, qk_bias=True, state_readout=True,
+                       state_final_norm=True)
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ TOL = 1e-5
 VARIANTS = {inj: {"injection": inj} for inj in INJECTIONS}
 VARIANTS["qk_norm+input_norm+tied+sandwich+readout"] = {
     "injection": "parcae_nonorm", "qk_norm": True, "input_norm": True, "tie_embeddings": True,
-    "sandwich_norm": True, "state_readout": True}
+    "sandwich_norm": True, "state_readout": True, "state_final_norm": True}
 # GQA + TP=2: tests/hf (TP=2 checkpoint); the split orthogonal QKV init must slice identically per TP rank
 VARIANTS["qk_bias"] = {"injection": "huginn_linear", "qk_bias": True, "adapter_init": "normal", "adapter_bias": False,
                        "init_orthogonal": True, "qkv_init_split": True}

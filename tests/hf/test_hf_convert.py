@@ -29,7 +29,8 @@ VARIANTS = {  # name -> ModelConfig overrides
     # learning-parity options: embedding scale, QK-norm, input norm, zero-init output projections
     "huginn_options": dict(injection="huginn_linear", embed_scale="sqrt_d", qk_norm=True, input_norm=True,
                            tie_embeddings=True, out_init_std=0.0, num_query_groups=2, sandwich_norm=True,
-                           state_readout=True, qk_bias=True, adapter_init="normal", adapter_bias=False),
+                           state_readout=True, qk_bias=True, adapter_init="normal", adapter_bias=False,
+                           state_final_norm=True),
     "nonorm_options": dict(injection="parcae_nonorm", input_norm=True, qk_norm=True, embed_scale=2.5),
 }
 
@@ -169,8 +170,8 @@ def test_tp2_and_pp2_checkpoints_convert(megatron_world, tmp_path):
     # PP=2: matches a TP=1/PP=1 native model with the same (name-seeded) weights
     rep = convert_to_hf(tmp_path / "pp2/checkpoints", tmp_path / "hf_pp2", log=lambda *_: None)
     assert rep["validation"]["error"] <= TOL
-    cfg, chunks = build_native(dict(injection="huginn_linear", num_query_groups=2, qk_bias=True, state_readout=True),
-                               seed=7)
+    cfg, chunks = build_native(dict(injection="huginn_linear", num_query_groups=2, qk_bias=True, state_readout=True,
+                                    state_final_norm=True), seed=7)
     perturb(chunks[0])
     model = MegaloopForCausalLM.from_pretrained(tmp_path / "hf_pp2", dtype=torch.float32).eval()
     with torch.no_grad():

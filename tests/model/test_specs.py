@@ -152,6 +152,38 @@ def test_state_readout_applies_c_before_the_coda(megatron_world):
         ModelConfig(arch="untied", state_readout=True)
 
 
+def test_state_final_norm_normalises_the_state_with_the_final_norm(megatron_world):
+    """``model.state_final_norm`` (Huginn's ln_f on h^R): logits = head(g⊙N(coda(C·g⊙N(h^R)))) with
+    the one final-norm gain g; no new parameters (the state dict equals the plain model's); training
+    gives the gain a finite gradient; refused for arch=untied."""
+    from megaloop.config_utils import ConfigError
+
+    kw = dict(hidden_size=64, num_heads=4, seq_len=16, n_prelude=1, n_core=2, n_coda=1, state_readout=True)
+    cfg = ModelConfig(state_final_norm=True, **kw)
+    normed = LoopedGPT(cfg, transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                       vocab_size=128, seed=11).eval()
+    plain_cfg = ModelConfig(**kw)
+    plain = LoopedGPT(plain_cfg, transformer_config(plain_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False),
+                      vocab_size=128, seed=11).eval()
+    assert plain.load_state_dict(normed.state_dict(), strict=True) is not None  # same parameters
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    g = normed.final_norm.weight
+    with torch.no_grad():
+        g.copy_(1.0 + 0.3 * torch.randn(64, generator=torch.Generator().manual_seed(4)))
+        plain.final_norm.weight.copy_(g)
+        e = normed.encode(ids)
+        h = 3.0 * normed.run_recurrences(normed.init_state(e, None), e, 0, 3, 3, 3, normed.rope(16))
+        n = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * g
+        torch.testing.assert_close(normed.readout(h), plain.readout(n), rtol=1e-5, atol=1e-5)
+        assert (normed(ids, depth=3) - plain(ids, depth=3)).abs().max() > 1e-2  # the norm matters
+    normed.train()
+    normed(ids, labels=ids, depth=2, bptt_window=2).sum().backward()
+    g_total = g.grad.clone()
+    assert torch.isfinite(g_total).all() and g_total.abs().sum() > 0
+    with pytest.raises(ConfigError, match="model.state_final_norm"):
+        ModelConfig(arch="untied", state_final_norm=True)
+
+
 def test_qk_bias_adds_per_head_biases_before_rope(megatron_world):
     """``model.qk_bias``: zero-initialised (the model equals the same weights without biases), added
     head by head to the projected queries and keys (GQA: one key bias per group) before RoPE, no
