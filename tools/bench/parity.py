@@ -46,16 +46,19 @@ MEGALOOP_CONFIGS: dict[str, list[str]] = {
     # sandwich blocks (x <- norm(x + attn(norm(x))), x <- norm(x + mlp(norm(x)))): so e and the core
     # output already leave a learned-gain norm (no input_norm, no extra exit norm), per-head QK
     # biases before RoPE (qk_bias), the adapter initialised like the other matrices (std √(2/5d))
-    # and without a bias (adapter_init=normal, adapter_bias=false). (Earlier definitions: before
-    # sandwich_norm existed, input_norm=true and the parameter-free exit norm stood in for the
-    # blocks' final norms (results/parity/steps*/huginn_matched.json); huginn_matched_sw.json had
-    # neither QK biases nor the adapter's init, huginn_matched_qkb.json no adapter init; each
-    # result's `overrides` field records its definition.)
+    # and without a bias (adapter_init=normal, adapter_bias=false), and its ln_f applied to the
+    # final state before the coda as well as after it, one shared weight (state_final_norm).
+    # (Earlier definitions: before sandwich_norm existed, input_norm=true and the parameter-free
+    # exit norm stood in for the blocks' final norms (results/parity/steps*/huginn_matched.json);
+    # huginn_matched_sw.json had neither QK biases nor the adapter's init, huginn_matched_qkb.json
+    # no adapter init, huginn_matched_full.json no state_final_norm; each result's `overrides`
+    # field records its definition.)
     "huginn_matched": ["model.injection=huginn_linear", "model.init_std=small", "model.embed_scale=sqrt_d",
                        "model.tie_embeddings=true", "model.state_init_std=0.6325", "model.sandwich_norm=true",
                        "model.input_norm=false", "model.exit_norm=false",
                        "model.out_init_std=0.01141", "model.rope_base=50000", "model.qk_norm=false",
-                       "model.qk_bias=true", "model.adapter_init=normal", "model.adapter_bias=false"],
+                       "model.qk_bias=true", "model.adapter_init=normal", "model.adapter_bias=false",
+                       "model.state_final_norm=true"],
     # Parcae's code (parcae-small-140m at this shape, SwiGLU, no value embeddings): pre-norm,
     # QK-norm, scaled-zero init (std √(2/5d), residual outputs 0), tied, prelude RMSNorm with
     # diagonal injection initialised at retention 1/√5 (= parcae_decay), like-init state (std
@@ -202,6 +205,59 @@ def run_reference(args, out_dir: Path) -> dict:
     diag = state_diagnostics(mask=mask, **ref.trace(ids, args.trace_depth))
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
             "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name}
+
+
+def check_forward(args, out_dir: Path) -> tuple[dict, bool]:
+    """Weights of the megaloop model at ``args.check_forward`` copied into the reference; logits of
+    both at ``--depths`` from h⁰ = 0 on the first ``--trace-seqs`` validation sequences
+    (:mod:`parity_transfer`). Returns (result, agree within ``--forward-tol``)."""
+    from megaloop.hf.load import load_model
+    from parity_refs import Shape, load_reference
+    from parity_transfer import compare, transfer, transfer_problems
+
+    hf, _ = load_model(args.check_forward)
+    hf = hf.float()
+    c = hf.config
+    problems = transfer_problems(c, args.system)
+    if problems:  # before building the reference or reading data
+        raise SystemExit(f"--check-forward {args.check_forward}: cannot be expressed as the {args.system} "
+                         "reference: " + "; ".join(problems))
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:  # megaloop's validation sequences only
+        t = _trainer(args, [], Path(scratch) / "run")
+        if t.vocab != c.vocab_size:
+            raise SystemExit(f"--check-forward: the model's vocab_size {c.vocab_size} differs from the --base "
+                             f"{args.base} preset's {t.vocab} (pass the preset the model was trained with)")
+        ids, _ = _trace_ids(_val_batches(t), args.trace_seqs)
+    shape = Shape(hidden=c.hidden_size, heads=c.num_attention_heads, ffn=c.intermediate_size, n_prelude=c.n_prelude,
+                  n_core=c.n_core, n_coda=c.n_coda, vocab=c.vocab_size, seq_len=ids.shape[1],
+                  mean_depth=int(args.mean_depth), bptt_window=args.bptt_window)
+    ref = load_reference(args.system, args.ref_path, shape, args.init_seed)
+    transfer(hf, ref)
+    res = compare(hf, ref, ids, list(args.depths))
+    key = "no_state_norm_max_abs_diff" if args.system == "huginn" else "max_abs_diff"
+    res.update(reference_commit=ref.commit, model=Path(args.check_forward).name, tolerance=args.forward_tol,
+               agree_own_forward=all(r["max_abs_diff"] <= args.forward_tol for r in res["rows"]))
+    if args.system == "huginn":
+        res["agree_without_state_norm"] = all(r[key] <= args.forward_tol for r in res["rows"])
+    return res, res["agree_own_forward"]
+
+
+def _forward_lines(res: dict, system: str) -> list[str]:
+    huginn = system == "huginn"
+    head = "| R | logits RMS | max abs diff | RMS diff |" + (" max abs diff, no pre-coda ln_f |" if huginn else "")
+    lines = [head, "|" + "---|" * (5 if huginn else 4)]
+    for r in res["rows"]:
+        lines.append(f"| {r['R']} | {r['logits_rms']:.3f} | {r['max_abs_diff']:.2e} | {r['rms_diff']:.2e} |" +
+                     (f" {r['no_state_norm_max_abs_diff']:.2e} |" if huginn else ""))
+    ctl = res["control"]
+    lines.append(f"control ({ctl['perturbed']}, R={ctl['R']}): max abs diff {ctl['max_abs_diff']:.2e}")
+    lines.append(f"agree with the reference's own forward within {res['tolerance']:g}: {res['agree_own_forward']}")
+    if huginn:
+        lines.append(f"agree with Huginn's forward minus its ln_f on the final state (before the coda): "
+                     f"{res['agree_without_state_norm']}")
+    return lines
 
 
 # ------------------------------------------------------------------ report
@@ -399,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "parity"))
     p.add_argument("--report", metavar="DIR", help="render parity.md/png from the results in DIR and exit")
+    p.add_argument("--check-forward", metavar="MODEL",
+                   help="copy the weights of this megaloop model (run directory or HF export; a matched "
+                        "config) into --system's reference and compare logits at --depths from h^0 = 0; "
+                        "writes OUT/<label>.json, exits 1 if they differ by more than --forward-tol")
+    p.add_argument("--forward-tol", type=float, default=1e-3, help="max |logit difference| for --check-forward")
     p.add_argument("overrides", nargs="*", help="extra megaloop config overrides (key=value)")
     args = p.parse_args(argv)
     if args.report:
@@ -408,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--system is required (or --report DIR)")
     if args.system != "megaloop" and not args.ref_path:
         p.error(f"--ref-path: the {args.system} reference needs the path of its checkout")
+    if args.check_forward and args.system == "megaloop":
+        p.error("--check-forward: --system must name the reference (huginn or parcae)")
+    if args.check_forward and not Path(args.check_forward).exists():
+        p.error(f"--check-forward: {args.check_forward} does not exist")
     if args.preset not in MEGALOOP_CONFIGS:
         p.error(f"--preset: unknown {args.preset!r}; one of {sorted(MEGALOOP_CONFIGS)}")
     torch.set_num_threads(args.threads)
@@ -418,6 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     cmd = " ".join(["python tools/bench/parity.py"] + [a if " " not in a else repr(a) for a in
                                                        (argv if argv is not None else sys.argv[1:])])
+    if args.check_forward:
+        args.label = args.label if args.label != args.system else f"forward_{args.system}"
+        res, agree = check_forward(args, out)
+        res.update(label=args.label, system=args.system, check="forward", seed=args.seed,
+                   command=cmd.replace(str(args.ref_path), "REF_PATH").replace(str(args.check_forward), "MODEL"))
+        dest = out / f"{args.label}.json"
+        dest.with_suffix(".tmp").write_text(json.dumps(res, indent=1))
+        dest.with_suffix(".tmp").replace(dest)
+        print("\n".join(_forward_lines(res, args.system)))
+        return 0 if agree else 1
     if args.system == "megaloop":
         init = [f"train.init_seed={args.init_seed}"] if init_given else []
         res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides), out)

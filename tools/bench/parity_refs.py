@@ -97,8 +97,9 @@ class _Inert(types.ModuleType):
 
 
 def _stub_triton() -> None:
-    if importlib.util.find_spec("triton") is not None:
-        return
+    if "triton" in sys.modules or importlib.util.find_spec("triton") is not None:
+        return  # the real package, or the stand-in an earlier reference installed
+    import torch._dynamo  # noqa: F401  (probes for triton on import: let it find none, not the stand-in)
     triton = _Inert("triton")
     lang = _Inert("triton.language")
     triton.language = lang
@@ -194,6 +195,27 @@ class Huginn(Reference):
 
     def last_depth(self) -> float:
         return float(self._depth)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, depth: int, state_norm: bool = True) -> torch.Tensor:
+        """Huginn's forward at ``depth``. Its ``iterate_forward`` applies ``ln_f`` to the final state
+        before the coda as well as after it (one shared weight); ``state_norm=False`` runs the same
+        computation without that first ``ln_f`` (what a model without it, such as megaloop's
+        ``huginn_matched``, computes)."""
+        if state_norm:
+            return super().logits(tokens, depth)
+        m = self.model.eval()
+        t = m.transformer
+        freqs = m.freqs_cis[:, : tokens.shape[1]]
+        e = t.wte(tokens) * m.emb_scale if m.emb_scale != 1 else t.wte(tokens)
+        for block in t.prelude:
+            e = block(e, freqs, None)
+        x = m.initialize_state(e)
+        for step in range(depth):
+            x = m.core_block_forward(x, e, freqs, None, step)
+        for block in t.coda:
+            x = block(x, freqs, None)
+        return m.lm_head(t.ln_f(x)).float() * self.cfg.init.logit_scale
 
     @torch.no_grad()
     def trace(self, tokens: torch.Tensor, depth: int) -> dict:
