@@ -87,3 +87,11 @@ def test_check_forward_refuses_bad_arguments(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         parity.main(["--check-forward", str(tmp_path / "missing"), "--system", "parcae", "--ref-path", "x"])
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_report_of_a_folder_without_training_results_says_so(tmp_path) -> None:
+    import parity
+
+    (tmp_path / "forward_parcae.json").write_text('{"check": "forward", "rows": []}')
+    with pytest.raises(SystemExit, match="no training results"):
+        parity.main(["--report", str(tmp_path)])

@@ -381,7 +381,9 @@ def render(out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     res = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
-    res = [r for r in res if "losses" in r]
+    res = [r for r in res if "losses" in r]  # not --check-forward results
+    if not res:
+        raise SystemExit(f"--report {out_dir}: no training results there (*.json written by a training run)")
     lines = ["| run | system | steps | train loss (mean last 10) | " +
              " | ".join(f"val PPL R={r}" for r in res[0]["depths_evaluated"]) + " | gain R=1→5 | gain, h^0=0 | mean depth |",
              "|---" * (7 + len(res[0]["depths_evaluated"])) + "|"]
