@@ -196,6 +196,16 @@ class Huginn(Reference):
     def last_depth(self) -> float:
         return float(self._depth)
 
+    def _encode(self, tokens: torch.Tensor):
+        """(model in eval mode, its transformer, RoPE table, prelude output e [b, s, d])."""
+        m = self.model.eval()
+        t = m.transformer
+        freqs = m.freqs_cis[:, : tokens.shape[1]]
+        e = t.wte(tokens) * m.emb_scale if m.emb_scale != 1 else t.wte(tokens)
+        for block in t.prelude:
+            e = block(e, freqs, None)
+        return m, t, freqs, e
+
     @torch.no_grad()
     def logits(self, tokens: torch.Tensor, depth: int, state_norm: bool = True) -> torch.Tensor:
         """Huginn's forward at ``depth``. Its ``iterate_forward`` applies ``ln_f`` to the final state
@@ -204,12 +214,7 @@ class Huginn(Reference):
         ``huginn_matched``, computes)."""
         if state_norm:
             return super().logits(tokens, depth)
-        m = self.model.eval()
-        t = m.transformer
-        freqs = m.freqs_cis[:, : tokens.shape[1]]
-        e = t.wte(tokens) * m.emb_scale if m.emb_scale != 1 else t.wte(tokens)
-        for block in t.prelude:
-            e = block(e, freqs, None)
+        m, t, freqs, e = self._encode(tokens)
         x = m.initialize_state(e)
         for step in range(depth):
             x = m.core_block_forward(x, e, freqs, None, step)
@@ -222,12 +227,7 @@ class Huginn(Reference):
         """States h^0..h^R [b, s, d] as the coda sees them (Huginn's ln_f is applied to the final
         state only; the per-step state is the raw block output), the injected input e and, per
         recurrence, the adapter's state part W_h h and input part W_e e + bias."""
-        m = self.model.eval()
-        t = m.transformer
-        freqs = m.freqs_cis[:, : tokens.shape[1]]
-        e = t.wte(tokens) * m.emb_scale if m.emb_scale != 1 else t.wte(tokens)
-        for block in t.prelude:
-            e = block(e, freqs, None)
+        m, t, freqs, e = self._encode(tokens)
         h = m.initialize_state(e)
         states, parts = [h], []
         d = h.shape[-1]
