@@ -84,8 +84,14 @@ def test_check_forward_refuses_bad_arguments(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         parity.main(["--check-forward", str(tmp_path), "--system", "megaloop"])
     assert "--system must name the reference" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--ref-path: .* has no parcae_lm/models/parcae/parcae.py"):
+        parity.main(["--check-forward", str(tmp_path), "--system", "parcae", "--ref-path", str(tmp_path / "x")])
+    fake = tmp_path / "parcae" / "parcae_lm" / "models" / "parcae"
+    fake.mkdir(parents=True)
+    (fake / "parcae.py").write_text("")
     with pytest.raises(SystemExit):
-        parity.main(["--check-forward", str(tmp_path / "missing"), "--system", "parcae", "--ref-path", "x"])
+        parity.main(["--check-forward", str(tmp_path / "missing"), "--system", "parcae",
+                     "--ref-path", str(tmp_path / "parcae")])
     assert "does not exist" in capsys.readouterr().err
 
 

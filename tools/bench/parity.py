@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,8 +223,6 @@ def check_forward(args, out_dir: Path) -> tuple[dict, bool]:
     if problems:  # before building the reference or reading data
         raise SystemExit(f"--check-forward {args.check_forward}: cannot be expressed as the {args.system} "
                          "reference: " + "; ".join(problems))
-    import tempfile
-
     with tempfile.TemporaryDirectory() as scratch:  # megaloop's validation sequences only
         t = _trainer(args, [], Path(scratch) / "run")
         if t.vocab != c.vocab_size:
@@ -471,6 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--system is required (or --report DIR)")
     if args.system != "megaloop" and not args.ref_path:
         p.error(f"--ref-path: the {args.system} reference needs the path of its checkout")
+    if args.system != "megaloop":
+        from parity_refs import reference_root
+
+        reference_root(args.system, args.ref_path)  # before any training or loading
     if args.check_forward and args.system == "megaloop":
         p.error("--check-forward: --system must name the reference (huginn or parcae)")
     if args.check_forward and not Path(args.check_forward).exists():

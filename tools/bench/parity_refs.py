@@ -309,13 +309,19 @@ class Parcae(Reference):
 REFERENCES = {"huginn": Huginn, "parcae": Parcae}
 
 
-def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Reference:
-    """Import reference ``name`` from the checkout at ``path`` (errors name the path)."""
+def reference_root(name: str, path: str | Path) -> Path:
+    """The checkout root of reference ``name`` at ``path``; a path without its model file is refused."""
     root = Path(path).expanduser().resolve()
     marker = {"huginn": "recpre/model_dynamic.py", "parcae": "parcae_lm/models/parcae/parcae.py"}[name]
     if not (root / marker).is_file():
-        raise SystemExit(f"--{name}: {root} has no {marker} (pass the root of a checkout of the repository)")
-    return REFERENCES[name](root, shape, seed)
+        raise SystemExit(f"--ref-path: {root} has no {marker} (pass the root of a checkout of the {name} "
+                         "repository)")
+    return root
+
+
+def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Reference:
+    """Import reference ``name`` from the checkout at ``path`` (errors name the path)."""
+    return REFERENCES[name](reference_root(name, path), shape, seed)
 
 
 def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: float) -> float:
