@@ -66,8 +66,14 @@ def _cfg(**kw) -> MegaloopConfig:
 def test_transfer_problems_name_the_fields_a_reference_cannot_express() -> None:
     parcae = _cfg(injection="parcae_decay", state_readout=True, qk_norm=True, tie_word_embeddings=True)
     assert pt.transfer_problems(parcae, "parcae") == []
-    huginn = _cfg(injection="huginn_linear", sandwich_norm=True, exit_norm=False, tie_word_embeddings=True)
+    huginn = _cfg(injection="huginn_linear", sandwich_norm=True, exit_norm=False, tie_word_embeddings=True,
+                  adapter_bias=False)
     assert pt.transfer_problems(huginn, "huginn") == []
+    biased = pt.transfer_problems(_cfg(injection="huginn_linear", sandwich_norm=True, exit_norm=False,
+                                       tie_word_embeddings=True), "huginn")
+    assert biased == ["adapter_bias=True (the huginn reference needs False)"]  # Huginn's adapter has no bias
+    with pytest.raises(SystemExit, match="cannot be expressed as the parcae reference: injection="):
+        pt.require_transferable(_cfg(injection="huginn_linear"), "parcae")
     bad = pt.transfer_problems(_cfg(injection="parcae_nonorm", tie_word_embeddings=False), "parcae")
     assert any(b.startswith("injection='parcae_nonorm'") for b in bad)
     assert any(b.startswith("tie_word_embeddings=False") for b in bad)

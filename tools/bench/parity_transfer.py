@@ -55,12 +55,21 @@ def transfer_problems(config, system: str) -> list[str]:
     elif system == "huginn":
         need = {"injection": (c.injection, "huginn_linear"), "sandwich_norm": (get("sandwich_norm", False), True),
                 "exit_norm": (get("exit_norm", True), False), "input_norm": (get("input_norm", False), False),
+                "adapter_bias": (get("adapter_bias", True), False),
                 "qk_norm": (get("qk_norm", False), False), "state_readout": (get("state_readout", False), False)}
     else:
         raise ValueError(f"unknown reference {system!r}")
     need.update(common)
     return [f"{k}={have!r} (the {system} reference needs {want!r})" for k, (have, want) in need.items()
             if have != want]
+
+
+def require_transferable(config, system: str) -> None:
+    """Refuse, naming every field, a megaloop config the reference ``system`` cannot express."""
+    problems = transfer_problems(config, system)
+    if problems:
+        raise SystemExit(f"--check-forward: the megaloop model cannot be expressed as the {system} "
+                         "reference: " + "; ".join(problems))
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
@@ -89,13 +98,10 @@ def _block(dst, src, heads: int, head_dim: int, name: str, system: str) -> None:
         _copy(dst.norm_2.weight, src.post_attention_layernorm.weight, f"{name}.norm_2")
     else:  # huginn: fused Wqkv, per-head QK biases, sandwich norms 2 and 4
         _copy(dst.attn.Wqkv.weight, torch.cat([q, k, a.v_proj.weight]), f"{name}.attn.Wqkv")
-        if getattr(dst.attn, "qk_bias", None) is not None:
-            qb = permute_heads(a.q_bias, heads, head_dim) if getattr(a, "q_bias", None) is not None else None
-            kb = permute_heads(a.k_bias, heads, head_dim) if getattr(a, "k_bias", None) is not None else None
-            dst.attn.qk_bias.zero_()
-            if qb is not None:
-                dst.attn.qk_bias[0, 0].copy_(qb)
-                dst.attn.qk_bias[1, 0].copy_(kb)
+        dst.attn.qk_bias.zero_()  # Huginn's config has QK biases; zero = megaloop without them
+        if getattr(a, "q_bias", None) is not None:
+            dst.attn.qk_bias[0, 0].copy_(permute_heads(a.q_bias, heads, head_dim))
+            dst.attn.qk_bias[1, 0].copy_(permute_heads(a.k_bias, heads, head_dim))
         _copy(dst.attn.proj.weight, a.o_proj.weight, f"{name}.attn.proj")
         _copy(dst.norm_2.weight, src.post_attn_norm.weight, f"{name}.norm_2")
         _copy(dst.norm_3.weight, src.post_attention_layernorm.weight, f"{name}.norm_3")
@@ -108,10 +114,7 @@ def _block(dst, src, heads: int, head_dim: int, name: str, system: str) -> None:
 @torch.no_grad()
 def transfer(hf, ref) -> None:
     """Copy the megaloop HF model ``hf``'s weights into reference adapter ``ref`` (in place)."""
-    problems = transfer_problems(hf.config, ref.name)
-    if problems:
-        raise SystemExit("--check-forward: the megaloop model cannot be expressed as the "
-                         f"{ref.name} reference: " + "; ".join(problems))
+    require_transferable(hf.config, ref.name)
     c, m, t = hf.config, hf.model, ref.model.transformer
     heads = c.num_attention_heads
     hd = c.hidden_size // heads
@@ -120,8 +123,7 @@ def transfer(hf, ref) -> None:
         raise SystemExit(f"--check-forward: embedding_multiplier={mult} but the {ref.name} reference scales "
                          f"embeddings by {ref.model.emb_scale}")
     _copy(t.wte.weight, m.embed_tokens.weight, "wte")
-    if ref.model.lm_head.weight.data_ptr() != t.wte.weight.data_ptr():
-        _copy(ref.model.lm_head.weight, hf.lm_head.weight, "lm_head")
+    _copy(ref.model.lm_head.weight, hf.lm_head.weight, "lm_head")  # the same values again where tied
     for group, dst_group in (("prelude", "prelude"), ("core", "core_block"), ("coda", "coda")):
         src, dst = getattr(m, group), getattr(t, dst_group)
         if len(src) != len(dst):
@@ -136,12 +138,7 @@ def transfer(hf, ref) -> None:
         _copy(t.ln_prelude.weight, inj.norm_weight, "ln_prelude")
         _copy(t.C.weight, m.state_readout.weight, "C")
     else:
-        _copy(t.adapter.weight, inj.adapter.weight, "adapter")
-        if t.adapter.bias is not None:
-            if inj.adapter.bias is None:
-                t.adapter.bias.zero_()
-            else:
-                _copy(t.adapter.bias, inj.adapter.bias, "adapter.bias")
+        _copy(t.adapter.weight, inj.adapter.weight, "adapter")  # both bias-free (adapter_bias=False)
     _copy(t.ln_f.weight, m.norm.weight, "ln_f")
 
 
@@ -153,10 +150,10 @@ def compare(hf, ref, tokens: torch.Tensor, depths: list[int]) -> dict:
     hf.eval()
     init, ref_init = hf.config.eval_state_init, ref.cfg.state_init
     hf.config.eval_state_init, ref.cfg.state_init = "zero", "zero"
-    rows = []
+    rows, ours = [], {}
     try:
         for r in depths:
-            a = hf(input_ids=tokens, num_recurrences=r).logits.float()
+            a = ours[r] = hf(input_ids=tokens, num_recurrences=r).logits.float()
             b = ref.logits(tokens, r).float()
             row = {"R": r, "logits_rms": float(a.pow(2).mean().sqrt()), "max_abs_diff": float((a - b).abs().max()),
                    "rms_diff": float((a - b).pow(2).mean().sqrt())}
@@ -167,7 +164,7 @@ def compare(hf, ref, tokens: torch.Tensor, depths: list[int]) -> dict:
         w = ref.model.transformer.core_block[-1].mlp.proj.weight
         w.mul_(1.01)
         r = max(depths)
-        a = hf(input_ids=tokens, num_recurrences=r).logits.float()
+        a = ours[r]  # megaloop's side is unchanged by the perturbation
         own = bool(getattr(hf.config, "state_final_norm", False))  # the comparison that should agree
         b = ref.logits(tokens, r, **({"state_norm": own} if ref.name == "huginn" else {})).float()
         w.div_(1.01)
