@@ -113,7 +113,8 @@ def model_config_from_run(run_cfg: dict, where: str):
 
     try:
         model = dict(run_cfg["model"])
-        model.setdefault("embed_scale", 1.0)  # runs from before model.embed_scale: unscaled embeddings
+        for k, v in ModelConfig.LEGACY_DEFAULTS.items():  # runs from before the field: what they trained with
+            model.setdefault(k, v)
         mcfg = from_dict(ModelConfig, model, "model")
     except ConfigError as err:
         raise CheckpointError(f"checkpoint {where}: run config is not a megaloop model config: {err}") from None

@@ -22,6 +22,11 @@ replicated part under sequence parallelism):
   ``model.transformer_impl=local`` or ``cluster.activation_profile=local``;
 * ``te`` (Transformer Engine, GPU; an assumption read from TE's modules, not measured here):
   ``a/2·8d + 8 + (a/2·(6d + 6kv + 6f) + 4h)/t``;
+* ``model.qk_norm`` adds ``(c_q·d + c_k·kv + 4·(h + g))/t`` (g: KV groups): the norms keep q and
+  k and an fp32 rstd per head. ``te``: c_q = c_k = a (TE's RMSNorm keeps its input). ``local``
+  (what autograd saves, ``tests/plan/test_memory.py``): bf16 c_q = c_k = 8 (fp32 copies of the
+  bf16 input); fp32 c_k = 4, c_q = 4 with MHA and 8 with GQA (the regrouped query is a copy kept
+  besides the norm's input);
 * ``model.recompute``: only each visit's input ``a·d``.
 
 The peak of a pipeline rank replays its schedule (``pipeline_sim.inflight_order``): activations
@@ -77,7 +82,8 @@ def layer_params(cfg: RunConfig, tp: int) -> float:
     m = cfg.model
     d, f = m.hidden_size, m.ffn_size
     kv = d * m.groups // m.num_heads
-    return (d * (d + 2 * kv) + d * d + 3 * d * f + ((d + kv) if m.qk_bias else 0)) / tp + 2 * d
+    qk_gains = 2 * (d // m.num_heads) if m.qk_norm else 0  # per-head-dim q and k norm gains
+    return (d * (d + 2 * kv) + d * d + 3 * d * f + ((d + kv) if m.qk_bias else 0)) / tp + 2 * d + qk_gains
 
 
 def injection_params(cfg: RunConfig, tp: int) -> float:
@@ -152,6 +158,13 @@ class MemoryModel:
                 split += 2 * a * h * D.s
         else:
             rep, split = a / 2 * 8 * d + 8, a / 2 * (6 * d + 6 * kv + 6 * f) + 4 * h
+        if self.cfg.model.qk_norm:  # q, k kept by their norms (fp32 on CPU) + an fp32 rstd per head and group
+            if self.profile != "local":
+                c_q = c_k = a
+            else:
+                c_k = 4 if a == 4 else 8
+                c_q = 8 if a == 2 or kv < d else 4
+            split += c_q * d + c_k * kv + 4 * (h + kv // D.head_dim)
         return rep / D.rep + split / t
 
     def injection_bytes(self) -> float:

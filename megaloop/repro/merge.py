@@ -42,14 +42,25 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _resolved(config: str, overrides: list[str], where: Path, arm: str) -> dict[str, Any]:
-    """The run config an arm's overrides give on ``config`` (a preset name or path), flattened to
-    dotted keys, without the fields that may differ between the files (seed, logging)."""
+def revision_of(run: dict, results: dict) -> int:
+    """The model-defaults revision a run was made under: its own, its file's, else 1 (files
+    written before revisions were recorded)."""
+    return int(run.get("defaults_revision") or results.get("defaults_revision") or 1)
+
+
+def _resolved(config: str, overrides: list[str], where: Path, arm: str, revision: int) -> dict[str, Any]:
+    """The run config an arm's overrides give on ``config`` (a preset name or path) under the model
+    defaults of ``revision`` (``ModelConfig.PREVIOUS_DEFAULTS``, the arm's own overrides winning),
+    flattened to dotted keys, without the fields that may differ between the files (seed, logging)."""
     from megaloop.config import load_config
     from megaloop.config_utils import ConfigError, to_dict
+    from megaloop.model.config import ModelConfig
 
+    then = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+            for r in range(revision, ModelConfig.DEFAULTS_REVISION)
+            for k, v in ModelConfig.PREVIOUS_DEFAULTS.get(r, {}).items()]
     try:
-        cfg = _flat(to_dict(load_config(config, _fixed(overrides))))
+        cfg = _flat(to_dict(load_config(config, then + _fixed(overrides))))
     except ConfigError as e:
         raise UserError(f"--merge: {where}: arm {arm!r} does not resolve on config {config!r}: {e}") from None
     return {k: v for k, v in cfg.items() if k != "train.seed" and not k.startswith("logging.")}
@@ -67,7 +78,8 @@ def _runs(results: dict, path: Path, out: Path) -> list[dict]:
         rd = a.get("run_dir")
         if rd is not None and not Path(rd).is_absolute():
             rd = os.path.relpath(path.parent / rd, out)
-        runs.append({**a, "group": group, "seed": int(seed), "name": f"{group}.seed{seed}", "run_dir": rd})
+        runs.append({**a, "group": group, "seed": int(seed), "name": f"{group}.seed{seed}", "run_dir": rd,
+                     "defaults_revision": revision_of(a, results)})
     return runs
 
 
@@ -105,7 +117,7 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
             if key in runs:
                 raise UserError(f"--merge: arm {r['group']!r} at seed {r['seed']} is in both {where[key]} "
                                 f"and {p}; drop one of them")
-            cfg = _resolved(res["config"], r["overrides"], p, r["group"])
+            cfg = _resolved(res["config"], r["overrides"], p, r["group"], r["defaults_revision"])
             known, source = configs.setdefault(r["group"], (cfg, p))
             if diff := _differing(known, cfg):
                 raise UserError(f"--merge: arm {r['group']!r} resolves to another config in {p} than in "

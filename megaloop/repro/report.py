@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megaloop.model.config import ModelConfig
 from megaloop.repro.evaluate import SUMMARY, machine, synth_curve
 from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
@@ -161,6 +162,7 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
            "extras": plan.extras, "eval": plan.eval.to_dict(), "seeds": plan.seeds,
            "claims": [c.__dict__ for c in plan.claims], "arms": arms, "screens": screens,
            "machine": machines[0] if machines else machine(), "launcher": launcher or {},
+           "defaults_revision": ModelConfig.DEFAULTS_REVISION,
            "complete": all(a["status"] == "done" for a in arms), "updated": time.strftime("%Y-%m-%d %H:%M:%S")}
     return add_verdicts(res)
 

@@ -306,6 +306,15 @@ class CheckpointManager:
                                   "it was interrupted while being written")
         return path
 
+    @staticmethod
+    def saved_model_config(path: Path) -> dict:
+        """The ``model`` section of the run config stored with checkpoint ``path`` ({} if unreadable)."""
+        try:
+            common = dist_checkpointing.load_common_state_dict(str(path)).get("common") or {}
+        except Exception:  # noqa: BLE001 - only used to explain a load that already failed
+            return {}
+        return (common.get("config") or {}).get("model") or {}
+
     def load(self, path: Path, model_chunks: list, optimizer=None, strict: bool = True) -> dict:
         """Load model (and optimizer) state in place; returns the ``common`` dict."""
         if not is_complete(path):

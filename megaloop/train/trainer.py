@@ -209,8 +209,14 @@ class Trainer:
         return path
 
     def _load(self, path: Path) -> None:
-        common = self.ckpt.load(path, self.model, self.optimizer)
-        self._check_legacy_model(path, (common.get("config") or {}).get("model") or {})
+        from megaloop.train.checkpoint import CheckpointError
+
+        try:
+            common = self.ckpt.load(path, self.model, self.optimizer)
+        except CheckpointError:
+            self._check_saved_model(path, self.ckpt.saved_model_config(path))  # name the field if it is one
+            raise
+        self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -241,16 +247,20 @@ class Trainer:
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
 
-    def _check_legacy_model(self, path: Path, saved: dict) -> None:
-        """A checkpoint written before ``model.embed_scale`` existed was trained with multiplier 1;
-        resuming it under today's default (√d) would silently change the model: refuse, naming
-        the override that keeps it."""
-        if saved and "embed_scale" not in saved and self.cfg.model.embedding_multiplier != 1.0:
-            from megaloop.config_utils import ConfigError
+    def _check_saved_model(self, path: Path, saved: dict) -> None:
+        """Refuse a checkpoint trained under other values of the model-defining fields (a changed
+        default included, e.g. ``model.qk_norm`` before it became the default), naming each field
+        and the overrides that resume it; a field the saved config lacks counts as what runs
+        before it trained with (``ModelConfig.LEGACY_DEFAULTS``)."""
+        from megaloop.config_utils import ConfigError
+        from megaloop.model.config import arch_differences
 
-            raise ConfigError(f"model.embed_scale: checkpoint {path} predates model.embed_scale (its embeddings "
-                              f"are unscaled); resume it with model.embed_scale=1.0 model.init_std="
-                              f"{saved.get('init_std', 0.02)}")
+        diffs = arch_differences(saved, self.cfg.model) if saved else []
+        if diffs:
+            what = "; ".join(f"model.{k}: checkpoint {old!r}, this run {new!r}" for k, old, new in diffs)
+            keep = " ".join(f"model.{k}={str(old).lower() if isinstance(old, bool) else old}"
+                            for k, old, _ in diffs)
+            raise ConfigError(f"checkpoint {path} was trained as another model ({what}); resume it with {keep}")
 
     # ================================================================ step pieces
     def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:

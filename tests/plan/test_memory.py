@@ -17,7 +17,7 @@ V = 4096
 
 
 def _mm(overrides=(), world=1, cluster=CPU) -> MemoryModel:
-    cfg = load_config("tiny", ["depth.kind=fixed", "depth.depth=4", *overrides])
+    cfg = load_config("tiny", ["model.qk_norm=false", "depth.kind=fixed", "depth.depth=4", *overrides])
     return MemoryModel(cfg, make_layout(cfg, world), cluster, V)
 
 
@@ -26,12 +26,13 @@ def test_parameter_counts_match_the_projects_count() -> None:
     total = param_count(mm.cfg.model, V)["total"]
     assert sum(sum(p.values()) for p in mm.stage_params) == total == 1_918_336
     # PP=4: every stage holds a core replica (2 layers of 213,248 + the injection's d^2 + 2d)
-    cfg = load_config("tiny", ["parallel.pp=4", "train.global_batch_size=32"])
+    cfg = load_config("tiny", ["model.qk_norm=false", "parallel.pp=4", "train.global_batch_size=32"])
     st = stage_params(cfg, make_layout(cfg, 4), V)
     core = 2 * 213_248 + 128 * 128 + 2 * 128
     assert sum(sum(p.values()) for p in st) == total + 3 * core
     # the optional pieces: QK biases in every layer, readout C on the last stage
-    extra = ["parallel.pp=4", "train.global_batch_size=32", "model.qk_bias=true", "model.state_readout=true"]
+    extra = ["model.qk_norm=false", "parallel.pp=4", "train.global_batch_size=32", "model.qk_bias=true",
+             "model.state_readout=true"]
     cfg = load_config("tiny", extra)
     st = stage_params(cfg, make_layout(cfg, 4), V)
     total = param_count(cfg.model, V)["total"]
@@ -66,6 +67,23 @@ def test_activations_by_hand() -> None:
     assert mm.transient("B", 0, 4) == max(4096 * 128 * 4, layer_bwd - head_saved) == 4096 * 128 * 4
     pp2 = _mm(["parallel.pp=2", "train.global_batch_size=16"], world=2)
     assert pp2.transient("B", 0, 4) == layer_bwd + 1024 * 2 * 4 * 128  # + the [2s, b, d] output gradient
+
+
+def test_qk_norm_terms_by_hand() -> None:
+    """QK-norm (the default): 2·head_dim replicated gains per layer; per token and layer visit the
+    norms keep q and k (fp32 on CPU, also for bf16 inputs; TE: the input's dtype) and an fp32 rstd
+    per head and KV group."""
+    qk = _mm(["model.qk_norm=true"])
+    total = param_count(qk.cfg.model, V)["total"]
+    assert sum(sum(p.values()) for p in qk.stage_params) == total == 1_918_336 + 4 * 2 * 32
+    assert qk.layer_bytes() - _mm().layer_bytes() == 4 * (128 + 128) + 4 * (4 + 4) == 1056
+    bf16 = ["model.bf16=true"]
+    assert _mm([*bf16, "model.qk_norm=true"]).layer_bytes() - _mm(bf16).layer_bytes() == 8 * 256 + 32
+    te = ClusterSpec(name="gpu", activation_profile="te", reserved_gib=0.0, fragmentation=1.0)
+    assert (_mm([*bf16, "model.qk_norm=true"], cluster=te).layer_bytes()
+            - _mm(bf16, cluster=te).layer_bytes()) == 2 * 256 + 32
+    tp2 = _mm(["model.qk_norm=true", "parallel.tp=2"], world=2)
+    assert tp2.layer_bytes() - _mm(["parallel.tp=2"], world=2).layer_bytes() == 1056 / 2
 
 
 def test_flat_in_depth_and_split_by_tp() -> None:
@@ -122,9 +140,11 @@ def test_stage_split_is_the_models() -> None:
                     assert work[v].grad_recurrences == len(set(range(lo, hi)) & set(range(depth - window, depth)))
 
 
-def test_layer_formula_counts_what_autograd_saves(megatron_world, one_thread) -> None:
+@pytest.mark.parametrize("qk_norm,groups", [(False, 2), (True, 2), (True, 4)])
+def test_layer_formula_counts_what_autograd_saves(megatron_world, one_thread, qk_norm, groups) -> None:
     """fp32 local spec: the bytes one layer's forward saves for backward (unique storages, weights
-    excluded) equal the planner's per-visit formula (GQA, SwiGLU width not a multiple of d)."""
+    excluded) equal the planner's per-visit formula (GQA, SwiGLU width not a multiple of d), with
+    and without QK-norm (and QK-norm with MHA)."""
     import torch
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -132,8 +152,9 @@ def test_layer_formula_counts_what_autograd_saves(megatron_world, one_thread) ->
     from megaloop.model.looped import LayerStack
     from megaloop.model.specs import layer_spec, transformer_config
 
-    d, s, b, f, heads, groups = 128, 64, 2, 320, 4, 2
-    cfg = ModelConfig(hidden_size=d, num_heads=heads, num_query_groups=groups, ffn_hidden_size=f, seq_len=s)
+    d, s, b, f, heads = 128, 64, 2, 320, 4
+    cfg = ModelConfig(hidden_size=d, num_heads=heads, num_query_groups=groups, ffn_hidden_size=f, seq_len=s,
+                      qk_norm=qk_norm)
     tc = transformer_config(cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     layer = LayerStack(tc, layer_spec(cfg), [1], None, 0, "probe")
     weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
@@ -153,7 +174,8 @@ def test_layer_formula_counts_what_autograd_saves(megatron_world, one_thread) ->
         layer(x, rope, mask)
     plan_cfg = load_config("tiny", [f"model.hidden_size={d}", f"model.num_heads={heads}",
                                     f"model.num_query_groups={groups}", f"model.ffn_hidden_size={f}",
-                                    f"model.seq_len={s}", f"train.micro_batch_size={b}", "train.global_batch_size=2"])
+                                    f"model.seq_len={s}", f"train.micro_batch_size={b}", "train.global_batch_size=2",
+                                    f"model.qk_norm={str(qk_norm).lower()}"])
     mm = MemoryModel(plan_cfg, make_layout(plan_cfg, 1), CPU, V)
     rope_bytes = 4 * s * (d // heads) * 4
     assert sum(seen.values()) == s * b * mm.layer_bytes() + rope_bytes

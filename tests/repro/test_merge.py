@@ -108,3 +108,35 @@ def test_merge_compares_resolved_configs_not_spellings(tool, tmp_path: Path, cap
     err = capsys.readouterr().err
     assert f"--merge: {b}: arm 'orthoinj' does not resolve on config 'tiny'" in err and "no_such_field" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_results_of_an_earlier_defaults_revision_resolve_to_the_model_they_trained(tool, tmp_path: Path,
+                                                                                  capsys) -> None:
+    """A file written before model.qk_norm became the default (no ``defaults_revision``: revision 1)
+    trained without QK-norm: it merges with today's runs that pin ``model.qk_norm=false`` (the tiny
+    scales' pin) and is refused against today's default, naming the field; the merged file keeps
+    each run's revision, so merging it again resolves the same way."""
+    from megaloop.model.config import ModelConfig
+
+    assert ModelConfig.DEFAULTS_REVISION == 2 and ModelConfig.qk_norm is True
+    old = _file(tmp_path, "old", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    assert "defaults_revision" not in json.loads(old.read_text())
+
+    def today(name: str, seed: int, pin: bool) -> Path:
+        p = _file(tmp_path, name, [seed], {"orthoinj": [101.0], "parcae_decay": [111.0]})
+        res = json.loads(p.read_text())
+        res["defaults_revision"] = ModelConfig.DEFAULTS_REVISION
+        for a in res["arms"]:
+            a["overrides"] += ["model.qk_norm=false"] if pin else []
+        p.write_text(json.dumps(res))
+        return p
+
+    pinned, unpinned = today("pinned", 2, True), today("unpinned", 3, False)
+    assert tool.main(["--render", str(old), "--merge", str(pinned), "--out", str(tmp_path / "m")]) == 0
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert {(a["seed"], a["defaults_revision"]) for a in merged["arms"]} == {(1, 1), (2, 2)}
+    capsys.readouterr()
+    for first in (old, tmp_path / "m" / "results.json"):
+        assert tool.main(["--render", str(first), "--merge", str(unpinned), "--out", str(tmp_path / "x")]) == 2
+        assert "model.qk_norm False vs True" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

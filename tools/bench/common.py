@@ -71,7 +71,11 @@ def machine() -> dict:
 def write_result(name: str, config: dict, results, command: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.json"
+    from megaloop.model.config import ModelConfig
+
+    # the model defaults' revision (ModelConfig.DEFAULTS_REVISION: 2 = QK-norm on by default)
     out.write_text(json.dumps({"benchmark": name, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+                               "model_defaults_revision": ModelConfig.DEFAULTS_REVISION,
                                "config": config, "command": command, "results": results}, indent=1))
     print(f"wrote {out}")
     return out

@@ -5,7 +5,7 @@ in ``OUT`` as ``OUT/parity.md`` (tables) and ``OUT/parity.png`` (loss curves, PP
 
     python tools/bench/parity.py --system megaloop --label megaloop_default --steps 800 --out DIR
     python tools/bench/parity.py --system megaloop --preset huginn_matched --steps 800 --out DIR
-    python tools/bench/parity.py --system megaloop --label my_variant --steps 300 --out DIR model.qk_norm=true
+    python tools/bench/parity.py --system megaloop --label my_variant --steps 300 --out DIR model.input_norm=true
     python tools/bench/parity.py --system huginn --ref-path PATH/recurrent-pretraining --steps 800 --out DIR
     python tools/bench/parity.py --system parcae --ref-path PATH/parcae --steps 800 --out DIR
     python tools/bench/parity.py --report DIR

@@ -1,0 +1,20 @@
+"""ModelConfig's checkpoint-compatibility helpers (megaloop/model/config.py)."""
+
+from __future__ import annotations
+
+from megaloop.model.config import ModelConfig, arch_differences
+
+
+def test_arch_differences_names_changed_fields_and_reads_missing_ones_as_legacy():
+    cfg = ModelConfig(hidden_size=64, num_heads=4)
+    saved = {k: getattr(cfg, k) for k in ModelConfig.ARCH_FIELDS}
+    assert arch_differences(saved, cfg) == []
+    assert arch_differences({**saved, "qk_norm": False, "n_core": 3}, cfg) == [("n_core", 3, 2), ("qk_norm", False, True)]
+    # a config from before the fields: embed_scale 1.0 and no QK-norm (what those runs trained with)
+    old = {k: v for k, v in saved.items() if k not in ("qk_norm", "embed_scale")}
+    assert arch_differences(old, cfg) == [("qk_norm", False, True), ("embed_scale", 1.0, "sqrt_d")]
+    assert arch_differences(old, ModelConfig(hidden_size=64, num_heads=4, qk_norm=False, embed_scale=1.0)) == []
+    # a field without a legacy value that the saved config lacks is not compared
+    assert arch_differences({"arch": "looped"}, cfg) == [("qk_norm", False, True), ("embed_scale", 1.0, "sqrt_d")]
+    # training-only fields (window, recompute, precision) may change on resume
+    assert arch_differences({**saved, "bptt_window": 2, "recompute": True, "bf16": True}, cfg) == []
