@@ -15,7 +15,7 @@ from megaloop.config_utils import (ConfigError, apply_dotlist, from_dict, load_y
                                    use_new_names)
 from megaloop.data.config import DataConfig
 from megaloop.depth.config import DepthConfig
-from megaloop.model.config import ModelConfig
+from megaloop.model.config import ModelConfig, with_legacy_defaults
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 ARMS_FILE = CONFIG_DIR / "arms.yaml"  # the paper's arms: override sets, not a preset
@@ -196,6 +196,15 @@ def arm_overrides(name: str) -> list[str]:
     if name not in arms:
         raise ConfigError(f"--arm {name!r}: unknown arm; one of {', '.join(arms)} ({ARMS_FILE.name})")
     return list(arms[name]["overrides"])
+
+
+def load_saved_config(path: str | Path) -> RunConfig:
+    """A run's saved ``config.yaml``; model fields it lacks (written before they existed) take what
+    such runs trained with (``model.config.with_legacy_defaults``), not today's defaults."""
+    data = load_yaml(path)
+    if isinstance(data.get("model", {}), dict):
+        data["model"] = with_legacy_defaults(data.get("model") or {})
+    return from_dict(RunConfig, data)
 
 
 def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str | None = None) -> RunConfig:

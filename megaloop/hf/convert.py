@@ -108,13 +108,11 @@ def read_run_config(ckpt: Path, common: dict | None = None) -> dict:
 def model_config_from_run(run_cfg: dict, where: str):
     """``ModelConfig`` of a run config dict, set up to load on this machine (local spec, no FP8)."""
     from megaloop.config_utils import ConfigError, from_dict
-    from megaloop.model.config import ModelConfig
+    from megaloop.model.config import ModelConfig, with_legacy_defaults
     from megaloop.train.checkpoint import CheckpointError
 
     try:
-        model = dict(run_cfg["model"])
-        for k, v in ModelConfig.LEGACY_DEFAULTS.items():  # runs from before the field: what they trained with
-            model.setdefault(k, v)
+        model = with_legacy_defaults(run_cfg["model"])  # runs from before a field: what they trained with
         mcfg = from_dict(ModelConfig, model, "model")
     except ConfigError as err:
         raise CheckpointError(f"checkpoint {where}: run config is not a megaloop model config: {err}") from None

@@ -31,8 +31,8 @@ class ModelConfig:
     RENAMED: ClassVar[dict[str, str]] = {"b_max": "bptt_window"}  # older configs and checkpoints
     # what a saved model config that lacks a field (written before the field existed) trained with
     LEGACY_DEFAULTS: ClassVar[dict[str, object]] = {"embed_scale": 1.0, "qk_norm": False}
-    # defaults revision: bumped when a default changes the model; PREVIOUS_DEFAULTS[r] holds the
-    # values of revision r that differ from today's (reproduce results record their revision, so
+    # defaults revision: bumped when a default changes the model; PREVIOUS_DEFAULTS[r] is a snapshot
+    # of revision r's values that differ from today's (reproduce results record their revision, so
     # arms recorded as overrides resolve to the model they trained)
     DEFAULTS_REVISION: ClassVar[int] = 2
     PREVIOUS_DEFAULTS: ClassVar[dict[int, dict[str, object]]] = {1: {"qk_norm": False}}
@@ -236,13 +236,27 @@ class ModelConfig:
                     f"{self.seq_len} is not divisible by parallel.tp={tp} (sequence parallel)")
 
 
+def with_legacy_defaults(saved: dict) -> dict:
+    """A saved model config dict with the fields it lacks (written before they existed) set to what
+    such runs trained with (``ModelConfig.LEGACY_DEFAULTS``), not to today's defaults."""
+    return {**ModelConfig.LEGACY_DEFAULTS, **saved}
+
+
 def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, object]]:
-    """``(field, saved, current)`` for each of ``ModelConfig.ARCH_FIELDS`` where the saved model
-    config dict (a checkpoint's) differs from ``cfg``. A field the saved config lacks counts as its
-    ``LEGACY_DEFAULTS`` value (skipped if it has none); renamed fields are read under today's name."""
+    """``(field, saved, current)`` for each of ``ModelConfig.ARCH_FIELDS`` that ``cfg``'s architecture
+    uses and where the saved model config dict (a checkpoint's) differs from ``cfg``. A field the
+    saved config lacks counts as its ``LEGACY_DEFAULTS`` value (skipped if it has none); renamed
+    fields are read under today's name; ``embed_scale`` compares the multiplier ("sqrt_d" = √d)."""
     saved = {ModelConfig.RENAMED.get(k, k): v for k, v in saved.items()}
+    looped = ("n_prelude", "n_core", "n_coda", "injection", "exit_norm", "input_norm", "state_readout",
+              "state_final_norm", "adapter_bias")
+    skip = set(looped) if cfg.arch == "untied" else {"num_layers"}  # fields this architecture ignores
+    if cfg.injection != "huginn_linear":
+        skip |= {"exit_norm", "adapter_bias"}
     out = []
     for name in ModelConfig.ARCH_FIELDS:
+        if name in skip:
+            continue
         if name in saved:
             old = saved[name]
         elif name in ModelConfig.LEGACY_DEFAULTS:
@@ -250,9 +264,22 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
         else:
             continue
         new = getattr(cfg, name)
-        if old != new:
+        if name == "embed_scale":  # "sqrt_d" and its value are the same multiplier
+            same = _multiplier(old, cfg.hidden_size) == cfg.embedding_multiplier
+        else:
+            same = old == new
+        if not same:
             out.append((name, old, new))
     return out
+
+
+def _multiplier(embed_scale: object, hidden_size: int) -> float | None:
+    if embed_scale == "sqrt_d":
+        return hidden_size ** 0.5
+    try:
+        return float(embed_scale)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
 
 
 def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:

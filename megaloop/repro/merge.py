@@ -50,15 +50,21 @@ def revision_of(run: dict, results: dict) -> int:
 
 def _resolved(config: str, overrides: list[str], where: Path, arm: str, revision: int) -> dict[str, Any]:
     """The run config an arm's overrides give on ``config`` (a preset name or path) under the model
-    defaults of ``revision`` (``ModelConfig.PREVIOUS_DEFAULTS``, the arm's own overrides winning),
-    flattened to dotted keys, without the fields that may differ between the files (seed, logging)."""
-    from megaloop.config import load_config
-    from megaloop.config_utils import ConfigError, to_dict
+    defaults of ``revision`` (``ModelConfig.PREVIOUS_DEFAULTS``: what the code then used where the
+    preset and the arm's overrides set nothing), flattened to dotted keys, without the fields that
+    may differ between the files (seed, logging)."""
+    from megaloop.config import load_config, resolve_config_path
+    from megaloop.config_utils import ConfigError, load_yaml, to_dict
     from megaloop.model.config import ModelConfig
 
-    then = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
-            for r in range(revision, ModelConfig.DEFAULTS_REVISION)
-            for k, v in ModelConfig.PREVIOUS_DEFAULTS.get(r, {}).items()]
+    then: list[str] = []
+    if revision < ModelConfig.DEFAULTS_REVISION:
+        try:
+            preset = load_yaml(resolve_config_path(config)).get("model") or {}
+        except ConfigError:
+            preset = {}  # load_config below names the problem
+        then = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
+                for k, v in ModelConfig.PREVIOUS_DEFAULTS.get(revision, {}).items() if k not in preset]
     try:
         cfg = _flat(to_dict(load_config(config, then + _fixed(overrides))))
     except ConfigError as e:

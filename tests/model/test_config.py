@@ -16,5 +16,11 @@ def test_arch_differences_names_changed_fields_and_reads_missing_ones_as_legacy(
     assert arch_differences(old, ModelConfig(hidden_size=64, num_heads=4, qk_norm=False, embed_scale=1.0)) == []
     # a field without a legacy value that the saved config lacks is not compared
     assert arch_differences({"arch": "looped"}, cfg) == [("qk_norm", False, True), ("embed_scale", 1.0, "sqrt_d")]
+    # the multiplier counts, not its spelling; fields the architecture ignores are not compared
+    assert arch_differences({**saved, "embed_scale": 8.0}, cfg) == []  # sqrt_d at d=64
+    untied = ModelConfig(hidden_size=64, num_heads=4, arch="untied", num_layers=6)
+    assert arch_differences({**saved, "arch": "untied", "num_layers": 6, "n_core": 9}, untied) == []
+    assert arch_differences({**saved, "n_core": 2, "num_layers": 12}, cfg) == []  # num_layers: untied only
+    assert arch_differences({**saved, "exit_norm": False}, cfg) == []  # only huginn_linear has one
     # training-only fields (window, recompute, precision) may change on resume
     assert arch_differences({**saved, "bptt_window": 2, "recompute": True, "bf16": True}, cfg) == []

@@ -243,7 +243,7 @@ def test_qk_norm_gain_false_keeps_gains_at_one_through_training(megatron_world, 
     with torch.no_grad():
         torch.testing.assert_close(built[False](ids, depth=3), built[True](ids, depth=3), rtol=0, atol=0)
     with pytest.raises(ConfigError, match="model.qk_norm_gain"):
-        ModelConfig(qk_norm_gain=False)
+        ModelConfig(qk_norm=False, qk_norm_gain=False)
 
     t = Trainer(load_config("tiny", ["model.qk_norm=true", "model.qk_norm_gain=false", "train.max_steps=3",
                                      "train.global_batch_size=4", "train.micro_batch_size=2",

@@ -140,3 +140,19 @@ def test_results_of_an_earlier_defaults_revision_resolve_to_the_model_they_train
         assert tool.main(["--render", str(first), "--merge", str(unpinned), "--out", str(tmp_path / "x")]) == 2
         assert "model.qk_norm False vs True" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_previous_defaults_sit_under_the_preset_and_the_overrides(tmp_path: Path) -> None:
+    """Revision 1's QK-norm-off default applies only where neither the preset nor the arm sets it."""
+    from megaloop.config import resolve_config_path
+    from megaloop.repro.merge import _resolved
+
+    own = tmp_path / "qk.yaml"
+    own.write_text(f"base: {resolve_config_path('tiny')}\nmodel:\n  qk_norm: true\n")
+
+    def qk(config: str, overrides: list[str], revision: int) -> bool:
+        return _resolved(config, overrides, tmp_path, "a", revision)["model.qk_norm"]
+
+    assert (qk("tiny", [], 1), qk("tiny", [], 2)) == (False, True)
+    assert qk("tiny", ["model.qk_norm=true"], 1) is True
+    assert qk(str(own), [], 1) is True  # the preset said so; the old default did not apply

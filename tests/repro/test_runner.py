@@ -76,6 +76,19 @@ def test_identity_guards_resume(user_yaml: Path, tmp_path: Path) -> None:
     changed = load_plan(str(user_yaml), "test", ["model.hidden_size=64"])
     with pytest.raises(SpecError, match=r"arm 'b1' .* other settings .*model.hidden_size=64"):
         check_identity(out, changed, changed.arm("b1"))
+    # the same settings, but the arm trained another model (a default changed since, e.g. QK-norm)
+    import yaml
+
+    from megaloop.config import load_config
+
+    trained = load_config(plan.config, plan.arm("b1").overrides)
+    (run_dir(out, plan.arm("b1")) / "config.yaml").write_text(yaml.safe_dump(trained.to_dict()))
+    check_identity(out, plan, plan.arm("b1"))
+    saved = trained.to_dict()
+    saved["model"]["qk_norm"] = not saved["model"]["qk_norm"]
+    (run_dir(out, plan.arm("b1")) / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(SpecError, match=r"arm 'b1' .* trained another model .*model.qk_norm: trained"):
+        check_identity(out, plan, plan.arm("b1"))
 
 
 def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:

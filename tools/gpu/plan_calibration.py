@@ -39,11 +39,11 @@ def _cluster(device: dict):
 
 
 def calibrate_run(run_dir: Path, cluster, warmup: int) -> dict:
-    from megaloop.config import load_config
+    from megaloop.config import load_saved_config
     from megaloop.plan.cost import CostModel
     from megaloop.plan.layout import make_layout
 
-    cfg = load_config(str(run_dir / "config.yaml"))
+    cfg = load_saved_config(run_dir / "config.yaml")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [r for r in rows if isinstance(r.get("step"), int) and r.get("depths")][warmup:]
     if not steps:
