@@ -17,7 +17,7 @@ from typing import Any
 from megaloop.repro.evaluate import checkpoint_step, eval_done
 from megaloop.repro.spec import Arm, Plan, SpecError, identity_overrides
 from megaloop.runtime.files import atomic_write_json
-from megaloop.sweep import Run, Sweep, read_exit, started_with, stopped
+from megaloop.sweep import Run, Sweep, read_exit, started_with, stopped, trained_model_differences
 
 TAG = "reproduce"  # log prefix
 EXIT_FILE = "repro_exit"  # RUN_DIR/repro_exit: the last training exit status
@@ -68,27 +68,12 @@ def check_identity(out: Path, plan: Plan, arm: Arm) -> None:
         changed = sorted(set(theirs["overrides"]) ^ set(mine["overrides"])) or [f"config {theirs['config']}"]
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} was started with other settings "
                         f"(differs in: {' '.join(changed)}); use a new --out or the same experiment/scale/overrides")
-    if diffs := trained_model_differences(out, plan, arm):  # same settings, another model: a default changed
+    if diffs := trained_model_differences(run_dir(out, arm), plan.config, arm.overrides):  # same settings, another model: a default changed
         what = "; ".join(f"model.{k}: trained {old!r}, now {new!r}" for k, old, new in diffs)
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} trained another model than these "
                         f"settings give with today's defaults ({what}); use a new --out")
 
 
-def trained_model_differences(out: Path, plan: Plan, arm: Arm) -> list[tuple[str, Any, Any]]:
-    """``arch_differences`` between the model an arm's run directory trained (its config.yaml) and
-    the one the plan's config and the arm's overrides give now ([] if it never trained)."""
-    import yaml
-
-    from megaloop.config import load_config
-    from megaloop.config_utils import ConfigError
-    from megaloop.model.config import arch_differences
-
-    try:
-        saved = (yaml.safe_load((run_dir(out, arm) / "config.yaml").read_text()) or {}).get("model") or {}
-        now = load_config(plan.config, arm.overrides).model
-    except (OSError, yaml.YAMLError, ConfigError, AttributeError):
-        return []  # nothing trained yet (or not readable: the training itself reports it)
-    return arch_differences(saved, now)
 
 
 def check_out(out: Path, plan: Plan, skip: list[str] = ()) -> None:

@@ -224,6 +224,12 @@ def test_collect_only_writes_results_and_plot(tmp_path: Path, capsys) -> None:
     assert cli.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "7",
                       "--out", str(out), "--collect"]) == 2
     assert "stop_after" in capsys.readouterr().err
+    # nor be reused where a point trained another model (a default changed since, e.g. QK-norm)
+    (out / f"lr_{lr_tag(grid[0])}" / "config.yaml").write_text("model:\n  qk_norm: false\n  embed_scale: sqrt_d\n")
+    assert cli.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6",
+                     "--out", str(out), "--collect"]) == 2
+    err = capsys.readouterr().err
+    assert "model.qk_norm: trained False, now True" in err and "embed_scale" not in err, err
 
 
 # ----------------------------------------------------------------------------------------- real screen
