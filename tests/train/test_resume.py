@@ -173,36 +173,40 @@ def test_horizon_rule_on_the_schedule_alone():
 def test_checkpoint_from_before_embed_scale_is_not_resumed_under_the_new_default(tmp_path):
     """A checkpoint whose config has no model.embed_scale (written before it existed, unscaled
     embeddings) is refused under today's default √d, naming the override that resumes it."""
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.stop_after=2")
+    _forget_saved_field(tmp_path, "embed_scale")
+    assert "model.embed_scale=1.0" in _resume_refusal(tmp_path)
+    run_train(tmp_path, "train.max_steps=4", "model.embed_scale=1.0", resume="auto")
+
+
+def _forget_saved_field(run_dir, name: str) -> None:
+    """Drop model.<name> from the step-2 checkpoint's saved config (a config from before the field)."""
     import torch
 
-    run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.stop_after=2")
-    common = tmp_path / "checkpoints" / "step_00000002" / "common.pt"
+    common = run_dir / "checkpoints" / "step_00000002" / "common.pt"
     state = torch.load(common, weights_only=False)
-    del state["common"]["config"]["model"]["embed_scale"]
+    del state["common"]["config"]["model"][name]
     torch.save(state, common)
-    proc = run_train(tmp_path, "train.max_steps=4", resume="auto", expect=2)
+
+
+def _resume_refusal(run_dir) -> str:
+    """The one error line of a refused ``--resume auto`` (exit 2)."""
+    proc = run_train(run_dir, "train.max_steps=4", resume="auto", expect=2)
     err = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
-    assert len(err) == 1 and "model.embed_scale=1.0" in err[0], err
-    run_train(tmp_path, "train.max_steps=4", "model.embed_scale=1.0", resume="auto")
+    assert len(err) == 1, err
+    return err[0]
 
 
 def test_checkpoint_of_another_model_is_refused_naming_the_fields_and_overrides(tmp_path):
     """A checkpoint trained without QK-norm (the default before it became one) is refused under
     today's default, naming model.qk_norm and the override that resumes it, also when its config
     predates the field (read as what such runs trained with); with the override it resumes."""
-    import torch
-
     run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.stop_after=2", "model.qk_norm=false")
     for legacy in (False, True):
         if legacy:  # a config written before model.qk_norm existed
-            common = tmp_path / "checkpoints" / "step_00000002" / "common.pt"
-            state = torch.load(common, weights_only=False)
-            del state["common"]["config"]["model"]["qk_norm"]
-            torch.save(state, common)
-        proc = run_train(tmp_path, "train.max_steps=4", resume="auto", expect=2)
-        err = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
-        assert len(err) == 1, err
-        assert "model.qk_norm: checkpoint False, this run True" in err[0], err
-        assert err[0].endswith("resume it with model.qk_norm=false"), err
+            _forget_saved_field(tmp_path, "qk_norm")
+        err = _resume_refusal(tmp_path)
+        assert "model.qk_norm: checkpoint False, this run True" in err, err
+        assert err.endswith("resume it with model.qk_norm=false"), err
     run_train(tmp_path, "train.max_steps=4", "model.qk_norm=false", resume="auto")
     assert [r["step"] for r in metrics(tmp_path)][-1] == 4
