@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from megaloop.errors import UserError, report
 from megaloop.runtime.exits import EXIT_REQUEUE
@@ -136,22 +136,22 @@ def started_with(run_dir: Path) -> dict | None:
         return None
 
 
-def trained_model_differences(run_dir: Path, config: str, overrides: list[str]) -> list[tuple[str, Any, Any]]:
-    """``model.config.arch_differences`` between the model ``run_dir`` trained (its config.yaml) and
-    the one ``config`` with ``overrides`` gives now, e.g. after a default changed ([] if the run
-    never trained, or its config is unreadable: the training itself reports that)."""
+def trained_model_differences(run_dir: Path, config: str, overrides: list[str]) -> str:
+    """How the model ``run_dir`` trained (its config.yaml) differs from the one ``config`` with
+    ``overrides`` gives now, e.g. after a default changed (``model.k: trained a, now b; ...``; ""
+    if it does not, never trained, or its config is unreadable: the training itself reports that)."""
     import yaml
 
     from megaloop.config import load_config
     from megaloop.config_utils import ConfigError
-    from megaloop.model.config import arch_differences
+    from megaloop.model.config import arch_differences, describe_differences
 
     try:
         saved = (yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}).get("model") or {}
         now = load_config(config, overrides).model
     except (OSError, yaml.YAMLError, ConfigError, AttributeError):
-        return []
-    return arch_differences(saved, now)
+        return ""
+    return describe_differences(arch_differences(saved, now), "trained", "now")
 
 
 # ----------------------------------------------------------------------------- options

@@ -247,7 +247,7 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
     uses and where the saved model config dict (a checkpoint's) differs from ``cfg``. A field the
     saved config lacks counts as its ``LEGACY_DEFAULTS`` value (skipped if it has none); renamed
     fields are read under today's name; ``embed_scale`` compares the multiplier ("sqrt_d" = √d)."""
-    saved = {ModelConfig.RENAMED.get(k, k): v for k, v in saved.items()}
+    saved = with_legacy_defaults({ModelConfig.RENAMED.get(k, k): v for k, v in saved.items()})
     looped = ("n_prelude", "n_core", "n_coda", "injection", "exit_norm", "input_norm", "state_readout",
               "state_final_norm", "adapter_bias")
     skip = set(looped) if cfg.arch == "untied" else {"num_layers"}  # fields this architecture ignores
@@ -255,15 +255,9 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
         skip |= {"exit_norm", "adapter_bias"}
     out = []
     for name in ModelConfig.ARCH_FIELDS:
-        if name in skip:
+        if name in skip or name not in saved:
             continue
-        if name in saved:
-            old = saved[name]
-        elif name in ModelConfig.LEGACY_DEFAULTS:
-            old = ModelConfig.LEGACY_DEFAULTS[name]
-        else:
-            continue
-        new = getattr(cfg, name)
+        old, new = saved[name], getattr(cfg, name)
         if name == "embed_scale":  # "sqrt_d" and its value are the same multiplier
             same = _multiplier(old, cfg.hidden_size) == cfg.embedding_multiplier
         else:
@@ -271,6 +265,16 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
         if not same:
             out.append((name, old, new))
     return out
+
+
+def as_override(name: str, value: object) -> str:
+    """``model.<name>=<value>`` as the command line spells it (booleans lower-case)."""
+    return f"model.{name}={str(value).lower() if isinstance(value, bool) else value}"
+
+
+def describe_differences(diffs: list[tuple[str, object, object]], then: str, now: str) -> str:
+    """``arch_differences`` as one clause: ``model.k: <then> old, <now> new; ...``."""
+    return "; ".join(f"model.{k}: {then} {old!r}, {now} {new!r}" for k, old, new in diffs)
 
 
 def _multiplier(embed_scale: object, hidden_size: int) -> float | None:

@@ -55,7 +55,7 @@ def _resolved(config: str, overrides: list[str], where: Path, arm: str, revision
     may differ between the files (seed, logging)."""
     from megaloop.config import load_config, resolve_config_path
     from megaloop.config_utils import ConfigError, load_yaml, to_dict
-    from megaloop.model.config import ModelConfig
+    from megaloop.model.config import ModelConfig, as_override
 
     then: list[str] = []
     if revision < ModelConfig.DEFAULTS_REVISION:
@@ -63,8 +63,8 @@ def _resolved(config: str, overrides: list[str], where: Path, arm: str, revision
             preset = load_yaml(resolve_config_path(config)).get("model") or {}
         except ConfigError:
             preset = {}  # load_config below names the problem
-        then = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}"
-                for k, v in ModelConfig.PREVIOUS_DEFAULTS.get(revision, {}).items() if k not in preset]
+        then = [as_override(k, v) for k, v in ModelConfig.PREVIOUS_DEFAULTS.get(revision, {}).items()
+                if k not in preset]
     try:
         cfg = _flat(to_dict(load_config(config, then + _fixed(overrides))))
     except ConfigError as e:

@@ -68,12 +68,9 @@ def check_identity(out: Path, plan: Plan, arm: Arm) -> None:
         changed = sorted(set(theirs["overrides"]) ^ set(mine["overrides"])) or [f"config {theirs['config']}"]
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} was started with other settings "
                         f"(differs in: {' '.join(changed)}); use a new --out or the same experiment/scale/overrides")
-    if diffs := trained_model_differences(run_dir(out, arm), plan.config, arm.overrides):  # same settings, another model: a default changed
-        what = "; ".join(f"model.{k}: trained {old!r}, now {new!r}" for k, old, new in diffs)
+    if what := trained_model_differences(run_dir(out, arm), plan.config, arm.overrides):  # a default changed
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} trained another model than these "
                         f"settings give with today's defaults ({what}); use a new --out")
-
-
 
 
 def check_out(out: Path, plan: Plan, skip: list[str] = ()) -> None:

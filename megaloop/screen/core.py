@@ -365,8 +365,7 @@ def check_fixed_settings(screen: Screen) -> None:
         raise UserError(f"--out: {screen.out} holds a screen with other settings ({'; '.join(diff)}); "
                          "use a new --out directory or the same settings")
     for lr in screen.lrs:  # same settings, but a point trained another model (a default changed since)
-        if diffs := trained_model_differences(screen.run_dir(lr), screen.config, screen.point_overrides(lr)):
-            what = "; ".join(f"model.{k}: trained {old!r}, now {new!r}" for k, old, new in diffs)
+        if what := trained_model_differences(screen.run_dir(lr), screen.config, screen.point_overrides(lr)):
             raise UserError(f"--out: {screen.run_dir(lr)} trained another model than these settings give "
                             f"with today's defaults ({what}); use a new --out directory")
 

@@ -253,14 +253,13 @@ class Trainer:
         and the overrides that resume it; a field the saved config lacks counts as what runs
         before it trained with (``ModelConfig.LEGACY_DEFAULTS``)."""
         from megaloop.config_utils import ConfigError
-        from megaloop.model.config import arch_differences
+        from megaloop.model.config import arch_differences, as_override, describe_differences
 
         diffs = arch_differences(saved, self.cfg.model) if saved else []
         if diffs:
-            what = "; ".join(f"model.{k}: checkpoint {old!r}, this run {new!r}" for k, old, new in diffs)
-            keep = " ".join(f"model.{k}={str(old).lower() if isinstance(old, bool) else old}"
-                            for k, old, _ in diffs)
-            raise ConfigError(f"checkpoint {path} was trained as another model ({what}); resume it with {keep}")
+            keep = " ".join(as_override(k, old) for k, old, _ in diffs)
+            raise ConfigError(f"checkpoint {path} was trained as another model "
+                              f"({describe_differences(diffs, 'checkpoint', 'this run')}); resume it with {keep}")
 
     # ================================================================ step pieces
     def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:
