@@ -6,8 +6,8 @@ sequence parallelism each TP rank holds s/tp positions). Vocab-parallel embeddin
 Pipeline parallelism (SPEC/DESIGN): the layer graph of a looped model is cyclic, so instead of
 splitting layers we split *recurrences*. With S = pp·vpp virtual stages, stage 0 holds the
 embedding and prelude, stage S−1 the coda, final norm and head, and every stage holds a replica
-of the core (and injection). A microbatch of depth r runs recurrences ``split_recurrences(r)[v]``
-on stage v; stages exchange the packed tensor ``cat([h, e], dim=0)`` of shape [2s, b, d], so
+of the core (and injection). A microbatch of depth r runs recurrences ``split_recurrences(r, ...)[v]``
+on stage v (balanced by cost: megaloop.model.pipeline_split); stages exchange the packed tensor ``cat([h, e], dim=0)`` of shape [2s, b, d], so
 megatron's linear schedules run unchanged with ``seq_length = 2s``. Core replicas start equal
 (seeded by name) and stay equal because their gradients are summed over the pipeline group
 before the data-parallel reduction (see megaloop.train.grads).
@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 
 from megaloop.model.config import ModelConfig
 from megaloop.model.injection import build_injection
+from megaloop.model.pipeline_split import split_costs, split_recurrences
 from megaloop.model.specs import RMSNorm, layer_spec, use_transformer_engine
 from megaloop.runtime.cpu_compat import without_redirect
 from megaloop.runtime.parallel import stable_seed
@@ -108,21 +109,6 @@ class LayerStack(MegatronModule):
                 layer.self_attention.set_injection(None)
 
 
-def split_recurrences(r: int, stages: int, pre: float, core: float, post: float) -> list[tuple[int, int]]:
-    """Assign recurrences 0..r-1 to ``stages`` contiguous slices balancing the per-stage cost
-    (prelude cost ``pre`` on stage 0, ``core`` per recurrence, coda+head ``post`` on the last)."""
-    total = pre + r * core + post
-    bounds, start = [], 0
-    owner = [min(stages - 1, int((pre + (i + 0.5) * core) * stages / total)) for i in range(r)]
-    for v in range(stages):
-        end = start
-        while end < r and owner[end] <= v:
-            end += 1
-        bounds.append((start, end))
-        start = end
-    return bounds
-
-
 class LoopedGPT(LanguageModule):
     """Looped (or, with ``arch=untied``, plain) GPT on megatron-core layers.
 
@@ -149,6 +135,7 @@ class LoopedGPT(LanguageModule):
         pp = config.pipeline_model_parallel_size
         vpp = config.virtual_pipeline_model_parallel_size or 1
         self.num_stages = pp * vpp
+        self.split_costs = split_costs(cfg, self.vocab_size) if cfg.looped else None
         self.stage = (vp_stage or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()
         head_dim = cfg.hidden_size // cfg.num_heads
 
@@ -239,10 +226,10 @@ class LoopedGPT(LanguageModule):
             input_tensor = input_tensor[0]
         self._input_tensor = input_tensor
 
-    def recurrence_slice(self, depth: int) -> tuple[int, int]:
-        cfg = self.cfg
-        bounds = split_recurrences(depth, self.num_stages, cfg.n_prelude + 0.5, cfg.n_core, cfg.n_coda + 1.0)
-        return bounds[self.stage]
+    def recurrence_slice(self, depth: int, window: int) -> tuple[int, int]:
+        """This stage's recurrences ``[lo, hi)`` of a depth-``depth`` microbatch whose last ``window``
+        recurrences backpropagate (:func:`megaloop.model.pipeline_split.split_recurrences`)."""
+        return split_recurrences(depth, self.num_stages, self.split_costs, window)[self.stage]
 
     # ----------------------------------------------------------------- pieces
     def _sp(self) -> tuple[int, int]:
@@ -369,7 +356,7 @@ class LoopedGPT(LanguageModule):
             else:
                 h, e = x.chunk(2, dim=0)
                 rope = self.rope(h.shape[0])
-            lo, hi = self.recurrence_slice(depth)
+            lo, hi = self.recurrence_slice(depth, window)
             h = self.run_recurrences(h, e, lo, hi, depth, window, rope)
             if not self.post_process:
                 return torch.cat([h, e], dim=0)

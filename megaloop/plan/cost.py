@@ -98,7 +98,7 @@ class CostModel:
     def flops(self, kind: str, v: int, depth: int) -> tuple[float, float]:
         """(GEMM, attention) FLOPs of op ``kind`` on virtual stage ``v`` for one TP rank."""
         m, L = self.cfg.model, self.layout
-        w = stage_work(m, depth, L.stages)[v]
+        w = stage_work(m, depth, L.stages, self.V)[v]
         if m.looped:
             rec = w.recurrences if kind == "F" else w.grad_recurrences
             visits = rec * m.n_core + (m.n_prelude if w.first else 0) + (m.n_coda if w.last else 0)
@@ -113,7 +113,7 @@ class CostModel:
 
     def visits(self, kind: str, v: int, depth: int) -> int:
         m = self.cfg.model
-        w = stage_work(m, depth, self.layout.stages)[v]
+        w = stage_work(m, depth, self.layout.stages, self.V)[v]
         if not m.looped:
             return w.recurrences
         rec = w.recurrences if kind == "F" else w.grad_recurrences

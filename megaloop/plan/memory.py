@@ -189,7 +189,7 @@ class MemoryModel:
         injections), ``prelude_coda`` (their layer visits), ``logits`` (final norm and the CE's fp32
         softmax, i.e. the logit buffer), ``pipeline`` (received input, sent output), ``other``."""
         m, D, S = self.cfg.model, self.dims, self.layout.stages
-        w = stage_work(m, depth, S)[v]
+        w = stage_work(m, depth, S, D.V)[v]
         first, last = w.first, w.last
         lb, tok = self.layer_bytes(), D.tokens
         if m.looped:
@@ -216,7 +216,7 @@ class MemoryModel:
     def transient(self, kind: str, v: int, depth: int) -> float:
         """Extra bytes live during an F or B op beyond what is held (working set, logits, grads)."""
         m, D, S = self.cfg.model, self.dims, self.layout.stages
-        w = stage_work(m, depth, S)[v]
+        w = stage_work(m, depth, S, D.V)[v]
         t, a, d = D.tp, D.a, D.d
         pbytes = D.a
         runs_layers = w.recurrences > 0 or (w.first and m.n_prelude) or (w.last and (m.n_coda or not m.looped))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megaloop.model.config import ModelConfig
-from megaloop.model.looped import LoopedGPT, split_recurrences
+from megaloop.model.looped import LoopedGPT
 from megaloop.model.specs import transformer_config
 
 
@@ -83,14 +83,6 @@ def test_window_never_exceeds_depth(megatron_world):
     assert torch.equal(loss_a, loss_b)
     with pytest.raises(ValueError, match="depth"):
         model(ids, labels=ids, depth=0)
-
-
-def test_split_recurrences_covers_all_depths():
-    for stages in (1, 2, 3, 4):
-        for r in range(1, 40):
-            bounds = split_recurrences(r, stages, 1.5, 2.0, 2.0)
-            assert len(bounds) == stages and bounds[0][0] == 0 and bounds[-1][1] == r
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
 
 
 @pytest.mark.parametrize("injection,extra", [("parcae_decay", {}), ("parcae_nonorm", {}), ("huginn_linear", {}),

@@ -122,21 +122,24 @@ def test_worst_case_bounds_sampled_steps() -> None:
 
 
 def test_stage_split_is_the_models() -> None:
-    """The planner's recurrence slices are LoopedGPT.recurrence_slice's (source read without megatron)."""
+    """The planner's stage work comes from LoopedGPT.recurrence_slice's split, with the same
+    padded vocabulary and TBPTT window as the model's forward."""
     from types import SimpleNamespace
 
     from megaloop.model.looped import LoopedGPT
+    from megaloop.model.pipeline_split import split_costs
 
-    for overrides in ([], ["model.n_prelude=2", "model.n_coda=0"], ["model.n_core=3"]):
+    for overrides in ([], ["model.n_prelude=2", "model.n_coda=0"], ["model.n_core=3"], ["model.recompute=true"]):
         cfg = load_config("tiny", overrides).model
+        padded = cfg.padded_vocab(V)
         for stages in (1, 2, 4, 8):
             for depth in (1, 2, 5, 13, 64):
-                work = stage_work(cfg, depth, stages)
+                work = stage_work(cfg, depth, stages, padded)
+                window = min(depth, cfg.bptt_window)
                 for v in range(stages):
-                    ns = SimpleNamespace(cfg=cfg, num_stages=stages, stage=v)
-                    lo, hi = LoopedGPT.recurrence_slice(ns, depth)
+                    ns = SimpleNamespace(cfg=cfg, num_stages=stages, stage=v, split_costs=split_costs(cfg, padded))
+                    lo, hi = LoopedGPT.recurrence_slice(ns, depth, window)
                     assert work[v].recurrences == hi - lo
-                    window = min(depth, cfg.bptt_window)
                     assert work[v].grad_recurrences == len(set(range(lo, hi)) & set(range(depth - window, depth)))
 
 
