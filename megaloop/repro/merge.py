@@ -6,7 +6,8 @@ array that finished in parts): ``megaloop reproduce --render A/results.json --me
 become mean ± sd over all seeds and the verdicts use the whole spread.
 
 The files must be the same experiment at the same scale, preset, budget, data and evaluation plan
-(``settings`` other than the seed, and ``eval``, equal), and each arm must resolve to the same
+(``settings`` other than the seed, and ``eval``, equal; every run that recorded the content
+fingerprint of its training data, ``data.json``, the same one), and each arm must resolve to the same
 run config in every file apart from ``train.seed`` and ``logging.*``: the preset with the arm's
 overrides applied, so two launchers that spell one config differently (an arm's overrides listed
 once or twice, an old field name, a default written out) still merge. A run of a file without a
@@ -129,6 +130,15 @@ def merge_results(paths: list[Path], loaded: list[dict], out: Path) -> dict:
                 raise UserError(f"--merge: arm {r['group']!r} resolves to another config in {p} than in "
                                 f"{source}: " + ", ".join(f"{k} {known.get(k)!r} vs {cfg.get(k)!r}" for k in diff))
             runs[key], where[key] = r, Path(p).resolve()
+    data = {}  # content fingerprint -> the first run (file, arm, seed) that trained on it
+    for key, r in runs.items():
+        if r.get("data"):
+            data.setdefault(r["data"], (where[key], *key))
+    if len(data) > 1:
+        raise UserError("--merge: the runs trained on different data (content fingerprints of their "
+                        "data.json): " + "; ".join(f"{a!r} seed {s} in {p}: {sha[:12]}"
+                                                   for sha, (p, a, s) in data.items())
+                        + ": only seeds of one dataset merge")
     seeds = list(dict.fromkeys(s for _, s in runs))  # in file order
     groups = list(dict.fromkeys(g for g, _ in runs))
     arms = [runs[(g, s)] for g in groups for s in seeds if (g, s) in runs]

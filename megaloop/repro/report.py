@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -44,6 +45,15 @@ def _thin(n: int, keep: int) -> list[int]:
         return list(range(n))
     idx = sorted({round(i * (n - 1) / (keep - 1)) for i in range(keep)})
     return idx
+
+
+def _data_sha(run_dir: Path) -> str | None:
+    """Content fingerprint of the data a run trained on (its ``data.json``, written by the
+    trainer), None for runs made before it was recorded."""
+    try:
+        return ((json.loads((Path(run_dir) / "data.json").read_text()).get("content") or {}).get("sha256"))
+    except (OSError, ValueError):
+        return None
 
 
 def train_summary(rows: list[dict], tokens_per_step: int, looped: bool) -> dict:
@@ -137,6 +147,7 @@ def collect(out: Path, plan: Plan, active: dict[str, str] | None = None, launche
                                  "depth_kind": arm.depth_kind, "overrides": arm.overrides, "status": status,
                                  "step": st["step"], "exit_code": st["exit_code"],
                                  "run_dir": _portable(rd, Path(out))}
+        entry["data"] = _data_sha(rd)
         entry["train"] = train_summary(read_metrics(rd / "metrics.jsonl"), plan.settings["tokens_per_step"],
                                        arm.looped)
         metrics = {k: entry["train"].get(k) for k in ("train_flops", "prior_mean", "prior_p5", "prior_entropy",

@@ -145,11 +145,23 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
             self._keep_tokenizer(manifest)
+            self._record_data(manifest)
         self.peak = device_peak_tflops(cfg.train.peak_tflops)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                      total_steps=self._end_step(), start_step=self.step,
                                      config_dict=cfg.to_dict())
         self.loader_iter = iter(self.loader)
+
+    def _record_data(self, manifest: dict) -> None:
+        """``data.json`` in the run directory: the training data's resolved path, its build
+        fingerprint (manifest) and its content fingerprint (``megaloop.data.fingerprint``), so that
+        runs can be compared and merged knowing whether they saw the same samples."""
+        from megaloop.data.fingerprint import content_fingerprint
+        from megaloop.runtime.files import atomic_write_json
+
+        atomic_write_json(self.run_dir / "data.json", {
+            "path": str(self.loader.path), "manifest_fingerprint": manifest.get("fingerprint"),
+            "content": content_fingerprint(self.loader.path)})
 
     def _keep_tokenizer(self, manifest: dict) -> None:
         """Copy the data's tokenizer.json into the run directory once: evaluation and HF export

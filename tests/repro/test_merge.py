@@ -156,3 +156,26 @@ def test_previous_defaults_sit_under_the_preset_and_the_overrides(tmp_path: Path
     assert (qk("tiny", [], 1), qk("tiny", [], 2)) == (False, True)
     assert qk("tiny", ["model.qk_norm=true"], 1) is True
     assert qk(str(own), [], 1) is True  # the preset said so; the old default did not apply
+
+
+def test_merge_refuses_runs_trained_on_other_data(tool, tmp_path: Path, capsys) -> None:
+    """Runs that recorded their data's content fingerprint (data.json) merge only when it is the same;
+    a file written before the fingerprint was recorded merges with either."""
+    def with_data(path: Path, sha: str | None) -> Path:
+        res = json.loads(path.read_text())
+        for a in res["arms"]:
+            a["data"] = sha
+        path.write_text(json.dumps(res))
+        return path
+
+    a = with_data(_file(tmp_path, "a", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]}), "a" * 64)
+    b = with_data(_file(tmp_path, "b", [2], {"orthoinj": [101.0], "parcae_decay": [111.0]}), "a" * 64)
+    old = _file(tmp_path, "old", [3], {"orthoinj": [99.0], "parcae_decay": [112.0]})  # no "data" recorded
+    other = with_data(_file(tmp_path, "other", [4], {"orthoinj": [99.0], "parcae_decay": [112.0]}), "b" * 64)
+    assert tool.main(["--render", str(a), "--merge", str(b), "--merge", str(old), "--out", str(tmp_path / "ab")]) == 0
+    assert "(3 seeds)" in capsys.readouterr().out
+    assert tool.main(["--render", str(a), "--merge", str(other), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "trained on different data" in err and "aaaaaaaaaaaa" in err and "bbbbbbbbbbbb" in err
+    assert str(other.resolve()) in err
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,58 @@
+"""Content fingerprint of a local MDS dataset: equal for two builds of the same tokens.
+
+``manifest.json``'s ``fingerprint`` identifies a *build* (it hashes the inputs' sizes and mtimes,
+so that a rerun of the converter can skip finished parts); two builds of the same source on two
+days differ there. What a comparison of runs needs is whether they trained on the same samples:
+:func:`content_fingerprint` hashes the dataset's ``index.json`` shard list — each shard's name,
+sample count, byte size and the content hash the writer recorded (xxh64; the converter records
+one for every shard), else the SHA-256 of the shard file itself while the unhashed shards total at
+most ``HASH_LIMIT_BYTES`` (beyond that, names, counts and sizes only: ``hashed`` false).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from megaloop.data._fsutil import json_sha
+
+__all__ = ["content_fingerprint", "HASH_LIMIT_BYTES"]
+
+HASH_LIMIT_BYTES = 256 << 20  # read at most this much of shards without a recorded hash
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def content_fingerprint(path: str | Path) -> dict | None:
+    """``{"sha256", "shards", "samples", "hashed"}`` of the MDS dataset at ``path`` (a local
+    directory with an ``index.json``); None for a remote URL or a directory without an index."""
+    if "://" in str(path):
+        return None
+    root = Path(path)
+    index = root / "index.json"
+    if not index.is_file():
+        return None
+    shards = json.loads(index.read_text()).get("shards") or []
+    def stored(s: dict) -> dict:
+        return s["zip_data"] if (s.get("zip_data") or {}).get("basename") else s.get("raw_data") or {}
+
+    unhashed = [s for s in shards if not ((s.get("raw_data") or {}).get("hashes")
+                                         or (s.get("zip_data") or {}).get("hashes"))]
+    read_files = sum(int(stored(s).get("bytes") or 0) for s in unhashed) <= HASH_LIMIT_BYTES
+    entries = []
+    for s in shards:
+        raw, zipped = s.get("raw_data") or {}, s.get("zip_data") or {}
+        digest = raw.get("hashes") or zipped.get("hashes")
+        if not digest and read_files:
+            f = root / stored(s)["basename"]
+            digest = {"sha256": _file_sha(f)} if f.is_file() else {"missing": stored(s)["basename"]}
+        entries.append([raw.get("basename"), int(s.get("samples", 0)), raw.get("bytes"), digest or None])
+    return {"sha256": json_sha(entries), "shards": len(entries), "samples": sum(e[1] for e in entries),
+            "hashed": read_files or not unhashed}

@@ -1,0 +1,37 @@
+"""The trainer records what it trains on: ``RUN/data.json`` with the data's resolved path, build
+fingerprint and content fingerprint (the one `megaloop reproduce --merge` compares)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaloop.config import load_config
+from megaloop.data.fingerprint import content_fingerprint
+
+pytestmark = pytest.mark.usefixtures("megatron_world", "one_thread")  # tests/conftest.py
+
+SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.max_steps=10",
+         "optim.warmup_steps=1", "logging.progress=false"]
+
+
+def _record(tmp_path, name: str, *overrides: str) -> dict:
+    from megaloop.train.trainer import Trainer
+
+    t = Trainer(load_config("tiny", [*SMALL, *overrides]), tmp_path / name)
+    t.setup()
+    t.loader.close()
+    return json.loads((tmp_path / name / "data.json").read_text())
+
+
+def test_data_json_records_the_content(tmp_path) -> None:
+    from megaloop.data.synthetic import write_synthetic_mds
+
+    a = _record(tmp_path, "a")
+    b = _record(tmp_path, "b", "train.seed=7")  # another order of the same data
+    assert a["content"] == b["content"] == content_fingerprint(a["path"])
+    assert a["content"]["samples"] > 0 and a["manifest_fingerprint"]
+    write_synthetic_mds(tmp_path / "syn", 64, 128, vocab_size=4096, seed=3)
+    c = _record(tmp_path, "c", f"data.path={tmp_path / 'syn'}", "model.vocab_size=4096")
+    assert c["path"] == str(tmp_path / "syn") and c["content"]["sha256"] != a["content"]["sha256"]
