@@ -40,19 +40,17 @@ def content_fingerprint(path: str | Path) -> dict | None:
     if not index.is_file():
         return None
     shards = json.loads(index.read_text()).get("shards") or []
-    def stored(s: dict) -> dict:
-        return s["zip_data"] if (s.get("zip_data") or {}).get("basename") else s.get("raw_data") or {}
-
-    unhashed = [s for s in shards if not ((s.get("raw_data") or {}).get("hashes")
-                                         or (s.get("zip_data") or {}).get("hashes"))]
-    read_files = sum(int(stored(s).get("bytes") or 0) for s in unhashed) <= HASH_LIMIT_BYTES
+    recorded = [(s.get("raw_data") or {}).get("hashes") or (s.get("zip_data") or {}).get("hashes")
+                for s in shards]
+    files = [s["zip_data"] if (s.get("zip_data") or {}).get("basename") else s.get("raw_data") or {}
+             for s in shards]
+    read_files = sum(int(f.get("bytes") or 0) for f, h in zip(files, recorded) if not h) <= HASH_LIMIT_BYTES
     entries = []
-    for s in shards:
-        raw, zipped = s.get("raw_data") or {}, s.get("zip_data") or {}
-        digest = raw.get("hashes") or zipped.get("hashes")
+    for s, digest, stored in zip(shards, recorded, files):
         if not digest and read_files:
-            f = root / stored(s)["basename"]
-            digest = {"sha256": _file_sha(f)} if f.is_file() else {"missing": stored(s)["basename"]}
+            f = root / stored["basename"]
+            digest = {"sha256": _file_sha(f)} if f.is_file() else {"missing": stored["basename"]}
+        raw = s.get("raw_data") or {}
         entries.append([raw.get("basename"), int(s.get("samples", 0)), raw.get("bytes"), digest or None])
     return {"sha256": json_sha(entries), "shards": len(entries), "samples": sum(e[1] for e in entries),
-            "hashed": read_files or not unhashed}
+            "hashed": read_files or all(recorded)}

@@ -7,10 +7,11 @@ Pipeline parallelism (SPEC/DESIGN): the layer graph of a looped model is cyclic,
 splitting layers we split *recurrences*. With S = pp·vpp virtual stages, stage 0 holds the
 embedding and prelude, stage S−1 the coda, final norm and head, and every stage holds a replica
 of the core (and injection). A microbatch of depth r runs recurrences ``split_recurrences(r, ...)[v]``
-on stage v (balanced by cost: megaloop.model.pipeline_split); stages exchange the packed tensor ``cat([h, e], dim=0)`` of shape [2s, b, d], so
-megatron's linear schedules run unchanged with ``seq_length = 2s``. Core replicas start equal
-(seeded by name) and stay equal because their gradients are summed over the pipeline group
-before the data-parallel reduction (see megaloop.train.grads).
+on stage v (balanced by cost: megaloop.model.pipeline_split); stages exchange the packed tensor
+``cat([h, e], dim=0)`` of shape [2s, b, d], so megatron's linear schedules run unchanged with
+``seq_length = 2s``. Core replicas start equal (seeded by name) and stay equal because their
+gradients are summed over the pipeline group before the data-parallel reduction (see
+megaloop.train.grads).
 
 Truncated BPTT (SPEC §3): recurrences ``i < r − b`` run under ``no_grad``; the state is detached
 at ``i = r − b``; ``e`` keeps its graph, so the prelude still gets gradients through every

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from megaloop.model.config import ModelConfig
-from megaloop.train.flops import injection_flops_per_token, layer_flops_per_token
+from megaloop.train.flops import forward_flops_per_token, layer_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -54,11 +54,11 @@ class SplitCosts:
 def split_costs(cfg: ModelConfig, vocab: int) -> SplitCosts:
     """The costs of ``cfg``'s pieces at (padded) vocabulary size ``vocab``."""
     layer = layer_flops_per_token(cfg, cfg.seq_len)
+    _, per_recurrence, head = forward_flops_per_token(cfg, vocab, cfg.seq_len, 1)
     grad = 4.0 if cfg.recompute else 3.0
-    core = cfg.n_core + injection_flops_per_token(cfg) / layer
-    head = 2.0 * cfg.hidden_size * vocab / layer
+    core = per_recurrence / layer
     return SplitCosts(pre=grad * cfg.n_prelude, core_nograd=core, core_grad=grad * core,
-                      post=grad * (cfg.n_coda + head))
+                      post=grad * (cfg.n_coda + head / layer))
 
 
 def split_recurrences(r: int, stages: int, costs: SplitCosts, window: int) -> list[tuple[int, int]]:
@@ -113,11 +113,3 @@ def _split(r: int, S: int, costs: SplitCosts, window: int) -> tuple[tuple[int, i
         lo = hi
     return tuple(out)
 
-
-def stage_costs(r: int, bounds: list[tuple[int, int]], costs: SplitCosts, window: int) -> list[float]:
-    """Each stage's cost under ``bounds`` (for tests and reports)."""
-    window = max(0, min(window, r))
-    S = len(bounds)
-    return [sum(costs.core_grad if i >= r - window else costs.core_nograd for i in range(lo, hi))
-            + (costs.pre if v == 0 else 0.0) + (costs.post if v == S - 1 else 0.0)
-            for v, (lo, hi) in enumerate(bounds)]

@@ -7,7 +7,7 @@ from itertools import combinations_with_replacement
 import pytest
 
 from megaloop.config import load_config
-from megaloop.model.pipeline_split import SplitCosts, split_costs, split_recurrences, stage_costs
+from megaloop.model.pipeline_split import SplitCosts, split_costs, split_recurrences
 
 
 def _all_splits(r: int, S: int):
@@ -15,6 +15,15 @@ def _all_splits(r: int, S: int):
     for cuts in combinations_with_replacement(range(r + 1), S - 1):
         edges = (0, *cuts, r)
         yield [(edges[v], edges[v + 1]) for v in range(S)]
+
+
+def stage_costs(r: int, bounds: list[tuple[int, int]], costs: SplitCosts, window: int) -> list[float]:
+    """Each stage's cost under ``bounds``, counted recurrence by recurrence (the oracle)."""
+    window = max(0, min(window, r))
+    S = len(bounds)
+    return [sum(costs.core_grad if i >= r - window else costs.core_nograd for i in range(lo, hi))
+            + (costs.pre if v == 0 else 0.0) + (costs.post if v == S - 1 else 0.0)
+            for v, (lo, hi) in enumerate(bounds)]
 
 
 def _uniform_rule(r: int, S: int, pre: float, core: float, post: float) -> list[tuple[int, int]]:
