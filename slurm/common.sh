@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Shared by slurm/train_{S,M,L}.sh and slurm/sweep_array.sh: sourced (after `set -euo pipefail`
-# and with ROOT set to the repository), never run on its own.
+# Shared by slurm/train_{S,M,L}.sh, slurm/sweep_array.sh, slurm/rl.sh, slurm/distill.sh and
+# launch/train_single_node.sh: sourced (after `set -euo pipefail` and with ROOT set to the repository), never run on its own.
 #
 #   megaloop_setup                         check the allocation, cd to ROOT, activate the venv,
 #                                          derive the rendezvous and the per-job log directory

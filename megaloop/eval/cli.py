@@ -22,8 +22,8 @@ from megaloop.inference.generate_cli import (add_engine_options, add_student_opt
 
 # ----------------------------------------------------------------------------- parsers
 def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"), cache_default="terminal",
-            data: bool = True) -> None:
-    add_engine_options(p, cache_choices=cache_choices, cache_default=cache_default)
+            data: bool = True, decode: bool = True) -> None:
+    add_engine_options(p, cache_choices=cache_choices, cache_default=cache_default, decode=decode)
     if data:
         p.add_argument("--data", default="default",
                        help="'default' (embedded validation set), an MDS validation directory, or a text file "
@@ -51,7 +51,7 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(fn=cmd_eval_ppl)
 
     p = esub.add_parser("sweep", help="PPL across depths: table + PNG plot")
-    _common(p)
+    _common(p, cache_choices=None)  # --sharing scores both cache modes
     p.add_argument("--depths", default="1,2,4,5,8,16,32,64", help="comma-separated depths")
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
@@ -60,11 +60,11 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("states", help="depth use: per-recurrence state change, state share of the injection, "
                                        "RMS of e and h, contraction")
-    _common(p)
+    _common(p, decode=False)
     p.set_defaults(fn=cmd_eval_states)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
-    _common(p)
+    _common(p, decode=False)
     p.add_argument("--per-source", type=int, default=None,
                    help="spans per validation source (default 16, the paper's 16 × 19 = 304; needs a 'source' "
                         "column; 0: the first --max-seqs rows)")
@@ -185,6 +185,14 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     from megaloop.eval.depth_sweep import depth_sweep, parse_depths, plot_sweep
 
     _check_args(args)
+    if args.decode_depth is not None:
+        raise ConfigError("--decode-depth: eval sweep decodes each row at its own depth (--depths); drop it")
+    if not args.sharing:
+        for flag, value in (("--prefill-depth", args.prefill_depth), ("--exit", args.exit),
+                            ("--min-depth", args.min_depth), ("--max-depth", args.max_depth)):
+            if value is not None:
+                raise ConfigError(f"{flag}: applies to the prefill/decode protocols of --sharing; add --sharing "
+                                  f"(native PPL is one parallel forward at each depth)")
     depths = parse_depths(args.depths)
     engine = build_engine(args)
     data = _data(args, engine)

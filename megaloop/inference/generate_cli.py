@@ -15,20 +15,30 @@ from megaloop.config_utils import ConfigError
 
 # ----------------------------------------------------------------------------- shared options
 def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"),
-                       cache_default="terminal") -> None:
-    """``--checkpoint``, ``--json``, depths, cache, device / dtype, tokenizer, context, adaptive exit."""
+                       cache_default="terminal", decode: bool = True) -> None:
+    """``--checkpoint``, ``--json``, depths, cache, device / dtype, tokenizer, context, adaptive exit.
+
+    ``decode=False`` (commands that never decode through a cache: ``eval states``, ``eval fixed-point``)
+    leaves out the decode options (budgets, ``--cache``, adaptive exit) rather than accept and ignore
+    them; ``cache_choices=None`` leaves out ``--cache`` alone. Left-out options keep their defaults."""
     p.add_argument("--checkpoint", required=True,
                    help="megaloop checkpoint (step dir, RUN/checkpoints or RUN dir; any TP/PP layout) or HF folder")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON here")
     p.add_argument("--depth", type=int, default=None, help="recurrence depth R (default: the run's eval depth)")
-    p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
-    p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
-    p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
+    p.set_defaults(prefill_depth=None, decode_depth=None, cache=cache_default, exit=None, min_depth=None,
+                   max_depth=None, finished_rows="mask")
+    if decode:
+        p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
+        p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
+        if cache_choices:
+            p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, auto (default)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
     p.add_argument("--max-context", type=int, default=None, help="longest sequence (default: training seq_len)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    if not decode:
+        return
     p.add_argument("--exit", default=None, metavar="CRIT:VALUE",
                    help="adaptive per-token decode depth: latent:1e-3 | kl:1e-4 | argmax:3 (default: fixed depth)")
     p.add_argument("--min-depth", type=int, default=None, help="adaptive: earliest exit (>= 2, default 2)")
@@ -84,6 +94,22 @@ def write_json(path: Optional[str], payload: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- generate
+def unescape_stop(text: str) -> str:
+    """``--stop`` value: the escapes ``\\n``, ``\\t`` and ``\\\\`` become newline, tab and one backslash
+    (a shell passes ``"\\n"`` as two characters); any other character, non-ASCII included, is kept."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "nt\\":
+            out.append({"n": "\n", "t": "\t", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    if not out:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return "".join(out)
+
+
 def add_generate_parser(sub) -> None:
     """Add ``generate`` to ``sub``."""
     p = sub.add_parser("generate", help="generate text with prefill / decode budgets and a KV-cache mode")
@@ -97,7 +123,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], type=unescape_stop,
+                   help=r"stop string (repeatable); \n, \t and \\ are read as newline, tab and backslash, "
+                        r"so --stop '\n\n' stops at a blank line")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.set_defaults(fn=cmd_generate)
 

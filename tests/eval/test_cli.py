@@ -82,6 +82,11 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--per-source: {text} has no 'source' column"),
     (["eval", "harness", "--checkpoint", "{run}", "--tasks", "megaloop_toy_mc", "--cache", "none", "--scoring",
       "decode"], "--scoring decode: token-by-token decoding needs a KV cache"),
+    (["eval", "sweep", "--checkpoint", "{run}", "--exit", "latent:1e-3"], "--exit: applies to the prefill/decode "
+     "protocols of --sharing"),
+    (["eval", "sweep", "--checkpoint", "{run}", "--prefill-depth", "3"], "--prefill-depth: applies to"),
+    (["eval", "sweep", "--checkpoint", "{run}", "--sharing", "--decode-depth", "3"],
+     "--decode-depth: eval sweep decodes each row at its own depth"),
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):
     (tmp_path / "short.txt").write_text("A few words only.")
@@ -158,3 +163,24 @@ def test_student_option_is_wired_and_checked(cli, trained_run, tmp_path):
     for argv in (["eval", "ppl", "--max-seqs", "1"], ["generate", "--prompt", "x"]):
         code, _, err = cli(*argv, "--checkpoint", str(trained_run), "--student", str(tmp_path / "none"))
         assert code == 2 and "--student" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["eval", "states", "--exit", "latent:1e-3"], ["eval", "states", "--cache", "per_visit"],
+    ["eval", "fixed-point", "--decode-depth", "3"], ["eval", "fixed-point", "--finished-rows", "compact"],
+    ["eval", "sweep", "--cache", "per_visit"],
+])
+def test_options_a_command_would_ignore_are_refused(cli, trained_run, argv):
+    """Decode options exist only where they act: states / fixed-point never decode, sweep --sharing scores
+    both cache modes; argparse refuses them (exit 2, naming the option) instead of ignoring them."""
+    code, _, err = cli(*argv, "--checkpoint", str(trained_run))
+    assert code == 2 and "unrecognized arguments: " + argv[2] in err
+
+
+def test_stop_strings_read_backslash_escapes():
+    """--stop '\\n\\n' from a shell is a blank line, not four characters; other text is kept as typed."""
+    from megaloop.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--checkpoint", "x", "--prompt", "p", "--stop", r"\n\n",
+                                      "--stop", r"a\\n", "--stop", r"é\tz\q"])
+    assert args.stop == ["\n\n", "a\\n", "é\tz\\q"]

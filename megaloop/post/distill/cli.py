@@ -1,6 +1,6 @@
-"""``megaloop distill-prefill`` / ``tools/distill_prefill.py``: train a prefill student (SPEC §10).
+"""``megaloop distill-prefill``: train a prefill student (SPEC §10).
 
-    python tools/distill_prefill.py --teacher hf/S --out students/S --depth 5 --steps 2000 \\
+    megaloop distill-prefill --teacher hf/S --out students/S --depth 5 --steps 2000 \\
         --batch-size 8 --seq-len 512 --lambda-kl 1.0 [--data default|FILE.txt|FILE.jsonl]
 
 ``--teacher`` is a megaloop checkpoint or an HF folder. Writes ``OUT/student.safetensors``,
@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the teacher's)")
     p.add_argument("--data", default="default", help="'default' (embedded corpus), FILE.txt or FILE.jsonl ({'text': ...})")
     p.add_argument("--max-chars", type=int, default=4_000_000,
-                   help="read at most this many characters of the data (default 4M, ~1M tokens; 0: all)")
+                   help="stop reading documents once this many characters are read (default 4M, ~1M tokens; "
+                        "0: all; a .txt file is one document, read whole)")
     p.add_argument("--depth", type=int, default=5, help="teacher depth R of the targets")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=8)
@@ -116,7 +117,12 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--teacher {args.teacher}: no tokenizer found; pass --tokenizer")
     teacher.to(device).eval()
     try:
-        ids = token_stream(tok, args.data, args.max_chars or None)
+        read: dict = {}
+        ids = token_stream(tok, args.data, args.max_chars or None, info=read)
+        if read["truncated"] and lead:
+            print(f"note: --data {args.data}: read {read['documents_read']} of {read['documents']} documents "
+                  f"({read['characters_read']:,} characters, --max-chars {args.max_chars:,}; 0 reads all)",
+                  file=sys.stderr)
         n_eval = max(args.seq_len + 1, ids.numel() // 20)
         train_ids, eval_ids = ids[:-n_eval], ids[-n_eval:]
         batches = window_batches(train_ids, cfg.batch_size, cfg.seq_len, cfg.seed, device)

@@ -383,11 +383,13 @@ def load_student(path: str | Path, device=None, dtype=None) -> tuple[PrefillStud
 
 
 # ----------------------------------------------------------------------------- data
-def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = None) -> torch.Tensor:
+def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = None,
+                 info: Optional[dict] = None) -> torch.Tensor:
     """1-D token ids: the embedded corpus (``default``: its *training* documents only, so the
     student never sees the validation/screen text it is evaluated on), a ``.txt`` file, or a
     ``.jsonl`` file of ``{"text": ...}`` records; documents joined with EOS. ``max_chars`` stops
-    reading (the default corpus has ~33M characters)."""
+    reading (the default corpus has ~33M characters); ``info``, when given, receives ``documents_read``,
+    ``documents`` and ``truncated`` so a caller can say that the data was cut short."""
     texts: list[str]
     if source == "default":
         from megaloop.data.default_corpus import _holdout, corpus_documents
@@ -400,13 +402,16 @@ def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = 
     else:
         texts = [Path(source).read_text()]
     ids: list[int] = []
-    chars = 0
+    chars = read = 0
     for t in texts:
         ids.extend(tokenizer.encode(t))
         ids.append(tokenizer.eos_id)
         chars += len(t)
+        read += 1
         if max_chars is not None and chars >= max_chars:
             break
+    if info is not None:
+        info.update(documents_read=read, documents=len(texts), characters_read=chars, truncated=read < len(texts))
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -1,6 +1,7 @@
-"""``megaloop rl`` / ``tools/rl_train.py``: GRPO with endpoint reuse on a verifiable task.
+"""``megaloop rl``: GRPO with endpoint reuse on a verifiable task (``megaloop rl grad-check --help``:
+how well endpoint reuse approximates the recompute gradient on one rollout).
 
-    python tools/rl_train.py --model runs/tiny/checkpoints --out hf/tiny-rl --task arithmetic \\
+    megaloop rl --model runs/tiny/checkpoints --out hf/tiny-rl --task arithmetic \\
         --arm reuse --depth 5 --neumann-b 5 --steps 50 --group-size 8 --prompts 4
 
 ``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;

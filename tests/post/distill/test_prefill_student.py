@@ -139,3 +139,16 @@ def test_cli(tiny_teacher, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     load_student(out)
     assert token_stream(ByteTokenizer(), str(text)).numel() == len(text.read_text()) + 1
+
+
+def test_token_stream_reports_a_cut_short_read(tmp_path):
+    """--max-chars stops at whole documents and says so (the CLI prints the counts to stderr)."""
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": "x" * 10}) + "\n" for _ in range(5)))
+    info: dict = {}
+    ids = token_stream(ByteTokenizer(), str(data), max_chars=25, info=info)
+    assert ids.numel() == 3 * 11  # three whole documents (30 >= 25 characters), each + EOS
+    assert info == {"documents_read": 3, "documents": 5, "characters_read": 30, "truncated": True}
+    token_stream(ByteTokenizer(), str(data), max_chars=None, info=info)
+    assert info["truncated"] is False and info["documents_read"] == 5
