@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="TxT360 root (holding data/) or its data/ dir")
     p.add_argument("--out", required=True, help="output directory (gets val/ and screen/)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json / .model / directory")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer.json / .model / directory, or 'default' (the embedded corpus' BPE)")
     p.add_argument("--val-seq-len", type=int, default=2048)
     p.add_argument("--val-sequences-per-source", type=int, default=256)
     p.add_argument("--screen-seq-len", type=int, default=1536)
@@ -60,8 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.data.txt360 import HoldoutSpec
 
     try:
+        tokenizer = args.tokenizer
+        if tokenizer == "default":
+            from megaloop.data.default_tokenizer import ensure_default_tokenizer
+
+            tokenizer = str(ensure_default_tokenizer())
         res = build_eval_sets(EvalSetsConfig(
-            input=Path(args.input), out=Path(args.out), tokenizer=args.tokenizer,
+            input=Path(args.input), out=Path(args.out), tokenizer=tokenizer,
             holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
             val_seq_len=args.val_seq_len, val_sequences_per_source=args.val_sequences_per_source,
             screen_seq_len=args.screen_seq_len, screen_sequences=args.screen_sequences,

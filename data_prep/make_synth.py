@@ -37,13 +37,17 @@ from pathlib import Path
 
 def parse_ks(text: str) -> tuple[int, ...]:
     """``"1-8"`` or ``"1,2,4"`` (or a mix) -> sorted unique k values."""
+    from megaloop.config_utils import ConfigError
+
     out: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         lo, _, hi = part.partition("-")
         try:
             a, b = int(lo), int(hi or lo)
         except ValueError:
-            raise SystemExit(f"error: --eval-ks: {part!r} is not k or k1-k2") from None
+            raise ConfigError(f"--eval-ks: {part!r} is not k or k1-k2") from None
+        if b < a:
+            raise ConfigError(f"--eval-ks: range {part!r} runs backwards (write {b}-{a})")
         out.update(range(a, b + 1))
     return tuple(sorted(out))
 

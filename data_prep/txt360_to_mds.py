@@ -22,8 +22,11 @@ naming ``file:line``. Use it for short documents such as ``make_synth.py``'s pro
 Held-out documents (``--val-fraction`` 0.002, ``--screen-fraction`` 0.001 of documents by salted
 content hash) are excluded here and collected by ``build_eval_sets.py`` with the same flags.
 
-Deterministic for a given ``--seed``; resumable (finished input files are skipped on rerun);
-crash-safe (files are published by rename, the manifest last).
+Deterministic for a given ``--seed``; resumable (finished input files are skipped on rerun; changed
+or added input files are converted and parts of removed ones dropped); crash-safe (files are
+published by rename, the manifest last). An ``--out`` holding a dataset from another input or with
+other settings is refused unless ``--overwrite``; a non-empty ``--out`` that holds no dataset is
+refused.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd (default) or none")
     p.add_argument("--shard-size", type=int, default=1 << 26, help="max shard bytes (default 64 MiB)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a dataset in --out that was converted from another input or with other "
+                        "settings (refused otherwise; changed input files alone update it in place)")
     p.add_argument("--no-progress", action="store_true", help="disable the progress bar")
     add_holdout_args(p)
     return p.parse_args(argv)
@@ -92,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
             sources=args.sources.split(",") if args.sources else None, eos_token=args.eos_token,
             compression=None if args.compression == "none" else args.compression,
-            shard_size_limit=args.shard_size, progress=not args.no_progress,
+            shard_size_limit=args.shard_size, progress=not args.no_progress, overwrite=args.overwrite,
             command=shlex.join([sys.executable, *sys.argv]))
         manifest = convert_txt360(cfg)
     except DataError as err:

@@ -31,7 +31,8 @@ import numpy as np
 
 from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
 from megaloop.data.errors import DataError
-from megaloop.data.mds_convert import FORMAT, mds_columns, token_dtype, write_sequences_mds
+from megaloop.data.mds_convert import FORMAT, check_compression, check_out_dir, mds_columns, token_dtype, \
+    write_sequences_mds
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.data.txt360 import HoldoutSpec, InputFile, discover, read_jsonl
 
@@ -115,10 +116,25 @@ def _publish(out: Path, name: str, rows: np.ndarray, sources: list[str], manifes
 def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
     """Build (or reuse, if up to date) ``out/val`` and ``out/screen``; returns their manifests."""
     t0 = time.time()
+    for name, low in (("val_seq_len", 2), ("screen_seq_len", 2), ("val_sequences_per_source", 1),
+                      ("screen_sequences", 1), ("seed", 0)):
+        if getattr(cfg, name) < low:
+            raise DataError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
+    if cfg.max_files_per_source is not None and cfg.max_files_per_source < 1:
+        raise DataError(f"--max-files-per-source must be >= 1 (omit it to scan every file), "
+                        f"got {cfg.max_files_per_source}")
+    check_compression(cfg.compression)
+    check_out_dir(Path(cfg.out))
     if cfg.train_manifest is not None:
         import json
 
-        tm = json.loads(Path(cfg.train_manifest).read_text())
+        try:
+            tm = json.loads(Path(cfg.train_manifest).read_text())
+        except (OSError, ValueError) as err:
+            raise DataError(f"--train-manifest {cfg.train_manifest}: cannot read "
+                            f"({getattr(err, 'strerror', None) or err})") from None
+        if not isinstance(tm, dict):
+            raise DataError(f"--train-manifest {cfg.train_manifest}: not a megaloop manifest (a JSON object)")
         if tm.get("holdout") != cfg.holdout.to_dict():
             raise DataError(f"holdout spec {cfg.holdout.to_dict()} differs from the one used for "
                             f"the training shards ({cfg.train_manifest}: {tm.get('holdout')}); "

@@ -82,6 +82,26 @@ def pack_whole(docs: Sequence[np.ndarray], seq_len: int, pad_id: int) -> tuple[n
     return rows, counts
 
 
+def check_compression(compression: str | None, flag: str = "--compression") -> None:
+    """Refuse a shard codec the streaming library cannot write, before any work."""
+    if compression is None:
+        return
+    from megaloop.data._streaming_compat import ensure_streaming_importable
+
+    ensure_streaming_importable()
+    from streaming.base.compression import is_compression
+
+    if not is_compression(compression):
+        raise DataError(f"{flag}: unknown codec {compression!r}; use none, zstd[:1-22], gz[:0-9], bz2[:1-9], "
+                        "br[:0-11] or snappy")
+
+
+def check_out_dir(out: Path, flag: str = "--out") -> None:
+    """``out`` is a directory or does not exist yet."""
+    if out.exists() and not out.is_dir():
+        raise DataError(f"{flag} {out} exists and is not a directory")
+
+
 def write_sequences_mds(out_dir: str | Path, tokens: np.ndarray, sources: Sequence[str] | str,
                         *, compression: str | None = "zstd", size_limit: int = 1 << 26,
                         num_tokens: np.ndarray | None = None) -> list[dict]:
@@ -141,6 +161,7 @@ class ConvertConfig:
     progress: bool = True
     command: str | None = None
     packing: str = "concat"  # concat | whole (documents never cross a row; see the module doc)
+    overwrite: bool = False  # replace a dataset in ``out`` converted with other settings / input
 
 
 @dataclass
@@ -267,13 +288,18 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         raise DataError(f"--seq-len must be >= 2, got {cfg.seq_len}")
     if cfg.packing not in PACKINGS:
         raise DataError(f"--packing must be one of {PACKINGS}, got {cfg.packing!r}")
+    if cfg.seed < 0:
+        raise DataError(f"--seed must be >= 0, got {cfg.seed}")
+    if cfg.shard_size_limit < 1:
+        raise DataError(f"--shard-size must be >= 1 byte, got {cfg.shard_size_limit}")
+    check_compression(cfg.compression)
+    check_out_dir(Path(cfg.out))
     files = discover(cfg.input, cfg.sources)
     cfg.mix.check_sources(sorted({f.source for f in files}))
     # absolute: the manifest's tokenizer path is how evaluation finds a run's tokenizer
     tok = Tokenizer(Path(cfg.tokenizer).resolve(), eos_token=cfg.eos_token)
     dtype = token_dtype(tok.vocab_size)
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     common = {"format": FORMAT, "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id,
               "seq_len": cfg.seq_len, "seed": cfg.seed, "holdout": cfg.holdout.to_dict(),
               "compression": cfg.compression, "dtype": dtype}
@@ -290,12 +316,19 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
                            cfg.seq_len, cfg.seed, cfg.holdout, dtype, cfg.compression,
                            cfg.shard_size_limit, cfg.packing, pad_id))
     fingerprint = json_sha(common | {"parts": [t.fingerprint for t in tasks]})
+    if out.is_dir() and not cfg.overwrite:  # before the lock file: refuse a folder without touching it
+        old = _load_json(out / "manifest.json")
+        if not (old and old.get("fingerprint") == fingerprint):
+            _refuse_foreign(out, old, common | {"input": str(cfg.input)})
+    out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".lock"):
         manifest_path = out / "manifest.json"
         old = _load_json(manifest_path)
         if old and old.get("fingerprint") == fingerprint:
             return old | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks),
                                    "seconds": time.time() - t0}}
+        if not cfg.overwrite:
+            _refuse_foreign(out, old, common | {"input": str(cfg.input)})
         # Unmark completeness before touching anything else.
         for name in ("manifest.json", "index.json"):
             (out / name).unlink(missing_ok=True)
@@ -311,17 +344,22 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
             else:
                 todo.append(t)
         keep = {t.final_dir.name for t in tasks}
-        for p in (out / "parts").iterdir():
-            if p.name not in keep:
-                rmtree_quiet(p)
+        stale = [p for p in (out / "parts").iterdir() if p.name not in keep and (p / DONE).is_file()]
+        if stale:  # parts of input files that are gone; anything this tool did not write stays
+            print(f"note: removing {len(stale)} part(s) of {out} whose input file is no longer in "
+                  f"{cfg.input}: {sorted(p.name for p in stale)[:5]}", file=sys.stderr)
+        for p in stale:
+            rmtree_quiet(p)
         try:
             _run_tasks(todo, cfg, tok, dones, total=len(tasks))
         finally:
             rmtree_quiet(out / ".tmp")
         ordered = [dones[t.file.part] for t in tasks]
+        sources = _aggregate(ordered)
+        if sum(v["num_sequences"] for v in sources.values()) == 0:  # before index.json: no empty dataset
+            raise DataError(_empty_reason(cfg, sources))
         write_root_index(out, [(f"parts/{t.final_dir.name}", d["shards"])
                                for t, d in zip(tasks, ordered)])
-        sources = _aggregate(ordered)
         manifest = {
             **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
             "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
@@ -336,12 +374,49 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
             "num_parts": len(tasks), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": cfg.command or " ".join(sys.argv),
         }
-        if manifest["num_sequences"] == 0:
-            raise DataError(f"no sequence of {cfg.seq_len} tokens could be packed from "
-                            f"{cfg.input}: the input is too small for --seq-len")
         atomic_write_json(manifest_path, manifest)
     return manifest | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks) - len(todo),
                                 "seconds": time.time() - t0}}
+
+
+_SETTINGS = ("input", "seq_len", "tokenizer_sha256", "eos_id", "seed", "holdout", "compression", "dtype",
+             "packing")
+
+
+def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
+    """Without ``--overwrite``, refuse an ``out`` whose dataset was converted from another input or
+    with other settings (only changed input *files* update a dataset in place), and a non-empty
+    ``out`` that holds no dataset of this tool."""
+    ours = {"parts", ".tmp", ".lock", "index.json", "manifest.json"}
+    if old is None:
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+        if foreign:
+            raise DataError(f"--out {out} is not empty and holds no converted dataset ({foreign[:5]}); "
+                            "choose an empty or new folder")
+        return
+    new = dict(new, packing=new.get("packing", "concat"))
+    diff = [f"{k}: {old.get(k, 'concat' if k == 'packing' else None)!r} -> {new.get(k)!r}" for k in _SETTINGS
+            if old.get(k, "concat" if k == "packing" else None) != new.get(k)
+            and not (k == "input" and Path(str(old.get(k))).resolve() == Path(str(new.get(k))).resolve())]
+    if diff:
+        raise DataError(f"--out {out} holds a dataset converted with other settings ({'; '.join(diff)}); "
+                        "pass --overwrite to replace it, or choose another --out")
+
+
+def _empty_reason(cfg: ConvertConfig, sources: dict) -> str:
+    """Why no sequence was packed: the counts that explain it."""
+    tot = {k: sum(v[k] for v in sources.values()) for k in ("docs", "docs_empty", "docs_val", "docs_screen",
+                                                            "doc_tokens")}
+    zero = sorted(s for s in sources if cfg.mix.source_weights.get(s, 1.0) == 0)
+    why = [f"{tot['docs']} training document(s) with {tot['doc_tokens']:,} tokens after mixing"]
+    if tot["docs_empty"]:
+        why.append(f"{tot['docs_empty']} empty document(s) skipped")
+    if tot["docs_val"] or tot["docs_screen"]:
+        why.append(f"{tot['docs_val'] + tot['docs_screen']} held out for val/screen")
+    if zero:
+        why.append(f"source weight 0 for {zero}")
+    return (f"no sequence of {cfg.seq_len} tokens could be packed from {cfg.input} ({'; '.join(why)}); "
+            "nothing was published (no index.json or manifest.json)")
 
 
 def _load_json(path: Path) -> dict | None:

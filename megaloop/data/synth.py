@@ -308,9 +308,14 @@ def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True
     """Write the TxT360 tree, ``heldout.jsonl``, the character tokenizer and ``synth.json``
     (last). Returns the ``synth.json`` content. ``root`` must not hold another synth tree."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"--out: {root} exists and is not a directory")
     src_dir = root / "data" / SOURCE / BUCKET
     if src_dir.exists() and any(src_dir.iterdir()):
         raise ConfigError(f"--out: {src_dir} already holds files; write to a fresh directory")
+    taken = [n for n in ("heldout.jsonl", "synth.json", "tokenizer") if (root / n).exists()]
+    if taken:
+        raise ConfigError(f"--out: {root} already holds {taken}; write to a fresh directory")
     src_dir.mkdir(parents=True, exist_ok=True)
     held = heldout_problems(spec.synth, spec.eval_ks, spec.eval_per_k, spec.eval_seed)
     exclude = frozenset(p.prompt for p in held)

@@ -22,6 +22,9 @@ import gzip
 import hashlib
 import json
 import math
+import re
+import sys
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -58,12 +61,33 @@ def data_root(root: str | Path) -> Path:
     return root / "data" if (root / "data").is_dir() else root
 
 
+_BUCKET_LIKE = re.compile(r"^\d+-(\d+|inf)$")
+
+
+def _note(msg: str) -> None:
+    print(f"note: {msg}", file=sys.stderr)
+
+
 def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFile]:
-    """All ``*.jsonl`` / ``*.jsonl.gz`` files per source, sorted; errors if there are none."""
+    """All ``*.jsonl`` / ``*.jsonl.gz`` files per source, sorted; errors if there are none.
+
+    Errors: a source folder passed as the root (its subfolders are bucket names), two files that
+    map to one partition (``x.jsonl`` beside ``x.jsonl.gz``). Notes on stderr: files that are not
+    read (other suffixes, files directly under ``data/``), sources without any JSONL file, and
+    folders named like a bucket that is not one of :data:`BUCKETS` (read as bucket ``none``)."""
     data = data_root(root)
     found: list[InputFile] = []
     src_dirs = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
     known = [p.name for p in src_dirs]
+    as_buckets = [n for n in known if n in BUCKETS]
+    if as_buckets:
+        raise DataError(f"--input {root}: {data} holds duplicate-count bucket folders {as_buckets}, so it is "
+                        "one source's folder; pass the TxT360 root (holding data/) or its data/ folder, "
+                        "and --sources NAME to convert one source")
+    loose = sorted(p.name for p in data.iterdir() if p.is_file() and not p.name.startswith("."))
+    if loose:
+        _note(f"{len(loose)} file(s) directly under {data} are not read (files live in data/<source>/...): "
+              f"{loose[:5]}")
     for want in sources or []:
         if want not in known:
             raise DataError(f"source {want!r} not found under {data} (found: {known})")
@@ -71,12 +95,30 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
         if sources and sdir.name not in sources:
             continue
         files = sorted(set(sdir.rglob("*.jsonl")) | set(sdir.rglob("*.jsonl.gz")))
+        wanted = set(files)
+        other = sorted(str(f.relative_to(data)) for f in sdir.rglob("*")
+                       if f.is_file() and not f.name.startswith(".") and f not in wanted)
+        if other:
+            _note(f"{len(other)} file(s) under {sdir} are not .jsonl/.jsonl.gz and are not read: {other[:5]}")
+        if not files:
+            _note(f"source {sdir.name!r} has no .jsonl/.jsonl.gz file and is skipped")
+        odd = sorted({p for f in files for p in f.relative_to(sdir).parts[:-1]
+                      if _BUCKET_LIKE.match(p) and p not in BUCKETS})
+        if odd:
+            _note(f"{sdir}: folder(s) {odd} look like duplicate buckets but are not one of {list(BUCKETS)}; "
+                  f"their files get bucket {NO_BUCKET!r} (upsampling {DEFAULT_BUCKET_UPSAMPLE[NO_BUCKET]:g})")
         for f in files:
             rel = f.relative_to(sdir).parts
             bucket = next((p for p in rel[:-1] if p in BUCKETS), NO_BUCKET)
             stem = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.name[: -len(".jsonl")]
             part = "/".join((sdir.name, *rel[:-1], stem))
             found.append(InputFile(path=f, source=sdir.name, bucket=bucket, part=part))
+    seen: dict[str, Path] = {}
+    for f in found:
+        if f.part in seen:
+            raise DataError(f"{seen[f.part]} and {f.path} would be the same partition {f.part!r} "
+                            "(the same name with and without .gz); keep one of them")
+        seen[f.part] = f.path
     if not found:
         raise DataError(f"no .jsonl or .jsonl.gz files under {data} "
                         f"(expected data/<source>/<bucket>/<i>_<n>.jsonl[.gz])")
@@ -100,9 +142,32 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                 if not isinstance(rec["text"], str):
                     raise DataError(f"{path}:{lineno}: 'text' is {type(rec['text']).__name__}, "
                                     "expected a string")
+                try:
+                    rec["text"].encode("utf-8")
+                except UnicodeEncodeError as err:  # JSON may escape a lone surrogate (\ud800)
+                    raise DataError(f"{path}:{lineno}: 'text' is not valid Unicode ({err.reason} at "
+                                    f"character {err.start})") from None
                 yield lineno, rec["text"]
-    except (OSError, EOFError, UnicodeDecodeError) as err:
+    except UnicodeDecodeError as err:
+        raise DataError(f"{path}: cannot read: not UTF-8 ({err.reason}, byte 0x{err.object[err.start]:02x}); "
+                        f"the line is {_bad_utf8_line(path)}") from None
+    except (OSError, EOFError, zlib.error) as err:
         raise DataError(f"{path}: cannot read ({err})") from None
+
+
+def _bad_utf8_line(path: Path) -> str:
+    """``"line N"`` of the first line of ``path`` (gz: decompressed) that is not UTF-8."""
+    opener: Any = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    return f"line {lineno}"
+    except (OSError, EOFError, zlib.error):
+        pass
+    return "unknown"
 
 
 def _hash01(text: str, key: bytes) -> float:
@@ -227,8 +292,17 @@ class MixSpec:
             if not isinstance(data, dict) or set(data) - {"source_weights", "bucket_upsample"}:
                 raise DataError(f"weights file {path}: expected a mapping with keys "
                                 "source_weights and/or bucket_upsample")
-            sw.update({str(k): float(v) for k, v in (data.get("source_weights") or {}).items()})
-            bu.update({str(k): float(v) for k, v in (data.get("bucket_upsample") or {}).items()})
+            for key, table in (("source_weights", sw), ("bucket_upsample", bu)):
+                given = data.get(key) or {}
+                if not isinstance(given, dict):
+                    raise DataError(f"weights file {path}: {key} must be a mapping name: weight, "
+                                    f"got {type(given).__name__}")
+                for k, v in given.items():
+                    try:
+                        table[str(k)] = float(v)
+                    except (TypeError, ValueError):
+                        raise DataError(f"weights file {path}: {key}: weight of {str(k)!r} is not a number: "
+                                        f"{v!r}") from None
         if source_weights:
             sw.update(_parse_pairs(source_weights, "--source-weights"))
         if bucket_upsample:

@@ -1,0 +1,175 @@
+"""Inputs nobody here prepared: odd TxT360 trees, an --out that already holds something, bad flags.
+
+Each case must fail before work with one line naming the file, line or flag, or go through and say
+on stderr what it skipped; nothing already written is lost or left marked complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megaloop.data import DataError
+from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
+from megaloop.data.mds_convert import ConvertConfig, convert_txt360
+from megaloop.data.txt360 import MixSpec
+
+SEQ = 16
+DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    """``files``: path under ``root/data`` -> content (``.gz`` names are gzipped)."""
+    for rel, text in files.items():
+        p = root / "data" / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if rel.endswith(".gz"):
+            with gzip.open(p, "wt") as f:
+                f.write(text)
+        else:
+            p.write_text(text)
+    return root
+
+
+def _convert(tree: Path, tok: Path, out: Path, **kw):
+    kw = {"workers": 1, "progress": False} | kw
+    return convert_txt360(ConvertConfig(input=tree, out=out, tokenizer=str(tok), seq_len=SEQ, **kw))
+
+
+def test_tree_shapes_that_would_be_misread(tmp_path, fixture_tokenizer, capsys):
+    # x.jsonl beside x.jsonl.gz: one partition, so one file would be lost and the other counted twice
+    both = _tree(tmp_path / "both", {"web/1-1/0_1.jsonl": DOC * 40, "web/1-1/0_1.jsonl.gz": DOC * 40})
+    with pytest.raises(DataError, match=r"0_1\.jsonl and .*0_1\.jsonl\.gz would be the same partition"):
+        _convert(both, fixture_tokenizer, tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
+    # a source folder passed as --input: its buckets would become sources, the upsampling lost
+    src = _tree(tmp_path / "src", {"web/1-1/0_1.jsonl": DOC * 40, "web/2-5/0_1.jsonl": DOC * 40})
+    with pytest.raises(DataError, match=r"bucket folders \['1-1', '2-5'\], so it is one source's folder"):
+        _convert(src / "data" / "web", fixture_tokenizer, tmp_path / "o2")
+    # files that are not read and a misspelt bucket are named on stderr; the rest converts
+    odd = _tree(tmp_path / "odd", {"web/1-1/0_1.jsonl": DOC * 40, "web/1-1/1_1.jsonl.zst": "x",
+                                   "web/2-10/0_1.jsonl": DOC * 40, "wiki/1-1/0_1.parquet": "x",
+                                   "stray.jsonl": DOC})
+    capsys.readouterr()
+    man = _convert(odd, fixture_tokenizer, tmp_path / "o3")
+    err = capsys.readouterr().err
+    assert "1 file(s) directly under" in err and "stray.jsonl" in err
+    assert "web/1-1/1_1.jsonl.zst" in err and "source 'wiki' has no .jsonl" in err
+    assert "folder(s) ['2-10'] look like duplicate buckets" in err
+    assert set(man["sources"]) == {"web"} and set(man["sources"]["web"]["buckets"]) == {"1-1", "none"}
+
+
+def test_unreadable_records_name_the_file_and_line(tmp_path, fixture_tokenizer):
+    surrogate = _tree(tmp_path / "s", {"web/1-1/0_1.jsonl": DOC * 3 + '{"text": "lone \\ud800 here"}\n'})
+    with pytest.raises(DataError, match=r"0_1\.jsonl:4: 'text' is not valid Unicode"):
+        _convert(surrogate, fixture_tokenizer, tmp_path / "o1")
+    latin = _tree(tmp_path / "l", {"web/1-1/0_1.jsonl": DOC * 5})
+    f = latin / "data" / "web" / "1-1" / "0_1.jsonl"
+    f.write_bytes(f.read_bytes() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match=r"0_1\.jsonl: cannot read: not UTF-8 .*byte 0xe9.*the line is line 6"):
+        _convert(latin, fixture_tokenizer, tmp_path / "o2")
+    corrupt = _tree(tmp_path / "c", {"web/1-1/0_1.jsonl.gz": DOC * 200})
+    g = corrupt / "data" / "web" / "1-1" / "0_1.jsonl.gz"
+    raw = bytearray(g.read_bytes())
+    raw[40:80] = bytes(b ^ 0xFF for b in raw[40:80])  # damage the deflate stream, not the header
+    g.write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"0_1\.jsonl\.gz: cannot read"):
+        _convert(corrupt, fixture_tokenizer, tmp_path / "o3")
+
+
+def test_bad_flags_are_refused_before_work(tmp_path, txt360_tree, fixture_tokenizer):
+    tree, _ = txt360_tree
+    (tmp_path / "afile").write_text("x")
+    for kw, msg in [({"seed": -1}, "--seed must be >= 0"), ({"shard_size_limit": 0}, "--shard-size must be >= 1"),
+                    ({"compression": "bogus"}, "--compression: unknown codec 'bogus'"),
+                    ({"out": tmp_path / "afile"}, "afile exists and is not a directory")]:
+        out = kw.pop("out", tmp_path / "o")
+        with pytest.raises(DataError, match=msg):
+            _convert(tree, fixture_tokenizer, out, **kw)
+        assert not (tmp_path / "o").exists()
+    for content, msg in [("source_weights: {alpha: abc}", "weight of 'alpha' is not a number: 'abc'"),
+                         ("source_weights: [1, 2]", "source_weights must be a mapping")]:
+        (tmp_path / "w.yaml").write_text(content)
+        with pytest.raises(DataError, match=msg):
+            MixSpec.from_args(str(tmp_path / "w.yaml"))
+
+
+def test_an_out_holding_something_else_is_not_replaced(tmp_path, txt360_tree, fixture_tokenizer, capsys):
+    tree, _ = txt360_tree
+    out = tmp_path / "out"
+    first = _convert(tree, fixture_tokenizer, out)
+    (out / "parts" / "my_own_stuff").mkdir()
+    (out / "parts" / "my_own_stuff" / "keep.txt").write_text("mine")
+    other = _tree(tmp_path / "other", {"web/1-1/0_1.jsonl": DOC * 40})
+    index = (out / "index.json").read_text()
+    with pytest.raises(DataError, match=r"holds a dataset converted with other settings \(input: .*--overwrite"):
+        _convert(other, fixture_tokenizer, out)
+    with pytest.raises(DataError, match=r"other settings \(seq_len: 16 -> 32\)"):
+        convert_txt360(ConvertConfig(input=tree, out=out, tokenizer=str(fixture_tokenizer), seq_len=32,
+                                     workers=1, progress=False))
+    # refused before anything moved: the dataset is complete and unchanged
+    assert (out / "index.json").read_text() == index and json.loads((out / "manifest.json").read_text()) == {
+        k: v for k, v in first.items() if k != "_run"}
+    capsys.readouterr()
+    replaced = _convert(other, fixture_tokenizer, out, overwrite=True)
+    assert set(replaced["sources"]) == {"web"}
+    assert "removing 7 part(s)" in capsys.readouterr().err
+    assert (out / "parts" / "my_own_stuff" / "keep.txt").read_text() == "mine"  # not the tool's to delete
+    # a non-empty folder that holds no dataset at all
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match=r"is not empty and holds no converted dataset \(\['notes.txt'\]\)"):
+        _convert(tree, fixture_tokenizer, tmp_path / "home")
+    assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]  # untouched
+
+
+def test_nothing_packable_publishes_nothing(tmp_path, fixture_tokenizer):
+    empty = _tree(tmp_path / "e", {"web/1-1/0_1.jsonl": json.dumps({"text": "  "}) + "\n" + DOC})
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match=r"no sequence of 4096 tokens .*1 empty document\(s\) skipped.*"
+                                        r"nothing was published"):
+        convert_txt360(ConvertConfig(input=empty, out=out, tokenizer=str(fixture_tokenizer), seq_len=4096,
+                                     workers=1, progress=False))
+    assert not (out / "index.json").exists() and not (out / "manifest.json").exists()
+
+
+def test_eval_set_flags_are_checked(tmp_path, txt360_tree, fixture_tokenizer):
+    tree, _ = txt360_tree
+    base = EvalSetsConfig(input=tree, out=tmp_path / "e", tokenizer=str(fixture_tokenizer), val_seq_len=16,
+                          screen_seq_len=16, screen_sequences=2, progress=False)
+    for change, msg in [({"val_seq_len": 0}, "--val-seq-len must be >= 2"),
+                        ({"screen_seq_len": 1}, "--screen-seq-len must be >= 2"),
+                        ({"screen_sequences": 0}, "--screen-sequences must be >= 1"),
+                        ({"val_sequences_per_source": 0}, "--val-sequences-per-source must be >= 1"),
+                        ({"max_files_per_source": 0}, "--max-files-per-source must be >= 1"),
+                        ({"compression": "gzip"}, "--compression: unknown codec 'gzip'"),
+                        ({"train_manifest": tmp_path / "nope.json"}, r"--train-manifest .*nope.json: cannot read")]:
+        with pytest.raises(DataError, match=msg):
+            build_eval_sets(dataclasses.replace(base, **change))
+    assert not (tmp_path / "e").exists()
+    (tmp_path / "bad.json").write_text("{oops")
+    with pytest.raises(DataError, match=r"bad.json: cannot read"):
+        build_eval_sets(dataclasses.replace(base, train_manifest=tmp_path / "bad.json"))
+
+
+def test_make_synth_keeps_an_existing_tree_and_reads_k_ranges(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_synth_cli", Path(__file__).parents[2] / "data_prep" /
+                                                  "make_synth.py")
+    make_synth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_synth)
+    root = tmp_path / "s"
+    root.mkdir()
+    (root / "heldout.jsonl").write_text("mine\n")
+    assert make_synth.main(["--out", str(root), "--num-docs", "10", "--no-tokenizer"]) == 2
+    assert "already holds ['heldout.jsonl']" in capsys.readouterr().err
+    assert (root / "heldout.jsonl").read_text() == "mine\n"
+    assert make_synth.main(["--out", str(tmp_path / "t"), "--eval-ks", "8-1"]) == 2
+    assert "--eval-ks: range '8-1' runs backwards (write 1-8)" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "t", ignore_errors=True)
