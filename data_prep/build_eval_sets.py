@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: nothing half-written is published; rerun the same command", file=sys.stderr)
+        return 130
     print(json.dumps({name: {"num_sequences": m["num_sequences"], "seq_len": m["seq_len"],
                              "total_tokens": m["total_tokens"], "path": str(Path(args.out) / name)}
                       for name, m in res.items()}))

@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished parts are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
     run = manifest.pop("_run")
     summary = {k: manifest.get(k) for k in ("total_tokens", "num_sequences", "dropped_tokens",
                                             "pad_tokens", "packing", "vocab_size", "eos_id",

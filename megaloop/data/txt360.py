@@ -56,6 +56,8 @@ class InputFile:
 def data_root(root: str | Path) -> Path:
     """``ROOT/data`` if it exists, else ``ROOT``; errors name a missing directory."""
     root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise DataError(f"input {root} is a file; pass the TxT360 root (holding data/) or its data/ folder")
     if not root.is_dir():
         raise DataError(f"input directory {root} does not exist")
     return root / "data" if (root / "data").is_dir() else root

@@ -51,6 +51,8 @@ def test_tree_shapes_that_would_be_misread(tmp_path, fixture_tokenizer, capsys):
     src = _tree(tmp_path / "src", {"web/1-1/0_1.jsonl": DOC * 40, "web/2-5/0_1.jsonl": DOC * 40})
     with pytest.raises(DataError, match=r"bucket folders \['1-1', '2-5'\], so it is one source's folder"):
         _convert(src / "data" / "web", fixture_tokenizer, tmp_path / "o2")
+    with pytest.raises(DataError, match=r"0_1\.jsonl is a file; pass the TxT360 root"):
+        _convert(src / "data" / "web" / "1-1" / "0_1.jsonl", fixture_tokenizer, tmp_path / "o2")
     # files that are not read and a misspelt bucket are named on stderr; the rest converts
     odd = _tree(tmp_path / "odd", {"web/1-1/0_1.jsonl": DOC * 40, "web/1-1/1_1.jsonl.zst": "x",
                                    "web/2-10/0_1.jsonl": DOC * 40, "wiki/1-1/0_1.parquet": "x",
