@@ -64,6 +64,7 @@ def data_root(root: str | Path) -> Path:
 
 
 _BUCKET_LIKE = re.compile(r"^\d+-(\d+|inf)$")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # \ud800..\udfff in a JSON line
 
 
 def _note(msg: str) -> None:
@@ -96,10 +97,10 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
     for sdir in src_dirs:
         if sources and sdir.name not in sources:
             continue
-        files = sorted(set(sdir.rglob("*.jsonl")) | set(sdir.rglob("*.jsonl.gz")))
-        wanted = set(files)
-        other = sorted(str(f.relative_to(data)) for f in sdir.rglob("*")
-                       if f.is_file() and not f.name.startswith(".") and f not in wanted)
+        every = [f for f in sdir.rglob("*") if f.is_file()]  # one walk of the source's tree
+        files = sorted(f for f in every if f.name.endswith((".jsonl", ".jsonl.gz")))
+        other = sorted(str(f.relative_to(data)) for f in every
+                       if not f.name.endswith((".jsonl", ".jsonl.gz")) and not f.name.startswith("."))
         if other:
             _note(f"{len(other)} file(s) under {sdir} are not .jsonl/.jsonl.gz and are not read: {other[:5]}")
         if not files:
@@ -144,11 +145,12 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                 if not isinstance(rec["text"], str):
                     raise DataError(f"{path}:{lineno}: 'text' is {type(rec['text']).__name__}, "
                                     "expected a string")
-                try:
-                    rec["text"].encode("utf-8")
-                except UnicodeEncodeError as err:  # JSON may escape a lone surrogate (\ud800)
-                    raise DataError(f"{path}:{lineno}: 'text' is not valid Unicode ({err.reason} at "
-                                    f"character {err.start})") from None
+                if _SURROGATE_ESCAPE.search(line):  # only a JSON escape can make a lone surrogate
+                    try:
+                        rec["text"].encode("utf-8")
+                    except UnicodeEncodeError as err:
+                        raise DataError(f"{path}:{lineno}: 'text' is not valid Unicode ({err.reason} at "
+                                        f"character {err.start})") from None
                 yield lineno, rec["text"]
     except UnicodeDecodeError as err:
         raise DataError(f"{path}: cannot read: not UTF-8 ({err.reason}, byte 0x{err.object[err.start]:02x}); "

@@ -44,14 +44,18 @@ def write_tree(root: Path, seed: int = 0) -> dict[tuple[str, str], list[str]]:
             texts.setdefault((src, bucket), []).extend(docs)
             lines = "".join(json.dumps({"text": d, "meta": {"url": f"https://x/{i}", "dup": bucket}})
                             + "\n" for i, d in enumerate(docs))
-            path = root / "data" / src / bucket / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if name.endswith(".gz"):
-                with gzip.open(path, "wt") as f:
-                    f.write(lines)
-            else:
-                path.write_text(lines)
+            write_text_file(root / "data" / src / bucket / name, lines)
     return texts
+
+
+def write_text_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` (parents created), gzipped when the name ends in ``.gz``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
 
 
 # keep shard caches of these tests out of the user's ~/.cache/megaloop

@@ -7,7 +7,6 @@ on stderr what it skipped; nothing already written is lost or left marked comple
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import shutil
 from pathlib import Path
@@ -18,6 +17,7 @@ from megaloop.data import DataError
 from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
 from megaloop.data.mds_convert import ConvertConfig, convert_txt360
 from megaloop.data.txt360 import MixSpec
+from tests.data_prep.conftest import write_text_file
 
 SEQ = 16
 DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
@@ -26,13 +26,7 @@ DOC = json.dumps({"text": "The river runs north of the old city and under the go
 def _tree(root: Path, files: dict[str, str]) -> Path:
     """``files``: path under ``root/data`` -> content (``.gz`` names are gzipped)."""
     for rel, text in files.items():
-        p = root / "data" / rel
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if rel.endswith(".gz"):
-            with gzip.open(p, "wt") as f:
-                f.write(text)
-        else:
-            p.write_text(text)
+        write_text_file(root / "data" / rel, text)
     return root
 
 
