@@ -28,9 +28,10 @@ def parse_depths(text: str | Sequence[int]) -> list[int]:
         if isinstance(item, str) and not item.strip():
             continue
         try:
-            out.append(check_depth(int(item), "--depths"))
+            value = int(item)
         except ValueError:
             raise ConfigError(f"--depths: {item!r} is not an integer") from None
+        out.append(check_depth(value, "--depths"))  # its ConfigError names the bad depth
     if not out:
         raise ConfigError("--depths: no depth given")
     return sorted(set(out))

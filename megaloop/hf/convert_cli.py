@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_args(args) -> None:
+    """Before any loading: a sane --depth, and an --out that nothing else lives in (an HF export
+    written into a run or checkpoint directory would shadow its checkpoints for every later
+    ``--checkpoint RUN``). An earlier export (it holds megaloop_conversion.json) may be replaced."""
+    from megaloop.config_utils import ConfigError
+
+    if args.depth is not None and args.depth < 1:
+        raise ConfigError(f"--depth: must be >= 1, got {args.depth}")
+    out = Path(args.out)
+    if args.from_hf or not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
+    if any(out.iterdir()) and not (out / "megaloop_conversion.json").is_file():
+        raise ConfigError(f"--out {out} is not empty and is not an earlier megaloop export (no "
+                          "megaloop_conversion.json): choose a new or empty folder; nothing was written")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``megaloop convert``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
     from megaloop.errors import UserError, report
@@ -36,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        _check_args(args)
         if args.from_hf:
             print(f"wrote megaloop checkpoint {convert_from_hf(args.checkpoint, args.out)}")
             return 0

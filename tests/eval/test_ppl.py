@@ -57,8 +57,8 @@ def test_depth_sweep_table_and_plot(trained_engine, val_data, tmp_path):
     png = plot_sweep(res, tmp_path / "sweep.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert parse_depths("4,1,,2,4") == [1, 2, 4]
-    with pytest.raises(ConfigError, match="--depths"):
-        parse_depths("1,0")
+    with pytest.raises(ConfigError, match="--depths: recurrence depth must be an integer >= 1, got 0"):
+        parse_depths("1,0")  # the depth is named, not called "not an integer"
     with pytest.raises(ConfigError, match="--depths: 'x' is not an integer"):
         parse_depths("1,x")
 

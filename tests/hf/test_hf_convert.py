@@ -243,6 +243,15 @@ def test_cli_and_hf_roundtrip(megatron_world, converted, tmp_path):
     bf = MegaloopForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
     assert bf.dtype == torch.bfloat16
     assert cli.main(["--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
+    # an --out that holds something other than an earlier export, or a bad --depth: refused first
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    assert cli.main(["--checkpoint", str(item["ckpt"]), "--out", str(run_dir), "--no-validate"]) == 2
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints"]
+    assert cli.main(["--checkpoint", str(item["ckpt"]), "--out", str(tmp_path / "d0"), "--depth", "0"]) == 2
+    assert not (tmp_path / "d0").exists()
+    assert cli.main(["--checkpoint", str(item["ckpt"]), "--out", str(tmp_path / "bf16"), "--dtype", "bf16",
+                     "--no-validate"]) == 0  # re-exporting over an earlier export is allowed
     # HF (fp32 folder) → megaloop checkpoint → native model: same logits as the original native model
     ckpt = convert_from_hf(item["hf"], tmp_path / "back")
     native, *_ = load_native(ckpt)
