@@ -166,6 +166,12 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def step_of(path: Path) -> int:
+    """The step of a ``step_00000042`` directory (-1 for another name)."""
+    head, _, num = path.name.partition("_")
+    return int(num) if head == "step" and num.isdigit() else -1
+
+
 def is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file() and (path / "common.pt").is_file()
 
@@ -231,6 +237,18 @@ def verify_model_tensors(path: Path, model_chunks: list) -> None:
         raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts))
 
 
+def _load_failure(err: BaseException) -> str:
+    """One line for a failed ``dist_checkpointing.load``: torch's ``CheckpointException`` holds the
+    per-rank exceptions (a missing or truncated ``*.distcp`` file shows up there), so name the first."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, inner = next(iter(failures.items()))
+        inner = getattr(inner, "exc", inner)  # torch wraps each in a _WrappedException
+        text = str(inner).splitlines()[0] if str(inner) else ""
+        return f"{type(inner).__name__} on rank {rank}: {text} (a missing or damaged *.distcp / .metadata file?)"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
 class CheckpointManager:
     """Save/find/load checkpoints under ``root`` keeping the newest ``keep`` complete ones."""
 
@@ -239,11 +257,14 @@ class CheckpointManager:
         self.keep = keep
 
     # ------------------------------------------------------------ discovery
-    def complete_checkpoints(self) -> list[Path]:
+    def all_step_dirs(self) -> list[Path]:
+        """Every ``step_*`` directory under ``root`` (complete or not), oldest first."""
         if not self.root.is_dir():
             return []
-        dirs = [p for p in self.root.glob("step_*") if p.is_dir() and is_complete(p)]
-        return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
+        return sorted((p for p in self.root.glob("step_*") if p.is_dir() and step_of(p) >= 0), key=step_of)
+
+    def complete_checkpoints(self) -> list[Path]:
+        return [p for p in self.all_step_dirs() if is_complete(p)]
 
     def latest(self) -> Path | None:
         """Newest complete checkpoint: the one ``latest`` names, else the newest complete dir."""
@@ -288,22 +309,26 @@ class CheckpointManager:
             _atomic_write(self.root / "latest", final.name)
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
-            for old in self.complete_checkpoints()[:-self.keep]:
+            # keep the newest `keep` up to this step; never delete one newer than the checkpoint
+            # just written (a resume from an older step sets those aside first: run_dir.py)
+            older = [p for p in self.complete_checkpoints() if step_of(p) <= step]
+            for old in older[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
 
     # ------------------------------------------------------------ load
     def resolve(self, resume: str) -> Path | None:
-        """``auto`` -> latest complete (or None); a path -> that checkpoint, validated."""
+        """``auto`` -> latest complete (or None); a path -> that checkpoint (a ``step_*`` dir, or the
+        newest complete one of a ``checkpoints`` / run dir, as :func:`find_checkpoint`), validated."""
         if resume == "auto":
             return self.latest()
-        path = Path(resume)
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint {path} does not exist")
-        if not is_complete(path):
-            raise CheckpointError(f"checkpoint {path} is incomplete (no {META}/.metadata/common.pt): "
-                                  "it was interrupted while being written")
+        path = find_checkpoint(resume)
+        try:
+            json.loads((path / META).read_text())
+        except (OSError, ValueError) as err:
+            raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); "
+                                  "the checkpoint was not written by a finished save") from None
         return path
 
     @staticmethod
@@ -329,8 +354,7 @@ class CheckpointManager:
         except BaseException as err:  # torch's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"checkpoint {path} could not be read: {type(err).__name__}: "
-                                  f"{str(err).splitlines()[0] if str(err) else ''}") from err
+            raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err)}") from err
         for i, chunk in enumerate(model_chunks):
             load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:

@@ -29,16 +29,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
-from megaloop.runtime.exits import EXIT_REQUEUE
+from megaloop.runtime.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
 from megaloop.train.checkpoint import CheckpointManager
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
+from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_saved_optim,
+                                    set_aside_newer)
 from megaloop.train.schedule import build_scheduler
-
-EXIT_OK = 0
 
 
 class NonFiniteLossError(RuntimeError):
@@ -77,7 +77,13 @@ class Trainer:
         # checkpoint to resume and the depth sampler first: a bad --resume path or depth.init=from:PATH
         # fails before data and model are built (a resumed run's checkpoint brings its own prior)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+        self._lock = RunDirLock(self.run_dir)
+        self._lock.acquire(self.rank)  # one run per directory; released when run() ends
         resume_path = self.ckpt.resolve(self.resume) if self.resume else None
+        if self.resume is None:
+            check_fresh_start(self.ckpt, self.run_dir)
+        elif resume_path is not None:
+            check_resume_source(self.ckpt, self.run_dir, resume_path)
         init_state = None
         if cfg.depth.kind == "learned" and cfg.depth.init_from is not None and resume_path is None:
             from megaloop.train.prior_init import load_prior_init
@@ -229,6 +235,7 @@ class Trainer:
             self._check_saved_model(path, self.ckpt.saved_model_config(path))  # name the field if it is one
             raise
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
+        check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -254,6 +261,12 @@ class Trainer:
         states = common["loader"]
         self.loader.load_state_dict(states[self.dp_rank] if len(states) == self.dp else states[0])
         self.last_saved = self.step
+        if self.rank == 0:
+            for moved in set_aside_newer(self.ckpt, path):
+                print(f"resuming from an older step: {moved.name} moved to {moved.parent} (kept, not pruned)",
+                      flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
         if self.rank == 0:
             changed = getattr(self, "horizon_changed_from", None)
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
@@ -452,20 +465,39 @@ class Trainer:
 
     # ================================================================ loop
     def _on_signal(self, signum, _frame) -> None:
-        self._stop_signal = signum
+        if signum == signal.SIGINT:
+            if self._stop_signal == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if self.rank == 0:
+                print("\ninterrupted: checkpointing after the current step, then exiting "
+                      "(Ctrl-C again to stop at once without saving)", flush=True)
+        self._stop_signal = self._stop_signal or signum
 
-    def _should_stop_for_signal(self) -> bool:
-        flag = torch.tensor([1 if self._stop_signal else 0], dtype=torch.int32, device=self.device)
+    def _should_stop_for_signal(self) -> int:
+        """The signal some rank received (SIGINT counts over SIGTERM/SIGUSR1), 0 if none; collective."""
+        mine = 2 if self._stop_signal == signal.SIGINT else 1 if self._stop_signal else 0
+        flag = torch.tensor([mine], dtype=torch.int32, device=self.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return {0: 0, 1: int(signal.SIGTERM), 2: int(signal.SIGINT)}[int(flag.item())]
+
+    def close(self) -> None:
+        """Release the run directory (also done by ``run``)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.release()
 
     def run(self) -> int:
-        self.setup()
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        t = self.cfg.train
-        end = self._end_step()
+        """Train to the end step. Exit codes: 0 done; 75 (EXIT_REQUEUE) stopped by SIGTERM/SIGUSR1
+        after a checkpoint (resume me); 130 stopped by Ctrl-C after a checkpoint. A signal that
+        arrives during the last step (or its save) ends the run normally: it is complete."""
+        handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+        old = {s: signal.signal(s, self._on_signal) for s in handled}
         code = EXIT_OK
         try:
+            self.setup()
+            t = self.cfg.train
+            end = self._end_step()
             while self.step < end:
                 try:
                     rec = self.train_step()
@@ -479,16 +511,23 @@ class Trainer:
                     rec.update(self.evaluate())
                 if self.step % max(t.log_interval, 1) == 0 or self.step == end:
                     self.metrics.log(rec)
-                if self._should_stop_for_signal():
-                    self.metrics.message(f"signal received: checkpointing at step {self.step} and exiting")
-                    code = EXIT_REQUEUE
-                    break
                 if t.save_interval and self.step % t.save_interval == 0 and self.step != end:
                     self.save()
+                # checked after the save, so a signal that arrived during it costs no further step
+                sig = self._should_stop_for_signal() if self.step < end else 0
+                if sig:
+                    how = "interrupted" if sig == signal.SIGINT else "signal received"
+                    self.metrics.message(f"{how}: checkpointing at step {self.step} and exiting")
+                    code = EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_REQUEUE
+                    break
             if self.last_saved != self.step:
                 self.save()
+            if code == EXIT_OK and self._stop_signal:
+                self.metrics.message(f"signal received during the last step: the run is complete at step {self.step}")
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            self.metrics.close()
+            if getattr(self, "metrics", None) is not None:
+                self.metrics.close()
+            self.close()
         return code

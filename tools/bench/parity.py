@@ -124,6 +124,9 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
     from megaloop.hf.load import load_model
 
     run_dir = out_dir / f"run_{args.label}"
+    if (run_dir / "checkpoints").exists():
+        sys.exit(f"parity.py: {run_dir} holds an earlier run of label {args.label!r}: choose another --label "
+                 "or remove that directory (nothing was changed)")
     t = _trainer(args, overrides, run_dir)
     losses, depths = [], []
     t0 = time.perf_counter()

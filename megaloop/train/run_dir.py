@@ -1,0 +1,148 @@
+"""What a training run may do to its ``--run-dir`` before it trains: nothing already written is
+lost, and no setting is silently ignored.
+
+- :class:`RunDirLock`: one run per run directory (an exclusive ``flock`` on ``RUN/.megaloop.lock``
+  held by rank 0 for the run's lifetime; released by the kernel if the process dies).
+- :func:`check_fresh_start`: a run started without ``--resume`` refuses a directory that holds
+  another run's checkpoints (``--resume auto`` continues it).
+- :func:`check_resume_source` / :func:`set_aside_newer`: resuming from a checkpoint of this run
+  directory that is older than its newest moves the newer ones to ``checkpoints/superseded/``
+  (kept, never pruned) so the resumed run's saves and ``latest`` form one line of history;
+  resuming another directory's checkpoint into a directory holding checkpoints is refused.
+- :func:`check_saved_optim`: the ``optim.*`` fields the checkpoint's optimizer and scheduler
+  state would override on load must equal the checkpoint's, else one line names each field.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from megaloop.config_utils import ConfigError
+from megaloop.train.checkpoint import CheckpointError, CheckpointManager, step_of
+
+LOCK_NAME = ".megaloop.lock"
+# optimizer/scheduler fields a checkpoint restores on load (param groups, scheduler state); a new
+# value would be ignored, so a resume must keep them. clip_grad is read from the config each step.
+RESTORED_OPTIM_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "schedule",
+                         "warmup_steps", "decay_fraction", "decay_style")
+
+
+class RunDirError(CheckpointError):
+    """The run directory is in use or holds another run's checkpoints; the message names it."""
+
+
+def _agree(ok: bool) -> bool:
+    """True on every rank iff ``ok`` on every rank (one all-reduce; no-op without a process group)."""
+    if not torch.distributed.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    if torch.distributed.get_backend() == "nccl":
+        flag = flag.cuda()
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+class RunDirLock:
+    """Exclusive lock on ``run_dir`` taken by rank 0 (``acquire`` is collective: every rank raises
+    :class:`RunDirError` when rank 0 could not take it)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self.fd: int | None = None
+
+    def acquire(self, rank: int) -> None:
+        holder, taken = "", False
+        if rank == 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held by another process
+                os.close(fd)
+                taken = True
+                try:
+                    holder = self.path.read_text().strip()
+                except OSError:
+                    holder = ""
+            except OSError as err:  # a filesystem without flock: run unlocked, say so
+                os.close(fd)
+                print(f"warning: {self.path}: could not lock the run directory ({err.strerror}); "
+                      "make sure no other run uses it", flush=True)
+            else:
+                self.fd = fd
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        if not _agree(not taken):
+            who = f" ({holder})" if holder else ""
+            raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "
+                              f"to end or choose another --run-dir (lock {self.path})")
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor drops the flock
+            self.fd = None
+
+
+def check_fresh_start(ckpt: CheckpointManager, run_dir: Path) -> None:
+    """A run started without ``--resume`` must not write into a directory holding checkpoints."""
+    done = ckpt.complete_checkpoints()
+    if done:
+        raise RunDirError(f"--run-dir {run_dir} already holds a run's checkpoints (newest {done[-1].name}): "
+                          "continue it with --resume auto (or --resume PATH), or choose another --run-dir; "
+                          "nothing there was changed")
+
+
+def check_resume_source(ckpt: CheckpointManager, run_dir: Path, path: Path) -> None:
+    """Resuming ``path`` into ``run_dir``: a checkpoint from elsewhere needs a directory without
+    checkpoints (its saves and pruning would otherwise mix two runs' histories)."""
+    done = ckpt.complete_checkpoints()
+    if done and path.resolve().parent != ckpt.root.resolve():
+        raise RunDirError(f"--resume {path} is not a checkpoint of --run-dir {run_dir}, which holds another run's "
+                          f"checkpoints (newest {done[-1].name}): resume it into an empty --run-dir, "
+                          "or resume this directory's own checkpoints")
+
+
+def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
+    """Move the checkpoints of ``ckpt.root`` newer than ``path`` (one of its own) into
+    ``root/superseded/`` and point ``latest`` at ``path``; returns the new locations. Rank 0 only."""
+    if path.resolve().parent != ckpt.root.resolve():
+        return []
+    step = step_of(path)
+    newer = [p for p in ckpt.all_step_dirs() if step_of(p) > step]
+    moved = []
+    if newer:
+        dest = ckpt.root / "superseded"
+        dest.mkdir(exist_ok=True)
+        for p in newer:
+            target = dest / p.name
+            if target.exists():
+                target = dest / f"{p.name}.{int(time.time())}"
+            shutil.move(str(p), str(target))
+            moved.append(target)
+    if moved or (ckpt.root / "latest").is_file():
+        from megaloop.runtime.files import atomic_write_text
+
+        atomic_write_text(ckpt.root / "latest", path.name)
+    return moved
+
+
+def check_saved_optim(path: Path, saved: dict, optim) -> None:
+    """Refuse a resume whose ``optim.*`` differs from the checkpoint's in a field the checkpoint's
+    optimizer/scheduler state would override (the new value would be silently ignored)."""
+    if not saved:
+        return  # a checkpoint written before configs were stored with it: nothing to compare
+    diffs = [(k, saved[k], getattr(optim, k)) for k in RESTORED_OPTIM_FIELDS
+             if k in saved and saved[k] != getattr(optim, k)]
+    if diffs:
+        what = ", ".join(f"optim.{k}={old!r} (this run: {new!r})" for k, old, new in diffs)
+        keep = " ".join(f"optim.{k}={old}" for k, old, _ in diffs)
+        raise ConfigError(f"checkpoint {path} was trained with {what}; its optimizer and schedule state would "
+                          f"override the new value(s). Resume with {keep}, or extend the horizon with "
+                          "train.max_steps alone")

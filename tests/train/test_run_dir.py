@@ -1,0 +1,119 @@
+"""What a run may do to its --run-dir: nothing already written is lost, no setting silently ignored."""
+
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+from tests.conftest import ROOT
+from tests.train.helpers import env, metrics, run_train, train_cmd
+
+
+def _snapshot(d):
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != ".megaloop.lock"}
+
+
+def _one_error_line(proc):
+    lines = [l for l in proc.stderr.splitlines() if l.strip() and "warn" not in l.lower()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_fresh_run_into_a_directory_with_checkpoints_is_refused(tmp_path):
+    run_train(tmp_path, "train.max_steps=2", "train.save_interval=0")
+    before = _snapshot(tmp_path)
+    proc = run_train(tmp_path, "train.max_steps=2", "train.save_interval=0", expect=2)
+    line = _one_error_line(proc)
+    assert str(tmp_path) in line and "step_00000002" in line and "--resume auto" in line
+    assert _snapshot(tmp_path) == before  # metrics.jsonl, config.yaml and the checkpoint untouched
+
+
+def test_resume_from_an_older_step_keeps_the_newer_checkpoints(tmp_path):
+    """Resuming step 2 of a run that reached step 4 sets step 4 aside (not pruned, not overwritten)
+    and the resumed run's own saves survive pruning (keep=1), with `latest` naming the last one."""
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=2")
+    ck = tmp_path / "checkpoints"
+    step4 = _snapshot(ck / "step_00000004")
+    proc = run_train(tmp_path, "train.max_steps=4", "train.save_interval=1", "train.keep_checkpoints=1",
+                     "train.stop_after=3", resume=str(ck / "step_00000002"))
+    assert "step_00000004 moved to" in proc.stdout
+    assert _snapshot(ck / "superseded" / "step_00000004") == step4
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000003"]
+    assert (ck / "latest").read_text().strip() == "step_00000003"
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=1", "train.keep_checkpoints=1",
+              resume="auto")
+    assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004"]
+    assert (ck / "superseded" / "step_00000004").is_dir()
+
+
+def test_resume_paths_and_foreign_checkpoints(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, "train.max_steps=2", "train.save_interval=0")
+    run_train(b, "train.max_steps=2", "train.save_interval=0")
+    before = _snapshot(b)
+    # another directory's checkpoint into a directory holding checkpoints
+    line = _one_error_line(run_train(b, "train.max_steps=3", resume=str(a / "checkpoints" / "step_00000002"),
+                                     expect=2))
+    assert "is not a checkpoint of --run-dir" in line and str(b) in line
+    assert _snapshot(b) == before
+    # a run dir or checkpoints dir resolves to its newest checkpoint; a file or an empty dir is named
+    c = tmp_path / "c"
+    proc = run_train(c, "train.max_steps=3", "train.save_interval=0", resume=str(a))
+    assert "resumed from" in proc.stdout and "step_00000002" in proc.stdout
+    (tmp_path / "afile").write_text("x")
+    assert "is not a directory" in _one_error_line(run_train(tmp_path / "d", resume=str(tmp_path / "afile"),
+                                                             expect=2))
+    (tmp_path / "empty").mkdir()
+    assert "is not a megaloop checkpoint" in _one_error_line(run_train(tmp_path / "d", resume=str(tmp_path / "empty"),
+                                                                       expect=2))
+
+
+def test_changed_optim_settings_on_resume_are_refused(tmp_path):
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=0", "train.stop_after=2")
+    before = _snapshot(tmp_path)
+    line = _one_error_line(run_train(tmp_path, "train.max_steps=4", "optim.lr=0.001", "optim.schedule=cosine",
+                                     resume="auto", expect=2))
+    assert "optim.lr=0.003" in line and "optim.schedule='wsd'" in line and "this run: 0.001" in line
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_run_directory_in_use_is_refused(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    fd = os.open(tmp_path / ".megaloop.lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"pid 4242 on somehost\n")
+        line = _one_error_line(run_train(tmp_path, "train.max_steps=2", expect=2))
+        assert "another megaloop run is using it" in line and "pid 4242" in line
+        assert not (tmp_path / "metrics.jsonl").exists()
+    finally:
+        os.close(fd)
+    run_train(tmp_path, "train.max_steps=2", "train.save_interval=0")  # free again
+
+
+def test_ctrl_c_checkpoints_and_exits_130_then_resumes_exactly(tmp_path):
+    steps = ["train.max_steps=8", "train.save_interval=0"]
+    full = tmp_path / "full"
+    run_train(full, *steps)
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen(train_cmd(cut, *steps), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = cut / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (out + err)[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted: checkpointing at step" in out
+    stopped = metrics(cut)[-1]["step"]
+    assert 3 <= stopped < 8 and (cut / "checkpoints" / f"step_{stopped:08d}" / "megaloop.json").is_file()
+    run_train(cut, *steps, resume="auto")
+    keys = ("step", "loss", "depths", "lr")
+    assert [{k: r[k] for k in keys} for r in metrics(cut)] == [{k: r[k] for k in keys} for r in metrics(full)]
+    shutil.rmtree(full)
