@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import ROOT, clean_env
@@ -39,3 +40,16 @@ def run_train(run_dir: Path, *overrides: str, nproc: int = 1, resume: str | None
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+
+
+def signal_after(run_dir: Path, sig: int, *overrides: str, lines: int = 3) -> tuple[int, str, str]:
+    """Start a run, send ``sig`` once ``lines`` steps are logged; (exit code, stdout, stderr)."""
+    proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    log = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < lines):
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err

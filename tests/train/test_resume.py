@@ -3,13 +3,10 @@
 import math
 import shutil
 import signal
-import subprocess
-import time
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.train.helpers import env, metrics, run_train, train_cmd
+from tests.train.helpers import metrics, run_train, signal_after
 
 STEPS = ["train.max_steps=8", "train.save_interval=0"]
 
@@ -73,18 +70,22 @@ def test_bf16_distributed_optimizer_resume_is_bitwise(tmp_path):
 
 
 def test_sigterm_checkpoints_and_requeues(tmp_path, uninterrupted):
-    proc = subprocess.Popen(train_cmd(tmp_path, *STEPS, "train.max_steps=8"), cwd=ROOT, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    log = tmp_path / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 75, out[-3000:]
+    code, out, err = signal_after(tmp_path, signal.SIGTERM, *STEPS)
+    assert code == 75, (out + err)[-3000:]
     stopped_at = metrics(tmp_path)[-1]["step"]
     assert 3 <= stopped_at < 8
     assert (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "megaloop.json").is_file()
+    run_train(tmp_path, *STEPS, resume="auto")
+    _same(metrics(tmp_path), uninterrupted)
+
+
+def test_ctrl_c_checkpoints_and_exits_130_then_resumes_exactly(tmp_path, uninterrupted):
+    code, out, err = signal_after(tmp_path, signal.SIGINT, *STEPS)
+    assert code == 130, (out + err)[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted: checkpointing at step" in out
+    stopped = metrics(tmp_path)[-1]["step"]
+    assert 3 <= stopped < 8 and (tmp_path / "checkpoints" / f"step_{stopped:08d}" / "megaloop.json").is_file()
     run_train(tmp_path, *STEPS, resume="auto")
     _same(metrics(tmp_path), uninterrupted)
 
