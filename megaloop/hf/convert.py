@@ -563,5 +563,29 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     sd = hf_to_native_state_dict(model.state_dict(), cfg)
     load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
     run = RunConfig(model=mcfg)
+    run.train.eval_depth = int(cfg.num_recurrences)  # the folder's default depth stays the default
+    out_root = Path(out_root)
+    _keep_hf_tokenizer(hf_dir, out_root)
     return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                          "source": str(hf_dir)})
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _keep_hf_tokenizer(hf_dir: Path, out_root: Path) -> None:
+    """Copy the folder's tokenizer into the run directory of ``out_root`` (``RUN/checkpoints`` ->
+    ``RUN/``), where :func:`find_tokenizer` looks first, so the converted checkpoint keeps the
+    tokenizer it was exported with instead of falling back to the embedded default. A different
+    tokenizer already there is refused, never overwritten."""
+    if not (hf_dir / "tokenizer.json").is_file() or out_root.name != "checkpoints":
+        return
+    run_dir = out_root.parent
+    for name in TOKENIZER_FILES:
+        src, dst = hf_dir / name, run_dir / name
+        if src.is_file() and dst.is_file() and dst.read_bytes() != src.read_bytes():
+            raise ConversionError(f"{dst} exists and differs from {src}: convert into another run directory")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, run_dir / name)

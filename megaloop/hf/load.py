@@ -78,6 +78,9 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
     if not any(p.iterdir()):
         raise ConfigError(f"{flag} {p}: is an empty directory, not an HF folder or a megaloop checkpoint")
     if is_hf_folder(p):
+        if not any((p / name).is_file() for name in HF_WEIGHT_FILES):
+            raise ConfigError(f"{flag} {p}: an HF folder (config.json) without weights "
+                              f"({' / '.join(HF_WEIGHT_FILES[:2])}): an interrupted or partial export?")
         return "hf"
     try:
         find_checkpoint(p)
@@ -117,7 +120,14 @@ def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num
     return LoadedModel(model, source)
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "pytorch_model.bin.index.json")
+
+
 def _from_hf(path: Path, dtype: torch.dtype):
+    if not any((path / name).is_file() for name in HF_WEIGHT_FILES):
+        raise ConfigError(f"HF folder {path} has a megaloop config.json but no weights "
+                              f"({' / '.join(HF_WEIGHT_FILES[:2])}): an interrupted or partial export?")
     model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
     tok = path / "tokenizer.json"
     return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,

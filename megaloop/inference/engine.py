@@ -182,7 +182,12 @@ class InferenceEngine:
 
         model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind, student=student)
         tok = tokenizer or source["tokenizer"]
-        return cls(model, Tokenizer(tok) if tok else None, source=source, **kwargs)
+        tk = Tokenizer(tok) if tok else None
+        real = int(model.config.tokenizer_vocab_size)
+        if tokenizer and tk is not None and tk.vocab_size > real:
+            raise ConfigError(f"--tokenizer {tokenizer}: its vocabulary ({tk.vocab_size} tokens) is larger than the "
+                              f"model's ({real}), so it is not the tokenizer the model was trained with")
+        return cls(model, tk, source=source, **kwargs)
 
     @classmethod
     def from_checkpoint(cls, path: Union[str, Path], **kwargs) -> "InferenceEngine":

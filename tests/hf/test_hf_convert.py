@@ -259,3 +259,14 @@ def test_cli_and_hf_roundtrip(megatron_world, converted, tmp_path):
     with torch.no_grad():
         err = (native(ids, depth=5) - item["logits"]).abs().max().item()
     assert err < 1e-5, f"HF → megaloop round trip: {err:.2e}"
+    # into RUN/checkpoints: the folder's tokenizer lands in RUN/ (found before the embedded default)
+    # and its default depth becomes the run's eval depth
+    from megaloop.hf.convert import find_tokenizer
+
+    back = convert_from_hf(item["hf"], tmp_path / "run_back" / "checkpoints")
+    _, _, run_cfg, _, _ = load_native(back)
+    hf_cfg = json.loads((item["hf"] / "config.json").read_text())
+    assert run_cfg["train"]["eval_depth"] == hf_cfg["num_recurrences"]
+    tok = find_tokenizer(run_cfg, back)
+    assert tok == tmp_path / "run_back" / "tokenizer.json"
+    assert tok.read_bytes() == (item["hf"] / "tokenizer.json").read_bytes()

@@ -92,3 +92,29 @@ def test_kind_and_flag_checks(checkpoint, tmp_path):
         check_model_path(tmp_path / "none", "--teacher")
     with pytest.raises(ConfigError, match="--dtype: unknown dtype 'fp8'"):
         load_model(run, dtype="fp8")
+    # an HF folder whose weights are missing (a partial export) is named, not a from_pretrained traceback
+    bare = tmp_path / "hf_no_weights"
+    bare.mkdir()
+    (bare / "config.json").write_text('{"model_type": "megaloop"}')
+    with pytest.raises(ConfigError, match="--model .*hf_no_weights: an HF folder .* without weights"):
+        check_model_path(bare)
+    with pytest.raises(ConfigError, match="hf_no_weights has a megaloop config.json but no weights"):
+        load_model(bare)
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, tmp_path):
+    """--tokenizer with more tokens than the model's vocabulary cannot be the one it was trained
+    with: named as --tokenizer before any prompt is encoded (not blamed on the prompt)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.inference.engine import InferenceEngine
+
+    run, *_ = checkpoint
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, VOCAB + 50)}}
+    big = tmp_path / "big" / "tokenizer.json"
+    big.parent.mkdir()
+    HFTokenizer(WordLevel(vocab, unk_token="<|endoftext|>")).save(str(big))
+    with pytest.raises(ConfigError, match=f"--tokenizer {big}: its vocabulary \\({VOCAB + 50} tokens\\) is larger"):
+        InferenceEngine.load(run, tokenizer=str(big), validate=False)
