@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -66,10 +67,37 @@ def check_engine_args(args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(int(args.threads))
+    if getattr(args, "exit", None):  # the criterion and depths (the decode depth is known after loading)
+        from megaloop.inference.adaptive import exit_policy
+
+        exit_policy(args.exit, min_depth=args.min_depth, max_depth=args.max_depth,
+                    default_max_depth=max(args.min_depth or 2, 2), finished_rows=args.finished_rows)
+    tok = getattr(args, "tokenizer", None)
+    if tok and not Path(tok).exists():
+        raise ConfigError(f"--tokenizer {tok}: no such file or directory (a tokenizer.json, a SentencePiece "
+                          ".model, or a folder holding one)")
+    check_out_file(getattr(args, "json", None), "--json")
     if not Path(args.checkpoint).exists() and "://" not in args.checkpoint:
         from megaloop.train.checkpoint import CheckpointError
 
         raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
+
+
+def check_out_file(path: Optional[str], flag: str) -> None:
+    """An output file path that can be written: not a directory, and its nearest existing ancestor
+    a writable directory (so a long evaluation does not fail at its very end)."""
+    if not path:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"{flag} {p}: is a directory, not a file path")
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {p}: {parent} is a file, so the path cannot be created")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag} {p}: {parent} is not writable")
 
 
 def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):

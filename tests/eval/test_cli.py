@@ -87,6 +87,12 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "sweep", "--checkpoint", "{run}", "--prefill-depth", "3"], "--prefill-depth: applies to"),
     (["eval", "sweep", "--checkpoint", "{run}", "--sharing", "--decode-depth", "3"],
      "--decode-depth: eval sweep decodes each row at its own depth"),
+    # cheap options are checked before the checkpoint (here missing) is even looked at
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "foo:1"], "--exit:"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--tokenizer", "{missing}/t.json"],
+     "--tokenizer {missing}/t.json: no such file or directory"),
+    (["eval", "ppl", "--checkpoint", "{missing}", "--json", "{short}/out.json"],
+     "--json {short}/out.json: {short} is a file, so the path cannot be created"),
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):
     (tmp_path / "short.txt").write_text("A few words only.")
