@@ -217,7 +217,8 @@ def verify_model_tensors(path: Path, model_chunks: list) -> None:
     except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"checkpoint {path}: tensor metadata could not be read: {type(err).__name__}") from err
+        raise CheckpointError(f"checkpoint {path}: tensor metadata (.metadata) could not be read: "
+                              f"{_load_failure(err)}") from err
     expected: dict[str, tuple | None] = {}
     for t in nested_values(sharded_state(model_chunks, None, is_loading=True)):
         if isinstance(t, ShardedTensor):
@@ -244,8 +245,10 @@ def _load_failure(err: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         rank, inner = next(iter(failures.items()))
         inner = getattr(inner, "exc", inner)  # torch wraps each in a _WrappedException
-        text = str(inner).splitlines()[0] if str(inner) else ""
-        return f"{type(inner).__name__} on rank {rank}: {text} (a missing or damaged *.distcp / .metadata file?)"
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            inner = inner[0]  # or keeps (exception, traceback frames)
+        text = f": {str(inner).splitlines()[0]}" if str(inner) else ""
+        return f"{type(inner).__name__} on rank {rank}{text} (a missing or damaged *.distcp / .metadata file?)"
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
