@@ -85,10 +85,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
     args = parse_args(argv)
     from megaloop.errors import UserError, report
-    from megaloop.train.trainer import NonFiniteLossError
 
     try:
+        from megaloop.train.trainer import NonFiniteLossError  # heavy (megatron): inside, for Ctrl-C
+
         code = args.fn(args)
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one during it
+        print("megaloop: interrupted (no checkpoint written by this interrupt)", file=sys.stderr)
+        code = 130
     except UserError as err:
         code = report(err)
     except NonFiniteLossError as err:

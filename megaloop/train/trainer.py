@@ -491,11 +491,15 @@ class Trainer:
         """Train to the end step. Exit codes: 0 done; 75 (EXIT_REQUEUE) stopped by SIGTERM/SIGUSR1
         after a checkpoint (resume me); 130 stopped by Ctrl-C after a checkpoint. A signal that
         arrives during the last step (or its save) ends the run normally: it is complete."""
+        try:
+            self.setup()  # Ctrl-C here interrupts at once: nothing to save yet
+        except BaseException:
+            self.close()
+            raise
         handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
         old = {s: signal.signal(s, self._on_signal) for s in handled}
         code = EXIT_OK
         try:
-            self.setup()
             t = self.cfg.train
             end = self._end_step()
             while self.step < end:
@@ -527,7 +531,6 @@ class Trainer:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
-            if getattr(self, "metrics", None) is not None:
-                self.metrics.close()
+            self.metrics.close()
             self.close()
         return code
