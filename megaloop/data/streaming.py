@@ -139,9 +139,6 @@ def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
         local = _fetch_remote(path, "manifest.json", Path(cache_dir or default_cache_dir()))
         return _read_json(local, f"{path}/manifest.json is missing")
     d = Path(path)
-    if d.is_file():
-        raise DataError(f"{d} is a file, not a megaloop MDS dataset directory (text files, "
-                        "*.txt, *.raw, *.text, *.jsonl[.gz] or *.parquet, are read by eval only)")
     if not d.is_dir():
         raise DataError(f"dataset directory {d} does not exist")
     m = d / "manifest.json"

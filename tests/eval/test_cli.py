@@ -76,8 +76,6 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "fixed-point", "--checkpoint", "{run}", "--max-steps", "2000"], "at most 1024 recurrences"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{missing}"], "--data: {missing} does not exist"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{short}"], "--data: {short} tokenises to"),
-    (["eval", "ppl", "--checkpoint", "{run}", "--data", "{short}.bin"],
-     "{short}.bin is a file, not a megaloop MDS dataset directory"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{text}", "--prefix-len", "128"],
      "--prefix-len: must be in [1, 128)"),
     (["eval", "fixed-point", "--checkpoint", "{run}", "--data", "{text}", "--per-source", "4"],
@@ -98,7 +96,6 @@ def test_generate_command(cli, trained_run, tmp_path):
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):
     (tmp_path / "short.txt").write_text("A few words only.")
-    (tmp_path / "short.txt.bin").write_bytes(bytes(range(256)))
     fill = {"missing": str(tmp_path / "missing"), "run": str(trained_run), "short": str(tmp_path / "short.txt"),
             "text": str(TEXT)}
     code, _, err = cli(*[a.format(**fill) for a in argv])
