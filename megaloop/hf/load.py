@@ -78,9 +78,6 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
     if not any(p.iterdir()):
         raise ConfigError(f"{flag} {p}: is an empty directory, not an HF folder or a megaloop checkpoint")
     if is_hf_folder(p):
-        if not any((p / name).is_file() for name in HF_WEIGHT_FILES):
-            raise ConfigError(f"{flag} {p}: an HF folder (config.json) without weights "
-                              f"({' / '.join(HF_WEIGHT_FILES[:2])}): an interrupted or partial export?")
         return "hf"
     try:
         find_checkpoint(p)
