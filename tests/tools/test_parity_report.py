@@ -98,3 +98,23 @@ def test_repeated_init_seed_is_reported_not_spread(tmp_path: Path, capsys) -> No
         (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
     assert "Init-draw spread" not in _parity().render(tmp_path).read_text()
     assert "no init-draw spread for rerun, run" in capsys.readouterr().err
+
+
+def test_reference_mean_recurrence_matches_the_training_mean_depth() -> None:
+    """Huginn's sampler draws Poisson(λ) + 1 with E[λ] = mean_recurrence: matched passes one less."""
+    import argparse
+
+    import pytest
+
+    mod = _parity()
+
+    def ns(system: str, mean: float, law: str = "matched") -> argparse.Namespace:
+        return argparse.Namespace(system=system, mean_depth=mean, huginn_mean=law)
+
+    assert mod.reference_mean_recurrence(ns("huginn", 5.0)) == 4
+    assert mod.reference_mean_recurrence(ns("huginn", 5.0, "native")) == 5
+    assert mod.reference_mean_recurrence(ns("parcae", 5.0)) == 5
+    with pytest.raises(SystemExit, match="--mean-depth: the references take an integer"):
+        mod.reference_mean_recurrence(ns("parcae", 5.5))
+    with pytest.raises(SystemExit, match="--mean-depth: Huginn's sampler has E\\[R\\] >= 2"):
+        mod.reference_mean_recurrence(ns("huginn", 1.0))

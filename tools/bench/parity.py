@@ -16,7 +16,8 @@ the same order; AdamW (β 0.9/0.95, wd 0.1 on matrices, ε 1e-8), gradient clipp
 warm-up over 10 % of the steps, constant, linear decay to 0 over the last 20 %, the same LR per
 update as megaloop's scheduler, see ``parity_refs.wsd_lr``); mean depth ``--mean-depth`` with a
 TBPTT window ``--bptt-window``, each system with its own depth sampler (megaloop: PLN per
-microbatch unless the preset says otherwise; Huginn: poisson-lognormal-filling per step; Parcae:
+microbatch unless the preset says otherwise; Huginn: poisson-lognormal-filling per step, its
+``mean_recurrence`` set so that E[R] = ``--mean-depth`` (``--huginn-mean``); Parcae:
 poisson-truncated-full per sequence). Validation: megaloop's whole validation split at every R in
 ``--depths`` (same tokens, labels and loss mask for every system; the evaluation-time state init of
 each system). Diagnostics: :mod:`megaloop.eval.states` on the first ``--trace-seqs`` validation
@@ -159,9 +160,10 @@ def run_reference(args, out_dir: Path) -> dict:
 
     t = _trainer(args, [], out_dir / f"run_{args.label}")  # megaloop's loaders and validation plan only
     m = t.cfg.model
+    mean_rec = reference_mean_recurrence(args)
     shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
                   n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
-                  mean_depth=int(args.mean_depth), bptt_window=args.bptt_window)
+                  mean_depth=mean_rec, bptt_window=args.bptt_window)
     ref = load_reference(args.system, args.ref_path, shape, args.init_seed)  # seeds its initial weights
     decay, no_decay = [], []
     for name, p in ref.model.named_parameters():
@@ -208,7 +210,23 @@ def run_reference(args, out_dir: Path) -> dict:
     ids, mask = _trace_ids(val_batches, args.trace_seqs)
     diag = state_diagnostics(mask=mask, **ref.trace(ids, args.trace_depth))
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
-            "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name}
+            "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name,
+            "reference_mean_recurrence": mean_rec,
+            "huginn_mean": args.huginn_mean if args.system == "huginn" else None}
+
+
+def reference_mean_recurrence(args) -> int:
+    """The reference's ``mean_recurrence`` setting for a training mean depth of ``--mean-depth``.
+    Parcae's sampler has that mean; Huginn's ``poisson-lognormal-filling`` draws Poisson(λ) + 1 with
+    E[λ] = mean_recurrence, so ``--huginn-mean matched`` passes one less (see ``--huginn-mean``)."""
+    mean = int(args.mean_depth)
+    if mean != args.mean_depth:
+        raise SystemExit(f"--mean-depth: the references take an integer mean depth, got {args.mean_depth}")
+    if args.system == "huginn" and args.huginn_mean == "matched":
+        if mean < 2:
+            raise SystemExit(f"--mean-depth: Huginn's sampler has E[R] >= 2 (Poisson + 1), got {args.mean_depth}")
+        return mean - 1
+    return mean
 
 
 def check_forward(args, out_dir: Path) -> tuple[dict, bool]:
@@ -276,7 +294,8 @@ LEGACY_VALUES = {"qk_norm_gain": True}
 def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
     """Groups of >= 2 results that differ only in their initial weights (``--init-seed``): same
     system, steps, batch seed, and for megaloop the same model config and depth draws (so the same
-    depth law); a reference: same commit."""
+    depth law); a reference: same commit and ``mean_recurrence`` setting (results made before it was
+    recorded all used 5, the default ``--mean-depth`` under ``--huginn-mean native``)."""
     def off_dropped(cfg):  # an option a later release added reads as absent at its old behaviour
         return ({k: off_dropped(v) for k, v in cfg.items()
                  if (v != LEGACY_VALUES[k] if k in LEGACY_VALUES else v is not None and v is not False)}
@@ -285,7 +304,7 @@ def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
     groups: dict[str, list[dict]] = {}
     for r in res:
         what = ([off_dropped(r.get("config")), r.get("depths")] if r["system"] == "megaloop"
-                else r.get("reference_commit"))
+                else [r.get("reference_commit"), r.get("reference_mean_recurrence", 5)])
         groups.setdefault(json.dumps([r["system"], r["steps"], r.get("seed"), what], sort_keys=True), []).append(r)
     out = []
     for g in (g for g in groups.values() if len(g) >= 2):
@@ -403,7 +422,9 @@ def render(out_dir: Path) -> Path:
                      f"{rows[3]['rel_change']:.3g} | {rows[1]['state_share']:.3f} | {r['states']['rms_e']:.3g} | "
                      f"{rows[-1]['rms_h']:.3g} | {rows[2]['contraction']:.3g} |")
     lines += _spread_table(res)
-    lines += ["", "Commands:", ""] + [f"- `{r['command']}`" for r in res]
+    lines += ["", "Commands:", ""] + [f"- `{r['command']}`" + (f" (run as `{r['command_as_run']}` before "
+                                                             "an option changed; the same settings)"
+                                                             if r.get("command_as_run") else "") for r in res]
     refs = {r["system"]: r.get("reference_commit") for r in res if r.get("reference_commit")}
     if refs:
         lines += ["", "References: " + ", ".join(f"{k} at commit {v}" for k, v in sorted(refs.items()))]
@@ -447,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
                         "reference: torch's seed before it builds its model, so also its training-time "
                         "h^0 draws); batches, depth draws and evaluation noise stay those of --seed")
     p.add_argument("--mean-depth", type=float, default=5.0)
+    p.add_argument("--huginn-mean", choices=("matched", "native"), default="matched",
+                   help="Huginn's sampler draws R = Poisson(λ) + 1 with E[λ] = its mean_recurrence, so "
+                        "E[R] = mean_recurrence + 1. matched (default): mean_recurrence = --mean-depth - 1, "
+                        "the same mean depth as the other systems; native: mean_recurrence = --mean-depth "
+                        "(E[R] one higher; every Huginn result before this option existed)")
     p.add_argument("--bptt-window", type=int, default=4)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 5, 64])
     p.add_argument("--zero-init-depths", type=int, nargs="+", default=[1, 5],
@@ -474,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         from parity_refs import reference_root
 
         reference_root(args.system, args.ref_path)  # before any training or loading
+        reference_mean_recurrence(args)
     if args.check_forward and args.system == "megaloop":
         p.error("--check-forward: --system must name the reference (huginn or parcae)")
     if args.check_forward and not Path(args.check_forward).exists():
