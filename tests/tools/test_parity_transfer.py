@@ -101,6 +101,18 @@ def test_check_forward_refuses_bad_arguments(tmp_path, capsys) -> None:
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_check_training_refuses_bad_arguments(tmp_path, capsys) -> None:
+    import parity
+
+    for argv, msg in ((["--system", "parcae", "--ref-path", str(tmp_path)], "--system must be huginn"),
+                      (["--system", "huginn", "--ref-path", str(tmp_path), "--steps", "10"], "must lie in [1, --steps=10]"),
+                      (["--system", "huginn", "--ref-path", str(tmp_path), "--check-depth", "0"], "--check-depth: must be >= 1")):
+        with pytest.raises(SystemExit):
+            parity.main(["--check-training", "20", "--out", str(tmp_path / "o")] + argv)
+        assert msg in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
 def test_report_of_a_folder_without_training_results_says_so(tmp_path) -> None:
     import parity
 

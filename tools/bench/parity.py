@@ -9,6 +9,7 @@ in ``OUT`` as ``OUT/parity.md`` (tables) and ``OUT/parity.png`` (loss curves, PP
     python tools/bench/parity.py --system huginn --ref-path PATH/recurrent-pretraining --steps 800 --out DIR
     python tools/bench/parity.py --system parcae --ref-path PATH/parcae --steps 800 --out DIR
     python tools/bench/parity.py --report DIR
+    python tools/bench/parity.py --check-training 20 --system huginn --preset huginn_matched --ref-path PATH --out DIR
 
 The protocol (every system): megaloop's own train loader over the chosen data (default: the
 embedded corpus) with the run's seed (``--init-seed`` re-draws only the initial weights), ``--batch`` sequences of the preset's ``seq_len`` per step in
@@ -399,7 +400,7 @@ def render(out_dir: Path) -> Path:
     import matplotlib.pyplot as plt
 
     res = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
-    res = [r for r in res if "losses" in r]  # not --check-forward results
+    res = [r for r in res if "losses" in r]  # not --check-forward/--check-training results
     if not res:
         raise SystemExit(f"--report {out_dir}: no training results there (*.json written by a training run)")
     lines = ["| run | system | steps | train loss (mean last 10) | " +
@@ -487,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                         "config) into --system's reference and compare logits at --depths from h^0 = 0; "
                         "writes OUT/<label>.json, exits 1 if they differ by more than --forward-tol")
     p.add_argument("--forward-tol", type=float, default=1e-3, help="max |logit difference| for --check-forward")
+    p.add_argument("--check-training", metavar="STEPS", type=int,
+                   help="train --preset (a Huginn-matched config) and Huginn's code from the same initial "
+                        "weights, batches and fixed depth with h^0 = 0 for the first STEPS steps of the "
+                        "--steps protocol and compare the per-step losses (parity_train_check.py); writes "
+                        "OUT/<label>.json, exits 1 if they differ by more than --train-tol")
+    p.add_argument("--check-depth", type=int, default=5, help="the fixed depth of --check-training")
+    p.add_argument("--train-tol", type=float, default=1e-3, help="max |loss difference| for --check-training")
     p.add_argument("overrides", nargs="*", help="extra megaloop config overrides (key=value)")
     args = p.parse_args(argv)
     if args.report:
@@ -496,6 +504,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--system is required (or --report DIR)")
     if args.system != "megaloop" and not args.ref_path:
         p.error(f"--ref-path: the {args.system} reference needs the path of its checkout")
+    if args.check_training is not None:
+        if args.check_forward:
+            p.error("--check-training: not together with --check-forward (run them one at a time)")
+        if args.system != "huginn":
+            p.error("--check-training: --system must be huginn (Parcae draws a depth per sequence)")
+        if not 1 <= args.check_training <= args.steps:
+            p.error(f"--check-training: must lie in [1, --steps={args.steps}], got {args.check_training}")
+        if args.check_depth < 1:
+            p.error(f"--check-depth: must be >= 1, got {args.check_depth}")
     if args.system != "megaloop":
         from parity_refs import reference_root
 
@@ -525,6 +542,21 @@ def main(argv: list[str] | None = None) -> int:
         dest.with_suffix(".tmp").replace(dest)
         print("\n".join(_forward_lines(res, args.system)))
         return 0 if agree else 1
+    if args.check_training:
+        from parity_train_check import check_training, summary_lines
+
+        args.label = args.label if args.label != args.system else "train_check_huginn"
+        init = [f"train.init_seed={args.init_seed}"] if init_given else []
+        with tempfile.TemporaryDirectory() as scratch:
+            res = check_training(args, _trainer, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides),
+                                 Path(scratch))
+        res.update(label=args.label, system=args.system, check="training", preset=args.preset, seed=args.seed,
+                   command=cmd.replace(str(args.ref_path), "REF_PATH"))
+        dest = out / f"{args.label}.json"
+        dest.with_suffix(".tmp").write_text(json.dumps(res, indent=1))
+        dest.with_suffix(".tmp").replace(dest)
+        print("\n".join(summary_lines(res)))
+        return 0 if res["agree"] else 1
     if args.system == "megaloop":
         init = [f"train.init_seed={args.init_seed}"] if init_given else []
         res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides), out)
