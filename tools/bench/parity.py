@@ -157,7 +157,7 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
 
 def run_reference(args, out_dir: Path) -> dict:
     from megaloop.eval.states import state_diagnostics
-    from parity_refs import Shape, load_reference, wsd_lr
+    from parity_refs import Shape, load_reference, make_optimizer, train_step, wsd_lr
 
     t = _trainer(args, [], out_dir / f"run_{args.label}")  # megaloop's loaders and validation plan only
     m = t.cfg.model
@@ -166,28 +166,14 @@ def run_reference(args, out_dir: Path) -> dict:
                   n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
                   mean_depth=mean_rec, bptt_window=args.bptt_window)
     ref = load_reference(args.system, args.ref_path, shape, args.init_seed)  # seeds its initial weights
-    decay, no_decay = [], []
-    for name, p in ref.model.named_parameters():
-        (no_decay if ref.no_decay(name, p) else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(ref)
     warm = max(1, round(0.1 * args.steps))
     losses, depths = [], []
     t0 = time.perf_counter()
     for step in range(args.steps):
-        mbs = [next(t.loader_iter) for _ in range(t.M)]
-        tokens = torch.cat([b["tokens"] for b in mbs])
-        labels = torch.cat([b["labels"] for b in mbs])
-        mask = torch.cat([b["loss_mask"] for b in mbs])
         lr = wsd_lr(step + 1, args.lr, args.steps, warm, 0.2)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss, depth = ref.train_loss(tokens, labels, mask, step)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss))
+        loss, depth, _ = train_step(ref, opt, [next(t.loader_iter) for _ in range(t.M)], step, lr)
+        losses.append(loss)
         depths.append(depth)
     wall = time.perf_counter() - t0
     val_batches = _val_batches(t)

@@ -335,3 +335,29 @@ def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: floa
         return peak * max(0.0, (total - step) / decay)
     return peak
 
+
+
+def make_optimizer(ref: Reference, no_decay=None) -> torch.optim.AdamW:
+    """The protocol's AdamW (β 0.9/0.95, ε 1e-8, wd 0.1) over ``ref``'s parameters; the ones for which
+    ``no_decay(name, p)`` (default: the reference's own list) holds get no weight decay."""
+    no_decay = no_decay or ref.no_decay
+    decay, skip = [], []
+    for name, p in ref.model.named_parameters():
+        (skip if no_decay(name, p) else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": skip, "weight_decay": 0.0}],
+                             lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+
+
+def train_step(ref: Reference, opt: torch.optim.Optimizer, batches: list[dict], step: int,
+               lr: float) -> tuple[float, float, float]:
+    """One update of ``ref`` on the concatenated microbatches at ``lr`` (gradient clipping at 1).
+    Returns (loss, the depth it ran, gradient norm before clipping)."""
+    tokens, labels, mask = (torch.cat([b[k] for b in batches]) for k in ("tokens", "labels", "loss_mask"))
+    for g in opt.param_groups:
+        g["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss, depth = ref.train_loss(tokens, labels, mask, step)
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0))
+    opt.step()
+    return float(loss), depth, norm

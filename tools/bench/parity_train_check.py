@@ -42,7 +42,7 @@ def check_training(args, make_trainer, overrides: list[str], work: Path) -> dict
     """Train megaloop (``make_trainer(args, overrides, run_dir)``) and Huginn's model side by side
     for ``args.check_training`` steps. Returns the per-step losses, their differences and the
     gradient norms before clipping ([steps] lists)."""
-    from parity_refs import Shape, load_reference, wsd_lr
+    from parity_refs import Shape, load_reference, make_optimizer, train_step, wsd_lr
     from parity_transfer import transfer
 
     if args.system != "huginn":
@@ -64,27 +64,15 @@ def check_training(args, make_trainer, overrides: list[str], work: Path) -> dict
     n_grad = min(window, depth)
     ref.model.randomized_iteration_sampler = lambda: (torch.tensor(depth - n_grad), torch.tensor(n_grad))
     # megatron's standard exclusions: 1-D tensors and biases (Huginn's own list also decays its QK biases)
-    decay, no_decay = [], []
-    for name, p in ref.model.named_parameters():
-        (no_decay if p.ndim < 2 or "bias" in name.rsplit(".", 1)[-1] else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=0.0, betas=(0.9, 0.95), eps=1e-8)
+    opt = make_optimizer(ref, lambda name, p: p.ndim < 2 or "bias" in name.rsplit(".", 1)[-1])
     warm = max(1, round(0.1 * args.steps))
     rows = []
     for step in range(steps):
         rec = t.train_step()
-        mbs = [next(data.loader_iter) for _ in range(data.M)]
-        tokens, labels, mask = (torch.cat([b[k] for b in mbs]) for k in ("tokens", "labels", "loss_mask"))
         lr = wsd_lr(step + 1, args.lr, args.steps, warm, 0.2)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        loss, _ = ref.train_loss(tokens, labels, mask, step)
-        loss.backward()
-        gn = float(torch.nn.utils.clip_grad_norm_(ref.model.parameters(), 1.0))
-        opt.step()
-        rows.append({"step": step + 1, "lr": lr, "megaloop": rec["loss"], "reference": float(loss),
-                     "grad_norm_megaloop": rec.get("grad_norm"), "grad_norm_reference": gn})
+        loss, _, norm = train_step(ref, opt, [next(data.loader_iter) for _ in range(data.M)], step, lr)
+        rows.append({"step": step + 1, "lr": lr, "megaloop": rec["loss"], "reference": loss,
+                     "grad_norm_megaloop": rec.get("grad_norm"), "grad_norm_reference": norm})
     diffs = [abs(r["megaloop"] - r["reference"]) for r in rows]
     first = next((r["step"] for r, d in zip(rows, diffs) if d > args.train_tol), None)
     return {"rows": rows, "depth": depth, "bptt_window": window, "schedule_steps": args.steps,
