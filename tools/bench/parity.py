@@ -162,9 +162,7 @@ def run_reference(args, out_dir: Path) -> dict:
     t = _trainer(args, [], out_dir / f"run_{args.label}")  # megaloop's loaders and validation plan only
     m = t.cfg.model
     mean_rec = reference_mean_recurrence(args)
-    shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude,
-                  n_core=m.n_core, n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len,
-                  mean_depth=mean_rec, bptt_window=args.bptt_window)
+    shape = Shape.of(m, t.vocab, mean_depth=mean_rec, bptt_window=args.bptt_window)
     ref = load_reference(args.system, args.ref_path, shape, args.init_seed)  # seeds its initial weights
     opt = make_optimizer(ref)
     warm = max(1, round(0.1 * args.steps))
@@ -438,6 +436,13 @@ def render(out_dir: Path) -> Path:
     return md
 
 
+def _write_result(out: Path, label: str, res: dict) -> None:
+    """``OUT/<label>.json``, written atomically (a result is never left half-written)."""
+    from megaloop.runtime.files import atomic_write_json
+
+    atomic_write_json(out / f"{label}.json", res, indent=1, sort_keys=False)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--system", choices=("megaloop", "huginn", "parcae"))
@@ -523,9 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         res, agree = check_forward(args, out)
         res.update(label=args.label, system=args.system, check="forward", seed=args.seed,
                    command=cmd.replace(str(args.ref_path), "REF_PATH").replace(str(args.check_forward), "MODEL"))
-        dest = out / f"{args.label}.json"
-        dest.with_suffix(".tmp").write_text(json.dumps(res, indent=1))
-        dest.with_suffix(".tmp").replace(dest)
+        _write_result(out, args.label, res)
         print("\n".join(_forward_lines(res, args.system)))
         return 0 if agree else 1
     if args.check_training:
@@ -538,9 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                                  Path(scratch))
         res.update(label=args.label, system=args.system, check="training", preset=args.preset, seed=args.seed,
                    command=cmd.replace(str(args.ref_path), "REF_PATH"))
-        dest = out / f"{args.label}.json"
-        dest.with_suffix(".tmp").write_text(json.dumps(res, indent=1))
-        dest.with_suffix(".tmp").replace(dest)
+        _write_result(out, args.label, res)
         print("\n".join(summary_lines(res)))
         return 0 if res["agree"] else 1
     if args.system == "megaloop":
@@ -551,10 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
                seed=args.seed, init_seed=args.init_seed,
                command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
-    dest = out / f"{args.label}.json"
-    tmp = dest.with_suffix(".tmp")
-    tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(dest)
+    _write_result(out, args.label, res)
     v = res["val_ppl"]
     print(f"{args.label}: train loss (last 10) {_mean_last(res['losses']):.4f}  val PPL " +
           " ".join(f"R={k}:{x:.2f}" for k, x in v.items()) + f"  ({res['train_wall_s']:.0f} s)")

@@ -54,6 +54,12 @@ class Shape:
     mean_depth: int = 5
     bptt_window: int = 4
 
+    @classmethod
+    def of(cls, m, vocab: int, *, mean_depth: int, bptt_window: int) -> "Shape":
+        """The shape of megaloop model config ``m`` (a ``ModelConfig``) with ``vocab`` rows."""
+        return cls(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude, n_core=m.n_core,
+                   n_coda=m.n_coda, vocab=vocab, seq_len=m.seq_len, mean_depth=mean_depth, bptt_window=bptt_window)
+
 
 class _Any:
     """Inert value: attributes, calls, items and arithmetic give another one; comparisons and truth
@@ -334,7 +340,6 @@ def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: floa
     if decay and step > start:
         return peak * max(0.0, (total - step) / decay)
     return peak
-
 
 
 def make_optimizer(ref: Reference, no_decay=None) -> torch.optim.AdamW:

@@ -45,19 +45,13 @@ def check_training(args, make_trainer, overrides: list[str], work: Path) -> dict
     from parity_refs import Shape, load_reference, make_optimizer, train_step, wsd_lr
     from parity_transfer import transfer
 
-    if args.system != "huginn":
-        raise SystemExit(f"--check-training: supported for --system huginn only, got {args.system!r} (Parcae "
-                         "draws a depth per sequence, which megaloop's sampler cannot mirror)")
     depth, window = args.check_depth, args.bptt_window
     fixed = FIXED + [f"depth.depth={depth}"]
     steps = args.check_training
     t = make_trainer(args, overrides + fixed, work / "megaloop")
     data = make_trainer(args, [], work / "loader")  # a second loader over the same batches
-    m = t.cfg.model
     hf = _hf_from_trainer(t)
-    shape = Shape(hidden=m.hidden_size, heads=m.num_heads, ffn=m.ffn_size, n_prelude=m.n_prelude, n_core=m.n_core,
-                  n_coda=m.n_coda, vocab=t.vocab, seq_len=m.seq_len, mean_depth=max(depth - 1, 1),
-                  bptt_window=window)
+    shape = Shape.of(t.cfg.model, t.vocab, mean_depth=max(depth - 1, 1), bptt_window=window)  # sampler patched below
     ref = load_reference("huginn", args.ref_path, shape, args.init_seed)
     transfer(hf, ref)
     ref.cfg.state_init = "zero"
