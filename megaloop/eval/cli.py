@@ -102,6 +102,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--seq-len: must be >= 4, got {args.seq_len}")
     if getattr(args, "per_source", None) is not None and args.per_source < 0:
         raise ConfigError(f"--per-source: must be >= 0 (0: off), got {args.per_source}")
+    if getattr(args, "data", None) is not None:
+        from megaloop.eval.ppl import check_data_arg
+
+        check_data_arg(args.data)
     check_engine_args(args)
 
 

@@ -134,6 +134,23 @@ def repack(tokens: torch.Tensor, sources: Optional[list[str]],
     return packed, (out_src if sources is not None else None)
 
 
+def check_data_arg(data: str) -> None:
+    """ConfigError naming ``--data`` when it cannot be an evaluation set: a path that does not
+    exist, or a file that is neither a known text format nor a directory (an MDS set is a
+    directory). Cheap: callers run it before loading a model."""
+    if data == "default" or data.startswith("default:") or "://" in data:
+        return
+    path = Path(data)
+    if not path.exists():
+        raise ConfigError(f"--data: {data} does not exist (an MDS validation directory, a text file or 'default')")
+    if path.is_file() and text_format(data) is None:
+        from megaloop.eval.text_data import JSONL_SUFFIXES, PARQUET_SUFFIXES, PLAIN_SUFFIXES
+
+        known = ", ".join(PLAIN_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)
+        raise ConfigError(f"--data: {data} is a file of no known text format (suffixes {known}); an MDS "
+                          f"evaluation set is the directory that holds index.json")
+
+
 def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Optional[int] = None,
                    vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
                    cache_dir: Optional[str] = None, encode=None, eos_id: Optional[int] = None,
@@ -154,9 +171,8 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
     if seq_len is not None and seq_len < 4:
         raise ConfigError(f"--seq-len: need a sequence length >= 4, got {seq_len}")
+    check_data_arg(data)
     is_default = data == "default" or data.startswith("default:")
-    if not is_default and "://" not in data and not Path(data).exists():
-        raise ConfigError(f"--data: {data} does not exist (an MDS validation directory, a text file or 'default')")
     if not is_default and text_format(data) is not None and Path(data).is_file():
         if encode is None:
             raise ConfigError(f"--data: {data} is a text file: the checkpoint needs a tokenizer (--tokenizer)")
@@ -291,5 +307,5 @@ def protocols_for(cache: str, native: bool = True) -> tuple[str, ...]:
     return (("native",) if native else ()) + modes
 
 
-__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "evaluate_ppl",
+__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "check_data_arg", "evaluate_ppl",
            "load_eval_data", "protocols_for", "repack", "sharing_penalty"]

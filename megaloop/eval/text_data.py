@@ -149,6 +149,10 @@ def load_text_data(path: str | Path, *, encode: Callable[[str], list[int]], eos_
     if eos_id is None:
         raise DataError(f"--data: {path}: the checkpoint's tokenizer has no EOS token to separate documents")
     docs = read_documents(path, text_field)
+    if not any(d.strip() for d in docs):
+        what = "is empty" if not docs or not any(docs) else "holds only whitespace"
+        rows = "" if text_format(path) == "plain" else f" ({len(docs)} documents in --text-field {text_field!r})"
+        raise DataError(f"--data: {path} {what}{rows}: nothing to evaluate")
     ids = [encode(d) for d in docs]
     tokens = pack_documents(ids, eos_id, seq_len)
     total = sum(len(i) + 1 for i in ids)

@@ -550,7 +550,10 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        raise ConversionError(f"{hf_dir} is not an HF model folder (no config.json)")
+        native = any((hf_dir / n).exists() for n in ("checkpoints", "megaloop.json", "latest"))
+        hint = (f"; it is a megaloop checkpoint: `megaloop convert --checkpoint {hf_dir} --out DIR` (without "
+                f"--from-hf) exports it") if native else ""
+        raise ConversionError(f"{hf_dir} is not an HF model folder (no config.json){hint}")
     cfg = MegaloopConfig.from_pretrained(str(hf_dir))
     if getattr(cfg, "model_type", None) != "megaloop":
         raise ConversionError(f"{hf_dir}/config.json: model_type is not 'megaloop'")

@@ -180,7 +180,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if s.exit_criterion:
         hist = " ".join(f"{d}:{c}" for d, c in s.depth_histogram.items())
         print(f"adaptive {s.exit_criterion} ({s.finished_rows}): mean depth {s.mean_depth:.2f}, depth:tokens {hist}")
-    write_json(args.json, {"command": "generate", "engine": engine.describe(),
+    # positions fed to the model: the prompt and every generated token but the last
+    fed = max(r.prompt_tokens + max(len(r.token_ids) - 1, 0) for r in out.results)
+    trained = int(engine.config.max_position_embeddings)
+    if fed > trained:
+        print(f"warning: a sequence reached {fed} positions, beyond the training seq_len {trained}: RoPE positions "
+              f"{trained}..{fed - 1} were never trained and are extrapolated", file=sys.stderr)
+    write_json(args.json, {"command": "generate", "engine": engine.describe(), "rope_extrapolated": fed > trained,
                            "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
                                         "finish_reason": r.finish_reason}
                                        for p, r in zip(args.prompt, out.results)],

@@ -197,9 +197,13 @@ def find_checkpoint(path: str | Path) -> Path:
             latest = CheckpointManager(root).latest()
             if latest is not None:
                 return latest
+    hint = ""
+    if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
+        hint = ("; it is a Hugging Face folder: `megaloop convert --from-hf --checkpoint "
+                f"{p} --out DIR` turns it back into one")
     raise CheckpointError(
         f"{p} is not a megaloop checkpoint: expected a checkpoint directory holding {META}, "
-        ".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one")
+        f".metadata and common.pt (RUN/checkpoints/step_*), or a run / checkpoints directory with one{hint}")
 
 
 MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "injection.", "state_readout.",

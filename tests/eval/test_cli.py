@@ -63,9 +63,18 @@ def test_generate_command(cli, trained_run, tmp_path):
     g = json.loads((tmp_path / "g.json").read_text())
     assert len(g["results"]) == 2 and all(len(r["token_ids"]) <= 5 for r in g["results"])
     assert g["stats"]["kv_bytes_per_token"] == g["stats"]["kv_bytes_per_token_terminal"]
-    code, out, _ = cli("generate", "--checkpoint", str(trained_run), "--prompt", "x", "--temperature", "0.9",
-                       "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "4", "--cache", "per_visit")
-    assert code == 0 and "per_visit cache" in out
+    code, out, err = cli("generate", "--checkpoint", str(trained_run), "--prompt", "x", "--temperature", "0.9",
+                         "--top-p", "0.9", "--seed", "3", "--max-new-tokens", "4", "--cache", "per_visit")
+    assert code == 0 and "per_visit cache" in out and "extrapolated" not in err
+    # past the training length (128) with --max-context: said once on stderr and in the JSON
+    code, out, err = cli("generate", "--checkpoint", str(trained_run), "--prompt", "word " * 140, "--max-context",
+                         "256", "--max-new-tokens", "2", "--ignore-eos", "--json", str(tmp_path / "long.json"))
+    long = json.loads((tmp_path / "long.json").read_text())
+    assert code == 0 and len(long["results"][0]["token_ids"]) == 2
+    fed = long["stats"]["prompt_tokens"] + 1  # the prompt and the first generated token
+    assert fed > 128 and long["rope_extrapolated"] is True
+    assert err.count(f"RoPE positions 128..{fed - 1} were never trained and are extrapolated") == 1, err
+    assert json.loads((tmp_path / "g.json").read_text())["rope_extrapolated"] is False
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -93,11 +102,20 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--tokenizer {missing}/t.json: no such file or directory"),
     (["eval", "ppl", "--checkpoint", "{missing}", "--json", "{short}/out.json"],
      "--json {short}/out.json: {short} is a file, so the path cannot be created"),
+    (["eval", "sweep", "--checkpoint", "{missing}", "--data", "{missing}.txt"], "--data: {missing}.txt does not exist"),
+    (["eval", "states", "--checkpoint", "{missing}", "--data", "{bin}"], "--data: {bin} is a file of no known text "
+     "format"),
+    (["eval", "ppl", "--checkpoint", "{run}", "--data", "{empty}"], "--data: {empty} is empty: nothing to evaluate"),
+    (["eval", "ppl", "--checkpoint", "{run}", "--data", "{blank}"], "--data: {blank} holds only whitespace"),
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):
     (tmp_path / "short.txt").write_text("A few words only.")
+    (tmp_path / "shard.bin").write_bytes(b"\x00\x01")
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "blank.jsonl").write_text('{"text": "  "}\n\n{"text": ""}\n')
     fill = {"missing": str(tmp_path / "missing"), "run": str(trained_run), "short": str(tmp_path / "short.txt"),
-            "text": str(TEXT)}
+            "text": str(TEXT), "bin": str(tmp_path / "shard.bin"), "empty": str(tmp_path / "empty.txt"),
+            "blank": str(tmp_path / "blank.jsonl")}
     code, _, err = cli(*[a.format(**fill) for a in argv])
     assert code == 2
     lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]

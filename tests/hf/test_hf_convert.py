@@ -197,6 +197,16 @@ def test_bad_inputs_give_clear_errors(megatron_world, converted, tmp_path):
     (partial / "common.pt").write_text("x")
     with pytest.raises(CheckpointError, match="incomplete: missing megaloop.json, .metadata"):
         convert_to_hf(partial, tmp_path / "o3")
+    # the two directions swapped: each error says which command the folder needs
+    from megaloop.hf.convert import ConversionError, convert_from_hf
+
+    item = next(iter(converted.values()))
+    with pytest.raises(CheckpointError, match="it is a Hugging Face folder: `megaloop convert --from-hf"):
+        convert_to_hf(item["hf"], tmp_path / "o4")
+    with pytest.raises(ConversionError, match=r"it is a megaloop checkpoint: `megaloop convert --checkpoint .* "
+                                              r"\(without --from-hf\)"):
+        convert_from_hf(item["ckpt"], tmp_path / "o5")
+    assert not (tmp_path / "o4").exists() and not (tmp_path / "o5").exists()
 
 
 def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
