@@ -119,3 +119,34 @@ def test_report_of_a_folder_without_training_results_says_so(tmp_path) -> None:
     (tmp_path / "forward_parcae.json").write_text('{"check": "forward", "rows": []}')
     with pytest.raises(SystemExit, match="no training results"):
         parity.main(["--report", str(tmp_path)])
+
+
+def test_hf_from_trainer_computes_the_trainers_function(megatron_world, tmp_path) -> None:
+    """--check-training copies the trainer's live weights (no checkpoint) into an HF model, which is
+    then copied into Huginn's: that model must compute the trainer's function, before and after a step."""
+    import types
+
+    import parity
+    from parity_train_check import FIXED, _hf_from_trainer
+
+    from megaloop.model.build import unwrap
+
+    args = types.SimpleNamespace(base="tiny", steps=10, lr=3e-3, batch=4, micro_batch=4, seed=1234, mean_depth=5.0,
+                                 bptt_window=4)
+    t = parity._trainer(args, parity.MEGALOOP_CONFIGS["huginn_matched"] + FIXED + ["depth.depth=5"], tmp_path / "run")
+    ids = torch.randint(0, t.vocab, (2, 16), generator=torch.Generator().manual_seed(0))
+    errors, logits = [], []
+    for step in range(2):
+        if step:
+            t.train_step()
+        hf = _hf_from_trainer(t).eval()
+        native = unwrap(t.model[0]).eval()
+        with torch.no_grad():
+            want = native(ids, depth=5)
+            got = hf(ids, use_cache=False, num_recurrences=5).logits
+        native.train()
+        errors.append((got - want).abs().max().item())
+        logits.append(want)
+    assert max(errors) < 1e-4, errors
+    # the copy is of the current weights: one step changed the logits by far more than that
+    assert (logits[1] - logits[0]).abs().max().item() > 1e-3
