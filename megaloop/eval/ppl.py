@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.config_utils import ConfigError
+from megaloop.data.errors import DataError
 from megaloop.eval.text_data import EvalData, load_text_data, shifted_targets, text_format
 from megaloop.inference.kv_cache import check_depth, check_mode
 
@@ -187,8 +188,16 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         if not length or length < 4:
             raise ConfigError(f"--seq-len: need a sequence length >= 4 for {data}, got {length}")
         want = seq_len if (seq_len and stored and seq_len != stored) else None
-        tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs, cache_dir,
-                                                        tokenizer_sha256)
+        try:
+            tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs,
+                                                            cache_dir, tokenizer_sha256)
+        except DataError as err:
+            if is_default and "could be packed" in str(err):  # the embedded corpus is too small for it
+                counts = str(err).split(" (", 1)[-1].rsplit("); nothing", 1)[0]
+                raise ConfigError(f"--seq-len {length}: the embedded corpus ('--data {data}') cannot fill one "
+                                  f"sequence of {length} tokens ({counts}); use a shorter --seq-len or your own "
+                                  f"--data") from None
+            raise
         if want:
             tokens, sources = repack(tokens, sources, int(want))
             if tokens.shape[0] == 0:
