@@ -65,7 +65,7 @@ def test_vs_reference_table_means_ratio_and_bars(tmp_path: Path) -> None:
     for r in runs:
         (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
     md = _parity().render(tmp_path).read_text()
-    row = next(line for line in md.splitlines() if line.startswith("| m_a (2) | parcae (2) |"))
+    row = next(line for line in md.splitlines() if line.startswith("| m_a (2) | ref_a, parcae at mean depth 5.00 (2) |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # losses 3.50/3.52 vs 3.49/3.51: Δ +0.010 (bar met); gains 4.00/5.00 % vs 10.00/8.00 %:
     # means 4.50 vs 9.00, ratio 2.00 (bar not met); Welch on the gains: t = −4.5/√(0.25 + 1) = −4.02

@@ -336,7 +336,9 @@ def _vs_reference_table(groups: list[list[dict]]) -> list[str]:
             ratio = max(gm, gr) / min(gm, gr) if min(gm, gr) > 0 else float("inf")
             tl, dfl, pl = welch(ml, rl)
             tg, dfg, pg = welch(mg, rg)
-            rows.append(f"| {m[0]['label']} ({len(m)}) | {ref[0]['system']} ({len(ref)}) | {dl:+.3f} | "
+            depth = mean_sd([sum(r["depths"]) / len(r["depths"]) for r in ref])[0]  # what tells groups apart
+            rows.append(f"| {m[0]['label']} ({len(m)}) | {ref[0]['label']}, {ref[0]['system']} at mean depth "
+                        f"{depth:.2f} ({len(ref)}) | {dl:+.3f} | "
                         f"{_test(tl, dfl, pl)} | {'yes' if abs(dl) <= LOSS_BAR else 'no'} | "
                         f"{gm:.2f} % vs {gr:.2f} % | {ratio:.2f} | {_test(tg, dfg, pg)} | "
                         f"{'yes' if ratio <= GAIN_RATIO_BAR else 'no'} |")
