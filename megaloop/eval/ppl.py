@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from megaloop.config_utils import ConfigError
 from megaloop.data.errors import DataError
-from megaloop.eval.text_data import EvalData, load_text_data, shifted_targets, text_format
+from megaloop.eval.text_data import (JSONL_SUFFIXES, PARQUET_SUFFIXES, PLAIN_SUFFIXES, EvalData, load_text_data,
+                                     shifted_targets, text_format)
 from megaloop.inference.kv_cache import check_depth, check_mode
 
 PROTOCOLS = ("native", "terminal", "per_visit")
@@ -145,8 +146,6 @@ def check_data_arg(data: str) -> None:
     if not path.exists():
         raise ConfigError(f"--data: {data} does not exist (an MDS validation directory, a text file or 'default')")
     if path.is_file() and text_format(data) is None:
-        from megaloop.eval.text_data import JSONL_SUFFIXES, PARQUET_SUFFIXES, PLAIN_SUFFIXES
-
         known = ", ".join(PLAIN_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)
         raise ConfigError(f"--data: {data} is a file of no known text format (suffixes {known}); an MDS "
                           f"evaluation set is the directory that holds index.json")
@@ -316,5 +315,5 @@ def protocols_for(cache: str, native: bool = True) -> tuple[str, ...]:
     return (("native",) if native else ()) + modes
 
 
-__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "check_data_arg", "evaluate_ppl",
-           "load_eval_data", "protocols_for", "repack", "sharing_penalty"]
+__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "check_data_arg",
+           "evaluate_ppl", "load_eval_data", "protocols_for", "repack", "sharing_penalty"]
