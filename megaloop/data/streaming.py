@@ -140,11 +140,16 @@ def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
         return _read_json(local, f"{path}/manifest.json is missing")
     d = Path(path)
     if not d.is_dir():
-        raise DataError(f"dataset directory {d} does not exist")
+        raise DataError(f"{d} is a file, not a dataset directory" if d.exists()
+                        else f"dataset directory {d} does not exist")
     m = d / "manifest.json"
     if not m.is_file():
-        hint = (" (index.json exists: the conversion did not finish; rerun it)"
-                if (d / "index.json").is_file() else "")
+        hint = ""
+        if (d / "index.json").is_file():
+            hint = " (index.json exists: the conversion did not finish; rerun it)"
+        elif (d / "data").is_dir() and any((d / "data").rglob("*.jsonl*")):
+            hint = (" (it holds a raw TxT360-layout tree, data/<source>/.../*.jsonl: convert it first with "
+                    "data_prep/txt360_to_mds.py, README \"Data\")")
         raise DataError(f"{m} is missing: {d} is not a complete megaloop MDS dataset{hint}")
     return _read_json(m, f"{m} is missing")
 

@@ -196,7 +196,9 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
                 raise ConfigError(f"--seq-len {length}: the embedded corpus ('--data {data}') cannot fill one "
                                   f"sequence of {length} tokens ({counts}); use a shorter --seq-len or your own "
                                   f"--data") from None
-            raise
+            if str(err).startswith("--"):
+                raise
+            raise DataError(f"--data: {err}") from None
         if want:
             tokens, sources = repack(tokens, sources, int(want))
             if tokens.shape[0] == 0:

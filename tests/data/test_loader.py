@@ -126,6 +126,15 @@ def test_missing_or_corrupt_dataset_errors(tmp_path, synth):
     (tmp_path / "bad" / "manifest.json").write_text("{oops")
     with pytest.raises(DataError, match=r"bad/manifest.json is corrupt"):
         _loader(str(tmp_path / "bad"))
+    shard = tmp_path / "shard.jsonl"
+    shard.write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match=f"{shard} is a file, not a dataset directory"):
+        _loader(str(shard))
+    raw = tmp_path / "raw"  # a TxT360 tree passed where its converted shards belong
+    (raw / "data" / "wiki" / "1-1").mkdir(parents=True)
+    (raw / "data" / "wiki" / "1-1" / "a.jsonl").write_text('{"text": "x"}\n')
+    with pytest.raises(DataError, match="raw TxT360-layout tree.*convert it first with data_prep/txt360_to_mds.py"):
+        _loader(str(raw))
     with pytest.raises(ConfigError, match="dp_rank"):
         _loader(synth, dp_rank=2, dp_size=2)
 
