@@ -118,3 +118,23 @@ def test_reference_mean_recurrence_matches_the_training_mean_depth() -> None:
         mod.reference_mean_recurrence(ns("parcae", 5.5))
     with pytest.raises(SystemExit, match="--mean-depth: Huginn's sampler has E\\[R\\] >= 2"):
         mod.reference_mean_recurrence(ns("huginn", 1.0))
+
+
+def test_window_table_averages_each_group_over_windows_and_draws(tmp_path: Path) -> None:
+    """Two groups over 16 steps, 8 windows of 2 steps: each cell is the mean over the window's steps
+    and the group's draws (here the draws differ by a constant, so the mean is exact by hand)."""
+    cfg = {"hidden_size": 128}
+    runs = []
+    for label, system, init, offset in (("m_a", "megaloop", 1234, 0.0), ("m_b", "megaloop", 1, 0.2),
+                                        ("ref_a", "parcae", 1234, 1.0), ("ref_b", "parcae", 1, 1.0)):
+        r = _result(label, system, init, 3.5, 50.0, 48.0, None if system != "megaloop" else cfg)
+        r.update(steps=16, losses=[float(i) + offset for i in range(16)], depths=[5] * 16)
+        runs.append(r)
+    for r in runs:
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    md = _parity().render(tmp_path).read_text()
+    table = md.split("Training loss per 2-step window")[1].split("Commands:")[0]
+    assert "| steps | m_a (2) | ref_a (2) |" in table
+    # window 3 = steps 5–6 = losses 4, 5: m_a 4.5, m_b 4.7 -> 4.600; ref 5.5
+    assert "| 5–6 | 4.600 | 5.500 |" in table and "| 15–16 | 14.600 | 15.500 |" in table
+    assert table.count("\n| ") == 1 + 8  # the header and one row per window (after the separator)

@@ -375,7 +375,31 @@ def _spread_table(res: list[dict]) -> list[str]:
     return ["", "Init-draw spread: runs that differ only in their initial weights (`--init-seed`; same batches "
             "and depth draws), mean ± sample sd (gain: min–max).", "",
             "| runs | system | init seeds | train loss | val PPL R=1 | val PPL R=5 | gain R=1→5 |",
-            "|---|---|---|---|---|---|---|", *rows, *_vs_reference_table(groups)]
+            "|---|---|---|---|---|---|---|", *rows, *_vs_reference_table(groups), *_window_table(groups)]
+
+
+def _window_table(groups: list[list[dict]], windows: int = 8) -> list[str]:
+    """Training loss of each init-draw group averaged over ``windows`` equal step windows (and over
+    the group's draws), groups of the same steps and batch seed side by side: where one curve
+    overtakes another. Every group reads the same batches, so batch noise cancels in the columns."""
+    out = []
+    by_run: dict = {}
+    for g in groups:
+        by_run.setdefault((g[0]["steps"], g[0].get("seed")), []).append(g)
+    for (steps, _), gs in sorted(by_run.items(), key=lambda kv: kv[0][0]):
+        if len(gs) < 2 or steps < windows:
+            continue
+        w = steps // windows
+        edges = [(a, min(a + w, steps)) for a in range(0, w * windows, w)]
+        names = [f"{g[0]['label']} ({len(g)})" for g in gs]
+        rows = []
+        for a, b in edges:
+            means = [sum(sum(r["losses"][a:b]) / (b - a) for r in g) / len(g) for g in gs]
+            rows.append(f"| {a + 1}–{b} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
+        out += ["", f"Training loss per {w}-step window, mean over each group's init draws ({steps} steps; "
+                "groups named by their first run, draws in brackets).", "",
+                "| steps | " + " | ".join(names) + " |", "|---" * (len(gs) + 1) + "|", *rows]
+    return out
 
 
 def render(out_dir: Path) -> Path:
