@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
-from megaloop.data.errors import DataError
+from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, copies_per_doc, discover, \
     doc_rank_key, read_jsonl
@@ -357,7 +357,7 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         ordered = [dones[t.file.part] for t in tasks]
         sources = _aggregate(ordered)
         if sum(v["num_sequences"] for v in sources.values()) == 0:  # before index.json: no empty dataset
-            raise DataError(_empty_reason(cfg, sources))
+            raise _nothing_packed(cfg, sources)
         write_root_index(out, [(f"parts/{t.final_dir.name}", d["shards"])
                                for t, d in zip(tasks, ordered)])
         manifest = {
@@ -403,8 +403,8 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
                         "pass --overwrite to replace it, or choose another --out")
 
 
-def _empty_reason(cfg: ConvertConfig, sources: dict) -> str:
-    """Why no sequence was packed: the counts that explain it."""
+def _nothing_packed(cfg: ConvertConfig, sources: dict) -> NothingPackedError:
+    """The error when no sequence was packed, with the counts that explain it."""
     tot = {k: sum(v[k] for v in sources.values()) for k in ("docs", "docs_empty", "docs_val", "docs_screen",
                                                             "doc_tokens")}
     zero = sorted(s for s in sources if cfg.mix.source_weights.get(s, 1.0) == 0)
@@ -415,8 +415,10 @@ def _empty_reason(cfg: ConvertConfig, sources: dict) -> str:
         why.append(f"{tot['docs_val'] + tot['docs_screen']} held out for val/screen")
     if zero:
         why.append(f"source weight 0 for {zero}")
-    return (f"no sequence of {cfg.seq_len} tokens could be packed from {cfg.input} ({'; '.join(why)}); "
-            "nothing was published (no index.json or manifest.json)")
+    counts = "; ".join(why)
+    return NothingPackedError(f"no sequence of {cfg.seq_len} tokens could be packed from {cfg.input} ({counts}); "
+                              "nothing was published (no index.json or manifest.json)", seq_len=cfg.seq_len,
+                              counts=counts)
 
 
 def _load_json(path: Path) -> dict | None:

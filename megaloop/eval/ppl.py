@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloop.config_utils import ConfigError
-from megaloop.data.errors import DataError
+from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.eval.text_data import (JSONL_SUFFIXES, PARQUET_SUFFIXES, PLAIN_SUFFIXES, EvalData, load_text_data,
                                      shifted_targets, text_format)
 from megaloop.inference.kv_cache import check_depth, check_mode
@@ -191,11 +191,10 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
             tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs,
                                                             cache_dir, tokenizer_sha256)
         except DataError as err:
-            if is_default and "could be packed" in str(err):  # the embedded corpus is too small for it
-                counts = str(err).split(" (", 1)[-1].rsplit("); nothing", 1)[0]
+            if is_default and isinstance(err, NothingPackedError):  # the embedded corpus is too small for it
                 raise ConfigError(f"--seq-len {length}: the embedded corpus ('--data {data}') cannot fill one "
-                                  f"sequence of {length} tokens ({counts}); use a shorter --seq-len or your own "
-                                  f"--data") from None
+                                  f"sequence of {length} tokens ({err.counts}); use a shorter --seq-len or your "
+                                  f"own --data") from None
             if str(err).startswith("--"):
                 raise
             raise DataError(f"--data: {err}") from None

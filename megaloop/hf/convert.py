@@ -546,13 +546,16 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     from megaloop.config import RunConfig
     from megaloop.model.build import build_model, unwrap
     from megaloop.runtime.parallel import ParallelDims, init_distributed
-    from megaloop.train.checkpoint import CheckpointManager, load_model_state
+    from megaloop.train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint, load_model_state
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "config.json").is_file():
-        native = any((hf_dir / n).exists() for n in ("checkpoints", "megaloop.json", "latest"))
-        hint = (f"; it is a megaloop checkpoint: `megaloop convert --checkpoint {hf_dir} --out DIR` (without "
-                f"--from-hf) exports it") if native else ""
+        try:
+            find_checkpoint(hf_dir)
+            hint = (f"; it is a megaloop checkpoint: `megaloop convert --checkpoint {hf_dir} --out DIR` "
+                    "(without --from-hf) exports it")
+        except CheckpointError:
+            hint = ""
         raise ConversionError(f"{hf_dir} is not an HF model folder (no config.json){hint}")
     cfg = MegaloopConfig.from_pretrained(str(hf_dir))
     if getattr(cfg, "model_type", None) != "megaloop":

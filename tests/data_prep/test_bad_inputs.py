@@ -128,9 +128,11 @@ def test_nothing_packable_publishes_nothing(tmp_path, fixture_tokenizer):
     empty = _tree(tmp_path / "e", {"web/1-1/0_1.jsonl": json.dumps({"text": "  "}) + "\n" + DOC})
     out = tmp_path / "out"
     with pytest.raises(DataError, match=r"no sequence of 4096 tokens .*1 empty document\(s\) skipped.*"
-                                        r"nothing was published"):
+                                        r"nothing was published") as err:
         convert_txt360(ConvertConfig(input=empty, out=out, tokenizer=str(fixture_tokenizer), seq_len=4096,
                                      workers=1, progress=False))
+    # the counts travel with the error, for callers that word it for their own option (eval --seq-len)
+    assert err.value.seq_len == 4096 and "1 empty document(s) skipped" in err.value.counts
     assert not (out / "index.json").exists() and not (out / "manifest.json").exists()
 
 

@@ -91,22 +91,23 @@ def test_a_seq_len_the_embedded_corpus_cannot_fill_names_seq_len(monkeypatch):
     """The converter's error (about training documents, with the build's temporary path) becomes one
     about --seq-len; other data errors pass through unchanged. (The real build takes a minute.)"""
     import megaloop.eval.ppl as ppl
-    from megaloop.data.errors import DataError
+    from megaloop.data.errors import DataError, NothingPackedError
 
-    def fail(msg):
+    def fail(err):
         def read_rows(*_a, **_k):
-            raise DataError(msg)
+            raise err
         return read_rows
 
-    monkeypatch.setattr(ppl, "_read_rows", fail("no sequence of 99999 tokens could be packed from /c/.tmp-1/corpus "
-                                                "(4285 training document(s) with 12,070,468 tokens after mixing; "
-                                                "881 held out for val/screen); nothing was published (no index.json)"))
+    counts = "4285 training document(s) with 12,070,468 tokens after mixing; 881 held out for val/screen"
+    monkeypatch.setattr(ppl, "_read_rows", fail(NothingPackedError(
+        f"no sequence of 99999 tokens could be packed from /c/.tmp-1/corpus ({counts}); nothing was published",
+        seq_len=99999, counts=counts)))
     with pytest.raises(ConfigError, match=r"--seq-len 99999: the embedded corpus \('--data default'\) cannot fill "
                                           r"one sequence of 99999 tokens \(4285 training document\(s\) with "
                                           r"12,070,468 tokens after mixing; 881 held out for val/screen\); use a "
                                           r"shorter --seq-len"):
         load_eval_data("default", seq_len=99999)
-    monkeypatch.setattr(ppl, "_read_rows", fail("shard x is corrupt"))
+    monkeypatch.setattr(ppl, "_read_rows", fail(DataError("shard x is corrupt")))
     with pytest.raises(DataError, match="shard x is corrupt"):
         load_eval_data("default", seq_len=99999)
 

@@ -390,7 +390,7 @@ def _window_table(groups: list[list[dict]], windows: int = 8) -> list[str]:
         if len(gs) < 2 or steps < windows:
             continue
         w = steps // windows
-        edges = [(a, min(a + w, steps)) for a in range(0, w * windows, w)]
+        edges = [(a, a + w) for a in range(0, w * windows, w)]  # a remainder of < windows steps is left out
         names = [f"{g[0]['label']} ({len(g)})" for g in gs]
         rows = []
         for a, b in edges:
