@@ -138,3 +138,14 @@ def test_window_table_averages_each_group_over_windows_and_draws(tmp_path: Path)
     # window 3 = steps 5–6 = losses 4, 5: m_a 4.5, m_b 4.7 -> 4.600; ref 5.5
     assert "| 5–6 | 4.600 | 5.500 |" in table and "| 15–16 | 14.600 | 15.500 |" in table
     assert table.count("\n| ") == 1 + 8  # the header and one row per window (after the separator)
+
+
+def test_report_tables_the_copying_probe_of_results_that_have_it(tmp_path: Path) -> None:
+    probe = {d: {"loss_first": 11.0, "loss_repeat": 11.0 - g, "copy_gain": g} for d, g in (("1", 0.5), ("5", 2.25))}
+    runs = [{**_result("with", "megaloop", 1234, 3.5, 50.0, 48.0), "copying": probe},
+            _result("without", "megaloop", 1, 3.6, 50.0, 48.0)]
+    for r in runs:
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    table = _parity().render(tmp_path).read_text().split("In-context copying")[1].split("Commands:")[0]
+    assert "| with | megaloop | 10 | 3.500 | 11.00 → 10.50 (**0.50**) | 11.00 → 8.75 (**2.25**) |" in table
+    assert "without" not in table

@@ -9,6 +9,7 @@ in ``OUT`` as ``OUT/parity.md`` (tables) and ``OUT/parity.png`` (loss curves, PP
     python tools/bench/parity.py --system huginn --ref-path PATH/recurrent-pretraining --steps 800 --out DIR
     python tools/bench/parity.py --system parcae --ref-path PATH/parcae --steps 800 --out DIR
     python tools/bench/parity.py --report DIR
+    python tools/bench/parity.py --add-copying DIR/run_LABEL DIR/LABEL.json
     python tools/bench/parity.py --check-training 20 --system huginn --preset huginn_matched --ref-path PATH --out DIR
 
 The protocol (every system): megaloop's own train loader over the chosen data (default: the
@@ -22,7 +23,7 @@ microbatch unless the preset says otherwise; Huginn: poisson-lognormal-filling p
 poisson-truncated-full per sequence). Validation: megaloop's whole validation split at every R in
 ``--depths`` (same tokens, labels and loss mask for every system; the evaluation-time state init of
 each system). Diagnostics: :mod:`megaloop.eval.states` on the first ``--trace-seqs`` validation
-sequences at R = ``--trace-depth``.
+sequences at R = ``--trace-depth``; the in-context copying probe (:mod:`parity_copying`) at R = 1, 5.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402
 
 import torch  # noqa: E402
+from parity_copying import add_copying, copying_lines, megaloop_copying, probe_depths  # noqa: E402
 
 # megaloop configurations the harness knows by name: preset + overrides. "default" is the tiny
 # preset's model at the protocol's depth; the *_matched ones reproduce a reference's choices.
@@ -151,8 +153,9 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
     hf, _ = load_model(run_dir)
     ids, mask = _trace_ids(_val_batches(t), args.trace_seqs)
     diag = state_diagnostics(mask=mask, **trace_export(hf, ids, args.trace_depth))
+    copying = megaloop_copying(hf, t.cfg.model.seq_len, args.seed)
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
-            "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides}
+            "copying": copying, "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides}
 
 
 def run_reference(args, out_dir: Path) -> dict:
@@ -194,8 +197,9 @@ def run_reference(args, out_dir: Path) -> dict:
     ref.cfg.state_init = init
     ids, mask = _trace_ids(val_batches, args.trace_seqs)
     diag = state_diagnostics(mask=mask, **ref.trace(ids, args.trace_depth))
+    copying = probe_depths(ref.logits, t.vocab, m.seq_len, args.seed)
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
-            "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name,
+            "copying": copying, "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name,
             "reference_mean_recurrence": mean_rec,
             "huginn_mean": args.huginn_mean if args.system == "huginn" else None}
 
@@ -432,7 +436,7 @@ def render(out_dir: Path) -> Path:
         lines.append(f"| {r['label']} | {rows[1]['rel_change']:.3g} | {rows[2]['rel_change']:.3g} | "
                      f"{rows[3]['rel_change']:.3g} | {rows[1]['state_share']:.3f} | {r['states']['rms_e']:.3g} | "
                      f"{rows[-1]['rms_h']:.3g} | {rows[2]['contraction']:.3g} |")
-    lines += _spread_table(res)
+    lines += _spread_table(res) + copying_lines(res)
     lines += ["", "Commands:", ""] + [f"- `{r['command']}`" + (f" (run as `{r['command_as_run']}` before "
                                                              "an option changed; the same settings)"
                                                              if r.get("command_as_run") else "") for r in res]
@@ -512,8 +516,14 @@ def main(argv: list[str] | None = None) -> int:
                         "OUT/<label>.json, exits 1 if they differ by more than --train-tol")
     p.add_argument("--check-depth", type=int, default=5, help="the fixed depth of --check-training")
     p.add_argument("--train-tol", type=float, default=1e-3, help="max |loss difference| for --check-training")
+    p.add_argument("--add-copying", nargs=2, metavar=("RUN", "RESULT"),
+                   help="measure the in-context copying probe on a megaloop run's final checkpoint, write it "
+                        "into that run's result JSON, and exit")
     p.add_argument("overrides", nargs="*", help="extra megaloop config overrides (key=value)")
     args = p.parse_args(argv)
+    if args.add_copying:
+        print(json.dumps(add_copying(Path(args.add_copying[0]), Path(args.add_copying[1])), indent=1))
+        return 0
     if args.report:
         print(render(Path(args.report)).read_text())
         return 0
