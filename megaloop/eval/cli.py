@@ -1,4 +1,4 @@
-"""``megaloop eval ppl|sweep|states|fixed-point|harness`` (wired in megaloop/cli.py).
+"""``megaloop eval ppl|sweep|states|copying|fixed-point|harness`` (wired in megaloop/cli.py).
 
 Every command loads the pure-PyTorch model from ``--checkpoint`` (a native checkpoint of any
 TP/PP layout — step dir, checkpoints dir or run dir — or an exported HF folder; the options are
@@ -62,6 +62,16 @@ def add_eval_parser(sub) -> None:
                                        "RMS of e and h, contraction")
     _common(p, decode=False)
     p.set_defaults(fn=cmd_eval_states)
+
+    p = esub.add_parser("copying", help="in-context copying: loss on random tokens at their first occurrence "
+                                        "and when repeated, per depth (megaloop.eval.copying)")
+    _common(p, decode=False, data=False)
+    p.add_argument("--depths", default=None, help="comma-separated depths (default: 1 and the run's eval depth)")
+    p.add_argument("--num-seqs", type=int, default=16, help="probe sequences")
+    p.add_argument("--half-len", type=int, default=None,
+                   help="random tokens per sequence, each sequence is them twice (default: half the training seq_len)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (the same probe for every model)")
+    p.set_defaults(fn=cmd_eval_copying)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
     _common(p, decode=False)
@@ -237,6 +247,60 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     return 0
 
 
+def _depth_list(text: str, flag: str) -> list[int]:
+    try:
+        depths = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: comma-separated integers, got {text!r}") from None
+    if not depths or min(depths) < 1:
+        raise ConfigError(f"{flag}: depths must be >= 1, got {text!r}")
+    return depths
+
+
+def cmd_eval_copying(args: argparse.Namespace) -> int:
+    """In-context copying probe (megaloop.eval.copying) at each of --depths: cross-entropy of
+    --num-seqs sequences of --half-len random ids (special tokens left out) at their first
+    occurrence and when repeated, and the copy gain between them (nats)."""
+    import torch
+
+    from megaloop.eval.copying import copy_probe
+
+    if args.num_seqs < 1:
+        raise ConfigError(f"--num-seqs: must be >= 1, got {args.num_seqs}")
+    if args.half_len is not None and args.half_len < 2:
+        raise ConfigError(f"--half-len: must be >= 2, got {args.half_len}")
+    depths = _depth_list(args.depths, "--depths") if args.depths else None
+    _check_args(args)
+    engine = build_engine(args)
+    half = args.half_len or int(engine.config.max_position_embeddings) // 2
+    if 2 * half > engine.max_context:
+        raise ConfigError(f"--half-len: {half} random tokens twice ({2 * half}) exceed the context "
+                          f"{engine.max_context} (pass --max-context to extrapolate RoPE)")
+    looped = bool(engine.config.looped)
+    if not looped and depths:
+        raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
+    depths = depths or (sorted({1, engine.depth}) if looped else [None])
+    tok = engine.tokenizer
+    special = {i for i in (engine.eos_id, getattr(tok, "bos_id", None), getattr(tok, "pad_id", None),
+                           engine.config.pad_token_id) if i is not None}
+    model = engine.model.eval()
+    rows, res = [], {}
+    for r in depths:
+        with torch.no_grad():
+            kw = {"num_recurrences": r} if looped else {}
+            out = copy_probe(lambda ids: model(input_ids=ids.to(engine.device), **kw).logits,
+                             engine.vocab_size, num_seqs=args.num_seqs, half_len=half, seed=args.seed,
+                             exclude=sorted(special))
+        res[str(r)] = out
+        rows.append([r, out["loss_first"], out["loss_repeat"], out["copy_gain"]])
+    _table(f"In-context copying — {args.num_seqs} × {half} random tokens, repeated once",
+           ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
+    write_json(args.json, {"command": "eval copying", "engine": engine.describe(), "half_len": half,
+                           "num_seqs": args.num_seqs, "seed": args.seed, "excluded_ids": sorted(special),
+                           "depths": res})
+    return 0
+
+
 def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     from megaloop.inference.fixed_point import Criteria, fixed_point_report, select_per_source
 
@@ -326,5 +390,5 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_eval_parser", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl", "cmd_eval_states",
+__all__ = ["add_eval_parser", "cmd_eval_copying", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl", "cmd_eval_states",
            "cmd_eval_sweep"]

@@ -18,22 +18,26 @@ measurement serves megaloop's models (any depth) and a reference implementation 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 
 def repeated_random_tokens(num_seqs: int, half_len: int, vocab_size: int, *, seed: int = 0,
-                           low: int = 0) -> torch.Tensor:
-    """``[num_seqs, 2 * half_len]`` int64: ids drawn uniformly from ``[low, vocab_size)`` (a
-    generator seeded with ``seed``, so the probe is the same for every model), each row repeated once."""
+                           exclude: Sequence[int] = ()) -> torch.Tensor:
+    """``[num_seqs, 2 * half_len]`` int64: ids drawn uniformly from ``[0, vocab_size)`` less
+    ``exclude`` (special tokens such as EOS, so that no probe sequence carries a document boundary),
+    with a generator seeded by ``seed`` (the same probe for every model); each row repeated once."""
     if num_seqs < 1 or half_len < 2:
         raise ValueError(f"copy probe: num_seqs must be >= 1 and half_len >= 2, got {num_seqs}, {half_len}")
-    if not 0 <= low < vocab_size - 1:
-        raise ValueError(f"copy probe: low must be in [0, vocab_size - 1), got {low} with vocab_size {vocab_size}")
+    drop = torch.zeros(vocab_size, dtype=torch.bool)
+    drop[[i for i in exclude if 0 <= i < vocab_size]] = True
+    allowed = (~drop).nonzero().flatten()
+    if len(allowed) < 2:
+        raise ValueError(f"copy probe: fewer than 2 token ids left of vocab_size {vocab_size} after excluding {list(exclude)}")
     g = torch.Generator().manual_seed(seed)
-    x = torch.randint(low, vocab_size, (num_seqs, half_len), generator=g)
+    x = allowed[torch.randint(0, len(allowed), (num_seqs, half_len), generator=g)]
     return torch.cat([x, x], dim=1)
 
 
@@ -55,8 +59,8 @@ def copy_scores(logits: torch.Tensor, ids: torch.Tensor) -> dict:
 
 @torch.no_grad()
 def copy_probe(logits_fn: Callable[[torch.Tensor], torch.Tensor], vocab_size: int, *, num_seqs: int = 16,
-               half_len: int = 64, seed: int = 0, low: int = 0) -> dict:
+               half_len: int = 64, seed: int = 0, exclude: Sequence[int] = ()) -> dict:
     """Run ``logits_fn`` on the probe sequences and return :func:`copy_scores` plus the probe's
     ``seed``. ``half_len`` must fit the model's context twice (2 · half_len tokens)."""
-    ids = repeated_random_tokens(num_seqs, half_len, vocab_size, seed=seed, low=low)
+    ids = repeated_random_tokens(num_seqs, half_len, vocab_size, seed=seed, exclude=exclude)
     return {**copy_scores(logits_fn(ids), ids), "seed": seed}

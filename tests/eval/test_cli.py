@@ -55,6 +55,22 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
     assert 0 <= h["results"]["megaloop_toy_mc"]["acc"] <= 1 and h["config"]["prefill_depth"] == 4
 
 
+def test_eval_copying_command(cli, trained_run, tmp_path):
+    from megaloop.eval.copying import copy_probe
+    from megaloop.hf.load import load_model
+
+    code, out, _ = cli("eval", "copying", "--checkpoint", str(trained_run), "--num-seqs", "3", "--half-len", "20",
+                       "--json", str(tmp_path / "copy.json"))
+    assert code == 0 and "copy gain" in out
+    res = json.loads((tmp_path / "copy.json").read_text())
+    # default depths: 1 and the run's eval depth (tiny: 3); special ids (EOS, BOS, pad) left out
+    assert sorted(res["depths"]) == ["1", "3"] and res["half_len"] == 20 and res["excluded_ids"] == [0, 1, 2]
+    hf = load_model(trained_run).model.eval()
+    want = copy_probe(lambda i: hf(input_ids=i, num_recurrences=3).logits, 4096, num_seqs=3, half_len=20,
+                      exclude=[0, 1, 2])
+    assert res["depths"]["3"]["copy_gain"] == pytest.approx(want["copy_gain"], abs=1e-4)
+
+
 def test_generate_command(cli, trained_run, tmp_path):
     code, out, _ = cli("generate", "--checkpoint", str(trained_run), "--prompt", "The for statement",
                        "--prompt", "Classes", "--max-new-tokens", "5", "--prefill-depth", "6", "--decode-depth", "2",
@@ -106,6 +122,11 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "states", "--checkpoint", "{missing}", "--data", "{bin}"], "--data: {bin} is a file of no known text "
      "format"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{empty}"], "--data: {empty} is empty: nothing to evaluate"),
+    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "1,x"], "--depths: comma-separated integers"),
+    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "0,5"], "--depths: depths must be >= 1"),
+    (["eval", "copying", "--checkpoint", "{missing}", "--half-len", "1"], "--half-len: must be >= 2"),
+    (["eval", "copying", "--checkpoint", "{run}", "--half-len", "65"], "--half-len: 65 random tokens twice (130) "
+     "exceed the context 128"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{blank}"], "--data: {blank} holds only whitespace"),
 ])
 def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, message):

@@ -17,16 +17,19 @@ from tests.conftest import ROOT
 
 
 def test_probe_sequences_repeat_and_are_fixed_by_the_seed() -> None:
-    ids = repeated_random_tokens(3, 5, 50, seed=7, low=3)
+    ids = repeated_random_tokens(3, 5, 50, seed=7, exclude=(0, 7))
     assert ids.shape == (3, 10) and ids.dtype == torch.int64
     assert torch.equal(ids[:, :5], ids[:, 5:])
-    assert int(ids.min()) >= 3 and int(ids.max()) < 50
-    assert torch.equal(ids, repeated_random_tokens(3, 5, 50, seed=7, low=3))
-    assert not torch.equal(ids, repeated_random_tokens(3, 5, 50, seed=8, low=3))
+    assert int(ids.min()) >= 1 and int(ids.max()) < 50
+    assert torch.equal(ids, repeated_random_tokens(3, 5, 50, seed=7, exclude=(0, 7)))
+    assert not torch.equal(ids, repeated_random_tokens(3, 5, 50, seed=8, exclude=(0, 7)))
+    # excluded ids never appear, wherever they lie in the vocabulary
+    many = repeated_random_tokens(64, 64, 6, exclude=(0, 3, 5))
+    assert set(many.unique().tolist()) == {1, 2, 4}
     with pytest.raises(ValueError, match="half_len"):
         repeated_random_tokens(2, 1, 50)
-    with pytest.raises(ValueError, match="low"):
-        repeated_random_tokens(2, 4, 50, low=49)
+    with pytest.raises(ValueError, match="fewer than 2"):
+        repeated_random_tokens(2, 4, 3, exclude=(0, 1))
 
 
 def _hand_ce(logits: torch.Tensor, ids: torch.Tensor, targets: range) -> float:
@@ -118,7 +121,7 @@ def test_probe_on_a_trained_model_and_add_copying(trained_run: Path, tmp_path: P
     assert written["copying"] == copying and set(copying) == {str(d) for d in pc.DEPTHS}
     assert {k: v for k, v in written.items() if k != "copying"} == base  # nothing else changed
     torch.manual_seed(5)
-    direct = copy_probe(lambda i: hf(input_ids=i, num_recurrences=1).logits, vocab, half_len=half, low=pc.LOW_ID)
+    direct = copy_probe(lambda i: hf(input_ids=i, num_recurrences=1).logits, vocab, half_len=half, exclude=pc.SPECIAL_IDS)
     assert copying["1"]["copy_gain"] == pytest.approx(direct["copy_gain"], abs=1e-5)
     # a result of another run, or one whose step differs from the checkpoint's, is refused unchanged
     other = tmp_path / "other.json"

@@ -18,9 +18,9 @@ import torch
 from megaloop.eval.copying import copy_probe
 
 DEPTHS = (1, 5)
-# ids below 3 are the embedded tokenizer's special tokens (<|endoftext|>, <|bos|>, <|pad|>): left out
-# of the random sequences so that no probe sequence carries a document boundary.
-LOW_ID = 3
+# the embedded tokenizer's special tokens (<|endoftext|>, <|bos|>, <|pad|>): left out of the random
+# sequences so that no probe sequence carries a document boundary.
+SPECIAL_IDS = (0, 1, 2)
 
 
 def probe_depths(logits_at: Callable[[torch.Tensor, int], torch.Tensor], vocab: int, seq_len: int,
@@ -30,7 +30,8 @@ def probe_depths(logits_at: Callable[[torch.Tensor, int], torch.Tensor], vocab: 
     out = {}
     for r in DEPTHS:
         torch.manual_seed(seed)
-        out[str(r)] = copy_probe(lambda ids: logits_at(ids, r), vocab, half_len=seq_len // 2, low=LOW_ID)
+        out[str(r)] = copy_probe(lambda ids: logits_at(ids, r), vocab, half_len=seq_len // 2,
+                                exclude=SPECIAL_IDS)
     return out
 
 
