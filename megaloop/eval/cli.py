@@ -247,16 +247,6 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     return 0
 
 
-def _depth_list(text: str, flag: str) -> list[int]:
-    try:
-        depths = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"{flag}: comma-separated integers, got {text!r}") from None
-    if not depths or min(depths) < 1:
-        raise ConfigError(f"{flag}: depths must be >= 1, got {text!r}")
-    return depths
-
-
 def cmd_eval_copying(args: argparse.Namespace) -> int:
     """In-context copying probe (megaloop.eval.copying) at each of --depths: cross-entropy of
     --num-seqs sequences of --half-len random ids (special tokens left out) at their first
@@ -264,12 +254,13 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
     import torch
 
     from megaloop.eval.copying import copy_probe
+    from megaloop.eval.depth_sweep import parse_depths
 
     if args.num_seqs < 1:
         raise ConfigError(f"--num-seqs: must be >= 1, got {args.num_seqs}")
     if args.half_len is not None and args.half_len < 2:
         raise ConfigError(f"--half-len: must be >= 2, got {args.half_len}")
-    depths = _depth_list(args.depths, "--depths") if args.depths else None
+    depths = parse_depths(args.depths) if args.depths else None
     _check_args(args)
     engine = build_engine(args)
     half = args.half_len or int(engine.config.max_position_embeddings) // 2

@@ -122,8 +122,8 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "states", "--checkpoint", "{missing}", "--data", "{bin}"], "--data: {bin} is a file of no known text "
      "format"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{empty}"], "--data: {empty} is empty: nothing to evaluate"),
-    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "1,x"], "--depths: comma-separated integers"),
-    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "0,5"], "--depths: depths must be >= 1"),
+    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "1,x"], "--depths: 'x' is not an integer"),
+    (["eval", "copying", "--checkpoint", "{missing}", "--depths", "0,5"], "--depths: recurrence depth must be an integer >= 1, got 0"),
     (["eval", "copying", "--checkpoint", "{missing}", "--half-len", "1"], "--half-len: must be >= 2"),
     (["eval", "copying", "--checkpoint", "{run}", "--half-len", "65"], "--half-len: 65 random tokens twice (130) "
      "exceed the context 128"),

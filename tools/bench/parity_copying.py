@@ -38,8 +38,8 @@ def probe_depths(logits_at: Callable[[torch.Tensor, int], torch.Tensor], vocab: 
 def megaloop_copying(hf, seq_len: int, seed: int) -> dict:
     """The probe on a megaloop HF model (eval mode, its own h⁰ init)."""
     hf = hf.eval()
-    return probe_depths(lambda ids, r: hf(input_ids=ids, num_recurrences=r).logits, hf.config.vocab_size,
-                        seq_len, seed)
+    vocab = getattr(hf.config, "tokenizer_vocab_size", None) or hf.config.vocab_size  # not the padding rows
+    return probe_depths(lambda ids, r: hf(input_ids=ids, num_recurrences=r).logits, vocab, seq_len, seed)
 
 
 def add_copying(run_dir: Path, result: Path) -> dict:
@@ -73,7 +73,8 @@ def copying_lines(res: list[dict]) -> list[str]:
         rows.append(f"| {r['label']} | {r['system']} | {r['steps']} | {sum(r['losses'][-10:]) / 10:.3f} | {cells} |")
     if not rows:
         return []
-    return ["", "In-context copying (`megaloop.eval.copying`): cross-entropy on 64 random tokens, first "
+    half = next(r for r in res if r.get("copying"))["copying"][str(DEPTHS[0])].get("half_len", "n")
+    return ["", f"In-context copying (`megaloop.eval.copying`): cross-entropy on {half} random tokens, first "
             "occurrence → repeat, and the copy gain (nats) between them.", "",
             "| run | system | steps | train loss | " + " | ".join(f"R={d}" for d in DEPTHS) + " |",
             "|---" * (4 + len(DEPTHS)) + "|", *rows]
