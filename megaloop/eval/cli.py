@@ -251,8 +251,6 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
     """In-context copying probe (megaloop.eval.copying) at each of --depths: cross-entropy of
     --num-seqs sequences of --half-len random ids (special tokens left out) at their first
     occurrence and when repeated, and the copy gain between them (nats)."""
-    import torch
-
     from megaloop.eval.copying import copy_probe
     from megaloop.eval.depth_sweep import parse_depths
 
@@ -276,12 +274,11 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
                            engine.config.pad_token_id) if i is not None}
     model = engine.model.eval()
     rows, res = [], {}
-    for r in depths:
-        with torch.no_grad():
-            kw = {"num_recurrences": r} if looped else {}
-            out = copy_probe(lambda ids: model(input_ids=ids.to(engine.device), **kw).logits,
-                             engine.vocab_size, num_seqs=args.num_seqs, half_len=half, seed=args.seed,
-                             exclude=sorted(special))
+    for r in depths:  # copy_probe runs without gradients
+        kw = {"num_recurrences": r} if looped else {}
+        out = copy_probe(lambda ids: model(input_ids=ids.to(engine.device), **kw).logits,
+                         engine.vocab_size, num_seqs=args.num_seqs, half_len=half, seed=args.seed,
+                         exclude=sorted(special))
         res[str(r)] = out
         rows.append([r, out["loss_first"], out["loss_repeat"], out["copy_gain"]])
     _table(f"In-context copying — {args.num_seqs} × {half} random tokens, repeated once",
