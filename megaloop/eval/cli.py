@@ -37,6 +37,12 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
         p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
+def _memory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="skip the estimate that refuses, before the first forward, a batch the device's free "
+                        "memory cannot hold (megaloop.eval.memory)")
+
+
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
     ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | fixed-point | harness | synth")
@@ -48,6 +54,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=None,
                    help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
     p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
+    _memory_option(p)
     p.set_defaults(fn=cmd_eval_ppl)
 
     p = esub.add_parser("sweep", help="PPL across depths: table + PNG plot")
@@ -56,11 +63,13 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
+    _memory_option(p)
     p.set_defaults(fn=cmd_eval_sweep)
 
     p = esub.add_parser("states", help="depth use: per-recurrence state change, state share of the injection, "
                                        "RMS of e and h, contraction")
     _common(p, decode=False)
+    _memory_option(p)
     p.set_defaults(fn=cmd_eval_states)
 
     p = esub.add_parser("copying", help="in-context copying: loss on random tokens at their first occurrence "
@@ -141,6 +150,22 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     return data
 
 
+def _memory_check(args: argparse.Namespace, engine, data, depths, protocols) -> None:
+    """Refuse (ConfigError) a batch the device cannot hold, before the first forward."""
+    if getattr(args, "no_memory_check", False):
+        return
+    from megaloop.eval.memory import check_eval_memory
+    from megaloop.inference.kv_cache import check_depth
+
+    L = data.seq_len
+    plen = args.prefix_len if args.prefix_len is not None else L // 2
+    if args.batch_size < 1 or not 1 <= plen < L:
+        return  # the evaluation refuses these itself, naming the flag
+    pdepth = check_depth(args.prefill_depth, "--prefill-depth") if args.prefill_depth is not None else None
+    check_eval_memory(engine, batch_size=min(args.batch_size, data.num_seqs), seq_len=L, prefix_len=plen,
+                      depths=[check_depth(d, "--depth") for d in depths], prefill_depth=pdepth, protocols=protocols)
+
+
 def _fmt(x: Any, digits: int = 4) -> str:
     if x is None:
         return "—"
@@ -171,6 +196,7 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     protocols = protocols_for(args.cache, native=not args.no_native)
     engine = build_engine(args)
     data = _data(args, engine)
+    _memory_check(args, engine, data, [args.depth or engine.depth], protocols)
     res = evaluate_ppl(engine, data, depth=args.depth, prefill_depth=args.prefill_depth, protocols=protocols,
                        batch_size=args.batch_size, prefix_len=args.prefix_len)
     rows = []
@@ -210,6 +236,8 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     depths = parse_depths(args.depths)
     engine = build_engine(args)
     data = _data(args, engine)
+    _memory_check(args, engine, data, depths + [engine.depth],
+                  ("native", "terminal", "per_visit") if args.sharing else ("native",))
     res = depth_sweep(engine, data, depths, sharing=args.sharing, prefill_depth=args.prefill_depth,
                       batch_size=args.batch_size, prefix_len=args.prefix_len)
     cols = ["R", "native PPL"] + (["terminal PPL", "per-visit PPL", "penalty %"] if args.sharing else [])
@@ -236,6 +264,10 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
         raise ConfigError(f"--checkpoint {args.checkpoint}: an untied model has no recurrence to diagnose")
     data = _data(args, engine, max_seqs=args.max_seqs or 16)
     depth = args.depth or 16
+    if not args.no_memory_check:
+        from megaloop.eval.memory import check_trace_memory
+
+        check_trace_memory(engine, num_seqs=data.num_seqs, seq_len=data.seq_len, depth=depth)
     ids = data.tokens.to(engine.device)
     diag = state_diagnostics(mask=data.loss_mask.to(engine.device),
                              **trace_export(engine.model, ids, depth))

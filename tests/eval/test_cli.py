@@ -143,6 +143,27 @@ def test_bad_inputs_exit_2_with_one_line(cli, trained_run, tmp_path, argv, messa
     assert len(lines) == 1 and message.format(**fill) in lines[0], err[-2000:]
 
 
+def test_ppl_and_sweep_refuse_a_batch_memory_cannot_hold_before_any_forward(cli, trained_run, monkeypatch):
+    import megaloop.eval.ppl as ppl
+
+    def forbidden(*a, **k):
+        raise AssertionError("evaluate_ppl ran although the memory check should have refused")
+
+    monkeypatch.setattr(ppl, "evaluate_ppl", forbidden)
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(20 << 20))  # 20 MiB free: less than 4 × 128 tokens of logits
+    code, _, err = cli("eval", "ppl", "--checkpoint", str(trained_run), "--max-seqs", "4")
+    assert code == 2 and "megaloop: error: --batch-size 4 × --seq-len 128: the native pass needs an estimated" in err
+    assert "--batch-size 3 fits" in err and "of the 20.0 MiB available" in err, err
+    code, _, err = cli("eval", "sweep", "--checkpoint", str(trained_run), "--max-seqs", "4", "--depths", "1,64",
+                       "--sharing")
+    assert code == 2 and "--batch-size 4 × --seq-len 128: the per_visit pass" in err, err
+    code, _, err = cli("eval", "states", "--checkpoint", str(trained_run), "--depth", "64")
+    assert code == 2 and "--max-seqs 16 × --seq-len 128 at --depth 64: the state trace needs" in err, err
+    # --no-memory-check skips it: the (forbidden) evaluation is reached
+    with pytest.raises(AssertionError, match="memory check should have refused"):
+        cli("eval", "ppl", "--checkpoint", str(trained_run), "--max-seqs", "4", "--no-memory-check")
+
+
 def test_ppl_on_a_text_file_at_an_explicit_protocol_length(cli, trained_run, tmp_path):
     out = tmp_path / "ppl.json"
     code, stdout, err = cli("eval", "ppl", "--checkpoint", str(trained_run), "--data", str(TEXT), "--seq-len", "256",

@@ -41,6 +41,11 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"before {before['rewards_per_s']} ({before['cpu_ms_per_reward']} ms); after: {after} "
                 f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
+    if name == "eval_memory":
+        ratios = [x["ratio_measured_over_estimate"] for x in r]
+        return (f"Evaluation memory check: measured peak / estimate of one `evaluate_ppl` batch "
+                f"({len(r)} cases: native, terminal, per-visit; d=128–512, vocab 4,096–32,768, L=2,048–8,192)",
+                f"**{min(ratios):.2f}–{max(ratios):.2f}×** (check refuses above 0.90 of free memory)")
     if name == "tbptt_memory":
         s = r["summary"]
         return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
