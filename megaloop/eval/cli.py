@@ -152,7 +152,7 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
 
 def _memory_check(args: argparse.Namespace, engine, data, depths, protocols) -> None:
     """Refuse (ConfigError) a batch the device cannot hold, before the first forward."""
-    if getattr(args, "no_memory_check", False):
+    if args.no_memory_check:
         return
     from megaloop.eval.memory import check_eval_memory
     from megaloop.inference.kv_cache import check_depth

@@ -23,7 +23,7 @@ peak; README "Evaluation memory").
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -47,9 +47,6 @@ class EvalMemoryEstimate:
     activation_bytes: int
     total_bytes: int
     per_protocol: dict  # protocol -> total bytes of its pass
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _size(n: float) -> str:
@@ -138,20 +135,27 @@ def check_eval_memory(engine, *, batch_size: int, seq_len: int, prefix_len: int,
     est = max((estimate_eval_memory(engine.config, batch_size=batch_size, seq_len=seq_len, prefix_len=prefix_len,
                                     depth=d, prefill_depth=prefill_depth, protocols=protocols, dtype=engine.dtype)
                for d in depths), key=lambda e: e.total_bytes)
-    free = available_memory(engine.device)
-    budget = HEADROOM * free
-    if est.total_bytes <= budget:
-        return est
-    per_seq = est.total_bytes / batch_size
-    fits = int(budget // per_seq)
-    hint = (f"--batch-size {fits} fits" if fits >= 1 else
-            "even one sequence does not fit: lower --seq-len"
-            + (" or drop a protocol (--no-native / --cache terminal)" if len(est.per_protocol) > 1 else ""))
-    raise ConfigError(
+    _refuse_unless_fits(
+        engine.device, est.total_bytes, batch_size, "--batch-size",
         f"--batch-size {batch_size} × --seq-len {seq_len}: the {est.peak_protocol} pass needs an estimated "
         f"{_size(est.total_bytes)} (logits {_size(est.logits_bytes)}, KV cache {_size(est.kv_bytes)}, "
-        f"activations {_size(est.activation_bytes)}) on {engine.device}, more than {HEADROOM:.0%} of the "
-        f"{_size(free)} available; {hint} (--no-memory-check skips this check)")
+        f"activations {_size(est.activation_bytes)})",
+        "lower --seq-len" + (" or drop a protocol (--no-native / --cache terminal)" if len(est.per_protocol) > 1 else ""))
+    return est
+
+
+def _refuse_unless_fits(device: torch.device, need: int, count: int, count_flag: str, what: str,
+                        shrink: str) -> None:
+    """Raise ConfigError (``what``, the free memory, and the largest ``count_flag`` value that fits,
+    else ``shrink``) when ``need`` bytes for ``count`` sequences exceed ``HEADROOM`` of the free memory."""
+    free = available_memory(device)
+    budget = HEADROOM * free
+    if need <= budget:
+        return
+    fits = int(budget // (need / count))
+    hint = f"{count_flag} {fits} fits" if fits >= 1 else f"even one sequence does not fit: {shrink}"
+    raise ConfigError(f"{what} on {device}, more than {HEADROOM:.0%} of the {_size(free)} available; {hint} "
+                      f"(--no-memory-check skips this check)")
 
 
 def estimate_trace_memory(config, *, num_seqs: int, seq_len: int, depth: int,
@@ -168,14 +172,10 @@ def check_trace_memory(engine, *, num_seqs: int, seq_len: int, depth: int) -> in
     """Raise ConfigError naming ``--max-seqs`` / ``--seq-len`` / ``--depth`` when ``eval states``'
     trace exceeds ``HEADROOM`` of the available memory; return the estimate (bytes)."""
     need = estimate_trace_memory(engine.config, num_seqs=num_seqs, seq_len=seq_len, depth=depth, dtype=engine.dtype)
-    free = available_memory(engine.device)
-    if need <= HEADROOM * free:
-        return need
-    fits = int(HEADROOM * free // (need / num_seqs))
-    hint = f"--max-seqs {fits} fits" if fits >= 1 else "even one sequence does not fit: lower --seq-len or --depth"
-    raise ConfigError(f"--max-seqs {num_seqs} × --seq-len {seq_len} at --depth {depth}: the state trace needs an "
-                      f"estimated {_size(need)} on {engine.device}, more than {HEADROOM:.0%} of the {_size(free)} "
-                      f"available; {hint} (--no-memory-check skips this check)")
+    _refuse_unless_fits(engine.device, need, num_seqs, "--max-seqs",
+                        f"--max-seqs {num_seqs} × --seq-len {seq_len} at --depth {depth}: the state trace needs an "
+                        f"estimated {_size(need)}", "lower --seq-len or --depth")
+    return need
 
 
 __all__ = ["EvalMemoryEstimate", "HEADROOM", "available_memory", "check_eval_memory", "check_trace_memory",

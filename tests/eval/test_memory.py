@@ -1,5 +1,5 @@
-"""The evaluation memory check (megaloop.eval.memory): the estimate against a hand computation,
-the refusal's message, and ``eval ppl`` / ``eval sweep`` refusing before the first forward."""
+"""The evaluation memory check (megaloop.eval.memory): the estimates against a hand computation and
+the refusals' messages (the commands refusing before the first forward: tests/eval/test_cli.py)."""
 
 from __future__ import annotations
 

@@ -43,8 +43,13 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
     if name == "eval_memory":
         ratios = [x["ratio_measured_over_estimate"] for x in r]
+
+        def span(key: str, fmt: str = "{:,}") -> str:
+            return "–".join(fmt.format(v) for v in sorted({min(x[key] for x in r), max(x[key] for x in r)}))
+
+        protos = ", ".join(sorted({x["protocol"] for x in r}))
         return (f"Evaluation memory check: measured peak / estimate of one `evaluate_ppl` batch "
-                f"({len(r)} cases: native, terminal, per-visit; d=128–512, vocab 4,096–32,768, L=2,048–8,192)",
+                f"({len(r)} cases: {protos}; d={span('hidden', '{}')}, vocab {span('vocab')}, L={span('seq_len')})",
                 f"**{min(ratios):.2f}–{max(ratios):.2f}×** (check refuses above 0.90 of free memory)")
     if name == "tbptt_memory":
         s = r["summary"]
