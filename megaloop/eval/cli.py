@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megaloop.config_utils import ConfigError
-from megaloop.inference.generate_cli import (add_engine_options, add_student_option, build_engine, check_engine_args,
-                                             write_json)
+from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, add_student_option, build_engine,
+                                             check_engine_args, write_json)
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -37,12 +37,6 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
         p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
-def _memory_option(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--no-memory-check", action="store_true",
-                   help="skip the estimate that refuses, before the first forward, a batch the device's free "
-                        "memory cannot hold (megaloop.eval.memory)")
-
-
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
     ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | fixed-point | harness | synth")
@@ -54,7 +48,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--prefix-len", type=int, default=None,
                    help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
     p.add_argument("--no-native", action="store_true", help="skip the plain parallel-forward PPL")
-    _memory_option(p)
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_ppl)
 
     p = esub.add_parser("sweep", help="PPL across depths: table + PNG plot")
@@ -63,13 +57,13 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
-    _memory_option(p)
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_sweep)
 
     p = esub.add_parser("states", help="depth use: per-recurrence state change, state share of the injection, "
                                        "RMS of e and h, contraction")
     _common(p, decode=False)
-    _memory_option(p)
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_states)
 
     p = esub.add_parser("copying", help="in-context copying: loss on random tokens at their first occurrence "
@@ -106,6 +100,7 @@ def add_eval_parser(sub) -> None:
                         "faster; the default with --cache none)")
     p.add_argument("--include-path", action="append", default=[], help="extra folder of task YAMLs")
     p.add_argument("--include-defaults", action="store_true", help="also index lm-eval's built-in tasks")
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_harness)
     from megaloop.eval.synth_cli import add_synth_parser
 
@@ -392,7 +387,8 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     lm = MegaloopLM(engine, depth=args.depth, prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
-                    cache_mode=args.cache, scoring=args.scoring, batch_size=args.batch_size)
+                    cache_mode=args.cache, scoring=args.scoring, batch_size=args.batch_size,
+                    memory_check=not args.no_memory_check)
     limit = args.limit
     if limit is not None and limit >= 1:
         limit = int(limit)

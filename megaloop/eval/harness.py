@@ -62,6 +62,8 @@ class MegaloopLM(LM):
         scoring: ``decode`` (default; token by token through the cache) or ``parallel``
             (default with ``cache_mode="none"``).
         batch_size: continuations scored per pass (rows decoded together).
+        memory_check: before scoring (or generating) a set of requests, estimate the largest batch's
+            memory (megaloop.eval.memory) and refuse, naming ``--batch-size``, one that does not fit.
         max_gen_toks: default generation length.
     """
 
@@ -69,7 +71,8 @@ class MegaloopLM(LM):
                  depth: Optional[int] = None, prefill_depth: Optional[int] = None,
                  decode_depth: Optional[int] = None, cache_mode: str = "terminal",
                  scoring: Optional[str] = None, batch_size: int = 16,
-                 max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", **_ignored):
+                 max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", memory_check: bool = True,
+                 **_ignored):
         super().__init__()
         if engine is None:
             from megaloop.inference.engine import InferenceEngine
@@ -90,6 +93,7 @@ class MegaloopLM(LM):
         self.scoring = check_scoring(scoring or ("parallel" if cache_mode == "none" else "decode"), cache_mode)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 16
         self.max_gen_toks = int(max_gen_toks)
+        self.memory_check = memory_check not in (False, "false", "False", 0, "0")
         self._device = engine.device
 
     @classmethod
@@ -146,12 +150,42 @@ class MegaloopLM(LM):
         """Scores of (context ids, continuation ids) pairs in this adapter's scoring mode."""
         from megaloop.eval.decode_score import decode_loglikelihood, parallel_loglikelihood
 
+        self._check_memory(pairs)
         if self.scoring == "decode":
             return decode_loglikelihood(self.engine, pairs, prefill_depth=self.prefill_depth,
                                         decode_depth=self.decode_depth, cache_mode=self.cache_mode,
                                         batch_size=self.batch_size)
         return parallel_loglikelihood(self.engine, pairs, depth=self.depth, prefill_depth=self.prefill_depth,
                                       cache_mode=self.cache_mode, batch_size=self.batch_size)
+
+    def _check_memory(self, pairs: list[tuple[list[int], list[int]]], max_new: int = 0) -> None:
+        """Refuse (ConfigError naming ``--batch-size``) requests whose largest batch would not fit:
+        the longest context and longest continuation (or ``max_new`` generated tokens) together, in
+        a batch of ``batch_size`` rows (an upper bound: the longest need not share a batch)."""
+        if not self.memory_check or not pairs:
+            return
+        from megaloop.eval.memory import check_decode_memory, describe, estimate_eval_memory, refuse_unless_fits
+
+        eng, b = self.engine, min(self.batch_size, len(pairs)) if not max_new else 1
+        ctx = max(len(c) for c, _ in pairs)
+        cont = max(max(len(c) for _, c in pairs), max_new)
+        # rows are left-padded to the longest context; one generation stops at the context length
+        total = min(ctx + cont - 1, max(self.max_length, ctx)) if max_new else ctx + cont - 1
+        fits, shrink = "--batch-size {n} fits", "use --cache terminal or lower the depths"
+        what = f"--batch-size {b}, contexts of up to {ctx} tokens, continuations of up to {cont}"
+        if max_new or self.scoring == "decode":
+            mode = "per_visit" if self.cache_mode == "per_visit" else "terminal"
+            depth = eng.exit.max_depth if eng.exit is not None else self.decode_depth
+            check_decode_memory(eng, batch_size=b, prompt_len=ctx, total_len=total, prefill_depth=self.prefill_depth,
+                                decode_depth=depth, mode=mode, what=what, fits=fits, shrink=shrink)
+            return
+        protocol = "native" if self.cache_mode == "none" else self.cache_mode
+        est = estimate_eval_memory(eng.config, batch_size=b, seq_len=total, prefix_len=min(ctx, total - 1),
+                                   depth=self.depth, prefill_depth=self.prefill_depth, protocols=(protocol,),
+                                   dtype=eng.dtype)
+        refuse_unless_fits(eng.device, est.total_bytes, b, fits,
+                           f"{what}: one parallel pass at depth {self.depth} needs an estimated {describe(est)}",
+                           shrink)
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         pairs = []
@@ -187,6 +221,10 @@ class MegaloopLM(LM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        if requests:  # one request at a time: the longest context with the longest generation
+            longest = max(len(self.tok_encode(r.args[0]) or [0]) for r in requests)
+            max_new = max(int((r.args[1] or {}).get("max_gen_toks", self.max_gen_toks)) for r in requests)
+            self._check_memory([([0] * min(longest, max(1, self.max_length - 1)), [0])], max_new=max(1, max_new))
         out = []
         for req in requests:
             context, kwargs = req.args[0], dict(req.args[1] or {})

@@ -15,8 +15,9 @@ between them), so the peak is the largest pass:
   activations; and the attention mask [n, L] (boolean, and SDPA's float copy).
 
 One layer visit's activations: the residual stream, the injected input and the state (3·d), the
-attention's q, k, v and output (4·d), the MLP's gate, up and product (3·ffn), per token, in the
-engine dtype. Attention scores are not counted: PyTorch's SDPA runs a fused kernel on CPU and GPU,
+attention's normed input, q, k, v, output and projection (6·d), the MLP's fused gate-and-up output,
+activation and product (4·ffn), per token, in the engine dtype (both blocks summed: an upper bound
+on one visit; the previous count, 7·d + 3·ffn, measured 20 % low on a prefill at d = 512). Attention scores are not counted: PyTorch's SDPA runs a fused kernel on CPU and GPU,
 whose memory is linear in L (``tools/bench/bench_eval_memory.py`` measures the estimate against the
 peak; README "Evaluation memory").
 """
@@ -65,7 +66,7 @@ def _logits_bytes(tokens: int, vocab: int, dtype: torch.dtype) -> int:
 
 def _activation_bytes(config, tokens: int, dtype: torch.dtype) -> int:
     d, ffn = int(config.hidden_size), int(config.intermediate_size)
-    return tokens * (7 * d + 3 * ffn) * _elsize(dtype)
+    return tokens * (9 * d + 4 * ffn) * _elsize(dtype)
 
 
 def estimate_eval_memory(config, *, batch_size: int, seq_len: int, prefix_len: int, depth: int,
@@ -129,33 +130,107 @@ def available_memory(device: torch.device) -> int:
 
 def check_eval_memory(engine, *, batch_size: int, seq_len: int, prefix_len: int, depths: Sequence[int],
                       prefill_depth: Optional[int] = None, protocols: Sequence[str] = ("native",)) -> EvalMemoryEstimate:
-    """Raise ConfigError naming ``--batch-size`` / ``--seq-len`` when the largest of ``depths``'
+    """Raise ConfigError naming ``--batch-size`` / ``--seq-len`` when the largest of ``depths'``
     estimates exceeds ``HEADROOM`` of the device's available memory; return that estimate."""
     batch_size = max(1, int(batch_size))
     est = max((estimate_eval_memory(engine.config, batch_size=batch_size, seq_len=seq_len, prefix_len=prefix_len,
                                     depth=d, prefill_depth=prefill_depth, protocols=protocols, dtype=engine.dtype)
                for d in depths), key=lambda e: e.total_bytes)
-    _refuse_unless_fits(
-        engine.device, est.total_bytes, batch_size, "--batch-size",
+    refuse_unless_fits(
+        engine.device, est.total_bytes, batch_size, "--batch-size {n} fits",
         f"--batch-size {batch_size} × --seq-len {seq_len}: the {est.peak_protocol} pass needs an estimated "
-        f"{_size(est.total_bytes)} (logits {_size(est.logits_bytes)}, KV cache {_size(est.kv_bytes)}, "
-        f"activations {_size(est.activation_bytes)})",
+        f"{describe(est)}",
         "lower --seq-len" + (" or drop a protocol (--no-native / --cache terminal)" if len(est.per_protocol) > 1 else ""))
     return est
 
 
-def _refuse_unless_fits(device: torch.device, need: int, count: int, count_flag: str, what: str,
-                        shrink: str) -> None:
-    """Raise ConfigError (``what``, the free memory, and the largest ``count_flag`` value that fits,
-    else ``shrink``) when ``need`` bytes for ``count`` sequences exceed ``HEADROOM`` of the free memory."""
+def describe(est: EvalMemoryEstimate) -> str:
+    """``'1.20 GiB (logits …, KV cache …, activations …)'``: an estimate's total and parts."""
+    return (f"{_size(est.total_bytes)} (logits {_size(est.logits_bytes)}, KV cache {_size(est.kv_bytes)}, "
+            f"activations {_size(est.activation_bytes)})")
+
+
+def refuse_unless_fits(device: torch.device, need: int, count: int, fits: str, what: str, shrink: str) -> None:
+    """Raise ConfigError (``what``, the free memory, and ``fits`` formatted with the largest count
+    ``n`` that fits, else ``shrink``) when ``need`` bytes for ``count`` sequences exceed ``HEADROOM``
+    of the free memory."""
     free = available_memory(device)
     budget = HEADROOM * free
     if need <= budget:
         return
-    fits = int(budget // (need / count))
-    hint = f"{count_flag} {fits} fits" if fits >= 1 else f"even one sequence does not fit: {shrink}"
+    n = int(budget // (need / max(count, 1)))
+    hint = fits.format(n=n) if n >= 1 else f"even one sequence does not fit: {shrink}"
     raise ConfigError(f"{what} on {device}, more than {HEADROOM:.0%} of the {_size(free)} available; {hint} "
                       f"(--no-memory-check skips this check)")
+
+
+def bank_capacity(prompt_len: int, total_len: int) -> int:
+    """Tokens a KV bank has room for once it holds ``total_len`` tokens, grown one token at a time
+    after a ``prompt_len``-token prefill (``_Bank.append`` in megaloop.hf.cache_megaloop: a full
+    bank grows to max(n + 1, 2 × capacity, 16))."""
+    cap = max(int(prompt_len), 1)
+    while cap < total_len:
+        cap = max(cap + 1, 2 * cap, 16)
+    return cap
+
+
+def estimate_decode_memory(config, *, batch_size: int, prompt_len: int, total_len: int, prefill_depth: int,
+                           decode_depth: int, mode: str, padded: bool = True,
+                           dtype: torch.dtype = torch.float32) -> EvalMemoryEstimate:
+    """Estimate (bytes) of prefilling ``batch_size`` prompts of up to ``prompt_len`` tokens and
+    decoding them one token per step until a row holds ``total_len`` tokens (``generate``, the
+    harness's ``decode`` scoring), through a ``mode`` KV cache. Two phases, the larger is the peak:
+
+    * ``prefill``: the cache of the prompts (b · prompt_len tokens), one layer visit's activations,
+      the padded [b, 1, p, p] boolean mask and SDPA's float copy (``padded``: prompts of unequal
+      length), the last position's logits;
+    * ``decode``: every bank at its grown capacity (:func:`bank_capacity`) for b rows, plus the
+      larger of two transients that never coincide: the copy of the other b − 1 rows made when one
+      row finishes before the rest (``DecodeState.select`` builds the smaller cache while the old
+      one is alive), and one bank's K/V read by attention (a contiguous copy while the bank has
+      spare room); a step's logits, mask and activations.
+
+    ``total_len``: the positions a row's cache reaches, padding included
+    (:func:`decode_positions`). Per-visit banks are counted at the larger of the two depths for
+    every token (an upper bound when they differ). ``seq_len`` of the result is ``total_len``."""
+    b, p, T = max(1, int(batch_size)), int(prompt_len), max(int(total_len), int(prompt_len))
+    per_tok = kv_bytes_per_token(config, mode, max(prefill_depth, decode_depth), dtype)
+    one_bank = 2 * int(config.num_key_value_heads) * int(config.head_dim) * _elsize(dtype)  # K and V of a token
+    vocab = int(config.vocab_size)
+    step_logits = _logits_bytes(b, vocab, dtype)
+    parts = {
+        "prefill": (step_logits, b * p * per_tok,
+                    _activation_bytes(config, b * p, dtype) + (5 * b * p * p if padded and b > 1 else 0)),
+        "decode": (step_logits, b * bank_capacity(p, T) * per_tok + max((b - 1) * T * per_tok, b * T * one_bank),
+                   _activation_bytes(config, b, dtype) + 5 * b * T),
+    }
+    totals = {k: sum(v) for k, v in parts.items()}
+    peak = max(totals, key=totals.get)
+    logits, kv, act = parts[peak]
+    return EvalMemoryEstimate(b, T, peak, logits, kv, act, totals[peak], totals)
+
+
+def decode_positions(prompt_lens: Sequence[int], max_new_tokens: int, max_context: int) -> int:
+    """Positions a row's cache reaches in ``generate``: the longest prompt (shorter ones are
+    left-padded to it) plus every generated token but the last, until the row with the shortest
+    prompt reaches ``max_context`` real tokens."""
+    p, shortest = max(prompt_lens), min(prompt_lens)
+    return min(p + max_new_tokens - 1, p - shortest + max(max_context, shortest))
+
+
+def check_decode_memory(engine, *, batch_size: int, prompt_len: int, total_len: int, prefill_depth: int,
+                        decode_depth: int, mode: str, padded: bool = True, what: str, fits: str,
+                        shrink: str) -> EvalMemoryEstimate:
+    """:func:`estimate_decode_memory` on ``engine``; raise ConfigError (``what`` + the estimate,
+    ``fits`` / ``shrink`` as in :func:`refuse_unless_fits`) when it does not fit; return it."""
+    est = estimate_decode_memory(engine.config, batch_size=batch_size, prompt_len=prompt_len, total_len=total_len,
+                                 prefill_depth=prefill_depth, decode_depth=decode_depth, mode=mode, padded=padded,
+                                 dtype=engine.dtype)
+    refuse_unless_fits(engine.device, est.total_bytes, est.batch_size, fits,
+                       f"{what} ({est.seq_len} tokens held per row, {mode} cache at depth "
+                       f"{max(prefill_depth, decode_depth)}): the {est.peak_protocol} phase needs an estimated "
+                       f"{describe(est)}", shrink)
+    return est
 
 
 def estimate_trace_memory(config, *, num_seqs: int, seq_len: int, depth: int,
@@ -172,11 +247,12 @@ def check_trace_memory(engine, *, num_seqs: int, seq_len: int, depth: int) -> in
     """Raise ConfigError naming ``--max-seqs`` / ``--seq-len`` / ``--depth`` when ``eval states``'
     trace exceeds ``HEADROOM`` of the available memory; return the estimate (bytes)."""
     need = estimate_trace_memory(engine.config, num_seqs=num_seqs, seq_len=seq_len, depth=depth, dtype=engine.dtype)
-    _refuse_unless_fits(engine.device, need, num_seqs, "--max-seqs",
+    refuse_unless_fits(engine.device, need, num_seqs, "--max-seqs {n} fits",
                         f"--max-seqs {num_seqs} × --seq-len {seq_len} at --depth {depth}: the state trace needs an "
                         f"estimated {_size(need)}", "lower --seq-len or --depth")
     return need
 
 
-__all__ = ["EvalMemoryEstimate", "HEADROOM", "available_memory", "check_eval_memory", "check_trace_memory",
-           "estimate_eval_memory", "estimate_trace_memory"]
+__all__ = ["EvalMemoryEstimate", "HEADROOM", "available_memory", "bank_capacity", "check_decode_memory",
+           "check_eval_memory", "check_trace_memory", "decode_positions", "describe", "estimate_decode_memory", "estimate_eval_memory",
+           "estimate_trace_memory", "refuse_unless_fits"]

@@ -48,6 +48,17 @@ def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal",
                    help="adaptive: finished batch rows keep computing (mask) or drop out (compact)")
 
 
+def add_memory_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="skip the estimate that refuses, before the first forward, a batch the device's free "
+                        "memory cannot hold (megaloop.eval.memory)")
+
+
+def decode_depth_bound(engine) -> int:
+    """The deepest a decode step may recurse: the adaptive policy's cap, else the decode depth."""
+    return int(engine.exit.max_depth) if engine.exit is not None else int(engine.decode_depth)
+
+
 def add_student_option(p: argparse.ArgumentParser) -> None:
     p.add_argument("--student", default=None, metavar="DIR",
                    help="prefill through this distilled student (megaloop distill-prefill OUT; terminal cache); "
@@ -155,6 +166,7 @@ def add_generate_parser(sub) -> None:
                    help=r"stop string (repeatable); \n, \t and \\ are read as newline, tab and backslash, "
                         r"so --stop '\n\n' stops at a blank line")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    add_memory_option(p)
     p.set_defaults(fn=cmd_generate)
 
 
@@ -163,6 +175,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     engine = build_engine(args, cache_mode=args.cache)
+    if not args.no_memory_check:
+        from megaloop.eval.memory import check_decode_memory, decode_positions
+
+        lens = [max(len(engine.encode(p)), 1) for p in args.prompt]  # an empty prompt starts from EOS
+        p, n = max(lens), len(lens)
+        engine.check_context(p)  # a too-long prompt is named as such, not as a memory refusal
+        total = decode_positions(lens, args.max_new_tokens, engine.max_context)
+        check_decode_memory(engine, batch_size=n, prompt_len=p, total_len=total, prefill_depth=engine.prefill_depth,
+                            decode_depth=decode_depth_bound(engine), mode=args.cache, padded=len(set(lens)) > 1,
+                            what=f"{n} prompt(s) of up to {p} tokens + --max-new-tokens {args.max_new_tokens}",
+                            fits="{n} prompt(s) at a time fit",
+                            shrink="lower --max-new-tokens, --decode-depth or use --cache terminal")
     out = engine.generate(args.prompt if len(args.prompt) > 1 else args.prompt[0],
                           max_new_tokens=args.max_new_tokens,
                           temperature=0.0 if args.greedy or args.temperature is None else args.temperature,

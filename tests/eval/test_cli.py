@@ -164,6 +164,32 @@ def test_ppl_and_sweep_refuse_a_batch_memory_cannot_hold_before_any_forward(cli,
         cli("eval", "ppl", "--checkpoint", str(trained_run), "--max-seqs", "4", "--no-memory-check")
 
 
+def test_generate_and_harness_refuse_what_memory_cannot_hold_before_any_forward(cli, trained_run, monkeypatch):
+    from megaloop.eval import decode_score
+    from megaloop.inference.engine import InferenceEngine
+
+    def forbidden(*a, **k):
+        raise AssertionError("ran although the memory check should have refused")
+
+    monkeypatch.setattr(InferenceEngine, "generate", forbidden)
+    monkeypatch.setattr(decode_score, "decode_loglikelihood", forbidden)
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(4 << 20))  # 4 MiB: less than 128 tokens' per-visit banks at R=64
+    ck = str(trained_run)
+    code, _, err = cli("generate", "--checkpoint", ck, "--prompt", "The", "--prompt", "A looped", "--cache",
+                       "per_visit", "--decode-depth", "64", "--max-new-tokens", "500")
+    # the shorter prompt is left-padded and runs to the 128-token context: 128 + the padding positions
+    assert code == 2 and "megaloop: error: 2 prompt(s) of up to 3 tokens + --max-new-tokens 500 (130 tokens " \
+        "held per row, per_visit cache at depth 64): the decode phase needs an estimated" in err, err
+    code, _, err = cli("eval", "harness", "--checkpoint", ck, "--tasks", "megaloop_toy_mc", "--limit", "4",
+                       "--cache", "per_visit", "--decode-depth", "64", "--batch-size", "64")
+    assert code == 2 and "megaloop: error: --batch-size " in err and "per_visit cache at depth 64" in err, err
+    for argv in (["generate", "--prompt", "The", "--cache", "per_visit", "--decode-depth", "64"],
+                 ["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "4", "--cache", "per_visit",
+                  "--decode-depth", "64"]):
+        with pytest.raises(AssertionError, match="memory check should have refused"):
+            cli(*argv, "--checkpoint", ck, "--no-memory-check")
+
+
 def test_ppl_on_a_text_file_at_an_explicit_protocol_length(cli, trained_run, tmp_path):
     out = tmp_path / "ppl.json"
     code, stdout, err = cli("eval", "ppl", "--checkpoint", str(trained_run), "--data", str(TEXT), "--seq-len", "256",

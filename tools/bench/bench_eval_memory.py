@@ -2,17 +2,21 @@
 
 Each case runs in its own process: a seeded random ``MegaloopForCausalLM`` of the case's shape is
 built, random sequences are made, the process's peak-RSS mark is reset (Linux ``clear_refs``) and
-read before and after one ``evaluate_ppl`` batch; the increase is the measured peak of what the
-batch added (on CUDA: ``torch.cuda.max_memory_allocated`` increase). Ratio = measured / estimate:
+read before and after one ``evaluate_ppl`` batch (``eval ppl`` / ``sweep``) or one greedy
+``InferenceEngine.generate`` call without EOS stops (``generate``, the harness's decode scoring;
+estimate: ``estimate_decode_memory``); the increase is the measured peak of what the batch added
+(on CUDA: ``torch.cuda.max_memory_allocated`` increase). Ratio = measured / estimate:
 ≤ 1 means the check never refuses a batch that fits by more than its margin; the further below 1,
-the more it over-estimates. Writes tools/bench/results/eval_memory.json. Usage:
-    python tools/bench/bench_eval_memory.py [--cases tiny,wide]
+the more it over-estimates. Writes tools/bench/results/eval_memory.json (eval_memory_mmap.json with
+``--mmap-threshold``). Usage:
+    python tools/bench/bench_eval_memory.py [--cases tiny,wide] [--mmap-threshold 65536]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -27,6 +31,14 @@ CASES = {
     "wide_native_L2048_b2": (512, 8, 8, 1536, 32768, 2048, 2, 5, "native"),
     "wide_per_visit_L2048_b2_R16": (512, 8, 8, 1536, 32768, 2048, 2, 16, "per_visit"),
 }
+# generate cases, name: (hidden, heads, kv heads, ffn, vocab, prompt lengths, max new tokens, max context, depth,
+# cache). Equal prompts all stop together (no row copy: the estimate's copy term is not spent); in the
+# unequal case the longer prompt reaches the context first, and the other row's cache is copied.
+GEN_CASES = {
+    "gen_per_visit_p512_b2_R16": (128, 4, 4, 384, 4096, (512, 512), 1537, 2048, 16, "per_visit"),
+    "gen_wide_terminal_p1024_b2_R4": (512, 8, 8, 1536, 32768, (1024, 1024), 1025, 4096, 4, "terminal"),
+    "gen_per_visit_unequal_b2_R16": (128, 4, 4, 384, 4096, (768, 512), 2000, 2048, 16, "per_visit"),
+}
 
 
 def _hwm_kb() -> int:
@@ -35,6 +47,61 @@ def _hwm_kb() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _mark(dev) -> int:
+    """Reset the peak mark; return the current baseline (bytes)."""
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS mark to the current RSS
+    return _hwm_kb() * 1024
+
+
+def _peak(dev, base: int) -> int:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated() - base)
+    return int(_hwm_kb() * 1024 - base)
+
+
+def run_gen_case(name: str) -> dict:
+    """Measure one generate case in this process (called in a child)."""
+    import torch
+
+    from megaloop.eval.memory import decode_positions, estimate_decode_memory
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.inference.engine import InferenceEngine
+
+    d, h, kvh, ffn, vocab, lens, new, ctx, depth, mode = GEN_CASES[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
+                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=ctx)
+    engine = InferenceEngine(MegaloopForCausalLM(cfg).to(dev).eval(), None, depth=depth, cache_mode=mode)
+    prompts = [torch.randint(0, vocab, (n,)).tolist() for n in lens]
+    p = max(lens)
+    est = estimate_decode_memory(cfg, batch_size=len(lens), prompt_len=p, total_len=decode_positions(lens, new, ctx),
+                                 prefill_depth=depth, decode_depth=depth, mode=mode, padded=len(set(lens)) > 1,
+                                 dtype=engine.dtype)
+    engine.generate([prompts[0][:8]] * len(lens), max_new_tokens=20, stop_at_eos=False)  # first-call set-up
+    base = _mark(dev)
+    out = engine.generate(prompts, max_new_tokens=new, stop_at_eos=False)
+    peak = _peak(dev, base)
+    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": est.seq_len,
+            "batch": len(lens), "prompt_lens": list(lens), "depth": depth, "protocol": f"generate/{mode}",
+            "finish": [r.finish_reason for r in out.results], "estimate_bytes": est.total_bytes,
+            "estimate_parts": {"logits": est.logits_bytes, "kv": est.kv_bytes, "activations": est.activation_bytes},
+            "measured_bytes": peak, "measured_kv_peak_bytes": int(out.stats.kv_bytes_peak),
+            "ratio_measured_over_estimate": round(peak / est.total_bytes, 3)}
 
 
 def run_case(name: str) -> dict:
@@ -61,20 +128,9 @@ def run_case(name: str) -> dict:
     protocols = (proto,)
     est = estimate_eval_memory(cfg, batch_size=b, seq_len=L, prefix_len=prefix, depth=depth,
                                protocols=protocols, dtype=engine.dtype)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak-RSS mark to the current RSS
-        base = _hwm_kb() * 1024
+    base = _mark(dev)
     evaluate_ppl(engine, data, depth=depth, protocols=protocols, batch_size=b, prefix_len=prefix)
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = _hwm_kb() * 1024 - base
+    peak = _peak(dev, base)
     return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": L,
             "batch": b, "depth": depth, "protocol": proto, "estimate_bytes": est.total_bytes,
             "estimate_parts": {"logits": est.logits_bytes, "kv": est.kv_bytes, "activations": est.activation_bytes},
@@ -83,26 +139,36 @@ def run_case(name: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
+    known = {**CASES, **GEN_CASES}
+    p.add_argument("--cases", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
+    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="run the cases with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: blocks above "
+                        "it are mapped and returned when freed, so the peak RSS follows the live tensors); "
+                        "writes eval_memory_mmap.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(run_case(args.child)))
+        print(json.dumps(run_gen_case(args.child) if args.child in GEN_CASES else run_case(args.child)))
         return
     names = [c for c in args.cases.split(",") if c]
-    bad = [c for c in names if c not in CASES]
+    bad = [c for c in names if c not in known]
     if bad:
-        sys.exit(f"--cases: unknown {bad}; known: {', '.join(CASES)}")
+        sys.exit(f"--cases: unknown {bad}; known: {', '.join(known)}")
     rows = []
     for name in names:
-        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread pool, as the child sets torch to
+        if args.mmap_threshold is not None:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env)
         if out.returncode != 0:
             sys.exit(f"case {name} failed:\n{out.stderr[-2000:]}")
         row = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(row)
         print(f"{name:32s} estimate {row['estimate_bytes'] / 2**20:9.1f} MiB  measured "
               f"{row['measured_bytes'] / 2**20:9.1f} MiB  ratio {row['ratio_measured_over_estimate']:.3f}")
-    write_result("eval_memory", {"cases": names}, rows, command("bench_eval_memory.py", args))
+    write_result("eval_memory" if args.mmap_threshold is None else "eval_memory_mmap",
+                 {"cases": names, "malloc_mmap_threshold": args.mmap_threshold}, rows,
+                 command("bench_eval_memory.py", args))
 
 
 if __name__ == "__main__":

@@ -41,16 +41,21 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"before {before['rewards_per_s']} ({before['cpu_ms_per_reward']} ms); after: {after} "
                 f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
-    if name == "eval_memory":
-        ratios = [x["ratio_measured_over_estimate"] for x in r]
-
+    if name in ("eval_memory", "eval_memory_mmap"):
         def span(key: str, fmt: str = "{:,}") -> str:
             return "–".join(fmt.format(v) for v in sorted({min(x[key] for x in r), max(x[key] for x in r)}))
 
         protos = ", ".join(sorted({x["protocol"] for x in r}))
-        return (f"Evaluation memory check: measured peak / estimate of one `evaluate_ppl` batch "
-                f"({len(r)} cases: {protos}; d={span('hidden', '{}')}, vocab {span('vocab')}, L={span('seq_len')})",
-                f"**{min(ratios):.2f}–{max(ratios):.2f}×** (check refuses above 0.90 of free memory)")
+        groups = {"`evaluate_ppl` batch": [x for x in r if not x["protocol"].startswith("generate/")],
+                  "`generate` call": [x for x in r if x["protocol"].startswith("generate/")]}
+        found = {k: [x["ratio_measured_over_estimate"] for x in v] for k, v in groups.items() if v}
+        env = (f", glibc `MALLOC_MMAP_THRESHOLD_={c['malloc_mmap_threshold']}`" if c.get("malloc_mmap_threshold")
+               else "")
+        return (f"Evaluation memory check: measured peak / estimate of one {' or one '.join(found)} "
+                f"({len(r)} cases: {protos}; d={span('hidden', '{}')}, vocab {span('vocab')}, "
+                f"positions {span('seq_len')}{env})",
+                "; ".join(f"{k.split('`')[1]}: **{min(v):.2f}–{max(v):.2f}×**" for k, v in found.items())
+                + " (check refuses above 0.90 of free memory)")
     if name == "tbptt_memory":
         s = r["summary"]
         return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
