@@ -16,10 +16,12 @@ between them), so the peak is the largest pass:
 
 One layer visit's activations: the residual stream, the injected input and the state (3·d), the
 attention's normed input, q, k, v, output and projection (6·d), the MLP's fused gate-and-up output,
-activation and product (4·ffn), per token, in the engine dtype (both blocks summed: an upper bound
-on one visit; the previous count, 7·d + 3·ffn, measured 20 % low on a prefill at d = 512). Attention scores are not counted: PyTorch's SDPA runs a fused kernel on CPU and GPU,
-whose memory is linear in L (``tools/bench/bench_eval_memory.py`` measures the estimate against the
-peak; README "Evaluation memory").
+activation and product (4·ffn), per token, in the engine dtype (the two blocks summed). Attention
+scores are not counted: PyTorch's SDPA runs a fused kernel on CPU and GPU, whose memory is linear
+in L.
+
+Decoding (``generate``, the harness) has its own estimate, :func:`estimate_decode_memory`.
+``tools/bench/bench_eval_memory.py`` measures the estimates against the peak (README "Memory check").
 """
 from __future__ import annotations
 
