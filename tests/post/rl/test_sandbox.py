@@ -53,8 +53,12 @@ def test_environment_is_minimal_and_private(sandbox, monkeypatch):
 
 
 def test_shipped_task_file_reference_solutions_pass(sandbox):
-    task = make_task("mbpp:tiny")
-    assert isinstance(task, CodeTask) and len(task.examples) >= 5 and task.isolation.startswith("bwrap")
+    shipped = make_task("mbpp:tiny")
+    assert isinstance(shipped, CodeTask) and len(shipped.examples) >= 5 and shipped.isolation.startswith("bwrap")
+    # the verdicts, not the speed: a loaded CI machine once took more than the default 5 s wall clock
+    # (bwrap start included) for a correct solution
+    patient = SandboxLimits(timeout_s=60.0)
+    task = CodeTask("tiny", config=CodeTaskConfig(limits=patient))
     records = [json.loads(l) for l in (DATA_DIR / "mbpp_tiny.jsonl").read_text().splitlines() if l.strip()]
     pairs = []
     for ex, rec in zip(task.examples, records):
@@ -64,7 +68,7 @@ def test_shipped_task_file_reference_solutions_pass(sandbox):
     ex = task.examples[0]
     assert task.reward(ex, "```python\n    return a + b\n```\nexplanation") == 1.0
     assert extract_code("no fence") == "no fence"
-    pooled = CodeTask("tiny", config=CodeTaskConfig(workers=3))
+    pooled = CodeTask("tiny", config=CodeTaskConfig(workers=3, limits=patient))
     assert pooled.reward_many(pairs) == [1.0, 0.0] * len(records)
     info = pooled.sandbox_info()
     assert info["workers"] == 3 and info["unsafe_code_exec"] is False and info["isolation"] == task.isolation
