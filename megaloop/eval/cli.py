@@ -74,6 +74,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--half-len", type=int, default=None,
                    help="random tokens per sequence, each sequence is them twice (default: half the training seq_len)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (the same probe for every model)")
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_copying)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
@@ -85,6 +86,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--max-steps", type=int, default=1024, help="recurrence limit per solve (<= 1024)")
     p.add_argument("--control-depth", type=int, default=5, help="depth of the finite-prefix control (0: off)")
     p.add_argument("--no-zero-init", action="store_true", help="skip the zero current-token init check")
+    add_memory_option(p)
     p.set_defaults(fn=cmd_eval_fixed_point)
 
     p = esub.add_parser("harness", help="lm-eval tasks (local megaloop_toy_mc and megaloop_synth shipped) with terminal sharing")
@@ -296,6 +298,10 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
     if not looped and depths:
         raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
     depths = depths or (sorted({1, engine.depth}) if looped else [None])
+    if not args.no_memory_check:
+        from megaloop.eval.memory import check_copy_memory
+
+        check_copy_memory(engine, num_seqs=args.num_seqs, half_len=half)
     tok = engine.tokenizer
     special = {i for i in (engine.eos_id, getattr(tok, "bos_id", None), getattr(tok, "pad_id", None),
                            engine.config.pad_token_id) if i is not None}
@@ -345,6 +351,10 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     else:
         rows_idx = list(range(min(data.num_seqs, args.max_seqs or 4)))
         sources = [data.sources[i] for i in rows_idx] if data.sources is not None else None
+    if not args.no_memory_check:
+        from megaloop.eval.memory import check_fixed_point_memory
+
+        check_fixed_point_memory(engine, prefix_len=plen, cycle_window=criteria.cycle_window)
     spans = data.tokens[rows_idx, :plen + 1]
     rep = fixed_point_report(engine.model, spans, criteria, control_depth=args.control_depth or None,
                              zero_init=not args.no_zero_init, sources=sources)

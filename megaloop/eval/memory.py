@@ -255,6 +255,71 @@ def check_trace_memory(engine, *, num_seqs: int, seq_len: int, depth: int) -> in
     return need
 
 
-__all__ = ["EvalMemoryEstimate", "HEADROOM", "available_memory", "bank_capacity", "check_decode_memory",
-           "check_eval_memory", "check_trace_memory", "decode_positions", "describe", "estimate_decode_memory", "estimate_eval_memory",
-           "estimate_trace_memory", "refuse_unless_fits"]
+def estimate_copy_memory(config, *, num_seqs: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of ``eval copying``'s forward over ``num_seqs`` × ``seq_len`` probe tokens (one depth at a
+    time): the native pass (logits, their log-softmax, one layer visit) plus, in FP32, the probe's
+    contiguous copy of the shifted logits [b, L − 1, V] (megaloop.eval.copying.copy_scores; under
+    BF16 that copy is the FP32 copy the native pass already counts)."""
+    est = estimate_eval_memory(config, batch_size=num_seqs, seq_len=seq_len, prefix_len=0, depth=1, dtype=dtype)
+    copy = num_seqs * (seq_len - 1) * int(config.vocab_size) * 4 if dtype == torch.float32 else 0
+    return est.total_bytes + copy
+
+
+def check_copy_memory(engine, *, num_seqs: int, half_len: int) -> int:
+    """Raise ConfigError naming ``--num-seqs`` / ``--half-len`` when ``eval copying``'s forward
+    exceeds ``HEADROOM`` of the available memory; return the estimate (bytes)."""
+    need = estimate_copy_memory(engine.config, num_seqs=num_seqs, seq_len=2 * half_len, dtype=engine.dtype)
+    refuse_unless_fits(engine.device, need, num_seqs, "--num-seqs {n} fits",
+                       f"--num-seqs {num_seqs} × 2 · --half-len {half_len} tokens: the probe's forward needs an "
+                       f"estimated {_size(need)}", "lower --half-len")
+    return need
+
+
+# The math SDPA kernel's peak per call, measured on CPU (torch 2.13; T = 1,024-4,096, 4-16 heads):
+# 2.28 × the scores [heads, T, T] FP32 (scores, their softmax, a smaller transient) + 4.1 bytes per
+# [T, T] entry (the causal mask and its float copy); counted as 2.5 × scores + 5 bytes per entry.
+MATH_SCORES_FACTOR, MATH_MASK_BYTES = 2.5, 5
+
+
+def estimate_fixed_point_memory(config, *, span_len: int, cycle_window: int = 16) -> int:
+    """FP32 bytes of ``eval fixed-point`` on one span of ``span_len`` = T tokens (spans run one at a
+    time, megaloop.inference.fixed_point.check_span), at its largest moment, the joint solve:
+    the math attention of one layer over T tokens (scores of every head, module constants above),
+    the states held (e and the solved prefix state, the current, next and anchor states, the
+    ``cycle_window`` recent ones: cycle_window + 6 × [T, d]), the KV banks held (both steppers'
+    prelude banks, four core sets: the prefix's, the current, previous and anchor recurrences',
+    one coda set), and one layer visit's activations. The readouts keep the last position's
+    logits only (two rows of V, counted)."""
+    t, d = int(span_len), int(config.hidden_size)
+    n_pre, n_core, n_coda = int(config.n_prelude), int(config.n_core), int(config.n_coda)
+    bank = 2 * int(config.num_key_value_heads) * int(config.head_dim) * 4  # K and V of one layer, per token
+    attention = int(MATH_SCORES_FACTOR * int(config.num_attention_heads) * t * t * 4) + MATH_MASK_BYTES * t * t
+    states = (cycle_window + 6) * t * d * 4
+    banks = (2 * n_pre + 4 * n_core + n_coda) * t * bank
+    logits = 2 * int(config.vocab_size) * 4
+    return attention + states + banks + logits + _activation_bytes(config, t, torch.float32)
+
+
+def check_fixed_point_memory(engine, *, prefix_len: int, cycle_window: int = 16) -> int:
+    """Raise ConfigError naming ``--prefix-len`` (and the longest prefix that fits) when one span's
+    fixed-point solve exceeds ``HEADROOM`` of the available memory; return the estimate (bytes)."""
+    need = estimate_fixed_point_memory(engine.config, span_len=prefix_len + 1, cycle_window=cycle_window)
+    free = available_memory(engine.device)
+    if need <= HEADROOM * free:
+        return need
+    lo, hi = 0, prefix_len  # the longest prefix whose span fits (the estimate grows with the span)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        fits = estimate_fixed_point_memory(engine.config, span_len=mid + 1, cycle_window=cycle_window) <= HEADROOM * free
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    hint = f"--prefix-len {lo} fits" if lo >= 1 else "even a one-token prefix does not fit"
+    raise ConfigError(f"--prefix-len {prefix_len}: one span's fixed-point solve (FP32, math attention over "
+                      f"{prefix_len + 1} tokens) needs an estimated {_size(need)} on {engine.device}, more than "
+                      f"{HEADROOM:.0%} of the {_size(free)} available; {hint} (--no-memory-check skips this check)")
+
+
+__all__ = ["EvalMemoryEstimate", "HEADROOM", "MATH_MASK_BYTES", "MATH_SCORES_FACTOR", "available_memory",
+           "bank_capacity", "check_copy_memory", "check_decode_memory", "check_eval_memory",
+           "check_fixed_point_memory", "check_trace_memory", "decode_positions", "describe", "estimate_copy_memory",
+           "estimate_decode_memory", "estimate_eval_memory", "estimate_fixed_point_memory", "estimate_trace_memory",
+           "refuse_unless_fits"]

@@ -65,16 +65,22 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
     return out
 
 
-def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",
-                   scoring: Optional[str] = None, prefill_depth: Optional[int] = None,
-                   batch_size: int = 64) -> list[tuple[float, bool]]:
-    """Per problem ``(ce nats, correct)`` at recurrence depth ``depth`` (prefill at
-    ``prefill_depth``, default ``depth``), through :class:`MegaloopLM`'s scorers."""
+def _scorer(engine, problems: Sequence[dict], depth: int, **kw):
+    """A :class:`MegaloopLM` at ``depth`` and ``problems`` as its (context, continuation) token pairs."""
     from megaloop.eval.harness import MegaloopLM
 
-    lm = MegaloopLM(engine, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
-                    scoring=scoring, batch_size=batch_size)
-    pairs = [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
+    lm = MegaloopLM(engine, depth=depth, **kw)
+    return lm, [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
+
+
+def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",
+                   scoring: Optional[str] = None, prefill_depth: Optional[int] = None,
+                   batch_size: int = 64, memory_check: bool = True) -> list[tuple[float, bool]]:
+    """Per problem ``(ce nats, correct)`` at recurrence depth ``depth`` (prefill at
+    ``prefill_depth``, default ``depth``), through :class:`MegaloopLM`'s scorers (whose memory
+    check refuses a batch that would not fit, unless ``memory_check`` is False)."""
+    lm, pairs = _scorer(engine, problems, depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
+                        scoring=scoring, batch_size=batch_size, memory_check=memory_check)
     return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs)]
 
 
@@ -110,22 +116,27 @@ class SynthTable:
 
 def synth_table(engine, problems: Sequence[dict], depths: Sequence[int] = DEFAULT_DEPTHS, *,
                 cache_mode: str = "terminal", scoring: Optional[str] = None,
-                prefill_depth: Optional[int] = None, batch_size: int = 64, log=None) -> SynthTable:
+                prefill_depth: Optional[int] = None, batch_size: int = 64, log=None,
+                memory_check: bool = True) -> SynthTable:
     """The k × R table of ``problems`` (see :func:`score_problems`); ``log(depth, seconds)``
-    after each depth."""
+    after each depth. ``memory_check``: refuse, before the first depth runs, a batch that would
+    not fit at the deepest of ``depths``."""
     import time
 
     depths = parse_depths(depths)
     if not problems:
         raise ConfigError("synth: no problem to score")
+    kw = dict(cache_mode=cache_mode, scoring=scoring, prefill_depth=prefill_depth, batch_size=batch_size)
+    if memory_check:  # the deepest depth holds the most (per-visit banks, decode depth)
+        lm, pairs = _scorer(engine, problems, max(depths), **kw)
+        lm._check_memory(pairs)
     ks = sorted({int(p["k"]) for p in problems})
     rows = {k: [i for i, p in enumerate(problems) if p["k"] == k] for k in ks}
     acc = [[0.0] * len(depths) for _ in ks]
     ce = [[0.0] * len(depths) for _ in ks]
     for j, r in enumerate(depths):
         t0 = time.time()
-        scores = score_problems(engine, problems, r, cache_mode=cache_mode, scoring=scoring,
-                                prefill_depth=prefill_depth, batch_size=batch_size)
+        scores = score_problems(engine, problems, r, memory_check=False, **kw)
         for i, k in enumerate(ks):
             mine = [scores[q] for q in rows[k]]
             acc[i][j] = sum(ok for _, ok in mine) / len(mine)

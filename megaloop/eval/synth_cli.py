@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 from megaloop.config_utils import ConfigError
-from megaloop.inference.generate_cli import add_engine_options, build_engine, check_engine_args, write_json
+from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, build_engine, check_engine_args,
+                                             write_json)
 
 
 def add_synth_parser(sub) -> None:
@@ -36,6 +37,7 @@ def add_synth_parser(sub) -> None:
                         "(the default with --cache none)")
     p.add_argument("--batch-size", type=int, default=64, help="problems scored together")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else synth_table.png)")
+    add_memory_option(p)
     p.set_defaults(fn=cmd_synth)
 
 
@@ -71,6 +73,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     table = synth_table(engine, problems, depths, cache_mode=args.cache, scoring=args.scoring,
                         prefill_depth=args.prefill_depth, batch_size=args.batch_size,
+                        memory_check=not args.no_memory_check,
                         log=lambda r, s: print(f"R={r}: {len(problems)} problems in {s:.1f} s", flush=True))
     print(table.format())
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "synth_table.png")

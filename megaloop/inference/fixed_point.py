@@ -197,9 +197,10 @@ class LoopedStepper:
         """One recurrence: ``exit(core(inject(h, e)))`` and the K/V of each core layer."""
         return self.p.step(h)
 
-    def readout(self, h: torch.Tensor) -> tuple[torch.Tensor, list[KV]]:
-        """Coda → final norm → head: FP32 logits [b, s, V] and the coda layers' K/V."""
-        logits, kvs = self.p.readout(h)
+    def readout(self, h: torch.Tensor, keep: int = 0) -> tuple[torch.Tensor, list[KV]]:
+        """Coda → final norm → head: FP32 logits [b, s, V] (``keep`` > 0: of the last ``keep``
+        positions only) and the coda layers' K/V (of every position)."""
+        logits, kvs = self.p.readout(h, keep)
         return logits.float(), kvs
 
     def banks(self, core_kv: Sequence[KV], coda_kv: Sequence[KV]) -> dict:
@@ -259,12 +260,12 @@ def check_span(model, ids: Sequence[int] | torch.Tensor, criteria: Optional[Crit
         s_joint = solve(joint.step, joint.init_state(), c)
         out["prefix"], out["joint"] = s_pre.summary(), s_joint.summary()
         # frozen prefix: banks of the solved prefix (core K/V of its last recurrence)
-        _, coda_kv = pre.readout(s_pre.state)
+        _, coda_kv = pre.readout(s_pre.state, keep=1)  # only the K/V is used
         cur = LoopedStepper(model, ids[:, -1:], start=T - 1, prefix=pre.banks(s_pre.kv, coda_kv))
         s_cur = solve(cur.step, cur.init_state(), c)
         out["current"] = s_cur.summary()
         out["qualified"] = s_pre.qualified and s_joint.qualified and s_cur.qualified
-        joint_logits, _ = joint.readout(s_joint.state)
+        joint_logits, _ = joint.readout(s_joint.state, keep=1)  # the current token's
         cur_logits, _ = cur.readout(s_cur.state)
         h_joint = s_joint.state[:, -1:]
         out["state_gap"] = _gap(h_joint, s_cur.state)
@@ -279,7 +280,7 @@ def check_span(model, ids: Sequence[int] | torch.Tensor, criteria: Optional[Crit
             h, kv = pre.init_state(), None
             for _ in range(int(control_depth)):
                 h, kv = pre.step(h)
-            _, ccoda = pre.readout(h)
+            _, ccoda = pre.readout(h, keep=1)
             ctl = LoopedStepper(model, ids[:, -1:], start=T - 1, prefix=pre.banks(kv, ccoda))
             s_ctl = solve(ctl.step, ctl.init_state(), c)
             ctl_logits, _ = ctl.readout(s_ctl.state)

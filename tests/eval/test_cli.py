@@ -190,6 +190,34 @@ def test_generate_and_harness_refuse_what_memory_cannot_hold_before_any_forward(
             cli(*argv, "--checkpoint", ck, "--no-memory-check")
 
 
+def test_copying_fixed_point_and_synth_refuse_what_memory_cannot_hold_before_any_forward(cli, trained_run,
+                                                                                           monkeypatch):
+    from megaloop.eval import copying, decode_score
+    from megaloop.inference import fixed_point
+
+    def forbidden(*a, **k):
+        raise AssertionError("ran although the memory check should have refused")
+
+    for mod, name in ((copying, "copy_probe"), (fixed_point, "fixed_point_report"),
+                      (decode_score, "decode_loglikelihood"), (decode_score, "parallel_loglikelihood")):
+        monkeypatch.setattr(mod, name, forbidden)
+    ck = str(trained_run)
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(20 << 20))  # 20 MiB: less than 16 × 128 tokens of logits
+    code, _, err = cli("eval", "copying", "--checkpoint", ck)
+    assert code == 2 and "megaloop: error: --num-seqs 16 × 2 · --half-len 64 tokens: the probe's forward" in err, err
+    assert "--num-seqs 2 fits" in err, err
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(4 << 20))  # 4 MiB: less than a 128-token span's solve (4.8 MiB)
+    code, _, err = cli("eval", "fixed-point", "--checkpoint", ck, "--max-seqs", "1")
+    assert code == 2 and "megaloop: error: --prefix-len 127: one span's fixed-point solve" in err, err
+    assert "--prefix-len 98 fits" in err, err
+    code, _, err = cli("eval", "synth", "--checkpoint", ck, "--cache", "per_visit", "--depths", "1,64", "--ks", "1")
+    assert code == 2 and "megaloop: error: --batch-size " in err and "per_visit cache at depth 64" in err, err
+    for argv in (["eval", "copying"], ["eval", "fixed-point", "--max-seqs", "1"],
+                 ["eval", "synth", "--cache", "per_visit", "--depths", "1,64", "--ks", "1"]):
+        with pytest.raises(AssertionError, match="memory check should have refused"):
+            cli(*argv, "--checkpoint", ck, "--no-memory-check")
+
+
 def test_ppl_on_a_text_file_at_an_explicit_protocol_length(cli, trained_run, tmp_path):
     out = tmp_path / "ppl.json"
     code, stdout, err = cli("eval", "ppl", "--checkpoint", str(trained_run), "--data", str(TEXT), "--seq-len", "256",

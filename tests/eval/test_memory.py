@@ -207,3 +207,60 @@ def test_harness_generate_until_checks_the_longest_generation(monkeypatch):
     with pytest.raises(ConfigError, match=r"^--batch-size 1, contexts of up to 100 tokens, continuations of up to "
                                           r"150 \(249 tokens held per row, per_visit cache at depth 64\)"):
         lm.generate_until([req])
+
+
+def test_copy_estimate_is_the_native_pass_plus_the_probes_logits_copy(monkeypatch):
+    from megaloop.eval.memory import check_copy_memory, estimate_copy_memory
+
+    need = estimate_copy_memory(CFG, num_seqs=4, seq_len=20)
+    # logits + log-softmax (native pass), one layer visit, + the FP32 copy of the shifted logits [4, 19, 48]
+    assert need == 4 * 20 * 48 * 8 + 4 * 20 * (9 * 32 + 4 * 96) * 4 + 4 * 19 * 48 * 4
+    # under BF16 the FP32 copy the native pass counts is that copy
+    bf16 = estimate_eval_memory(CFG, batch_size=4, seq_len=20, prefix_len=0, depth=1, dtype=torch.bfloat16)
+    assert estimate_copy_memory(CFG, num_seqs=4, seq_len=20, dtype=torch.bfloat16) == bf16.total_bytes
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(int(2.5 * need / 4 / HEADROOM)))
+    with pytest.raises(ConfigError, match=r"^--num-seqs 4 × 2 · --half-len 10 tokens: the probe's forward needs an "
+                                          r"estimated .* --num-seqs 2 fits"):
+        check_copy_memory(_engine(), num_seqs=4, half_len=10)
+    assert check_copy_memory(_engine(), num_seqs=2, half_len=10) == estimate_copy_memory(CFG, num_seqs=2, seq_len=20)
+
+
+def test_fixed_point_estimate_by_part_and_the_longest_prefix_that_fits(monkeypatch):
+    from megaloop.eval.memory import check_fixed_point_memory, estimate_fixed_point_memory
+
+    t = 50
+    need = estimate_fixed_point_memory(CFG, span_len=t, cycle_window=16)
+    attention = int(2.5 * 4 * t * t * 4) + 5 * t * t  # scores of 4 heads (×2.5), causal mask + float copy
+    states = (16 + 6) * t * 32 * 4
+    banks = (2 * 1 + 4 * 2 + 1) * t * (2 * 2 * 8 * 4)  # prelude ×2, core ×4, coda; K+V × 2 kv heads × 8 × fp32
+    logits = 2 * 48 * 4  # the readouts keep the last position's logits only
+    act = t * (9 * 32 + 4 * 96) * 4
+    assert need == attention + states + banks + logits + act
+    # quadratic in the span: the hint is the longest prefix whose span fits, found by bisection
+    budget = estimate_fixed_point_memory(CFG, span_len=31, cycle_window=16)
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(int(budget / HEADROOM) + 1))
+    with pytest.raises(ConfigError, match=r"^--prefix-len 49: one span's fixed-point solve \(FP32, math attention "
+                                          r"over 50 tokens\) needs an estimated .* --prefix-len 30 fits \(--no-memory"):
+        check_fixed_point_memory(_engine(), prefix_len=t - 1)
+    assert check_fixed_point_memory(_engine(), prefix_len=30) == budget
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", "1000")
+    with pytest.raises(ConfigError, match="even a one-token prefix does not fit"):
+        check_fixed_point_memory(_engine(), prefix_len=t - 1)
+
+
+def test_synth_table_checks_the_deepest_depth_before_the_first(monkeypatch):
+    from megaloop.eval import decode_score, synth
+
+    lm = _harness(monkeypatch)
+    eng = lm.engine
+    scored = []
+    monkeypatch.setattr(decode_score, "decode_loglikelihood", lambda *a, **k: scored.append(k) or pytest.fail("scored"))
+    problems = [{"prompt": "x" * 100, "target": "y" * 20, "k": 1}]
+    # fits per-visit banks at depth 2, not at 64: refused before depth 2 runs
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", "2000000")
+    with pytest.raises(ConfigError, match="per_visit cache at depth 64"):
+        synth.synth_table(eng, problems, [2, 64], cache_mode="per_visit", batch_size=1)
+    assert not scored
+    for depths, check in (([2], True), ([2, 64], False)):  # depth 2 alone fits; no check: scoring is reached
+        with pytest.raises(pytest.fail.Exception, match="scored"):
+            synth.synth_table(eng, problems, depths, cache_mode="per_visit", batch_size=1, memory_check=check)

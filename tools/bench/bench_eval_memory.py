@@ -2,14 +2,16 @@
 
 Each case runs in its own process: a seeded random ``MegaloopForCausalLM`` of the case's shape is
 built, random sequences are made, the process's peak-RSS mark is reset (Linux ``clear_refs``) and
-read before and after one ``evaluate_ppl`` batch (``eval ppl`` / ``sweep``) or one greedy
+read before and after one ``evaluate_ppl`` batch (``eval ppl`` / ``sweep``), one greedy
 ``InferenceEngine.generate`` call without EOS stops (``generate``, the harness's decode scoring;
-estimate: ``estimate_decode_memory``); the increase is the measured peak of what the batch added
+estimate: ``estimate_decode_memory``), one ``eval copying`` probe at one depth
+(``estimate_copy_memory``) or one ``eval fixed-point`` span (``estimate_fixed_point_memory``); the increase is the measured peak of what the batch added
 (on CUDA: ``torch.cuda.max_memory_allocated`` increase). Ratio = measured / estimate:
 ≤ 1 means the check never refuses a batch that fits by more than its margin; the further below 1,
 the more it over-estimates. Writes tools/bench/results/eval_memory.json (eval_memory_mmap.json with
 ``--mmap-threshold``). Usage:
     python tools/bench/bench_eval_memory.py [--cases tiny,wide] [--mmap-threshold 65536]
+    python tools/bench/bench_eval_memory.py --speed tiny_native_L2048_b4 [--mmap-threshold 65536]   # its speed cost
 """
 
 from __future__ import annotations
@@ -38,6 +40,18 @@ GEN_CASES = {
     "gen_per_visit_p512_b2_R16": (128, 4, 4, 384, 4096, (512, 512), 1537, 2048, 16, "per_visit"),
     "gen_wide_terminal_p1024_b2_R4": (512, 8, 8, 1536, 32768, (1024, 1024), 1025, 4096, 4, "terminal"),
     "gen_per_visit_unequal_b2_R16": (128, 4, 4, 384, 4096, (768, 512), 2000, 2048, 16, "per_visit"),
+}
+
+# eval copying cases, name: (hidden, heads, kv heads, ffn, vocab, probe sequences, half length, depth)
+COPY_CASES = {
+    "copy_tiny_n16_half1024_R5": (128, 4, 4, 384, 4096, 16, 1024, 5),
+    "copy_wide_n8_half512_R5": (512, 8, 8, 1536, 32768, 8, 512, 5),
+}
+# eval fixed-point cases (one span, FP32, math attention), name: (hidden, heads, kv heads, ffn, vocab, span
+# tokens, recurrence limit per solve: enough to fill the 16-state cycle window; the memory held does not grow after)
+FP_CASES = {
+    "fixed_point_tiny_T2048": (128, 4, 4, 384, 4096, 2048, 32),
+    "fixed_point_wide_T1024": (512, 8, 8, 1536, 32768, 1024, 32),
 }
 
 
@@ -137,18 +151,143 @@ def run_case(name: str) -> dict:
             "measured_bytes": int(peak), "ratio_measured_over_estimate": round(peak / est.total_bytes, 3)}
 
 
+def _model(d, h, kvh, ffn, vocab, ctx, dev):
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
+                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=ctx)
+    return cfg, MegaloopForCausalLM(cfg).to(dev).eval()
+
+
+def run_copy_case(name: str) -> dict:
+    """Measure one ``eval copying`` forward (copy_probe at one depth) in this process."""
+    import torch
+
+    from megaloop.eval.copying import copy_probe
+    from megaloop.eval.memory import estimate_copy_memory
+
+    d, h, kvh, ffn, vocab, n, half, depth = COPY_CASES[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, model = _model(d, h, kvh, ffn, vocab, 2 * half, dev)
+    est = estimate_copy_memory(cfg, num_seqs=n, seq_len=2 * half)
+    fn = lambda ids: model(input_ids=ids.to(dev), num_recurrences=depth).logits  # noqa: E731
+    copy_probe(fn, vocab, num_seqs=1, half_len=8)  # first-call set-up
+    base = _mark(dev)
+    copy_probe(fn, vocab, num_seqs=n, half_len=half)
+    peak = _peak(dev, base)
+    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": 2 * half,
+            "batch": n, "depth": depth, "protocol": "copying", "estimate_bytes": est, "measured_bytes": peak,
+            "ratio_measured_over_estimate": round(peak / est, 3)}
+
+
+def run_fp_case(name: str) -> dict:
+    """Measure one ``eval fixed-point`` span (check_span, control depth 5, zero-init check) in this process."""
+    import torch
+
+    from megaloop.eval.memory import estimate_fixed_point_memory
+    from megaloop.inference.fixed_point import Criteria, check_span
+
+    d, h, kvh, ffn, vocab, t, steps = FP_CASES[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, model = _model(d, h, kvh, ffn, vocab, t, dev)
+    crit = Criteria(max_steps=steps)
+    est = estimate_fixed_point_memory(cfg, span_len=t, cycle_window=crit.cycle_window)
+    check_span(model, torch.randint(0, vocab, (8,)), Criteria(max_steps=4))  # first-call set-up
+    base = _mark(dev)
+    check_span(model, torch.randint(0, vocab, (t,)), crit)
+    peak = _peak(dev, base)
+    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": t,
+            "batch": 1, "depth": steps, "protocol": "fixed-point", "estimate_bytes": est, "measured_bytes": peak,
+            "ratio_measured_over_estimate": round(peak / est, 3)}
+
+
+def time_case(name: str, repeats: int = 4) -> dict:
+    """Seconds per ``evaluate_ppl`` batch of a ``CASES`` case (after one warm-up batch), in this process."""
+    import time
+
+    import torch
+
+    from megaloop.eval.ppl import evaluate_ppl
+    from megaloop.eval.text_data import EvalData
+    from megaloop.inference.engine import InferenceEngine
+
+    d, h, kvh, ffn, vocab, L, b, depth, proto = CASES[name]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    _, model = _model(d, h, kvh, ffn, vocab, L, torch.device("cpu"))
+    engine = InferenceEngine(model, None, depth=depth)
+    tokens = torch.randint(0, vocab, (b, L))
+    data = EvalData(tokens, torch.roll(tokens, -1, 1), torch.ones(b, L))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        evaluate_ppl(engine, data, depth=depth, protocols=(proto,), batch_size=b, prefix_len=L // 2)
+        times.append(time.perf_counter() - t0)
+    return {"case": name, "seconds": [round(t, 3) for t in times[1:]]}
+
+
+def speed(name: str, threshold: int, rounds: int = 2) -> dict:
+    """Time ``name`` under glibc's default and under ``MALLOC_MMAP_THRESHOLD_=threshold``, alternating the
+    two ``rounds`` times (fresh processes); writes eval_memory_speed.json."""
+    import statistics
+
+    runs: dict = {"default": [], "mmap_threshold": []}
+    for _ in range(rounds):
+        for key in runs:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            env.pop("MALLOC_MMAP_THRESHOLD_", None)
+            if key != "default":
+                env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+            out = subprocess.run([sys.executable, __file__, "--time-child", name], capture_output=True, text=True,
+                                 env=env)
+            if out.returncode != 0:
+                sys.exit(f"timing {name} failed:\n{out.stderr[-2000:]}")
+            runs[key] += json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    res = {"case": name, "seconds": runs, "median_s": med,
+           "ratio_mmap_over_default": round(med["mmap_threshold"] / med["default"], 3)}
+    print(f"{name}: median {med['default']:.3f} s (glibc default) vs {med['mmap_threshold']:.3f} s "
+          f"(MALLOC_MMAP_THRESHOLD_={threshold}): ratio {res['ratio_mmap_over_default']:.2f}")
+    return res
+
+
+RUNNERS = {**{k: run_case for k in CASES}, **{k: run_gen_case for k in GEN_CASES},
+           **{k: run_copy_case for k in COPY_CASES}, **{k: run_fp_case for k in FP_CASES}}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    known = {**CASES, **GEN_CASES}
+    known = RUNNERS
     p.add_argument("--cases", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
     p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
                    help="run the cases with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: blocks above "
                         "it are mapped and returned when freed, so the peak RSS follows the live tensors); "
                         "writes eval_memory_mmap.json")
+    p.add_argument("--speed", default=None, metavar="CASE",
+                   help="instead: time one evaluate_ppl case under glibc's default and under --mmap-threshold "
+                        "(default 65536), alternating in fresh processes; writes eval_memory_speed.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--time-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(run_gen_case(args.child) if args.child in GEN_CASES else run_case(args.child)))
+        print(json.dumps(RUNNERS[args.child](args.child)))
+        return
+    if args.time_child:
+        print(json.dumps(time_case(args.time_child)))
+        return
+    if args.speed:
+        if args.speed not in CASES:
+            sys.exit(f"--speed: {args.speed!r} is not an evaluate_ppl case; known: {', '.join(CASES)}")
+        threshold = args.mmap_threshold or 65536
+        res = speed(args.speed, threshold)
+        args.cases = None  # not used by --speed: left out of the recorded command
+        write_result("eval_memory_speed", {"case": args.speed, "malloc_mmap_threshold": threshold}, res,
+                     command("bench_eval_memory.py", args))
         return
     names = [c for c in args.cases.split(",") if c]
     bad = [c for c in names if c not in known]

@@ -41,13 +41,22 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"before {before['rewards_per_s']} ({before['cpu_ms_per_reward']} ms); after: {after} "
                 f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
+    if name == "eval_memory_speed":
+        m = r["median_s"]
+        return (f"Evaluation speed under glibc `MALLOC_MMAP_THRESHOLD_={c['malloc_mmap_threshold']}` / glibc default, "
+                f"one `evaluate_ppl` batch (`{c['case']}`, CPU, median of {len(r['seconds']['default'])} each)",
+                f"**{_f(r['ratio_mmap_over_default'])}×** ({_f(m['mmap_threshold'], 3)} s vs {_f(m['default'], 3)} s)")
     if name in ("eval_memory", "eval_memory_mmap"):
         def span(key: str, fmt: str = "{:,}") -> str:
             return "–".join(fmt.format(v) for v in sorted({min(x[key] for x in r), max(x[key] for x in r)}))
 
         protos = ", ".join(sorted({x["protocol"] for x in r}))
-        groups = {"`evaluate_ppl` batch": [x for x in r if not x["protocol"].startswith("generate/")],
-                  "`generate` call": [x for x in r if x["protocol"].startswith("generate/")]}
+        kind = {"copying": "`eval copying` probe", "fixed-point": "`eval fixed-point` span"}
+        groups: dict = {}
+        for x in r:
+            p = x["protocol"]
+            k = "`generate` call" if p.startswith("generate/") else kind.get(p, "`evaluate_ppl` batch")
+            groups.setdefault(k, []).append(x)
         found = {k: [x["ratio_measured_over_estimate"] for x in v] for k, v in groups.items() if v}
         env = (f", glibc `MALLOC_MMAP_THRESHOLD_={c['malloc_mmap_threshold']}`" if c.get("malloc_mmap_threshold")
                else "")
