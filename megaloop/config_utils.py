@@ -7,6 +7,7 @@ and name the offending field (``model.num_heads``), so bad input fails before an
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -78,12 +79,13 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
             return value
         raise ConfigError(f"{field}: expected true/false, got {value!r}")
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or int(value) != value):
             raise ConfigError(f"{field}: expected an integer, got {value!r}")
         return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{field}: expected a number, got {value!r}")
+    if tp is float:  # no setting takes inf or nan (an overflowed or mistyped value)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{field}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, (str, int, float)):
@@ -175,7 +177,11 @@ def apply_dotlist(data: dict, dotlist: list[str]) -> dict:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: {p} is not a section")
-        node[parts[-1]] = _parse_scalar(text)
+        try:
+            node[parts[-1]] = _parse_scalar(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {key}: {text!r} is not a valid YAML value "
+                              f"({str(e).splitlines()[0]})") from None
     return data
 
 
@@ -193,9 +199,18 @@ def merge(base: dict, over: dict) -> dict:
 def load_yaml(path: str | Path) -> dict:
     """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError(f"config file {path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)

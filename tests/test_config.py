@@ -1,5 +1,7 @@
 """Presets and the paper's arms (megaloop/configs/arms.yaml) validate at every scale."""
 
+import re
+
 import pytest
 
 from megaloop.config import load_config, paper_arms
@@ -52,3 +54,29 @@ def test_renamed_field_still_reads_its_old_name(tmp_path):
     assert load_config("tiny", ["model.b_max=3", "model.bptt_window=4"]).model.bptt_window == 4  # last wins
     with pytest.raises(ConfigError, match=r"model\.b_max: renamed to model\.bptt_window; give only one"):
         from_dict(ModelConfig, {"b_max": 2, "bptt_window": 3}, "model")  # one mapping holding both
+
+
+def test_malformed_yaml_files_and_values_are_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hidden_size: [1,\n")
+    with pytest.raises(ConfigError, match=rf"^config file {bad}: not valid YAML \(line \d+, column \d+\)"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=rf"^config file {tmp_path} is a directory, not a YAML file"):
+        load_config(str(tmp_path))
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"model:\n  hidden_size: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=rf"^config file {binary}: not UTF-8 text"):
+        load_config(str(binary))
+    with pytest.raises(ConfigError, match=r"^override model.hidden_size: '\[1,' is not a valid YAML value"):
+        load_config("tiny", ["model.hidden_size=[1,"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=inf", "optim.lr: expected a finite number, got inf"),
+    ("optim.min_lr=nan", "optim.min_lr: expected a finite number, got nan"),
+    ("train.max_steps=inf", "train.max_steps: expected an integer, got inf"),
+    ("train.max_steps=.nan", "train.max_steps: expected an integer, got nan"),
+])
+def test_non_finite_numbers_are_refused_naming_the_field(override, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", [override])

@@ -19,7 +19,8 @@ from megaloop.data.errors import DataError
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
 BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]")
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]")
-__all__ = ["SPECIAL_TOKENS", "Tokenizer", "file_sha256", "load_tokenizer", "train_bytelevel_bpe"]
+__all__ = ["SPECIAL_TOKENS", "Tokenizer", "file_sha256", "load_tokenizer", "manifest_tokenizer_sha256",
+           "train_bytelevel_bpe"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -29,6 +30,13 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def manifest_tokenizer_sha256(manifest: dict) -> str | None:
+    """SHA-256 of the tokenizer a dataset manifest records (``tokenizer_sha256``, or the
+    ``tokenizer`` entry's ``sha256``); None when it records none."""
+    tok = manifest.get("tokenizer")
+    return manifest.get("tokenizer_sha256") or (tok.get("sha256") if isinstance(tok, dict) else None)
 
 
 class Tokenizer:

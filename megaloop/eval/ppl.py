@@ -69,8 +69,9 @@ def _manifest(path: str) -> dict:
 
 def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str]) -> None:
     """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s."""
-    tok = manifest.get("tokenizer")
-    have = manifest.get("tokenizer_sha256") or (tok.get("sha256") if isinstance(tok, dict) else None)
+    from megaloop.data.tokenizer import manifest_tokenizer_sha256
+
+    have = manifest_tokenizer_sha256(manifest)
     if sha256 and have and have != sha256:
         raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, the checkpoint's "
                           f"tokenizer is {sha256[:12]}… (rebuild the set, or pass the matching --tokenizer)")

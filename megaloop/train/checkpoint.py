@@ -210,9 +210,10 @@ MODEL_PREFIXES = ("embedding.", "prelude.", "core.", "coda.", "layers.", "inject
                   "final_norm.", "output_layer.")
 
 
-def verify_model_tensors(path: Path, model_chunks: list) -> None:
+def verify_model_tensors(path: Path, model_chunks: list) -> dict:
     """Compare the stored model tensors (names, global shapes) with ``model_chunks`` before loading,
-    so a checkpoint of another architecture fails with the differences listed."""
+    so a checkpoint of another architecture fails with the differences listed; return the stored
+    tensors' global shapes by key."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     try:
@@ -240,6 +241,7 @@ def verify_model_tensors(path: Path, model_chunks: list) -> None:
                  for name, items in (("missing", missing), ("unexpected", extra),
                                      ("shape (stored vs model)", shapes)) if items]
         raise CheckpointError(f"checkpoint {path} does not match the model: " + "; ".join(parts))
+    return stored
 
 
 def _load_failure(err: BaseException) -> str:
@@ -328,9 +330,9 @@ class CheckpointManager:
     def resolve(self, resume: str) -> Path | None:
         """``auto`` -> latest complete (or None); a path -> that checkpoint (a ``step_*`` dir, or the
         newest complete one of a ``checkpoints`` / run dir, as :func:`find_checkpoint`), validated."""
-        if resume == "auto":
-            return self.latest()
-        path = find_checkpoint(resume)
+        path = self.latest() if resume == "auto" else find_checkpoint(resume)
+        if path is None:
+            return None
         try:
             json.loads((path / META).read_text())
         except (OSError, ValueError) as err:
@@ -351,7 +353,11 @@ class CheckpointManager:
         """Load model (and optimizer) state in place; returns the ``common`` dict."""
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete or missing files")
-        verify_model_tensors(path, model_chunks)
+        stored = verify_model_tensors(path, model_chunks)
+        if optimizer is not None and not any(k.startswith("optimizer.") for k in stored):
+            raise CheckpointError(f"checkpoint {path} holds model weights only, no optimizer state (a checkpoint "
+                                  "converted from a Hugging Face folder is one): it cannot resume a training run; "
+                                  "it serves eval, generate, rl, distill-prefill and a re-export")
         if optimizer is not None:
             _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)

@@ -58,10 +58,17 @@ class RunDirLock:
         self.fd: int | None = None
 
     def acquire(self, rank: int) -> None:
-        holder, taken = "", False
+        holder, taken, unusable, fd = "", False, "", None
         if rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError as err:  # a file in the way, no permission: every rank raises below
+                unusable = f"{err.strerror}: {err.filename}"
+        if not _agree(not unusable):
+            raise RunDirError(f"--run-dir {self.path.parent}: cannot be used as a run directory "
+                              f"({unusable or 'on rank 0'})")
+        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:  # held by another process

@@ -122,7 +122,7 @@ class Trainer:
                               f"{manifest['vocab_size']} (data manifest)")
         # the embedded default ships its own validation split; other data name it in data.val_path
         self.val_path, self.val_seq = self._resolve_val(
-            cfg.data.val_path or ("default" if cfg.data.path == "default" else None))
+            cfg.data.val_path or ("default" if cfg.data.path == "default" else None), manifest)
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
@@ -184,21 +184,29 @@ class Trainer:
         shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
 
-    def _resolve_val(self, path: str | None) -> tuple[str | None, int]:
-        """Validation set and its sequence length (may be shorter than the model's: RoPE)."""
+    def _resolve_val(self, path: str | None, train_manifest: dict) -> tuple[str | None, int]:
+        """Validation set and its sequence length (may be shorter than the model's: RoPE); a set
+        tokenised with another tokenizer than the training data's is refused."""
         if not path:
             return None, self.seq
         if str(path).startswith("default"):
             return str(path), self.seq
         from megaloop.config_utils import ConfigError
         from megaloop.data.streaming import load_manifest
+        from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
         from megaloop.data.errors import DataError
 
         try:
-            seq = int(load_manifest(str(path), self.cfg.data.cache_dir).get("seq_len") or self.seq)
+            manifest = load_manifest(str(path), self.cfg.data.cache_dir)
         except DataError as err:
             raise DataError(f"data.val_path={path}: {err}") from None
+        seq = int(manifest.get("seq_len") or self.seq)
+        have, want = manifest_tokenizer_sha256(manifest), manifest_tokenizer_sha256(train_manifest)
+        if have and want and have != want:
+            raise ConfigError(f"data.val_path: {path} was tokenised with tokenizer sha256 {have[:12]}…, the "
+                              f"training data ({self.cfg.data.path}) with {want[:12]}… (rebuild the validation "
+                              "set with the training data's tokenizer)")
         if seq > self.seq:
             raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than "
                               f"model.seq_len={self.seq}")

@@ -55,3 +55,10 @@ def test_other_missing_keys_fail_naming_the_checkpoint(megatron_world, tmp_path)
     _attach(dst, WithWeight)
     with pytest.raises(CheckpointError, match=f"checkpoint {path} does not match the model: missing"):
         CheckpointManager(tmp_path).load(path, dst)
+
+
+def test_a_weights_only_checkpoint_cannot_resume_a_run(megatron_world, tmp_path):
+    path = CheckpointManager(tmp_path).save(0, _chunks(), None, common={"step": 0, "source": "hf"})
+    with pytest.raises(CheckpointError, match=f"checkpoint {path} holds model weights only, no optimizer state"):
+        CheckpointManager(tmp_path).load(path, _chunks(), optimizer=object())
+    CheckpointManager(tmp_path).load(path, _chunks())  # without an optimizer it loads

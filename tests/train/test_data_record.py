@@ -35,3 +35,20 @@ def test_data_json_records_the_content(tmp_path) -> None:
     write_synthetic_mds(tmp_path / "syn", 64, 128, vocab_size=4096, seed=3)
     c = _record(tmp_path, "c", f"data.path={tmp_path / 'syn'}", "model.vocab_size=4096")
     assert c["path"] == str(tmp_path / "syn") and c["content"]["sha256"] != a["content"]["sha256"]
+
+
+def test_a_validation_set_of_another_tokenizer_is_refused(tmp_path) -> None:
+    import types
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.train.trainer import Trainer
+
+    val = tmp_path / "val"
+    val.mkdir()
+    (val / "manifest.json").write_text(json.dumps({"seq_len": 64, "tokenizer_sha256": "b" * 64}))
+    fake = types.SimpleNamespace(seq=128, mbs=2, cfg=load_config("tiny", [f"data.path={tmp_path / 'train'}"]))
+    with pytest.raises(ConfigError, match=rf"^data.val_path: {val} was tokenised with tokenizer sha256 bbbbbbbbbbbb…, "
+                                          rf"the training data \({tmp_path / 'train'}\) with aaaaaaaaaaaa…"):
+        Trainer._resolve_val(fake, str(val), {"tokenizer": {"sha256": "a" * 64}})
+    assert Trainer._resolve_val(fake, str(val), {"tokenizer_sha256": "b" * 64}) == (str(val), 64)
+    assert Trainer._resolve_val(fake, str(val), {}) == (str(val), 64)  # training data without a record: no check

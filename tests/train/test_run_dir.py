@@ -62,6 +62,15 @@ def test_resume_paths_and_foreign_checkpoints(tmp_path):
     (tmp_path / "afile").write_text("x")
     assert "is not a directory" in _one_error_line(run_train(tmp_path / "d", resume=str(tmp_path / "afile"),
                                                              expect=2))
+    line = _one_error_line(run_train(tmp_path / "afile", "train.max_steps=2", expect=2))  # a file as --run-dir
+    assert f"--run-dir {tmp_path / 'afile'}: cannot be used as a run directory" in line, line
+    assert (tmp_path / "afile").read_text() == "x"
+    # --resume auto refuses a newest checkpoint whose megaloop.json does not parse, as --resume PATH does
+    meta = a / "checkpoints" / "step_00000002" / "megaloop.json"
+    meta.write_text(meta.read_text()[:12])
+    for resume in ("auto", str(meta.parent)):
+        line = _one_error_line(run_train(a, "train.max_steps=3", resume=resume, expect=2))
+        assert "megaloop.json is unreadable" in line and "not written by a finished save" in line, line
     (tmp_path / "empty").mkdir()
     assert "is not a megaloop checkpoint" in _one_error_line(run_train(tmp_path / "d", resume=str(tmp_path / "empty"),
                                                                        expect=2))
