@@ -56,11 +56,13 @@ class RunDirLock:
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK_NAME
         self.fd: int | None = None
+        self.created = False  # rank 0 made the run directory (release may remove it again)
 
     def acquire(self, rank: int) -> None:
         holder, taken, unusable, fd = "", False, "", None
         if rank == 0:
             try:
+                self.created = not self.path.parent.exists()
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             except OSError as err:  # a file in the way, no permission: every rank raises below
@@ -91,10 +93,16 @@ class RunDirLock:
             raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "
                               f"to end or choose another --run-dir (lock {self.path})")
 
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-            self.fd = None
+    def release(self, discard_unused: bool = False) -> None:
+        """Drop the lock; with ``discard_unused`` (a run refused during set-up) also remove the
+        run directory again when this run created it and it holds nothing but the lock file."""
+        if self.fd is None:
+            return
+        os.close(self.fd)  # closing the descriptor drops the flock
+        self.fd = None
+        if discard_unused and self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
+            self.path.unlink()
+            self.path.parent.rmdir()
 
 
 def check_fresh_start(ckpt: CheckpointManager, run_dir: Path) -> None:

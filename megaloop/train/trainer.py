@@ -489,11 +489,12 @@ class Trainer:
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return {0: 0, 1: int(signal.SIGTERM), 2: int(signal.SIGINT)}[int(flag.item())]
 
-    def close(self) -> None:
-        """Release the run directory (also done by ``run``)."""
+    def close(self, refused: bool = False) -> None:
+        """Release the run directory (also done by ``run``); ``refused`` (set-up failed): a run
+        directory this run created and left empty is removed."""
         lock = getattr(self, "_lock", None)
         if lock is not None:
-            lock.release()
+            lock.release(discard_unused=refused)
 
     def run(self) -> int:
         """Train to the end step. Exit codes: 0 done; 75 (EXIT_REQUEUE) stopped by SIGTERM/SIGUSR1
@@ -502,7 +503,7 @@ class Trainer:
         try:
             self.setup()  # Ctrl-C here interrupts at once: nothing to save yet
         except BaseException:
-            self.close()
+            self.close(refused=True)
             raise
         handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
         old = {s: signal.signal(s, self._on_signal) for s in handled}

@@ -62,6 +62,7 @@ def test_resume_paths_and_foreign_checkpoints(tmp_path):
     (tmp_path / "afile").write_text("x")
     assert "is not a directory" in _one_error_line(run_train(tmp_path / "d", resume=str(tmp_path / "afile"),
                                                              expect=2))
+    assert not (tmp_path / "d").exists()  # a refused run leaves no run directory it created behind
     line = _one_error_line(run_train(tmp_path / "afile", "train.max_steps=2", expect=2))  # a file as --run-dir
     assert f"--run-dir {tmp_path / 'afile'}: cannot be used as a run directory" in line, line
     assert (tmp_path / "afile").read_text() == "x"
