@@ -494,11 +494,23 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
     return 0, active
 
 
+def check_out_dir(out: str | None) -> None:
+    """``--out`` is a directory or can become one: its nearest existing part is a directory."""
+    if not out:
+        return
+    p = Path(out)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        raise UserError(f"--out: {out} exists and is not a directory" if p == Path(out) else
+                        f"--out: {out}: {p} is not a directory")
+
+
 def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, list[str]], int],
             argv: list[str] | None) -> int:
-    """``main`` of a sweep command: parse ``argv`` (dotlist overrides for every run after ``--``)
-    and run ``body(args, overrides)``; a :class:`UserError` is one line and exit 2, a refused
-    submission one line and exit 1."""
+    """``main`` of a sweep command: parse ``argv`` (dotlist overrides for every run after ``--``),
+    check ``--out`` (also for ``--dry-run``) and run ``body(args, overrides)``; a :class:`UserError`
+    is one line and exit 2, a refused submission one line and exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extras: list[str] = []
     if "--" in argv:
@@ -506,6 +518,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse
         argv, extras = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     try:
+        check_out_dir(getattr(args, "out", None))
         return body(args, extras)
     except UserError as err:
         return report(err, prog)

@@ -103,10 +103,14 @@ def _read_json(path: Path, what: str) -> dict:
         raise UserError(f"{what}: cannot read {path}: {err}") from None
 
 
+def _read_results(path: Path, flag: str) -> dict:
+    return rep.check_results(_read_json(path, flag), f"{flag}: {path}")
+
+
 def render(args: argparse.Namespace) -> int:
     """``--render``: report.md and the PNGs from a results.json."""
     path = Path(args.render)
-    results = _read_json(path, "--render")
+    results = _read_results(path, "--render")
     if args.merge:
         if not args.out:
             raise UserError("--merge: needs --out, the folder of the merged result (the inputs stay as they are)")
@@ -114,7 +118,7 @@ def render(args: argparse.Namespace) -> int:
         path = Path(args.out) / "results.json"
         if any(p.resolve() == path.resolve() for p in paths):
             raise UserError(f"--out: {args.out} holds one of the merged files; choose a new folder")
-        results = rep.add_verdicts(merge_results(paths, [results, *(_read_json(p, "--merge") for p in paths[1:])],
+        results = rep.add_verdicts(merge_results(paths, [results, *(_read_results(p, "--merge") for p in paths[1:])],
                                                  path.parent))
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
         plan = load_plan(args.experiment, results["scale"])

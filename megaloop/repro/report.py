@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megaloop.errors import UserError
 from megaloop.model.config import ModelConfig
 from megaloop.repro.evaluate import SUMMARY, machine, synth_curve
 from megaloop.repro.runs import arm_state, run_dir
@@ -217,6 +218,26 @@ def verdicts(results: dict) -> list[dict]:
 def add_verdicts(results: dict) -> dict:
     """``results["verdicts"]``: each claim's id and computed verdict; returns ``results``."""
     results["verdicts"] = [{"id": c["id"], **v} for c, v in zip(results["claims"], verdicts(results))]
+    return results
+
+
+# what render / print_table / merge read unguarded: a results.json has at least these, of these types
+RESULTS_SHAPE = {"experiment": str, "scale": str, "config": str, "source": str, "updated": str, "complete": bool,
+                 "settings": dict, "eval": dict, "arms": list, "claims": list}
+_JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+               type(None): "null"}
+
+
+def check_results(results: Any, where: str) -> dict:
+    """``results`` (read from ``where``) if it is a ``megaloop reproduce`` results file, else a
+    :class:`UserError` naming ``where`` and what was expected."""
+    head = f"{where}: not a `megaloop reproduce` results file"
+    if not isinstance(results, dict):
+        raise UserError(f"{head}: expected a JSON object with keys {', '.join(RESULTS_SHAPE)}, "
+                        f"got a JSON {_JSON_TYPES.get(type(results), '?')}")
+    bad = [f"{k} ({_JSON_TYPES[t]})" for k, t in RESULTS_SHAPE.items() if not isinstance(results.get(k), t)]
+    if bad:
+        raise UserError(f"{head}: expected keys missing or of another type: {', '.join(bad)}")
     return results
 
 
@@ -510,5 +531,5 @@ def print_table(results: dict) -> None:
             print(f"  {c['id']}: {verdict_text(v)} — {c['claim']}")
 
 
-__all__ = ["add_verdicts", "cell", "collect", "claim_measured", "fmt", "groups", "print_table", "render", "render_markdown",
-           "train_summary", "verdicts", "write_results"]
+__all__ = ["add_verdicts", "cell", "check_results", "collect", "claim_measured", "fmt", "groups", "print_table",
+           "render", "render_markdown", "train_summary", "verdicts", "write_results"]

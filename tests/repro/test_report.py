@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from megaloop.repro.report import claim_measured, render_markdown, train_summary
 
 
@@ -86,6 +88,32 @@ def test_render_cli_writes_report_and_pngs(tool, tmp_path: Path, capsys) -> None
     bad.write_text("{")
     assert tool.main(["--render", str(bad)]) == 2
     assert "--render: cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, words", [
+    ([1, 2], "expected a JSON object with keys experiment, scale, config, source, updated, complete, settings, "
+             "eval, arms, claims, got a JSON array"),
+    ({"format": 1, "content": {"sha256": "x"}}, "expected keys missing or of another type: experiment (string), "),
+    ({**RESULTS, "settings": None, "arms": {}}, "expected keys missing or of another type: settings (object), "
+                                               "arms (array)"),
+])
+def test_render_refuses_what_is_not_a_results_file(tool, tmp_path: Path, capsys, content, words: str) -> None:
+    # e.g. a run's data.json, or any other JSON: one line naming the flag and the file, no traceback
+    good, bad = tmp_path / "good.json", tmp_path / "data.json"
+    good.write_text(json.dumps(RESULTS))
+    bad.write_text(json.dumps(content))
+    for argv, flag in ((["--render", str(bad)], "--render"),
+                       (["--render", str(good), "--merge", str(bad), "--out", str(tmp_path / "m")], "--merge")):
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"megaloop reproduce: error: {flag}: {bad}: not a `megaloop reproduce` results file: ")
+        assert words in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "good.json"]  # nothing written
+
+
+def test_render_missing_file(tool, tmp_path: Path, capsys) -> None:
+    assert tool.main(["--render", str(tmp_path / "none.json")]) == 2
+    assert f"megaloop reproduce: error: --render: cannot read {tmp_path / 'none.json'}: " in capsys.readouterr().err
 
 
 def test_train_summary_dedupes_resumed_steps() -> None:

@@ -110,6 +110,17 @@ def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Pat
     assert "holds experiment 'other'" in capsys.readouterr().err
 
 
+def test_out_that_is_a_file_exits_2(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    f = tmp_path / "afile"
+    f.write_text("kept")
+    for argv in (["--experiment", str(user_yaml), "--scale", "test", "--dry-run"],
+                 ["--render", str(ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json")]):
+        assert tool.main([*argv, "--out", str(f)]) == 2
+        captured = capsys.readouterr()
+        assert f"megaloop reproduce: error: --out: {f} exists and is not a directory" in captured.err
+        assert "would run" not in captured.out and f.read_text() == "kept"
+
+
 @pytest.fixture
 def stubs(tmp_path: Path, monkeypatch):
     return sweep_stubs(tmp_path, monkeypatch, job_id="555")

@@ -81,6 +81,15 @@ def test_bad_inputs_exit_2(tmp_path: Path, capsys, argv, arg, words) -> None:
     assert words in err, err
 
 
+def test_out_that_is_a_file_exits_2(tmp_path: Path, capsys) -> None:
+    f = tmp_path / "afile"
+    f.write_text("kept")
+    assert cli.main(["--config", "tiny", "--out", str(f), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert f"megaloop lr-screen: error: --out: {f} exists and is not a directory" in captured.err
+    assert "would run" not in captured.out and f.read_text() == "kept"
+
+
 def test_config_errors_exit_2(tmp_path: Path, capsys) -> None:
     assert cli.main(["--config", "nosuch", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "4",
                       "--out", str(tmp_path), "--dry-run"]) == 2

@@ -10,7 +10,7 @@ import pytest
 
 from megaloop.errors import UserError
 from megaloop.runtime.exits import EXIT_REQUEUE
-from megaloop.sweep import add_launch_args, launch_from_args, stopped
+from megaloop.sweep import add_launch_args, launch_from_args, run_cli, stopped
 
 
 def _launch(*argv: str, default_parallel: int | None = None):
@@ -51,3 +51,26 @@ def test_thread_budget_is_split_among_runs() -> None:
 def test_bad_launch_options(argv: list[str], words: str) -> None:
     with pytest.raises(UserError, match=re.escape(words)):
         _launch(*argv)
+
+
+@pytest.mark.parametrize("sub, words", [
+    ("afile", "--out: {f} exists and is not a directory"),
+    ("afile/new/x", "--out: {f}/new/x: {f} is not a directory"),
+])
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]])
+def test_out_that_is_a_file_is_refused_before_the_command(tmp_path, capsys, sub: str, words: str,
+                                                          dry: list[str]) -> None:
+    # run_cli checks --out for lr-screen and reproduce alike, dry run or not, and leaves the file as it was
+    f = tmp_path / "afile"
+    f.write_text("kept")
+    p = argparse.ArgumentParser()
+    p.add_argument("--out")
+    add_launch_args(p, default_parallel="-")
+    ran = []
+    assert run_cli("megaloop x", p, lambda args, extras: ran.append(args) or 0,
+                   ["--out", str(tmp_path / sub), *dry]) == 2
+    assert capsys.readouterr().err == f"megaloop x: error: {words.format(f=f)}\n"
+    assert not ran and f.read_text() == "kept"
+    # a new directory (under an existing one) and an existing directory are fine
+    for ok in (tmp_path / "new" / "out", tmp_path):
+        assert run_cli("megaloop x", p, lambda args, extras: 0, ["--out", str(ok), *dry]) == 0
