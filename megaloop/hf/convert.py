@@ -2,12 +2,12 @@
 
 ``convert_to_hf(checkpoint, out)`` reads a megaloop training checkpoint written at any TP/PP
 layout (checkpoint keys are layout-independent, so it is loaded into a TP=1/PP=1 native model in
-this one process), maps the weights onto :mod:`megaloop.hf.modeling_megaloop`, and writes::
+this one process), maps the weights onto :mod:`megaloop.hf.modeling_megaloop`, and writes
+(beside ``out``, renamed into place when complete)::
 
     out/config.json                  MegaloopConfig + auto_map (AutoConfig, AutoModelForCausalLM)
     out/model.safetensors            (or model-0000x-of-0000n.safetensors + index above ~2 GB)
-    out/configuration_megaloop.py    copied modeling code (imports only torch + transformers)
-    out/modeling_megaloop.py, out/cache_megaloop.py
+    out/*_megaloop.py                the model code (CODE_FILES; imports only torch + transformers)
     out/generation_config.json       eos/bos/pad; padded vocab ids suppressed
     out/tokenizer.json, tokenizer_config.json, special_tokens_map.json   (when a tokenizer is found)
     out/megaloop_conversion.json     source checkpoint, step, validation errors
@@ -40,6 +40,7 @@ reproduce the native model raises :class:`ConversionError`. Both are :class:`~me
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -385,15 +386,21 @@ def check_conversion(native, hf_model, *, seq_len: int, num_seqs: int = 2) -> di
 
 
 # ============================================================================ tokenizer
+def explicit_tokenizer(path: str | Path) -> Path:
+    """``--tokenizer``: a tokenizer.json, or a folder holding one; else :class:`ConversionError` naming it."""
+    p = Path(path) / "tokenizer.json" if Path(path).is_dir() else Path(path)
+    if not p.is_file():
+        raise ConversionError(f"--tokenizer {path}: no tokenizer.json there")
+    if p.suffix != ".json":
+        raise ConversionError(f"--tokenizer {path}: not a tokenizer.json (the Hugging Face tokenizers file)")
+    return p
+
+
 def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None) -> Path | None:
-    """tokenizer.json of the run: ``explicit`` > data manifest > run dir > embedded default."""
+    """tokenizer.json of the run: ``explicit`` > data manifest > checkpoint root (where
+    :func:`convert_from_hf` keeps one outside ``RUN/checkpoints``) > run dir > embedded default."""
     if explicit:
-        p = Path(explicit)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if not p.is_file():
-            raise ConversionError(f"--tokenizer {explicit}: no tokenizer.json there")
-        return p
+        return explicit_tokenizer(explicit)
     data = run_cfg.get("data") or {}
     path = str(data.get("path") or "")
     if path and "://" not in path and not path.startswith("default"):
@@ -402,7 +409,8 @@ def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None
             tok = (json.loads(manifest.read_text()).get("tokenizer") or {}).get("path")
             if tok and Path(tok).is_file():
                 return Path(tok)
-    for cand in (ckpt.parent.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
+    for cand in (ckpt.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer.json",
+                 ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
         if cand.is_file():
             return cand
     if path.startswith("default"):
@@ -480,15 +488,18 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
 # ============================================================================ main entry
 def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", validate: bool = True,
                   tokenizer: str | Path | None = None, num_recurrences: int | None = None,
-                  max_shard_size: str = "2GB", validation_seqs: int = 2, validation_len: int | None = None,
+                  max_shard_size: int | str = "2GB", validation_seqs: int = 2, validation_len: int | None = None,
                   log=print) -> dict:
     """Convert ``checkpoint`` to an HF folder ``out``; returns a report dict (also written to
-    ``out/megaloop_conversion.json``). Raises :class:`CheckpointError` for a bad checkpoint,
-    :class:`ConversionError` for a bad conversion or when validation exceeds :data:`TOLERANCE`."""
+    ``out/megaloop_conversion.json``). It is written beside ``out`` and renamed into place when
+    complete, replacing an earlier export only then: a failure leaves ``out`` as it was. Raises
+    :class:`CheckpointError` for a bad checkpoint, :class:`ConversionError` for a bad conversion,
+    ``tokenizer`` or when validation exceeds :data:`TOLERANCE`."""
     t0 = time.time()
     if dtype not in DTYPES:
         raise ConversionError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
-    out = Path(out)
+    tokenizer = explicit_tokenizer(tokenizer) if tokenizer else None
+    out = Path(os.path.abspath(out))
     native, mcfg, run_cfg, ckpt, common = load_native(checkpoint)
     hf_model, tok_path = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences,
                                      tokenizer=tokenizer, log=log)
@@ -505,20 +516,28 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
                                                 num_seqs=validation_seqs)
         log(report["validation"]["summary"])
     del native
-    out.mkdir(parents=True, exist_ok=True)
-    hf_model.to(DTYPES[dtype])
-    hf_model.config.dtype = DTYPES[dtype]  # `torch_dtype` is deprecated since transformers 4.56
-    hf_model.save_pretrained(str(out), max_shard_size=max_shard_size, safe_serialization=True)
-    for name in CODE_FILES:
-        shutil.copyfile(HF_DIR / name, out / name)
-    if tok_path is not None:
-        save_tokenizer(tok_path, out, {"eos": cfg.eos_token_id, "bos": cfg.bos_token_id, "pad": cfg.pad_token_id},
-                       mcfg.seq_len)
-    if validate:
-        report["reload"] = _check_reload(hf_model, out, depth, real_vocab)
-        log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
-    report["seconds"] = round(time.time() - t0, 2)
-    (out / "megaloop_conversion.json").write_text(json.dumps(report, indent=1, default=str))
+    staging = out.with_name(f".{out.name}.megaloop-tmp-{os.getpid()}")
+    tmp = staging / out.name  # out's base name: the reload check imports the code as `out` will
+    try:
+        tmp.mkdir(parents=True)
+        hf_model.to(DTYPES[dtype])
+        hf_model.config.dtype = DTYPES[dtype]  # `torch_dtype` is deprecated since transformers 4.56
+        hf_model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)
+        for name in CODE_FILES:
+            shutil.copyfile(HF_DIR / name, tmp / name)
+        if tok_path is not None:
+            save_tokenizer(tok_path, tmp, {"eos": cfg.eos_token_id, "bos": cfg.bos_token_id,
+                                           "pad": cfg.pad_token_id}, mcfg.seq_len)
+        if validate:
+            report["reload"] = _check_reload(hf_model, tmp, depth, real_vocab)
+            log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
+        report["seconds"] = round(time.time() - t0, 2)
+        (tmp / "megaloop_conversion.json").write_text(json.dumps(report, indent=1, default=str))
+        if (out / "megaloop_conversion.json").is_file():  # an earlier export, replaced only now
+            out.rename(staging / f"{out.name}.old")
+        tmp.rename(out)  # onto nothing or an empty folder (the CLI refuses any other --out up front)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return report
 
 
@@ -541,26 +560,29 @@ def _check_reload(model: MegaloopForCausalLM, out: Path, depth: int, vocab: int)
 
 # ============================================================================ HF -> megaloop
 def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, seed: int = 1234) -> Path:
-    """Write an HF folder back as a megaloop checkpoint ``out_root/step_XXXXXXXX`` (TP=1, no
-    optimizer state; loadable at any layout). Returns the checkpoint path."""
+    """Write an HF folder back as a megaloop checkpoint ``out_root/step_XXXXXXXX`` (TP=1, no optimizer
+    state; loadable at any layout) with its tokenizer (:func:`_tokenizer_home`); returns its path.
+    An ``out_root`` holding complete checkpoints is refused (step 0 would become their ``latest``)."""
     from megaloop.config import RunConfig
+    from megaloop.hf.load import check_model_path, load_model
     from megaloop.model.build import build_model, unwrap
     from megaloop.runtime.parallel import ParallelDims, init_distributed
     from megaloop.train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint, load_model_state
 
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        try:
-            find_checkpoint(hf_dir)
-            hint = (f"; it is a megaloop checkpoint: `megaloop convert --checkpoint {hf_dir} --out DIR` "
-                    "(without --from-hf) exports it")
-        except CheckpointError:
-            hint = ""
-        raise ConversionError(f"{hf_dir} is not an HF model folder (no config.json){hint}")
-    cfg = MegaloopConfig.from_pretrained(str(hf_dir))
-    if getattr(cfg, "model_type", None) != "megaloop":
-        raise ConversionError(f"{hf_dir}/config.json: model_type is not 'megaloop'")
-    model = MegaloopForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32)
+    hf_dir, out_root = Path(hf_dir), Path(out_root)
+    try:
+        held = find_checkpoint(out_root)
+    except CheckpointError:  # missing, or no complete checkpoint there
+        held = None
+    if held is not None:
+        raise ConversionError(f"--out {out_root} already holds megaloop checkpoints (newest: {held}): choose a "
+                              "new or empty folder; nothing was written")
+    if check_model_path(hf_dir, "--checkpoint") != "hf":  # names a missing, damaged or unknown folder
+        raise ConversionError(f"--checkpoint {hf_dir} is not an HF folder; it is a megaloop checkpoint: "
+                              f"`megaloop convert --checkpoint {hf_dir} --out DIR` (without --from-hf) exports it")
+    tok_home = _tokenizer_home(hf_dir, out_root)
+    model = load_model(hf_dir, kind="hf").model  # FP32; a folder without weights is named
+    cfg = model.config
     mcfg = native_config_from_hf(cfg)
     init_distributed(ParallelDims(world=1), seed)
     chunks, _ = build_model(mcfg, vocab_size=cfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,
@@ -570,8 +592,11 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
     run = RunConfig(model=mcfg)
     run.train.eval_depth = int(cfg.num_recurrences)  # the folder's default depth stays the default
-    out_root = Path(out_root)
-    _keep_hf_tokenizer(hf_dir, out_root)
+    if tok_home is not None:  # before the checkpoint, which then never exists without it
+        tok_home.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (hf_dir / name).is_file():
+                shutil.copyfile(hf_dir / name, tok_home / name)
     return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                          "source": str(hf_dir)})
 
@@ -579,19 +604,15 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def _keep_hf_tokenizer(hf_dir: Path, out_root: Path) -> None:
-    """Copy the folder's tokenizer into the run directory of ``out_root`` (``RUN/checkpoints`` ->
-    ``RUN/``), where :func:`find_tokenizer` looks first, so the converted checkpoint keeps the
-    tokenizer it was exported with instead of falling back to the embedded default. A different
-    tokenizer already there is refused, never overwritten."""
-    if not (hf_dir / "tokenizer.json").is_file() or out_root.name != "checkpoints":
-        return
-    run_dir = out_root.parent
+def _tokenizer_home(hf_dir: Path, out_root: Path) -> Path | None:
+    """Where :func:`convert_from_hf` copies the folder's tokenizer (None: it has none) for
+    :func:`find_tokenizer` to find: ``RUN/`` of ``RUN/checkpoints``, else ``out_root`` itself. A
+    different tokenizer already there is refused (before anything is written), never overwritten."""
+    if not (hf_dir / "tokenizer.json").is_file():
+        return None
+    home = out_root.parent if out_root.name == "checkpoints" else out_root
     for name in TOKENIZER_FILES:
-        src, dst = hf_dir / name, run_dir / name
+        src, dst = hf_dir / name, home / name
         if src.is_file() and dst.is_file() and dst.read_bytes() != src.read_bytes():
-            raise ConversionError(f"{dst} exists and differs from {src}: convert into another run directory")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            shutil.copyfile(hf_dir / name, run_dir / name)
+            raise ConversionError(f"{dst} exists and differs from {src}: convert into another folder")
+    return home

@@ -10,6 +10,7 @@ with ``--from-hf``. Exit status 2 with one line on bad input or failed validatio
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -25,24 +26,41 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json (or its dir); default: from the run")
     ap.add_argument("--depth", type=int, default=None,
                     help="default depth written to config.json (default: the run's train.eval_depth)")
-    ap.add_argument("--max-shard-size", default="2GB")
+    ap.add_argument("--max-shard-size", default="2GB", help="largest weights file: e.g. 2GB, 500MB, or bytes")
     ap.add_argument("--from-hf", action="store_true", help="convert an HF folder back to a megaloop checkpoint")
     return ap
 
 
+SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's (decimal)
+
+
+def shard_size(value: str) -> int:
+    """``--max-shard-size`` in bytes: a number of bytes, or of KB/MB/GB/TB as huggingface_hub reads
+    it (``2GB``, ``0.5 GB``); :class:`ConfigError` naming the flag otherwise."""
+    from megaloop.config_utils import ConfigError
+
+    m = re.fullmatch(r"(\d+\.?\d*|\.\d+)\s*([KMGT]B)?", value.strip(), re.IGNORECASE)
+    size = int(float(m[1]) * SIZE_UNITS[(m[2] or "").upper()]) if m else 0
+    if size < 1:
+        raise ConfigError(f"--max-shard-size {value!r}: not a size; use e.g. 2GB, 500MB or a number of bytes")
+    return size
+
+
 def _check_args(args) -> None:
-    """Before any loading: a sane --depth, and an --out that nothing else lives in (an HF export
-    written into a run or checkpoint directory would shadow its checkpoints for every later
-    ``--checkpoint RUN``). An earlier export (it holds megaloop_conversion.json) may be replaced."""
+    """Before any loading: a sane --depth and --max-shard-size (made bytes), and an --out that
+    nothing else lives in (an HF export written into a run or checkpoint directory would shadow its
+    checkpoints for every later ``--checkpoint RUN``). An earlier export (it holds
+    megaloop_conversion.json) may be replaced. With --from-hf, convert_from_hf checks --out."""
     from megaloop.config_utils import ConfigError
 
     if args.depth is not None and args.depth < 1:
         raise ConfigError(f"--depth: must be >= 1, got {args.depth}")
+    args.max_shard_size = shard_size(args.max_shard_size)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a folder")
     if args.from_hf or not out.exists():
         return
-    if not out.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a folder")
     if any(out.iterdir()) and not (out / "megaloop_conversion.json").is_file():
         raise ConfigError(f"--out {out} is not empty and is not an earlier megaloop export (no "
                           "megaloop_conversion.json): choose a new or empty folder; nothing was written")

@@ -23,7 +23,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from megaloop.config_utils import ConfigError
-from megaloop.hf.convert import DTYPES, check_conversion, load_native, to_hf_model
+from megaloop.hf.convert import DTYPES, ConversionError, check_conversion, load_native, to_hf_model
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 
@@ -54,20 +54,22 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
 
 
 def is_hf_folder(path: Union[str, Path]) -> bool:
-    """True for an exported HF folder (``config.json`` with ``model_type: megaloop``)."""
+    """True for an exported HF folder (``config.json`` with ``model_type: megaloop``); a config.json
+    that cannot be read as JSON raises :class:`ConversionError` naming it (a damaged HF folder)."""
     cfg = Path(path) / "config.json"
     if not cfg.is_file():
         return False
     try:
-        return json.loads(cfg.read_text()).get("model_type") == "megaloop"
-    except (OSError, json.JSONDecodeError):
-        return False
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError) as err:  # JSONDecodeError, UnicodeDecodeError
+        raise ConversionError(f"{cfg} is not valid JSON ({err}): a damaged or partial Hugging Face folder") from None
+    return isinstance(data, dict) and data.get("model_type") == "megaloop"
 
 
 def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
     """``"hf"`` or ``"checkpoint"`` for a loadable model path, else :class:`ConfigError` (one line
-    naming ``flag`` and the path): missing, an empty directory, a file, or neither kind. Cheap:
-    commands call it before anything is loaded or written."""
+    naming ``flag`` and the path): missing, an empty directory, a file, an unreadable config.json, or
+    neither kind. Cheap: commands call it before anything is loaded or written."""
     from megaloop.train.checkpoint import CheckpointError, find_checkpoint
 
     p = Path(path)
@@ -77,7 +79,11 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
         raise ConfigError(f"{flag} {p}: is a file, not an HF folder or a megaloop checkpoint")
     if not any(p.iterdir()):
         raise ConfigError(f"{flag} {p}: is an empty directory, not an HF folder or a megaloop checkpoint")
-    if is_hf_folder(p):
+    try:
+        hf = is_hf_folder(p)
+    except ConversionError as err:
+        raise ConfigError(f"{flag} {p}: {err}") from None
+    if hf:
         return "hf"
     try:
         find_checkpoint(p)

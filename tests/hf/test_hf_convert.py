@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -211,8 +213,6 @@ def test_bad_inputs_give_clear_errors(megatron_world, converted, tmp_path):
 
 def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
     """A checkpoint whose stored config says one architecture but whose tensors are another."""
-    import shutil
-
     from megaloop.hf.convert import convert_to_hf
     from megaloop.train.checkpoint import CheckpointError
 
@@ -280,3 +280,100 @@ def test_cli_and_hf_roundtrip(megatron_world, converted, tmp_path):
     tok = find_tokenizer(run_cfg, back)
     assert tok == tmp_path / "run_back" / "tokenizer.json"
     assert tok.read_bytes() == (item["hf"] / "tokenizer.json").read_bytes()
+
+
+def _not_loaded(*_a, **_k):
+    raise AssertionError("the checkpoint was loaded before the bad flag was refused")
+
+
+def test_bad_max_shard_size_and_a_failed_export_leave_out_as_it_was(megatron_world, converted, tmp_path, monkeypatch,
+                                                                    capsys):
+    """--max-shard-size is parsed before loading (named, exit 2); the export is written beside --out
+    and renamed into place, so a failure while writing leaves --out as it was (absent, or the earlier
+    export, which a later re-export then replaces whole)."""
+    import megaloop.hf.convert as convert
+    from megaloop.hf.convert_cli import main, shard_size
+
+    assert [shard_size(v) for v in ("2GB", "500mb", "0.5 GB", "1000")] == [2 * 10**9, 5 * 10**8, 5 * 10**8, 1000]
+    ckpt, out = str(converted["deq_qkv"]["ckpt"]), tmp_path / "hf"
+    with monkeypatch.context() as m:
+        m.setattr(convert, "load_native", _not_loaded)
+        assert main(["--checkpoint", ckpt, "--out", str(out), "--max-shard-size", "bogus"]) == 2
+    assert "error: --max-shard-size 'bogus': not a size" in capsys.readouterr().err and not out.exists()
+    assert main(["--checkpoint", ckpt, "--out", str(out), "--no-validate", "--max-shard-size", "200KB"]) == 0
+    sharded = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert "model.safetensors.index.json" in sharded
+
+    def disk_full(*_a, **_k):
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(convert, "save_tokenizer", disk_full)  # fails after the weights were written
+        for target in (out, tmp_path / "new"):
+            with pytest.raises(OSError, match="No space left"):
+                convert.convert_to_hf(ckpt, target, validate=False, log=lambda *_: None)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == sharded
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no half-written folder, no staging left
+    convert.convert_to_hf(ckpt, out, validate=False, log=lambda *_: None)
+    assert (out / "model.safetensors").is_file() and not (out / "model.safetensors.index.json").exists()
+    assert not any(p.name.startswith("model-0") for p in out.iterdir())
+
+
+def test_a_tokenizer_that_is_not_a_tokenizer_json_is_refused(megatron_world, converted, tmp_path, monkeypatch,
+                                                             capsys):
+    import megaloop.hf.convert as convert
+    from megaloop.hf.convert_cli import main
+
+    yaml = tmp_path / "config.yaml"
+    yaml.write_text("model: {}\n")
+    out = tmp_path / "hf"
+    monkeypatch.setattr(convert, "load_native", _not_loaded)
+    assert main(["--checkpoint", str(converted["deq_qkv"]["ckpt"]), "--out", str(out), "--tokenizer", str(yaml)]) == 2
+    assert f"error: --tokenizer {yaml}: not a tokenizer.json" in capsys.readouterr().err and not out.exists()
+
+
+def test_from_hf_refuses_an_out_that_holds_checkpoints(megatron_world, converted, tmp_path):
+    """A step 0 written among a run's checkpoints would become their `latest` (and its tokenizer
+    would land in the run): refused, naming --out and its newest checkpoint; nothing written."""
+    from megaloop.hf.convert import ConversionError, convert_from_hf
+
+    item = converted["deq_qkv"]
+    run = tmp_path / "run"
+    shutil.copytree(item["ckpt"].parent, run / "checkpoints")
+    before = sorted(run.rglob("*"))
+    for out in (run / "checkpoints", run):
+        with pytest.raises(ConversionError, match=re.escape(f"--out {out} already holds megaloop checkpoints "
+                                                            f"(newest: {run / 'checkpoints/step_00000003'})")):
+            convert_from_hf(item["hf"], out)
+    assert sorted(run.rglob("*")) == before and (run / "checkpoints/latest").read_text().strip() == "step_00000003"
+
+
+def test_from_hf_names_a_config_json_that_is_not_json(megatron_world, converted, tmp_path, capsys):
+    from megaloop.config_utils import ConfigError
+    from megaloop.hf.convert import convert_from_hf
+    from megaloop.hf.convert_cli import main
+
+    hf = tmp_path / "hf"
+    shutil.copytree(converted["deq_qkv"]["hf"], hf)
+    (hf / "config.json").write_text('{"model_type": "megaloop",')  # truncated
+    named = f"--checkpoint {hf}: {hf / 'config.json'} is not valid JSON"
+    with pytest.raises(ConfigError, match="^" + re.escape(named)):
+        convert_from_hf(hf, tmp_path / "back")
+    assert main(["--from-hf", "--checkpoint", str(hf), "--out", str(tmp_path / "back")]) == 2
+    assert f"error: {named}" in capsys.readouterr().err and not (tmp_path / "back").exists()
+
+
+def test_from_hf_keeps_the_tokenizer_outside_a_checkpoints_folder(megatron_world, converted, tmp_path):
+    """--out not named `checkpoints` (here an existing empty folder): the folder's tokenizer is kept
+    in it, and loading the checkpoint uses it, not the embedded default."""
+    from megaloop.data.tokenizer import file_sha256
+    from megaloop.hf.convert import convert_from_hf
+    from megaloop.inference.engine import InferenceEngine
+
+    hf, root = converted["deq_qkv"]["hf"], tmp_path / "some" / "ckpts"
+    root.mkdir(parents=True)
+    assert convert_from_hf(hf, root) == root / "step_00000000"
+    assert not (tmp_path / "some" / "tokenizer.json").exists()
+    engine = InferenceEngine.load(root, validate=False)
+    assert engine.source["tokenizer"] == str(root / "tokenizer.json")
+    assert engine.tokenizer.sha256 == file_sha256(hf / "tokenizer.json")

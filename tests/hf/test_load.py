@@ -3,6 +3,8 @@ conversions are validated against the native logits, and a wrong mapping is refu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -116,3 +118,21 @@ def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, tmp_path):
     HFTokenizer(WordLevel(vocab, unk_token="<|endoftext|>")).save(str(big))
     with pytest.raises(ConfigError, match=f"--tokenizer {big}: its vocabulary \\({VOCAB + 50} tokens\\) is larger"):
         InferenceEngine.load(run, tokenizer=str(big), validate=False)
+
+
+def test_an_hf_folder_with_a_broken_config_json_is_named(tmp_path):
+    """An unparsable config.json is named, not taken for "no HF folder" (which blamed a missing
+    megaloop checkpoint and suggested `convert --from-hf`)."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.hf.convert import ConversionError
+    from megaloop.hf.load import check_model_path, load_model
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "megaloop",')  # truncated
+    (hf / "model.safetensors").write_bytes(b"")
+    cfg = re.escape(str(hf / "config.json"))
+    with pytest.raises(ConversionError, match=f"^{cfg} is not valid JSON"):
+        load_model(hf)
+    with pytest.raises(ConfigError, match=f"^--checkpoint {re.escape(str(hf))}: {cfg} is not valid JSON"):
+        check_model_path(hf, "--checkpoint")
