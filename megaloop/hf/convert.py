@@ -398,7 +398,7 @@ def explicit_tokenizer(path: str | Path) -> Path:
 
 def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None) -> Path | None:
     """tokenizer.json of the run: ``explicit`` > data manifest > checkpoint root (where
-    :func:`convert_from_hf` keeps one outside ``RUN/checkpoints``) > run dir > embedded default."""
+    :func:`megaloop.hf.from_hf.convert_from_hf` keeps one outside ``RUN/checkpoints``) > run dir > embedded default."""
     if explicit:
         return explicit_tokenizer(explicit)
     data = run_cfg.get("data") or {}
@@ -556,63 +556,3 @@ def _check_reload(model: MegaloopForCausalLM, out: Path, depth: int, vocab: int)
     if not diff <= 1e-5 * max(1.0, a.abs().max().item()):
         raise ConversionError(f"reloaded folder {out} differs from the converted model: max abs {diff:.3e}")
     return {"max_abs": diff, "class": type(loaded).__module__ + "." + type(loaded).__name__}
-
-
-# ============================================================================ HF -> megaloop
-def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, seed: int = 1234) -> Path:
-    """Write an HF folder back as a megaloop checkpoint ``out_root/step_XXXXXXXX`` (TP=1, no optimizer
-    state; loadable at any layout) with its tokenizer (:func:`_tokenizer_home`); returns its path.
-    An ``out_root`` holding complete checkpoints is refused (step 0 would become their ``latest``)."""
-    from megaloop.config import RunConfig
-    from megaloop.hf.load import check_model_path, load_model
-    from megaloop.model.build import build_model, unwrap
-    from megaloop.runtime.parallel import ParallelDims, init_distributed
-    from megaloop.train.checkpoint import CheckpointError, CheckpointManager, find_checkpoint, load_model_state
-
-    hf_dir, out_root = Path(hf_dir), Path(out_root)
-    try:
-        held = find_checkpoint(out_root)
-    except CheckpointError:  # missing, or no complete checkpoint there
-        held = None
-    if held is not None:
-        raise ConversionError(f"--out {out_root} already holds megaloop checkpoints (newest: {held}): choose a "
-                              "new or empty folder; nothing was written")
-    if check_model_path(hf_dir, "--checkpoint") != "hf":  # names a missing, damaged or unknown folder
-        raise ConversionError(f"--checkpoint {hf_dir} is not an HF folder; it is a megaloop checkpoint: "
-                              f"`megaloop convert --checkpoint {hf_dir} --out DIR` (without --from-hf) exports it")
-    tok_home = _tokenizer_home(hf_dir, out_root)
-    model = load_model(hf_dir, kind="hf").model  # FP32; a folder without weights is named
-    cfg = model.config
-    mcfg = native_config_from_hf(cfg)
-    init_distributed(ParallelDims(world=1), seed)
-    chunks, _ = build_model(mcfg, vocab_size=cfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,
-                            seed=seed, ddp=False)
-    native = unwrap(chunks[0])
-    sd = hf_to_native_state_dict(model.state_dict(), cfg)
-    load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
-    run = RunConfig(model=mcfg)
-    run.train.eval_depth = int(cfg.num_recurrences)  # the folder's default depth stays the default
-    if tok_home is not None:  # before the checkpoint, which then never exists without it
-        tok_home.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, tok_home / name)
-    return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
-                                                                         "source": str(hf_dir)})
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def _tokenizer_home(hf_dir: Path, out_root: Path) -> Path | None:
-    """Where :func:`convert_from_hf` copies the folder's tokenizer (None: it has none) for
-    :func:`find_tokenizer` to find: ``RUN/`` of ``RUN/checkpoints``, else ``out_root`` itself. A
-    different tokenizer already there is refused (before anything is written), never overwritten."""
-    if not (hf_dir / "tokenizer.json").is_file():
-        return None
-    home = out_root.parent if out_root.name == "checkpoints" else out_root
-    for name in TOKENIZER_FILES:
-        src, dst = hf_dir / name, home / name
-        if src.is_file() and dst.is_file() and dst.read_bytes() != src.read_bytes():
-            raise ConversionError(f"{dst} exists and differs from {src}: convert into another folder")
-    return home

@@ -69,7 +69,8 @@ def _check_args(args) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run ``megaloop convert``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
     from megaloop.errors import UserError, report
-    from megaloop.hf.convert import convert_from_hf, convert_to_hf
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.hf.from_hf import convert_from_hf
 
     args = build_parser().parse_args(argv)
     try:

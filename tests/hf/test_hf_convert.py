@@ -200,7 +200,8 @@ def test_bad_inputs_give_clear_errors(megatron_world, converted, tmp_path):
     with pytest.raises(CheckpointError, match="incomplete: missing megaloop.json, .metadata"):
         convert_to_hf(partial, tmp_path / "o3")
     # the two directions swapped: each error says which command the folder needs
-    from megaloop.hf.convert import ConversionError, convert_from_hf
+    from megaloop.hf.convert import ConversionError
+    from megaloop.hf.from_hf import convert_from_hf
 
     item = next(iter(converted.values()))
     with pytest.raises(CheckpointError, match="it is a Hugging Face folder: `megaloop convert --from-hf"):
@@ -238,7 +239,8 @@ def test_wrong_architecture_is_reported(megatron_world, converted, tmp_path):
 
 def test_cli_and_hf_roundtrip(megatron_world, converted, tmp_path):
     """tools/convert_to_hf.py (bf16, sharded, no validation) and HF → megaloop back."""
-    from megaloop.hf.convert import convert_from_hf, load_native
+    from megaloop.hf.convert import load_native
+    from megaloop.hf.from_hf import convert_from_hf
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
     item = converted["deq_qkv"]
@@ -335,7 +337,8 @@ def test_a_tokenizer_that_is_not_a_tokenizer_json_is_refused(megatron_world, con
 def test_from_hf_refuses_an_out_that_holds_checkpoints(megatron_world, converted, tmp_path):
     """A step 0 written among a run's checkpoints would become their `latest` (and its tokenizer
     would land in the run): refused, naming --out and its newest checkpoint; nothing written."""
-    from megaloop.hf.convert import ConversionError, convert_from_hf
+    from megaloop.hf.convert import ConversionError
+    from megaloop.hf.from_hf import convert_from_hf
 
     item = converted["deq_qkv"]
     run = tmp_path / "run"
@@ -350,7 +353,7 @@ def test_from_hf_refuses_an_out_that_holds_checkpoints(megatron_world, converted
 
 def test_from_hf_names_a_config_json_that_is_not_json(megatron_world, converted, tmp_path, capsys):
     from megaloop.config_utils import ConfigError
-    from megaloop.hf.convert import convert_from_hf
+    from megaloop.hf.from_hf import convert_from_hf
     from megaloop.hf.convert_cli import main
 
     hf = tmp_path / "hf"
@@ -367,7 +370,7 @@ def test_from_hf_keeps_the_tokenizer_outside_a_checkpoints_folder(megatron_world
     """--out not named `checkpoints` (here an existing empty folder): the folder's tokenizer is kept
     in it, and loading the checkpoint uses it, not the embedded default."""
     from megaloop.data.tokenizer import file_sha256
-    from megaloop.hf.convert import convert_from_hf
+    from megaloop.hf.from_hf import convert_from_hf
     from megaloop.inference.engine import InferenceEngine
 
     hf, root = converted["deq_qkv"]["hf"], tmp_path / "some" / "ckpts"
