@@ -43,7 +43,7 @@ from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
-from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
+from megaloop.sweep import Run, add_launch_args, check_out_dir, execute, launch_from_args, pending, run_cli, slurm_active
 
 PROG = "megaloop reproduce"
 
@@ -174,6 +174,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
+    if not args.out:  # run_cli checked an explicit --out; the default is checked here
+        check_out_dir(str(out))
     plan, screens, waiting = resolve_lrs(out, base)
     check_out(out, plan, skip=waiting)
     s = plan.settings

@@ -121,6 +121,15 @@ def test_out_that_is_a_file_exits_2(tool, user_yaml: Path, tmp_path: Path, capsy
         assert "would run" not in captured.out and f.read_text() == "kept"
 
 
+def test_a_default_out_under_a_file_exits_2(tool, user_yaml: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").write_text("kept")  # the default runs/repro_<experiment>_<scale> lies under a file
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert f"{tmp_path / 'runs'} is not a directory" in captured.err and "would run" not in captured.out
+    assert (tmp_path / "runs").read_text() == "kept"
+
+
 @pytest.fixture
 def stubs(tmp_path: Path, monkeypatch):
     return sweep_stubs(tmp_path, monkeypatch, job_id="555")
