@@ -96,6 +96,10 @@ class TrainConfig:
     nonfinite: str = "skip"  # skip the update (and count it) or abort
     max_nonfinite: int = 10  # abort after this many consecutive non-finite steps
     peak_tflops: float = 0.0  # device peak for MFU; 0 = per-device default (H100/H200 bf16: 989)
+    # a checkpoint (step dir, checkpoints dir or run dir; e.g. one converted from a Hugging Face
+    # folder) whose model weights start a fresh run; optimizer, schedule, depth sampler and data
+    # order start at step 0 (continued pretraining, fine-tuning). Ignored when the run resumes.
+    init_weights: str | None = None
 
     def __post_init__(self) -> None:
         require(self.micro_batch_size >= 1, "train.micro_batch_size", "must be >= 1")

@@ -357,7 +357,7 @@ class CheckpointManager:
         if optimizer is not None and not any(k.startswith("optimizer.") for k in stored):
             raise CheckpointError(f"checkpoint {path} holds model weights only, no optimizer state (a checkpoint "
                                   "converted from a Hugging Face folder is one): it cannot resume a training run; "
-                                  "it serves eval, generate, rl, distill-prefill and a re-export")
+                                  f"start a new run from its weights with train.init_weights={path}")
         if optimizer is not None:
             _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)

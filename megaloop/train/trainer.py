@@ -84,6 +84,15 @@ class Trainer:
             check_fresh_start(self.ckpt, self.run_dir)
         elif resume_path is not None:
             check_resume_source(self.ckpt, self.run_dir, resume_path)
+        init_path = None
+        if cfg.train.init_weights and resume_path is None:  # a resumed run's checkpoint brings its weights
+            from megaloop.train.checkpoint import CheckpointError, find_checkpoint
+
+            try:
+                init_path = find_checkpoint(cfg.train.init_weights)
+            except CheckpointError as err:
+                raise CheckpointError(f"train.init_weights: {err}") from None
+            self._check_saved_model(init_path, self.ckpt.saved_model_config(init_path), "start from it with")
         init_state = None
         if cfg.depth.kind == "learned" and cfg.depth.init_from is not None and resume_path is None:
             from megaloop.train.prior_init import load_prior_init
@@ -128,6 +137,11 @@ class Trainer:
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
             sequence_parallel=par.sequence_parallel, seed=cfg.train.weights_seed, ddp=True,
             distributed_optimizer=par.distributed_optimizer)
+        if init_path is not None:  # before the optimizer, whose main copies are made from these weights
+            self.ckpt.load(init_path, self.model)
+            if self.rank == 0:
+                print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
+                      "and data order start at step 0", flush=True)
         self.tc.finalize_model_grads_func = finalize_grads
         self.tc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         o = cfg.optim
@@ -280,7 +294,7 @@ class Trainer:
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
 
-    def _check_saved_model(self, path: Path, saved: dict) -> None:
+    def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with") -> None:
         """Refuse a checkpoint trained under other values of the model-defining fields (a changed
         default included, e.g. ``model.qk_norm`` before it became the default), naming each field
         and the overrides that resume it; a field the saved config lacks counts as what runs
@@ -292,7 +306,7 @@ class Trainer:
         if diffs:
             keep = " ".join(as_override(k, old) for k, old, _ in diffs)
             raise ConfigError(f"checkpoint {path} was trained as another model "
-                              f"({describe_differences(diffs, 'checkpoint', 'this run')}); resume it with {keep}")
+                              f"({describe_differences(diffs, 'checkpoint', 'this run')}); {advice} {keep}")
 
     # ================================================================ step pieces
     def _microbatches(self, step: int, depths: list[int], loader_iter) -> list[dict]:
