@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -152,15 +152,17 @@ def describe(est: EvalMemoryEstimate) -> str:
             f"activations {_size(est.activation_bytes)})")
 
 
-def refuse_unless_fits(device: torch.device, need: int, count: int, fits: str, what: str, shrink: str) -> None:
+def refuse_unless_fits(device: torch.device, need: int, count: int, fits: str, what: str, shrink: str,
+                       largest: Optional[Callable[[float], int]] = None) -> None:
     """Raise ConfigError (``what``, the free memory, and ``fits`` formatted with the largest count
     ``n`` that fits, else ``shrink``) when ``need`` bytes for ``count`` sequences exceed ``HEADROOM``
-    of the free memory."""
+    of the free memory. ``largest(budget)``: that count where the need is not proportional to it
+    (default: proportional)."""
     free = available_memory(device)
     budget = HEADROOM * free
     if need <= budget:
         return
-    n = int(budget // (need / max(count, 1)))
+    n = largest(budget) if largest is not None else int(budget // (need / max(count, 1)))
     hint = fits.format(n=n) if n >= 1 else f"even one sequence does not fit: {shrink}"
     raise ConfigError(f"{what} on {device}, more than {HEADROOM:.0%} of the {_size(free)} available; {hint} "
                       f"(--no-memory-check skips this check)")
@@ -303,19 +305,23 @@ def estimate_fixed_point_memory(config, *, span_len: int, cycle_window: int = 16
 def check_fixed_point_memory(engine, *, prefix_len: int, cycle_window: int = 16) -> int:
     """Raise ConfigError naming ``--prefix-len`` (and the longest prefix that fits) when one span's
     fixed-point solve exceeds ``HEADROOM`` of the available memory; return the estimate (bytes)."""
-    need = estimate_fixed_point_memory(engine.config, span_len=prefix_len + 1, cycle_window=cycle_window)
-    free = available_memory(engine.device)
-    if need <= HEADROOM * free:
-        return need
-    lo, hi = 0, prefix_len  # the longest prefix whose span fits (the estimate grows with the span)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        fits = estimate_fixed_point_memory(engine.config, span_len=mid + 1, cycle_window=cycle_window) <= HEADROOM * free
-        lo, hi = (mid, hi) if fits else (lo, mid - 1)
-    hint = f"--prefix-len {lo} fits" if lo >= 1 else "even a one-token prefix does not fit"
-    raise ConfigError(f"--prefix-len {prefix_len}: one span's fixed-point solve (FP32, math attention over "
-                      f"{prefix_len + 1} tokens) needs an estimated {_size(need)} on {engine.device}, more than "
-                      f"{HEADROOM:.0%} of the {_size(free)} available; {hint} (--no-memory-check skips this check)")
+    def need(prefix: int) -> int:
+        return estimate_fixed_point_memory(engine.config, span_len=prefix + 1, cycle_window=cycle_window)
+
+    def longest(budget: float) -> int:  # bisection: the estimate grows with the span, quadratically
+        lo, hi = 0, prefix_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if need(mid) <= budget else (lo, mid - 1)
+        return lo
+
+    total = need(prefix_len)
+    refuse_unless_fits(engine.device, total, prefix_len, "--prefix-len {n} fits",
+                       f"--prefix-len {prefix_len}: one span's fixed-point solve (FP32, math attention over "
+                       f"{prefix_len + 1} tokens) needs an estimated {_size(total)}",
+                       "not even with a one-token --prefix-len; free memory or use a larger device",
+                       largest=longest)
+    return total
 
 
 __all__ = ["EvalMemoryEstimate", "HEADROOM", "MATH_MASK_BYTES", "MATH_SCORES_FACTOR", "available_memory",

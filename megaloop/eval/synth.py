@@ -65,23 +65,25 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
     return out
 
 
-def _scorer(engine, problems: Sequence[dict], depth: int, **kw):
-    """A :class:`MegaloopLM` at ``depth`` and ``problems`` as its (context, continuation) token pairs."""
-    from megaloop.eval.harness import MegaloopLM
-
-    lm = MegaloopLM(engine, depth=depth, **kw)
-    return lm, [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
+def _encode(lm, problems: Sequence[dict]) -> list[tuple[list[int], list[int]]]:
+    """``problems`` as :class:`MegaloopLM` ``lm``'s (context, continuation) token pairs (the same at
+    every depth)."""
+    return [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
 
 
 def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",
                    scoring: Optional[str] = None, prefill_depth: Optional[int] = None,
-                   batch_size: int = 64, memory_check: bool = True) -> list[tuple[float, bool]]:
+                   batch_size: int = 64, memory_check: bool = True,
+                   pairs: Optional[list] = None) -> list[tuple[float, bool]]:
     """Per problem ``(ce nats, correct)`` at recurrence depth ``depth`` (prefill at
     ``prefill_depth``, default ``depth``), through :class:`MegaloopLM`'s scorers (whose memory
-    check refuses a batch that would not fit, unless ``memory_check`` is False)."""
-    lm, pairs = _scorer(engine, problems, depth, prefill_depth=prefill_depth, cache_mode=cache_mode,
-                        scoring=scoring, batch_size=batch_size, memory_check=memory_check)
-    return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs)]
+    check refuses a batch that would not fit, unless ``memory_check`` is False). ``pairs``: the
+    problems already encoded (:func:`synth_table` encodes them once for every depth)."""
+    from megaloop.eval.harness import MegaloopLM
+
+    lm = MegaloopLM(engine, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode, scoring=scoring,
+                    batch_size=batch_size, memory_check=memory_check)
+    return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs or _encode(lm, problems))]
 
 
 @dataclass
@@ -126,17 +128,19 @@ def synth_table(engine, problems: Sequence[dict], depths: Sequence[int] = DEFAUL
     depths = parse_depths(depths)
     if not problems:
         raise ConfigError("synth: no problem to score")
+    from megaloop.eval.harness import MegaloopLM
+
     kw = dict(cache_mode=cache_mode, scoring=scoring, prefill_depth=prefill_depth, batch_size=batch_size)
-    if memory_check:  # the deepest depth holds the most (per-visit banks, decode depth)
-        lm, pairs = _scorer(engine, problems, max(depths), **kw)
-        lm._check_memory(pairs)
+    deepest = MegaloopLM(engine, depth=max(depths), memory_check=memory_check, **kw)
+    pairs = _encode(deepest, problems)
+    deepest._check_memory(pairs)  # the deepest depth holds the most (per-visit banks, decode depth)
     ks = sorted({int(p["k"]) for p in problems})
     rows = {k: [i for i, p in enumerate(problems) if p["k"] == k] for k in ks}
     acc = [[0.0] * len(depths) for _ in ks]
     ce = [[0.0] * len(depths) for _ in ks]
     for j, r in enumerate(depths):
         t0 = time.time()
-        scores = score_problems(engine, problems, r, memory_check=False, **kw)
+        scores = score_problems(engine, problems, r, memory_check=False, pairs=pairs, **kw)
         for i, k in enumerate(ks):
             mine = [scores[q] for q in rows[k]]
             acc[i][j] = sum(ok for _, ok in mine) / len(mine)

@@ -57,7 +57,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def _tokenizer_home(hf_dir: Path, out_root: Path) -> Path | None:
     """Where :func:`convert_from_hf` copies the folder's tokenizer (None: it has none) for
-    :func:`find_tokenizer` to find: ``RUN/`` of ``RUN/checkpoints``, else ``out_root`` itself. A
+    :func:`megaloop.hf.convert.find_tokenizer` to find: ``RUN/`` of ``RUN/checkpoints``, else ``out_root`` itself. A
     different tokenizer already there is refused (before anything is written), never overwritten."""
     if not (hf_dir / "tokenizer.json").is_file():
         return None

@@ -354,11 +354,11 @@ class CheckpointManager:
         if not is_complete(path):
             raise CheckpointError(f"checkpoint {path} is incomplete or missing files")
         stored = verify_model_tensors(path, model_chunks)
-        if optimizer is not None and not any(k.startswith("optimizer.") for k in stored):
-            raise CheckpointError(f"checkpoint {path} holds model weights only, no optimizer state (a checkpoint "
-                                  "converted from a Hugging Face folder is one): it cannot resume a training run; "
-                                  f"start a new run from its weights with train.init_weights={path}")
         if optimizer is not None:
+            if not any(k.startswith("optimizer.") for k in stored):
+                raise CheckpointError(f"checkpoint {path} holds model weights only, no optimizer state (a checkpoint "
+                                      "converted from a Hugging Face folder is one): it cannot resume a training "
+                                      f"run; start a new run from its weights with train.init_weights={path}")
             _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)
         sd["common"] = None

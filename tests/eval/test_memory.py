@@ -244,7 +244,7 @@ def test_fixed_point_estimate_by_part_and_the_longest_prefix_that_fits(monkeypat
         check_fixed_point_memory(_engine(), prefix_len=t - 1)
     assert check_fixed_point_memory(_engine(), prefix_len=30) == budget
     monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", "1000")
-    with pytest.raises(ConfigError, match="even a one-token prefix does not fit"):
+    with pytest.raises(ConfigError, match="even one sequence does not fit: not even with a one-token --prefix-len"):
         check_fixed_point_memory(_engine(), prefix_len=t - 1)
 
 

@@ -85,102 +85,103 @@ def _peak(dev, base: int) -> int:
     return int(_hwm_kb() * 1024 - base)
 
 
+def _setup(d: int, h: int, kvh: int, ffn: int, vocab: int, ctx: int):
+    """``(config, model, device)``: a seeded random ``MegaloopForCausalLM`` of this shape in eval mode,
+    one torch thread (the children's common set-up)."""
+    import torch
+
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
+                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=ctx)
+    return cfg, MegaloopForCausalLM(cfg).to(dev).eval(), dev
+
+
+def _row(name: str, dev, cfg, *, seq_len: int, batch: int, depth: int, protocol: str, estimate: int, peak: int,
+         **extra) -> dict:
+    """One result row: the case's shape, the estimate and the measured peak (bytes) and their ratio."""
+    return {"case": name, "device": dev.type, "hidden": cfg.hidden_size, "heads": cfg.num_attention_heads,
+            "ffn": cfg.intermediate_size, "vocab": cfg.vocab_size, "seq_len": seq_len, "batch": batch,
+            "depth": depth, "protocol": protocol, "estimate_bytes": estimate, "measured_bytes": int(peak),
+            "ratio_measured_over_estimate": round(peak / estimate, 3), **extra}
+
+
+def _parts(est) -> dict:
+    return {"estimate_parts": {"logits": est.logits_bytes, "kv": est.kv_bytes, "activations": est.activation_bytes}}
+
+
 def run_gen_case(name: str) -> dict:
     """Measure one generate case in this process (called in a child)."""
     import torch
 
     from megaloop.eval.memory import decode_positions, estimate_decode_memory
-    from megaloop.hf.configuration_megaloop import MegaloopConfig
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.inference.engine import InferenceEngine
 
     d, h, kvh, ffn, vocab, lens, new, ctx, depth, mode = GEN_CASES[name]
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
-                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=ctx)
-    engine = InferenceEngine(MegaloopForCausalLM(cfg).to(dev).eval(), None, depth=depth, cache_mode=mode)
+    cfg, model, dev = _setup(d, h, kvh, ffn, vocab, ctx)
+    engine = InferenceEngine(model, None, depth=depth, cache_mode=mode)
     prompts = [torch.randint(0, vocab, (n,)).tolist() for n in lens]
-    p = max(lens)
-    est = estimate_decode_memory(cfg, batch_size=len(lens), prompt_len=p, total_len=decode_positions(lens, new, ctx),
-                                 prefill_depth=depth, decode_depth=depth, mode=mode, padded=len(set(lens)) > 1,
-                                 dtype=engine.dtype)
+    est = estimate_decode_memory(cfg, batch_size=len(lens), prompt_len=max(lens),
+                                 total_len=decode_positions(lens, new, ctx), prefill_depth=depth, decode_depth=depth,
+                                 mode=mode, padded=len(set(lens)) > 1, dtype=engine.dtype)
     engine.generate([prompts[0][:8]] * len(lens), max_new_tokens=20, stop_at_eos=False)  # first-call set-up
     base = _mark(dev)
     out = engine.generate(prompts, max_new_tokens=new, stop_at_eos=False)
     peak = _peak(dev, base)
-    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": est.seq_len,
-            "batch": len(lens), "prompt_lens": list(lens), "depth": depth, "protocol": f"generate/{mode}",
-            "finish": [r.finish_reason for r in out.results], "estimate_bytes": est.total_bytes,
-            "estimate_parts": {"logits": est.logits_bytes, "kv": est.kv_bytes, "activations": est.activation_bytes},
-            "measured_bytes": peak, "measured_kv_peak_bytes": int(out.stats.kv_bytes_peak),
-            "ratio_measured_over_estimate": round(peak / est.total_bytes, 3)}
+    return _row(name, dev, cfg, seq_len=est.seq_len, batch=len(lens), depth=depth, protocol=f"generate/{mode}",
+                estimate=est.total_bytes, peak=peak, prompt_lens=list(lens),
+                finish=[r.finish_reason for r in out.results], measured_kv_peak_bytes=int(out.stats.kv_bytes_peak),
+                **_parts(est))
+
+
+def _ppl_case(name: str):
+    """``(config, engine, data, device)`` of an ``evaluate_ppl`` case: random sequences of its shape."""
+    import torch
+
+    from megaloop.eval.text_data import EvalData
+    from megaloop.inference.engine import InferenceEngine
+
+    d, h, kvh, ffn, vocab, L, b, depth, _ = CASES[name]
+    cfg, model, dev = _setup(d, h, kvh, ffn, vocab, L)
+    tokens = torch.randint(0, vocab, (b, L))
+    return cfg, InferenceEngine(model, None, depth=depth), EvalData(tokens, torch.roll(tokens, -1, 1),
+                                                                    torch.ones(b, L)), dev
 
 
 def run_case(name: str) -> dict:
-    """Measure one case in this process (called in a child)."""
-    import torch
-
+    """Measure one ``evaluate_ppl`` case in this process (called in a child)."""
     from megaloop.eval.memory import estimate_eval_memory
     from megaloop.eval.ppl import evaluate_ppl
-    from megaloop.eval.text_data import EvalData
-    from megaloop.hf.configuration_megaloop import MegaloopConfig
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-    from megaloop.inference.engine import InferenceEngine
 
-    d, h, kvh, ffn, vocab, L, b, depth, proto = CASES[name]
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
-                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=L)
-    engine = InferenceEngine(MegaloopForCausalLM(cfg).to(dev).eval(), None, depth=depth)
-    tokens = torch.randint(0, vocab, (b, L))
-    data = EvalData(tokens, torch.roll(tokens, -1, 1), torch.ones(b, L))
-    prefix = L // 2
-    protocols = (proto,)
-    est = estimate_eval_memory(cfg, batch_size=b, seq_len=L, prefix_len=prefix, depth=depth,
-                               protocols=protocols, dtype=engine.dtype)
+    _, _, _, _, _, L, b, depth, proto = CASES[name]
+    cfg, engine, data, dev = _ppl_case(name)
+    est = estimate_eval_memory(cfg, batch_size=b, seq_len=L, prefix_len=L // 2, depth=depth, protocols=(proto,),
+                               dtype=engine.dtype)
     base = _mark(dev)
-    evaluate_ppl(engine, data, depth=depth, protocols=protocols, batch_size=b, prefix_len=prefix)
+    evaluate_ppl(engine, data, depth=depth, protocols=(proto,), batch_size=b, prefix_len=L // 2)
     peak = _peak(dev, base)
-    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": L,
-            "batch": b, "depth": depth, "protocol": proto, "estimate_bytes": est.total_bytes,
-            "estimate_parts": {"logits": est.logits_bytes, "kv": est.kv_bytes, "activations": est.activation_bytes},
-            "measured_bytes": int(peak), "ratio_measured_over_estimate": round(peak / est.total_bytes, 3)}
-
-
-def _model(d, h, kvh, ffn, vocab, ctx, dev):
-    from megaloop.hf.configuration_megaloop import MegaloopConfig
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-
-    cfg = MegaloopConfig(vocab_size=vocab, hidden_size=d, num_attention_heads=h, num_key_value_heads=kvh,
-                         intermediate_size=ffn, injection="parcae_nonorm", max_position_embeddings=ctx)
-    return cfg, MegaloopForCausalLM(cfg).to(dev).eval()
+    return _row(name, dev, cfg, seq_len=L, batch=b, depth=depth, protocol=proto, estimate=est.total_bytes,
+                peak=peak, **_parts(est))
 
 
 def run_copy_case(name: str) -> dict:
     """Measure one ``eval copying`` forward (copy_probe at one depth) in this process."""
-    import torch
-
     from megaloop.eval.copying import copy_probe
     from megaloop.eval.memory import estimate_copy_memory
 
     d, h, kvh, ffn, vocab, n, half, depth = COPY_CASES[name]
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, model = _model(d, h, kvh, ffn, vocab, 2 * half, dev)
+    cfg, model, dev = _setup(d, h, kvh, ffn, vocab, 2 * half)
     est = estimate_copy_memory(cfg, num_seqs=n, seq_len=2 * half)
     fn = lambda ids: model(input_ids=ids.to(dev), num_recurrences=depth).logits  # noqa: E731
     copy_probe(fn, vocab, num_seqs=1, half_len=8)  # first-call set-up
     base = _mark(dev)
     copy_probe(fn, vocab, num_seqs=n, half_len=half)
-    peak = _peak(dev, base)
-    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": 2 * half,
-            "batch": n, "depth": depth, "protocol": "copying", "estimate_bytes": est, "measured_bytes": peak,
-            "ratio_measured_over_estimate": round(peak / est, 3)}
+    return _row(name, dev, cfg, seq_len=2 * half, batch=n, depth=depth, protocol="copying", estimate=est,
+                peak=_peak(dev, base))
 
 
 def run_fp_case(name: str) -> dict:
@@ -191,38 +192,24 @@ def run_fp_case(name: str) -> dict:
     from megaloop.inference.fixed_point import Criteria, check_span
 
     d, h, kvh, ffn, vocab, t, steps = FP_CASES[name]
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg, model = _model(d, h, kvh, ffn, vocab, t, dev)
+    cfg, model, dev = _setup(d, h, kvh, ffn, vocab, t)
     crit = Criteria(max_steps=steps)
     est = estimate_fixed_point_memory(cfg, span_len=t, cycle_window=crit.cycle_window)
     check_span(model, torch.randint(0, vocab, (8,)), Criteria(max_steps=4))  # first-call set-up
     base = _mark(dev)
     check_span(model, torch.randint(0, vocab, (t,)), crit)
-    peak = _peak(dev, base)
-    return {"case": name, "device": dev.type, "hidden": d, "heads": h, "ffn": ffn, "vocab": vocab, "seq_len": t,
-            "batch": 1, "depth": steps, "protocol": "fixed-point", "estimate_bytes": est, "measured_bytes": peak,
-            "ratio_measured_over_estimate": round(peak / est, 3)}
+    return _row(name, dev, cfg, seq_len=t, batch=1, depth=steps, protocol="fixed-point", estimate=est,
+                peak=_peak(dev, base))
 
 
 def time_case(name: str, repeats: int = 4) -> dict:
     """Seconds per ``evaluate_ppl`` batch of a ``CASES`` case (after one warm-up batch), in this process."""
     import time
 
-    import torch
-
     from megaloop.eval.ppl import evaluate_ppl
-    from megaloop.eval.text_data import EvalData
-    from megaloop.inference.engine import InferenceEngine
 
-    d, h, kvh, ffn, vocab, L, b, depth, proto = CASES[name]
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    _, model = _model(d, h, kvh, ffn, vocab, L, torch.device("cpu"))
-    engine = InferenceEngine(model, None, depth=depth)
-    tokens = torch.randint(0, vocab, (b, L))
-    data = EvalData(tokens, torch.roll(tokens, -1, 1), torch.ones(b, L))
+    _, _, _, _, _, L, b, depth, proto = CASES[name]
+    _, engine, data, _ = _ppl_case(name)
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
@@ -231,23 +218,29 @@ def time_case(name: str, repeats: int = 4) -> dict:
     return {"case": name, "seconds": [round(t, 3) for t in times[1:]]}
 
 
+def _child(flag: str, name: str, threshold: int | None) -> dict:
+    """Run this script's ``flag`` child for case ``name`` in a fresh process (one thread pool, as the
+    child sets torch to; glibc's ``MALLOC_MMAP_THRESHOLD_`` when ``threshold`` is given) and return
+    the JSON it prints."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    env["OMP_NUM_THREADS"] = "1"
+    if threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
+    out = subprocess.run([sys.executable, __file__, flag, name], capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        sys.exit(f"case {name} ({flag}) failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def speed(name: str, threshold: int, rounds: int = 2) -> dict:
-    """Time ``name`` under glibc's default and under ``MALLOC_MMAP_THRESHOLD_=threshold``, alternating the
-    two ``rounds`` times (fresh processes); writes eval_memory_speed.json."""
+    """Time ``name`` under glibc's default and under ``MALLOC_MMAP_THRESHOLD_=threshold``, alternating
+    the two ``rounds`` times in fresh processes; the medians and their ratio."""
     import statistics
 
     runs: dict = {"default": [], "mmap_threshold": []}
     for _ in range(rounds):
         for key in runs:
-            env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            env.pop("MALLOC_MMAP_THRESHOLD_", None)
-            if key != "default":
-                env["MALLOC_MMAP_THRESHOLD_"] = str(threshold)
-            out = subprocess.run([sys.executable, __file__, "--time-child", name], capture_output=True, text=True,
-                                 env=env)
-            if out.returncode != 0:
-                sys.exit(f"timing {name} failed:\n{out.stderr[-2000:]}")
-            runs[key] += json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
+            runs[key] += _child("--time-child", name, threshold if key != "default" else None)["seconds"]
     med = {k: statistics.median(v) for k, v in runs.items()}
     res = {"case": name, "seconds": runs, "median_s": med,
            "ratio_mmap_over_default": round(med["mmap_threshold"] / med["default"], 3)}
@@ -295,13 +288,7 @@ def main() -> None:
         sys.exit(f"--cases: unknown {bad}; known: {', '.join(known)}")
     rows = []
     for name in names:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread pool, as the child sets torch to
-        if args.mmap_threshold is not None:
-            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
-        out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env)
-        if out.returncode != 0:
-            sys.exit(f"case {name} failed:\n{out.stderr[-2000:]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row = _child("--child", name, args.mmap_threshold)
         rows.append(row)
         print(f"{name:32s} estimate {row['estimate_bytes'] / 2**20:9.1f} MiB  measured "
               f"{row['measured_bytes'] / 2**20:9.1f} MiB  ratio {row['ratio_measured_over_estimate']:.3f}")
