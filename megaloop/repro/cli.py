@@ -109,6 +109,15 @@ def _read_results(path: Path, flag: str) -> dict:
 
 def render(args: argparse.Namespace) -> int:
     """``--render``: report.md and the PNGs from a results.json."""
+    try:
+        return _render(args)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:  # a field deeper than check_results looks
+        files = ", ".join([args.render, *(args.merge or [])])
+        raise UserError(f"--render: {files}: a results file this version cannot read (edited by hand, or written "
+                        f"by another version?): {type(err).__name__}: {err}") from err
+
+
+def _render(args: argparse.Namespace) -> int:
     path = Path(args.render)
     results = _read_results(path, "--render")
     if args.merge:
@@ -127,10 +136,9 @@ def render(args: argparse.Namespace) -> int:
             raise UserError(f"--experiment: {args.experiment} claims arms {missing} that {path} does not hold")
         results["claims"] = [c.__dict__ for c in plan.claims]
         rep.add_verdicts(results)
-    if args.merge or (args.experiment and path.name == "results.json"):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    outputs = rep.render(results, Path(args.out) if args.out else path.parent)  # all or nothing
+    if args.merge or (args.experiment and path.name == "results.json"):  # once the report could be made
         rep.write_results(path.parent, results)
-    outputs = rep.render(results, Path(args.out) if args.out else path.parent)
     rep.print_table(results)
     print("  wrote " + ", ".join(map(str, outputs)))
     return 0

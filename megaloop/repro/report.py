@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -228,9 +231,23 @@ _JSON_TYPES = {dict: "object", list: "array", str: "string", bool: "boolean", in
                type(None): "null"}
 
 
+# the nested fields the report, merge and verdicts read (arms[i], claims[i], claims[i].expect[j], eval, settings)
+_NESTED_SHAPE = {"arms": {"name": str, "label": str, "looped": bool, "status": str, "overrides": list, "train": dict,
+                          "metrics": dict},
+                 "claims": {"id": str, "claim": str, "metrics": list, "arms": list},  # + optional "expect"
+                 "eval": {"depth": int, "depths": list},
+                 "settings": {"max_steps": int, "tokens_per_step": int}}
+_CHECK_SHAPE = {"arm": str, "metric": str, "op": str}
+
+
+def _shape_errors(obj: dict, shape: dict, where: str) -> list[str]:
+    return [f"{where}.{k} ({_JSON_TYPES[t]})" for k, t in shape.items() if not isinstance(obj.get(k), t)]
+
+
 def check_results(results: Any, where: str) -> dict:
     """``results`` (read from ``where``) if it is a ``megaloop reproduce`` results file, else a
-    :class:`UserError` naming ``where`` and what was expected."""
+    :class:`UserError` naming ``where`` and what was expected (top-level keys, then each arm's,
+    claim's and check's fields, ``eval`` and ``settings``)."""
     head = f"{where}: not a `megaloop reproduce` results file"
     if not isinstance(results, dict):
         raise UserError(f"{head}: expected a JSON object with keys {', '.join(RESULTS_SHAPE)}, "
@@ -238,6 +255,23 @@ def check_results(results: Any, where: str) -> dict:
     bad = [f"{k} ({_JSON_TYPES[t]})" for k, t in RESULTS_SHAPE.items() if not isinstance(results.get(k), t)]
     if bad:
         raise UserError(f"{head}: expected keys missing or of another type: {', '.join(bad)}")
+    for key in ("eval", "settings"):
+        bad += _shape_errors(results[key], _NESTED_SHAPE[key], key)
+    for key in ("arms", "claims"):
+        for i, item in enumerate(results[key]):
+            if not isinstance(item, dict):
+                bad.append(f"{key}[{i}] (object, got {_JSON_TYPES.get(type(item), '?')})")
+                continue
+            bad += _shape_errors(item, _NESTED_SHAPE[key], f"{key}[{i}]")
+            checks = item.get("expect") if key == "claims" else None
+            if checks is not None and not isinstance(checks, list):
+                bad.append(f"{key}[{i}].expect (array)")
+            for j, check in enumerate(checks if isinstance(checks, list) else []):
+                bad += ([f"{key}[{i}].expect[{j}] (object)"] if not isinstance(check, dict)
+                        else _shape_errors(check, _CHECK_SHAPE, f"{key}[{i}].expect[{j}]"))
+    if bad:
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise UserError(f"{head}: expected fields missing or of another type: {', '.join(bad[:8])}{more}")
     return results
 
 
@@ -506,13 +540,22 @@ def plot_curves(results: dict, path: Path) -> Path:
 
 
 def render(results: dict, out: Path) -> list[Path]:
-    """Write ``report.md`` and the three PNGs into ``out``; returns their paths."""
+    """Write ``report.md`` and the three PNGs into ``out``; returns their paths. All four are made in a
+    hidden staging folder first, so a failure leaves ``out``'s previous report as it was."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    md = out / "report.md"
-    md.write_text(render_markdown(results))
-    return [md, plot_depth(results, out / "ppl_vs_depth.png"), plot_prior(results, out / "prior_evolution.png"),
-            plot_curves(results, out / "training_curves.png")]
+    stage = Path(tempfile.mkdtemp(prefix=".render-", dir=out))
+    try:
+        (stage / "report.md").write_text(render_markdown(results))
+        plot_depth(results, stage / "ppl_vs_depth.png")
+        plot_prior(results, stage / "prior_evolution.png")
+        plot_curves(results, stage / "training_curves.png")
+        names = ("report.md", "ppl_vs_depth.png", "prior_evolution.png", "training_curves.png")
+        for name in names:
+            os.replace(stage / name, out / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return [out / name for name in names]
 
 
 def print_table(results: dict) -> None:

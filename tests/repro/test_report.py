@@ -96,6 +96,13 @@ def test_render_cli_writes_report_and_pngs(tool, tmp_path: Path, capsys) -> None
     ({"format": 1, "content": {"sha256": "x"}}, "expected keys missing or of another type: experiment (string), "),
     ({**RESULTS, "settings": None, "arms": {}}, "expected keys missing or of another type: settings (object), "
                                                "arms (array)"),
+    # nested fields: each arm, claim and check, eval and settings (a hand-edited or truncated file)
+    ({**RESULTS, "arms": [RESULTS["arms"][0], 3, {**RESULTS["arms"][1], "train": None}]},
+     "expected fields missing or of another type: arms[1] (object, got number), arms[2].train (object)"),
+    ({**RESULTS, "claims": [{**RESULTS["claims"][0], "expect": [{"arm": "orthoinj", "op": ">"}]}, "C2"]},
+     "expected fields missing or of another type: claims[0].expect[0].metric (string), claims[1] (object, got string)"),
+    ({**RESULTS, "eval": {"depths": [1]}, "settings": {**RESULTS["settings"], "max_steps": "3"}},
+     "expected fields missing or of another type: eval.depth (number), settings.max_steps (number)"),
 ])
 def test_render_refuses_what_is_not_a_results_file(tool, tmp_path: Path, capsys, content, words: str) -> None:
     # e.g. a run's data.json, or any other JSON: one line naming the flag and the file, no traceback
@@ -109,6 +116,18 @@ def test_render_refuses_what_is_not_a_results_file(tool, tmp_path: Path, capsys,
         assert err.startswith(f"megaloop reproduce: error: {flag}: {bad}: not a `megaloop reproduce` results file: ")
         assert words in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.json", "good.json"]  # nothing written
+
+
+def test_render_names_a_field_deeper_than_the_check(tool, tmp_path: Path, capsys) -> None:
+    # a training curve cut by hand: the file is named, no traceback, nothing written
+    arm = {**RESULTS["arms"][0], "train": {**RESULTS["arms"][0]["train"], "curve": {"step": [1], "loss": [2.0]}}}
+    bad = tmp_path / "results.json"
+    bad.write_text(json.dumps({**RESULTS, "arms": [arm, *RESULTS["arms"][1:]]}))
+    assert tool.main(["--render", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"megaloop reproduce: error: --render: {bad}: a results file this version cannot read (edited by "
+                   f"hand, or written by another version?): KeyError: 'val_step'\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
 
 
 def test_render_missing_file(tool, tmp_path: Path, capsys) -> None:

@@ -82,3 +82,14 @@ def test_resume_across_layouts(tmp_path):
     for x, y in zip(a, b):
         assert x["depths"] == y["depths"]
         assert abs(x["loss"] - y["loss"]) <= TOL * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+    # train.init_weights from the TP=2+SP checkpoint: fresh runs at TP=1 (resharded) and TP=2 start from
+    # the same weights, so their first losses (before any update) agree, and they are a trained model's
+    tp2_step3 = run / "checkpoints" / "step_00000003"
+    assert (tp2_step3 / "megaloop.json").is_file()
+    fresh = ["train.max_steps=2", "train.stop_after=1", "train.save_interval=0", f"train.init_weights={tp2_step3}"]
+    run_train(tmp_path / "init_tp1", *fresh)
+    run_train(tmp_path / "init_tp2", *fresh, "parallel.tp=2", nproc=2)
+    x, y = metrics(tmp_path / "init_tp1")[0], metrics(tmp_path / "init_tp2")[0]
+    assert x["depths"] == y["depths"] == a[0]["depths"]  # a fresh sampler: step 1's draws
+    assert abs(x["loss"] - y["loss"]) <= TOL * abs(x["loss"]), (x["loss"], y["loss"])
+    assert x["loss"] < a[0]["loss"] - 0.5, (x["loss"], a[0]["loss"])  # not a fresh init's loss
