@@ -5,8 +5,11 @@
 #   CONFIG=tiny NPROC=2 TP=2 bash launch/train_single_node.sh train.max_steps=40
 # Knobs: CONFIG (tiny) RUN_DIR (runs/$CONFIG) NPROC (GPU count, else 1) TP PP VPP DATA_PATH VAL_PATH
 # WANDB_MODE (offline) WANDB_PROJECT; extra arguments are dotlist overrides.
-# SIGTERM/SIGUSR1 make every rank checkpoint after its current step and stop; run the same command
-# again to continue from there.
+# SHUTDOWN_TIMEOUT (110: seconds torchrun waits for the workers' checkpoint after a signal).
+# Paths (RUN_DIR, DATA_PATH, VAL_PATH, overrides) are relative to the current directory.
+# SIGTERM/SIGUSR1/SIGHUP/Ctrl-C make every rank checkpoint after its current step and stop, and the
+# script exits with the trainer's status (75, 130 for Ctrl-C; launch/_local_run.sh); run the same
+# command again to continue from there.
 # Preflight: `megaloop plan --preflight` predicts the memory per GPU of the layout and the launch
 # exits 2 (one line) if it does not fit; PLAN_CLUSTER=h100|h200|b200|PATH (default: this machine's
 # GPU, skipped without one); --no-preflight (anywhere among the arguments) or PREFLIGHT=0 skips it.
@@ -16,7 +19,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/_setup.sh"
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"  # megaloop_preflight
-cd "$ROOT"
+# shellcheck source=launch/_local_run.sh
+source "$ROOT/launch/_local_run.sh"
 
 PREFLIGHT="${PREFLIGHT:-1}"
 ARGS=()
@@ -45,7 +49,9 @@ if [ "$PREFLIGHT" != 0 ]; then
   megaloop_preflight "$CONFIG" "$NPROC" "$NPROC" "${OVERRIDES[@]}" "${ARGS[@]}"
 fi
 
-# Forward SIGTERM/SIGUSR1 to torchrun, which passes them to the workers (checkpoint, exit 75).
-exec torchrun --standalone --nproc_per_node "$NPROC" \
-  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-  -m megaloop.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "${OVERRIDES[@]}" "${ARGS[@]}"
+# Signals reach torchrun through this shell, which passes them to the workers (checkpoint, exit 75).
+rc=0
+megaloop_local_run torchrun --standalone --nproc_per_node "$NPROC" \
+  --signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout "${SHUTDOWN_TIMEOUT:-110}" \
+  -m megaloop.cli train --config "$CONFIG" --run-dir "$RUN_DIR" --resume auto "${OVERRIDES[@]}" "${ARGS[@]}" || rc=$?
+exit "$rc"

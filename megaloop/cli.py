@@ -78,11 +78,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _record_exit(code: object) -> None:
+    """Write the exit status to ``$MEGALOOP_EXIT_STATUS_FILE`` (global rank 0 only), so launchers
+    see 75 (checkpointed, requeue) or 130 through torchrun, which turns any failed worker into 1."""
+    path = os.environ.get("MEGALOOP_EXIT_STATUS_FILE")
+    if not path or os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{code if isinstance(code, int) else 1}\n")
+        os.replace(tmp, path)
+    except OSError as err:
+        print(f"megaloop: warning: cannot write MEGALOOP_EXIT_STATUS_FILE={path}: {err}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
-        sys.exit(importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:]))
+        code = importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
+        _record_exit(code or 0)
+        sys.exit(code)
     args = parse_args(argv)
     from megaloop.errors import UserError, report
 
@@ -105,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
             destroy_distributed()
         except Exception:
             pass
+    _record_exit(code)
     sys.exit(code)
 
 

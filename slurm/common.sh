@@ -22,7 +22,8 @@
 # SIGUSR1) passes it to the workers, and the trainer checkpoints after its current step and exits
 # 75. The job then requeues itself (`scontrol requeue`), and the next start resumes from the latest
 # checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
-# a single-node run) requeues too. SIGTERM to this shell (scancel) is forwarded but never requeues.
+# a worker) requeues too: torchrun reports any failed worker as 1, so the trainer's own status is
+# read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). SIGTERM to this shell (scancel) is forwarded but never requeues.
 #
 # Knobs (environment, all optional):
 #   NODES            nodes to use (default: all of the allocation, $SLURM_NNODES)
@@ -160,6 +161,10 @@ megaloop_launch() {
   } >>"$JOB_LOG_DIR/launch.txt"
   megaloop_log "torchrun ${train[*]}"
 
+  # torchrun exits 1 whenever a worker fails; global rank 0 writes the trainer's own status here
+  MEGALOOP_EXIT_STATUS_FILE="$(cd "$JOB_LOG_DIR" && pwd)/trainer_exit"
+  export MEGALOOP_EXIT_STATUS_FILE
+  rm -f "$MEGALOOP_EXIT_STATUS_FILE"
   MEGALOOP_REQUEUE=0
   MEGALOOP_SRUN_PID=""
   trap '_megaloop_on_signal USR1' USR1
@@ -180,6 +185,11 @@ megaloop_launch() {
     break
   done
   trap - USR1 TERM
+  if [ "$rc" -ne 0 ] && [ -s "$MEGALOOP_EXIT_STATUS_FILE" ]; then
+    local own
+    own="$(tr -dc '0-9' <"$MEGALOOP_EXIT_STATUS_FILE")"
+    rc="${own:-$rc}"
+  fi
   echo "$rc" >"$JOB_LOG_DIR/exit_code"
   megaloop_log "${train[*]:0:3} exited with status $rc"
   if [ "$MEGALOOP_REQUEUE" = 1 ] || [ "$rc" -eq 75 ]; then

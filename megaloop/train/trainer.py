@@ -38,6 +38,7 @@ from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_saved_optim,
                                     set_aside_newer)
+from megaloop.train.run_files import keep_tokenizer, record_data
 from megaloop.train.schedule import build_scheduler
 
 
@@ -138,7 +139,16 @@ class Trainer:
             sequence_parallel=par.sequence_parallel, seed=cfg.train.weights_seed, ddp=True,
             distributed_optimizer=par.distributed_optimizer)
         if init_path is not None:  # before the optimizer, whose main copies are made from these weights
-            self.ckpt.load(init_path, self.model)
+            from megaloop.train.checkpoint import CheckpointError
+
+            try:
+                self.ckpt.load(init_path, self.model)
+            except CheckpointError as err:
+                vocab = ("word_embeddings" in str(err) or "output_layer" in str(err)) and (
+                    f"; its vocabulary differs from this run's ({self.vocab} tokens from data.path={cfg.data.path}"
+                    f"{'' if cfg.model.vocab_size else ' manifest'}): train on data tokenised with the "
+                    "checkpoint's tokenizer")
+                raise CheckpointError(f"train.init_weights: {err}{vocab or ''}") from None
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)
@@ -164,39 +174,13 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
-            self._keep_tokenizer(manifest)
-            self._record_data(manifest)
+            keep_tokenizer(self.run_dir, manifest, self.loader.path, cfg.data.path)
+            record_data(self.run_dir, self.loader.path, manifest)
         self.peak = device_peak_tflops(cfg.train.peak_tflops)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                      total_steps=self._end_step(), start_step=self.step,
                                      config_dict=cfg.to_dict())
         self.loader_iter = iter(self.loader)
-
-    def _record_data(self, manifest: dict) -> None:
-        """``data.json`` in the run directory: the training data's resolved path, its build
-        fingerprint (manifest) and its content fingerprint (``megaloop.data.fingerprint``), so that
-        runs can be compared and merged knowing whether they saw the same samples."""
-        from megaloop.data.fingerprint import content_fingerprint
-        from megaloop.runtime.files import atomic_write_json
-
-        atomic_write_json(self.run_dir / "data.json", {
-            "path": str(self.loader.path), "manifest_fingerprint": manifest.get("fingerprint"),
-            "content": content_fingerprint(self.loader.path)})
-
-    def _keep_tokenizer(self, manifest: dict) -> None:
-        """Copy the data's tokenizer.json into the run directory once: evaluation and HF export
-        find it there (``hf.convert.find_tokenizer``) even after the data, or the embedded default
-        corpus of a newer megaloop, changes."""
-        import os
-        import shutil
-
-        src = (manifest.get("tokenizer") or {}).get("path")
-        dst = self.run_dir / "tokenizer.json"
-        if not src or dst.exists() or not Path(src).is_file():
-            return
-        tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
 
     def _resolve_val(self, path: str | None, train_manifest: dict) -> tuple[str | None, int]:
         """Validation set and its sequence length (may be shorter than the model's: RoPE); a set
@@ -234,16 +218,21 @@ class Trainer:
         return min(t.max_steps, t.stop_after) if t.stop_after else t.max_steps
 
     # ================================================================ checkpoints
-    def _common(self) -> dict:
+    def _common(self, before_step: dict | None = None) -> dict:
+        """What a checkpoint holds besides weights and optimizer; ``before_step``: the loader and
+        scheduler states taken before a step that was then abandoned (``train_step``'s non-finite
+        abort), so the checkpoint resumes at that step, not after it."""
+        pre = before_step or {}
         states = [None] * self.dp
-        torch.distributed.all_gather_object(states, self.loader.state_dict(),
+        torch.distributed.all_gather_object(states, pre.get("loader") or self.loader.state_dict(),
                                             group=parallel_state.get_data_parallel_group())
-        return {"step": self.step, "tokens": self.tokens, "scheduler": self.scheduler.state_dict(),
+        return {"step": self.step, "tokens": self.tokens,
+                "scheduler": pre.get("scheduler") or self.scheduler.state_dict(),
                 "sampler": self.sampler.state_dict(), "loader": states, "nonfinite_run": self.nonfinite_run,
                 "counters": _copy_counters(self.counters), "config": self.cfg.to_dict()}
 
-    def save(self) -> Path:
-        path = self.ckpt.save(self.step, self.model, self.optimizer, self._common())
+    def save(self, before_step: dict | None = None) -> Path:
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self._common(before_step))
         self.last_saved = self.step
         self.metrics.message(f"saved checkpoint {path}")
         return path
@@ -258,6 +247,7 @@ class Trainer:
             raise
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)
+        self._check_saved_seeds(path, common.get("config") or {})
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -293,6 +283,19 @@ class Trainer:
             changed = getattr(self, "horizon_changed_from", None)
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
+
+    def _check_saved_seeds(self, path: Path, saved: dict) -> None:
+        """Refuse a resume under another ``train.seed`` or ``data.shuffle_seed``: the checkpoint's
+        depth sampler and data position keep its seeds, while h⁰ noise would take the new one."""
+        diffs = [f"{sec}.{key}={old} (this run: {new})" for sec, key in (("train", "seed"), ("data", "shuffle_seed"))
+                 if (old := (saved.get(sec) or {}).get(key)) is not None
+                 and old != (new := getattr(getattr(self.cfg, sec), key))]
+        if diffs:
+            from megaloop.config_utils import ConfigError
+
+            keep = " ".join(d.split(" (")[0] for d in diffs)
+            raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; its depth sampler and data "
+                              f"order keep the checkpoint's seeds. Resume with {keep}, or start a new run")
 
     def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with") -> None:
         """Refuse a checkpoint trained under other values of the model-defining fields (a changed
@@ -371,6 +374,8 @@ class Trainer:
         depths = self.sampler.plan(step, self.M)
         if step % max(cfg.train.log_interval, 1) == 0:
             assert_plan_synchronised(depths)
+        # a non-finite abort saves the state before this step (the batches it took, the LR it set)
+        self._before_step = {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict()}
         mbs = self._microbatches(step, depths, self.loader_iter)
         self.scheduler.step(increment=1)  # LR of update step+1 (see schedule.py)
         for m in self.model:
@@ -529,14 +534,17 @@ class Trainer:
                 try:
                     rec = self.train_step()
                 except NonFiniteLossError as err:
-                    self.metrics.message(f"aborting: {err}; saving the last finite state")
-                    self.save()
+                    if self.last_saved == self.step:  # never re-save over a good checkpoint
+                        self.metrics.message(f"aborting: {err}; the last finite state (step {self.step}) "
+                                             "is already saved")
+                    else:
+                        self.metrics.message(f"aborting: {err}; saving the last finite state (step {self.step})")
+                        self.save(before_step=self._before_step)
                     raise
-                if t.eval_interval and self.step % t.eval_interval == 0:
+                evaluated = bool(t.eval_interval and self.step % t.eval_interval == 0) or self.step == end
+                if evaluated:
                     rec.update(self.evaluate())
-                if self.step == end:
-                    rec.update(self.evaluate())
-                if self.step % max(t.log_interval, 1) == 0 or self.step == end:
+                if self.step % max(t.log_interval, 1) == 0 or evaluated:  # every evaluation is logged
                     self.metrics.log(rec)
                 if t.save_interval and self.step % t.save_interval == 0 and self.step != end:
                     self.save()

@@ -6,7 +6,8 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
   ``SLURM_PROCID`` set, forwards SIGUSR1/SIGTERM to the tasks (as srun does) and exits with the
   first non-zero task status.
 * ``torchrun``: records and then, per ``$STUB_TORCHRUN`` (default ``exit:0``), exits with that
-  status, or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
+  status; with ``worker:N`` node 0 writes N to ``$MEGALOOP_EXIT_STATUS_FILE`` (as the trainer's rank 0
+  does) and every node exits 1 (as torchrun does when a worker exits non-zero); or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
   records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal).
 * ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); anything else is
   only recorded (``requeue`` included).
@@ -83,6 +84,11 @@ if mode == "wait":
     while not got and time.time() - t0 < 60:
         time.sleep(0.05)
     record("torchrun-exit", node=node, got_signal=got)
+    sys.exit(1)
+if mode.startswith("worker:"):
+    if node == "0":
+        with open(os.environ["MEGALOOP_EXIT_STATUS_FILE"], "w") as f:
+            f.write(mode.split(":", 1)[1] + "\n")
     sys.exit(1)
 sys.exit(int(mode.split(":", 1)[1]))
 '''

@@ -15,7 +15,8 @@ import pytest
 from tests.conftest import ROOT
 from tests.slurm.stubs import calls, stub_env
 
-SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + [ROOT / "launch" / "train_single_node.sh"]
+SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + [ROOT / "launch" / n for n in ("train_single_node.sh", "torchrun.sh",
+                                                                                 "_local_run.sh")]
 HOSTS = "gpu-a01 gpu-a02"
 
 
@@ -145,6 +146,17 @@ def test_exit_75_requeues(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:75")
     _run("train_L.sh", env, expect=75)
     assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+
+
+def test_the_trainers_exit_75_through_torchrun_requeues(tmp_path: Path) -> None:
+    # torchrun reports a worker's 75 as 1: the trainer's own status comes back through the status file
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="worker:75")
+    _run("train_L.sh", env, expect=75)
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+    assert (tmp_path / "logs" / "4242" / "exit_code").read_text().strip() == "75"
+    env = _slurm_env(tmp_path / "refused", STUB_TORCHRUN="worker:2")  # a refusal: its status, no requeue
+    _run("train_L.sh", env, expect=2)
+    assert not [c for c in calls(tmp_path / "refused", "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
 def test_failure_does_not_requeue(tmp_path: Path) -> None:

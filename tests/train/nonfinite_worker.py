@@ -1,4 +1,4 @@
-"""Runs the trainer with a non-finite loss injected at chosen steps (argv: run_dir policy steps...)."""
+"""Runs the trainer with a non-finite loss injected at chosen steps (argv: run_dir policy steps [overrides...])."""
 
 import sys
 import warnings
@@ -26,4 +26,5 @@ if __name__ == "__main__":  # checkpoint saving spawns a helper process that re-
     Trainer._run_schedule = poisoned
     main(["train", "--config", "tiny", "--run-dir", run_dir, "train.max_steps=5", "train.save_interval=0",
           "train.global_batch_size=8", "train.micro_batch_size=4", "optim.warmup_steps=1",
-          "train.eval_batches=1", f"train.nonfinite={policy}", "train.max_nonfinite=1", "logging.progress=false"])
+          "train.eval_batches=1", f"train.nonfinite={policy}", "train.max_nonfinite=1", "logging.progress=false",
+          *sys.argv[4:]])

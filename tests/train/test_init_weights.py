@@ -71,3 +71,16 @@ def test_another_model_or_a_missing_checkpoint_is_refused(tmp_path) -> None:
         _trainer(tmp_path / "a", f"train.init_weights={tmp_path / 'src'}", "model.qk_norm=false")
     with pytest.raises(CheckpointError, match=rf"^train.init_weights: checkpoint {tmp_path / 'none'} does not exist"):
         _trainer(tmp_path / "b", f"train.init_weights={tmp_path / 'none'}")
+
+
+def test_another_vocabulary_is_named(tmp_path) -> None:
+    from megaloop.train.checkpoint import CheckpointError
+
+    src = _trainer(tmp_path / "src", steps=1)
+    src.save()
+    vocab = src.vocab
+    src.close()
+    with pytest.raises(CheckpointError, match=r"^train.init_weights: .*word_embeddings.*; its vocabulary differs from "
+                                              rf"this run's \({vocab + 128} tokens from data.path=default\): train "
+                                              r"on data tokenised with the checkpoint's tokenizer$"):
+        _trainer(tmp_path / "dst", f"train.init_weights={tmp_path / 'src'}", f"model.vocab_size={vocab + 128}")

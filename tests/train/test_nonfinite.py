@@ -10,9 +10,15 @@ from tests.train.helpers import env, metrics
 WORKER = ROOT / "tests" / "train" / "nonfinite_worker.py"
 
 
-def _run(tmp_path, policy, steps):
-    return subprocess.run([sys.executable, str(WORKER), str(tmp_path), policy, steps], cwd=ROOT, env=env(),
-                          capture_output=True, text=True, timeout=600)
+def _run(tmp_path, policy, steps, *overrides):
+    return subprocess.run([sys.executable, str(WORKER), str(tmp_path), policy, steps, *overrides], cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=600)
+
+
+def _common(ckpt):
+    import torch
+
+    return torch.load(ckpt / "common.pt", weights_only=False)["common"]
 
 
 def test_skip_policy_skips_update(tmp_path):
@@ -34,5 +40,20 @@ def test_consecutive_nonfinite_aborts_and_keeps_last_finite_state(tmp_path):
 def test_abort_policy(tmp_path):
     proc = _run(tmp_path, "abort", "2")
     assert proc.returncode == 3 and "non-finite loss at step 2" in proc.stderr
-    # the saved state is the one before the bad step was counted: steps completed = 1
-    assert (tmp_path / "checkpoints" / "step_00000001" / "megaloop.json").is_file()
+    # the saved state is the one before the bad step was counted: steps completed = 1, and the LR
+    # schedule and the data position are those after step 1 (the bad step's batches are not skipped)
+    ckpt = tmp_path / "checkpoints" / "step_00000001"
+    assert (ckpt / "megaloop.json").is_file()
+    common = _common(ckpt)
+    assert common["step"] == 1 and common["scheduler"]["num_steps"] == 1
+    assert [s["sample_in_epoch"] for s in common["loader"]] == [8]  # one step of global batch 8
+
+
+def test_abort_keeps_a_checkpoint_of_the_same_step(tmp_path):
+    # step 2 saved by the interval, step 3 non-finite: the good step-2 checkpoint is not re-saved
+    proc = _run(tmp_path, "abort", "3", "train.save_interval=2")
+    assert proc.returncode == 3 and "the last finite state (step 2) is already saved" in proc.stdout + proc.stderr
+    ckpts = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert ckpts == ["step_00000002"]
+    common = _common(tmp_path / "checkpoints" / "step_00000002")
+    assert common["scheduler"]["num_steps"] == 2 and [s["sample_in_epoch"] for s in common["loader"]] == [16]

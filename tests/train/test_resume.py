@@ -36,10 +36,13 @@ def test_counters_count_every_step_across_log_interval_and_resume(tmp_path, unin
     """With log_interval > 1 the cumulative counters still cover every step, and a resumed run
     continues them from its checkpoint: the last record equals the per-step sums of an
     uninterrupted log_interval=1 run (Table 2's FLOPs column needs this)."""
-    run_train(tmp_path, *STEPS, "train.log_interval=3", "train.stop_after=4")
-    assert [r["step"] for r in metrics(tmp_path)] == [3, 4]
-    run_train(tmp_path, *STEPS, "train.log_interval=3", resume="auto")
-    last = metrics(tmp_path)[-1]
+    run_train(tmp_path, *STEPS, "train.log_interval=3", "train.eval_interval=2", "train.stop_after=4")
+    assert [r["step"] for r in metrics(tmp_path)] == [2, 3, 4]  # every evaluation is logged
+    run_train(tmp_path, *STEPS, "train.log_interval=3", "train.eval_interval=2", resume="auto")
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [2, 3, 4, 6, 8]
+    assert [r["step"] for r in rows if "val_ce" in r] == [2, 4, 6, 8]
+    last = rows[-1]
     assert last["step"] == 8
     assert last["model_flops_total"] == pytest.approx(sum(r["model_flops"] for r in uninterrupted), rel=1e-12)
     assert last["target_tokens_total"] == sum(r["target_tokens"] for r in uninterrupted)
@@ -86,6 +89,12 @@ def test_ctrl_c_checkpoints_and_exits_130_then_resumes_exactly(tmp_path, uninter
     assert "interrupted: checkpointing at step" in out
     stopped = metrics(tmp_path)[-1]["step"]
     assert 3 <= stopped < 8 and (tmp_path / "checkpoints" / f"step_{stopped:08d}" / "megaloop.json").is_file()
+    # another seed is refused before any step: the checkpoint's depth draws and data order keep its own
+    bad = run_train(tmp_path, *STEPS, "train.seed=5", "data.shuffle_seed=7", resume="auto", expect=2)
+    assert ("was trained with train.seed=1234 (this run: 5), data.shuffle_seed=1234 (this run: 7); its depth "
+            "sampler and data order keep the checkpoint's seeds. Resume with train.seed=1234 "
+            "data.shuffle_seed=1234, or start a new run") in bad.stderr
+    assert metrics(tmp_path)[-1]["step"] == stopped
     run_train(tmp_path, *STEPS, resume="auto")
     _same(metrics(tmp_path), uninterrupted)
 

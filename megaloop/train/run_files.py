@@ -1,0 +1,51 @@
+"""Files a training run keeps beside its checkpoints: ``data.json`` (what data it trained on) and
+``tokenizer.json`` (the tokenizer that data was tokenised with)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def record_data(run_dir: Path, data_path: str | Path, manifest: dict) -> None:
+    """``RUN/data.json``: the training data's resolved path, its build fingerprint (manifest) and
+    its content fingerprint (``megaloop.data.fingerprint``), so that runs can be compared and
+    merged knowing whether they saw the same samples."""
+    from megaloop.data.fingerprint import content_fingerprint
+    from megaloop.runtime.files import atomic_write_json
+
+    atomic_write_json(Path(run_dir) / "data.json", {
+        "path": str(data_path), "manifest_fingerprint": manifest.get("fingerprint"),
+        "content": content_fingerprint(data_path)})
+
+
+def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configured: str) -> Path | None:
+    """Copy the data's tokenizer.json into ``RUN/tokenizer.json`` once (evaluation and HF export find
+    it there, ``hf.convert.find_tokenizer``, even after the data or the embedded corpus of a newer
+    megaloop changes). A path in the manifest may be relative to the dataset's folder
+    (``data_path``). A file whose sha256 is not the one the manifest records (replaced since the
+    data was tokenised) is not copied: a warning names it and ``configured`` (``data.path``).
+    Returns the copy, or None when nothing was copied."""
+    from megaloop.data.tokenizer import file_sha256, manifest_tokenizer_sha256
+
+    entry = manifest.get("tokenizer")
+    src = entry.get("path") if isinstance(entry, dict) else None
+    dst = Path(run_dir) / "tokenizer.json"
+    if not src or dst.exists():
+        return None
+    if not Path(src).is_absolute() and not Path(src).is_file():
+        src = str(Path(str(data_path)) / src)
+    if not Path(src).is_file():
+        return None
+    want, have = manifest_tokenizer_sha256(manifest), file_sha256(src)
+    if want and have != want:
+        print(f"warning: {src} is not the tokenizer data.path={configured} was tokenised with (sha256 "
+              f"{have[:12]}…, the manifest records {want[:12]}…); not copied into {dst}: pass --tokenizer "
+              "with the right file to eval, generate and convert", file=sys.stderr, flush=True)
+        return None
+    tmp = dst.with_name(f".tokenizer.json.tmp-{os.getpid()}")
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    return dst

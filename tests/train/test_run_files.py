@@ -1,0 +1,33 @@
+"""The run keeps its data's tokenizer (``RUN/tokenizer.json``) only when it is the one the data was
+tokenised with: a tokenizer file replaced since then (retrained into the same folder) is not copied."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from megaloop.train.run_files import keep_tokenizer
+
+
+def _keep(tmp_path: Path, manifest: dict, data: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    keep_tokenizer(run, manifest, data, str(data))
+    return run / "tokenizer.json"
+
+
+def test_the_recorded_tokenizer_is_kept_and_a_replaced_one_is_not(tmp_path, capsys) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    tok = data / "tokenizer.json"
+    tok.write_text('{"model": "old"}')
+    sha = hashlib.sha256(tok.read_bytes()).hexdigest()
+    # a path relative to the dataset's folder, and the sha the manifest records
+    kept = _keep(tmp_path, {"tokenizer": {"path": "tokenizer.json", "sha256": sha}}, data)
+    assert kept.read_text() == '{"model": "old"}'
+    kept.unlink()
+    tok.write_text('{"model": "retrained"}')  # the folder's tokenizer replaced after tokenising
+    assert not _keep(tmp_path, {"tokenizer": {"path": str(tok), "sha256": sha}}, data).exists()
+    err = capsys.readouterr().err
+    assert f"warning: {tok} is not the tokenizer data.path={data} was tokenised with" in err
+    assert f"the manifest records {sha[:12]}…" in err and "pass --tokenizer" in err
