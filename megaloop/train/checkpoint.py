@@ -2,9 +2,15 @@
 
 Layout: ``RUN/checkpoints/step_00000042/`` holds megatron's files (``common.pt``, ``*.distcp``,
 ``.metadata``, ``metadata.json``) plus ``megaloop.json`` (step, config) written last;
-``RUN/checkpoints/latest`` names the newest complete one. A checkpoint is written into a
-hidden temporary directory and renamed into place only after every rank finished, so an
-interrupted save never looks complete and never replaces the last good checkpoint.
+``RUN/checkpoints/latest`` names the newest complete one (informative: resolution takes the newest
+complete ``step_*``, as a kill between the rename and the pointer write leaves the pointer behind).
+A checkpoint is written into a hidden temporary directory and renamed into place only after every
+rank finished, so an interrupted save never looks complete and never replaces the last good
+checkpoint; a save the filesystem refuses removes that directory and fails in one line
+(:class:`CheckpointSaveError`). megatron's writer runs without a helper process
+(:func:`megaloop.train.ckpt_io.in_process_write_queue`), so a signal to the whole process group
+cannot break the stop checkpoint. A directory holding only incomplete ``step_*`` checkpoints is
+refused rather than trained over from step 0 (:func:`refuse_incomplete`).
 
 Keys do not depend on the parallel layout (layers are named ``prelude.i``/``core.i``/``coda.i``;
 TP shards carry global shapes; core replicas on later pipeline stages are marked as replicas),
@@ -30,6 +36,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megaloop.errors import UserError
 from megaloop.model.build import unwrap
 from megaloop.runtime.files import atomic_write_text
+from megaloop.train.ckpt_io import agree, describe_os_error, explain_save_failure, in_process_write_queue
 
 META = "megaloop.json"
 SHARDING_META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -38,6 +45,11 @@ REPLICA_PREFIXES = ("core.", "injection.")
 
 class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete or unreadable; the message names the path."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (disk full, no permission): the message names the
+    directory and the OS error; nothing of the failed save is left behind."""
 
 
 def _rank() -> int:
@@ -258,6 +270,21 @@ def _load_failure(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
+def refuse_incomplete(ckpt: "CheckpointManager", what: str) -> None:
+    """Refuse to start a run from step 0 in a directory whose ``step_*`` checkpoints are all
+    incomplete (the state a partial copy leaves): the run would delete their metrics and, at its
+    saves, their folders. Nothing is changed."""
+    bad = ckpt.incomplete_checkpoints()
+    if not bad or ckpt.complete_checkpoints():
+        return
+    names = ", ".join(p.name for p in bad[:6]) + (f" (+{len(bad) - 6} more)" if len(bad) > 6 else "")
+    missing = sorted({n for p in bad for n in (META, ".metadata", "common.pt") if not (p / n).is_file()})
+    raise CheckpointError(
+        f"{what}: {ckpt.root} holds only incomplete checkpoints ({names}: missing {', '.join(missing)}; a partial "
+        "copy?), so this run would start again from step 0 over them; complete the copy, move those folders "
+        "away, or choose another --run-dir (nothing was changed)")
+
+
 class CheckpointManager:
     """Save/find/load checkpoints under ``root`` keeping the newest ``keep`` complete ones."""
 
@@ -275,49 +302,57 @@ class CheckpointManager:
     def complete_checkpoints(self) -> list[Path]:
         return [p for p in self.all_step_dirs() if is_complete(p)]
 
+    def incomplete_checkpoints(self) -> list[Path]:
+        """``step_*`` directories missing a file a finished save writes (a partial copy, files
+        deleted by hand); an interrupted save leaves a hidden ``.tmp_step_*`` instead."""
+        return [p for p in self.all_step_dirs() if not is_complete(p)]
+
     def latest(self) -> Path | None:
-        """Newest complete checkpoint: the one ``latest`` names, else the newest complete dir."""
-        ptr = self.root / "latest"
-        if ptr.is_file():
-            cand = self.root / ptr.read_text().strip()
-            if is_complete(cand):
-                return cand
+        """Newest complete checkpoint. The ``latest`` file is not trusted to name it: it is written
+        after the rename that publishes a checkpoint, so a kill between the two leaves it one save
+        behind; and resuming an older step moves every newer checkpoint to ``superseded/``
+        (:func:`megaloop.train.run_dir.set_aside_newer`) before ``latest`` names it, so the newest
+        complete ``step_*`` left under ``root`` always is the head of the run's line."""
         done = self.complete_checkpoints()
         return done[-1] if done else None
 
     # ------------------------------------------------------------ save
     def save(self, step: int, model_chunks: list, optimizer, common: dict) -> Path:
-        """Write checkpoint ``step`` collectively (all ranks call this) and publish it atomically."""
+        """Write checkpoint ``step`` collectively (all ranks call this) and publish it atomically.
+        A save the filesystem refuses (disk full, no permission) removes its temporary directory,
+        leaves the previous checkpoints and ``latest`` as they were and raises
+        :class:`CheckpointSaveError` naming the directory and the OS error."""
         final = _step_dir(self.root, step)
         tmp = self.root / f".tmp_step_{step:08d}"
+        failed: BaseException | None = None
         if _rank() == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # a previous interrupted save of this step
-            tmp.mkdir()
-        _barrier()
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)  # a previous interrupted save of this step
+                tmp.mkdir()
+            except OSError as err:
+                failed = err
+        if not agree(failed is None):  # collective: every rank raises, none waits in the save
+            self._save_failed(step, tmp, failed)
         sd = sharded_state(model_chunks, optimizer, is_loading=False)
         sd["common"] = common
-        dist_checkpointing.save(sd, str(tmp))
+        try:
+            with in_process_write_queue():  # no Manager process a group-wide SIGTERM could kill
+                dist_checkpointing.save(sd, str(tmp))
+        except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._save_failed(step, tmp, err)
         _barrier()
         if _rank() == 0:
-            meta = {"step": step, "time": time.time(), "complete": True,
-                    "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-                    "tp": parallel_state.get_tensor_model_parallel_world_size(),
-                    "pp": parallel_state.get_pipeline_model_parallel_world_size()}
-            _atomic_write(tmp / META, json.dumps(meta, indent=1))
-            _fsync_dir(tmp)
-            trash = None
-            if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
-                trash = self.root / f".old_step_{step:08d}"
-                if trash.exists():
-                    shutil.rmtree(trash)
-                os.rename(final, trash)
-            os.rename(tmp, final)
-            _fsync_dir(self.root)
-            _atomic_write(self.root / "latest", final.name)
-            if trash is not None:
-                shutil.rmtree(trash, ignore_errors=True)
+            try:
+                self._publish(step, tmp, final)
+            except OSError as err:
+                failed = err
+        if not agree(failed is None):
+            self._save_failed(step, tmp, failed)
+        if _rank() == 0:
             # keep the newest `keep` up to this step; never delete one newer than the checkpoint
             # just written (a resume from an older step sets those aside first: run_dir.py)
             older = [p for p in self.complete_checkpoints() if step_of(p) <= step]
@@ -326,12 +361,62 @@ class CheckpointManager:
         _barrier()
         return final
 
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """Rank 0: ``megaloop.json`` into ``tmp``, ``tmp`` renamed to ``final`` (an older copy of
+        the same step swapped out, and back in if the rename fails), then ``latest``."""
+        meta = {"step": step, "time": time.time(), "complete": True,
+                "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+                "tp": parallel_state.get_tensor_model_parallel_world_size(),
+                "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+        _atomic_write(tmp / META, json.dumps(meta, indent=1))
+        _fsync_dir(tmp)
+        trash = None
+        if final.exists():  # re-saving a step (e.g. after a resume): swap, then drop the old one
+            trash = self.root / f".old_step_{step:08d}"
+            if trash.exists():
+                shutil.rmtree(trash)
+            os.rename(final, trash)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if trash is not None:
+                os.rename(trash, final)
+            raise
+        # published: `latest` is informative (CheckpointManager.latest picks the newest complete
+        # checkpoint), so failing to update it does not fail the save
+        try:
+            _fsync_dir(self.root)
+            _atomic_write(self.root / "latest", final.name)
+        except OSError as err:
+            print(f"warning: {self.root / 'latest'} not updated ({describe_os_error(err)}); "
+                  f"{final} is complete and is the newest checkpoint", flush=True)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+
+    def _save_failed(self, step: int, tmp: Path, err: BaseException | None) -> None:
+        """Remove the partial ``tmp`` (rank 0) and raise: :class:`CheckpointSaveError` (one line)
+        for a failure of the filesystem (:func:`explain_save_failure`), the error itself otherwise
+        (a bug keeps its traceback)."""
+        why = explain_save_failure(err, tmp if tmp.is_dir() else self.root) if err is not None else \
+            "it failed on another rank (see rank 0's error)"
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if why is None:
+            raise err
+        kept = self.latest()
+        raise CheckpointSaveError(
+            f"checkpoint step {step} could not be written to {self.root}: {why}; the partial {tmp.name} was "
+            f"removed and the previous checkpoints are unchanged "
+            f"({'newest ' + kept.name if kept else 'none yet'}); free space or fix the folder, "
+            "then continue with --resume auto") from None
+
     # ------------------------------------------------------------ load
     def resolve(self, resume: str) -> Path | None:
         """``auto`` -> latest complete (or None); a path -> that checkpoint (a ``step_*`` dir, or the
         newest complete one of a ``checkpoints`` / run dir, as :func:`find_checkpoint`), validated."""
         path = self.latest() if resume == "auto" else find_checkpoint(resume)
         if path is None:
+            refuse_incomplete(self, "--resume auto")
             return None
         try:
             json.loads((path / META).read_text())

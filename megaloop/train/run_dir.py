@@ -8,7 +8,9 @@ lost, and no setting is silently ignored.
 - :func:`check_resume_source` / :func:`set_aside_newer`: resuming from a checkpoint of this run
   directory that is older than its newest moves the newer ones to ``checkpoints/superseded/``
   (kept, never pruned) so the resumed run's saves and ``latest`` form one line of history;
-  resuming another directory's checkpoint into a directory holding checkpoints is refused.
+  resuming another directory's checkpoint into a directory holding checkpoints is refused, and so
+  is resuming one of ``superseded/`` over the current line (saying so); resuming another
+  directory's checkpoint into one without checkpoints sets its ``metrics.jsonl`` aside.
 - :func:`check_saved_optim`: the ``optim.*`` fields the checkpoint's optimizer and scheduler
   state would override on load must equal the checkpoint's, else one line names each field.
 """
@@ -22,12 +24,12 @@ import socket
 import time
 from pathlib import Path
 
-import torch
-
 from megaloop.config_utils import ConfigError
-from megaloop.train.checkpoint import CheckpointError, CheckpointManager, step_of
+from megaloop.train.checkpoint import CheckpointError, CheckpointManager, refuse_incomplete, step_of
+from megaloop.train.ckpt_io import agree as _agree
 
 LOCK_NAME = ".megaloop.lock"
+SUPERSEDED = "superseded"  # checkpoints of an abandoned line, kept (never pruned)
 # optimizer/scheduler fields a checkpoint restores on load (param groups, scheduler state); a new
 # value would be ignored, so a resume must keep them. clip_grad is read from the config each step.
 RESTORED_OPTIM_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "schedule",
@@ -36,17 +38,6 @@ RESTORED_OPTIM_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps"
 
 class RunDirError(CheckpointError):
     """The run directory is in use or holds another run's checkpoints; the message names it."""
-
-
-def _agree(ok: bool) -> bool:
-    """True on every rank iff ``ok`` on every rank (one all-reduce; no-op without a process group)."""
-    if not torch.distributed.is_initialized():
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    if torch.distributed.get_backend() == "nccl":
-        flag = flag.cuda()
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 class RunDirLock:
@@ -112,28 +103,45 @@ def check_fresh_start(ckpt: CheckpointManager, run_dir: Path) -> None:
         raise RunDirError(f"--run-dir {run_dir} already holds a run's checkpoints (newest {done[-1].name}): "
                           "continue it with --resume auto (or --resume PATH), or choose another --run-dir; "
                           "nothing there was changed")
+    refuse_incomplete(ckpt, f"--run-dir {run_dir}")
 
 
 def check_resume_source(ckpt: CheckpointManager, run_dir: Path, path: Path) -> None:
     """Resuming ``path`` into ``run_dir``: a checkpoint from elsewhere needs a directory without
-    checkpoints (its saves and pruning would otherwise mix two runs' histories)."""
+    checkpoints (its saves and pruning would otherwise mix two runs' histories). A checkpoint of
+    this directory's ``superseded/`` is another line of this run: resuming it over the current
+    checkpoints would prune or overwrite those (the very ones that superseded it), so it is
+    refused saying so, with the ways to resume it."""
     done = ckpt.complete_checkpoints()
-    if done and path.resolve().parent != ckpt.root.resolve():
-        raise RunDirError(f"--resume {path} is not a checkpoint of --run-dir {run_dir}, which holds another run's "
-                          f"checkpoints (newest {done[-1].name}): resume it into an empty --run-dir, "
-                          "or resume this directory's own checkpoints")
+    if not done:  # another run's checkpoint: its saves would replace incomplete step_* folders here
+        refuse_incomplete(ckpt, f"--run-dir {run_dir}")
+        return
+    if path.resolve().parent == ckpt.root.resolve():
+        return
+    aside = (ckpt.root / SUPERSEDED).resolve()
+    if aside in path.resolve().parents:
+        raise RunDirError(f"--resume {path} is a checkpoint this run set aside in {ckpt.root / SUPERSEDED} when an "
+                          f"older step was resumed; resuming it here would mix its line with the current checkpoints "
+                          f"(newest {done[-1].name}), which its saves would prune or overwrite: resume it into a new "
+                          f"--run-dir, or first move {ckpt.root}'s step_* folders away (nothing was changed)")
+    raise RunDirError(f"--resume {path} is not a checkpoint of --run-dir {run_dir}, which holds another run's "
+                      f"checkpoints (newest {done[-1].name}): resume it into an empty --run-dir, "
+                      "or resume this directory's own checkpoints")
 
 
 def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
     """Move the checkpoints of ``ckpt.root`` newer than ``path`` (one of its own) into
-    ``root/superseded/`` and point ``latest`` at ``path``; returns the new locations. Rank 0 only."""
+    ``root/superseded/`` and point ``latest`` at ``path``; returns the new locations. Rank 0 only.
+    Resuming a checkpoint of another directory (allowed only when this one holds no complete
+    checkpoint) sets this directory's ``metrics.jsonl`` aside instead (:func:`set_aside_metrics`)."""
     if path.resolve().parent != ckpt.root.resolve():
+        set_aside_metrics(ckpt.root.parent, path)
         return []
     step = step_of(path)
     newer = [p for p in ckpt.all_step_dirs() if step_of(p) > step]
     moved = []
     if newer:
-        dest = ckpt.root / "superseded"
+        dest = ckpt.root / SUPERSEDED
         dest.mkdir(exist_ok=True)
         for p in newer:
             target = dest / p.name
@@ -146,6 +154,27 @@ def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
 
         atomic_write_text(ckpt.root / "latest", path.name)
     return moved
+
+
+def set_aside_metrics(run_dir: Path, source: Path) -> Path | None:
+    """Resuming another run's checkpoint ``source`` into ``run_dir``: an existing
+    ``metrics.jsonl`` there (e.g. of a run killed before its first checkpoint) is not this
+    history's: it moves to ``metrics.jsonl.<time>`` (printed), and the log restarts at the resumed
+    step. Not deleted — a Megatron/torchtitan user expects a run's logs to be kept, and one log per
+    line of history (a truncating append would leave the old run's steps 1..k in front of the
+    resumed run's k+1.., with different losses and totals). Rank 0; returns the new path."""
+    log = Path(run_dir) / "metrics.jsonl"
+    if not log.is_file():
+        return None
+    target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}.{n}")
+    os.replace(log, target)
+    print(f"resuming another run's checkpoint {source}: the metrics already in {run_dir} belong to another "
+          f"history and were moved to {target.name} (kept)", flush=True)
+    return target
 
 
 def check_saved_optim(path: Path, saved: dict, optim) -> None:

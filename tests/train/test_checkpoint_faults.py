@@ -1,0 +1,199 @@
+"""Checkpoints under faults: a group-wide SIGTERM after the first save, a save the disk refuses,
+run directories whose checkpoints are incomplete, a lagging ``latest`` pointer, a superseded
+checkpoint as --resume, and another run's checkpoint resumed over an aborted run's metrics."""
+
+from __future__ import annotations
+
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from megaloop.train.checkpoint import CheckpointError, CheckpointManager, CheckpointSaveError
+from megaloop.train.run_dir import RunDirError, check_fresh_start, check_resume_source, set_aside_newer
+from tests.conftest import ROOT
+from tests.train.helpers import env, metrics, run_train, train_cmd
+
+
+def _snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != ".megaloop.lock"}
+
+
+def _fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:
+    """A ``step_*`` directory with the files :func:`is_complete` looks for (``megaloop.json`` only
+    when ``complete``)."""
+    d = root / f"step_{step:08d}"
+    d.mkdir(parents=True)
+    (d / ".metadata").write_bytes(b"m")
+    (d / "common.pt").write_bytes(b"c")
+    if complete:
+        (d / "megaloop.json").write_text(json.dumps({"step": step}))
+    return d
+
+
+# ---------------------------------------------------------------- 1: group signals
+def test_a_save_starts_no_manager_process(megatron_world, tmp_path):
+    """megatron's writer would spawn a persistent multiprocessing.Manager at the first save; a
+    SIGTERM to the process group killed it and the next (stop) save failed with BrokenPipeError."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from tests.train.test_checkpoint import _chunks
+
+    CheckpointManager(tmp_path).save(1, _chunks(), None, common={"step": 1})
+    assert filesystem_async._results_queue is None
+    assert not [p for p in multiprocessing.active_children() if "Manager" in p.name]
+
+
+def test_group_sigterm_after_the_first_save_checkpoints_and_resumes(tmp_path):
+    """SIGTERM to the whole process group (torchrun, slurm, `timeout`, `kill -- -PGID`) after the
+    first save: the stop checkpoint is written and complete, exit 75, and the run resumes from it to
+    the end. Also: a copy whose checkpoints were all made incomplete is refused in one line, untouched."""
+    run = tmp_path / "run"
+    args = ("train.max_steps=8", "train.save_interval=2")
+    proc = subprocess.Popen(train_cmd(run, *args), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    first = run / "checkpoints" / "step_00000002" / "megaloop.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not (
+            first.is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, (out + err)[-4000:]
+    assert "BrokenPipeError" not in err
+    ck = run / "checkpoints"
+    stop = ck / (ck / "latest").read_text().strip()
+    assert 3 <= int(stop.name.split("_")[1]) < 8 and (stop / "megaloop.json").is_file()
+    assert not list(ck.glob(".tmp_step_*"))
+
+    # fault 2: every step_* incomplete (a partial copy): --resume auto and a fresh start refuse, one line
+    bad = tmp_path / "bad"
+    shutil.copytree(run, bad)
+    for meta in (bad / "checkpoints").glob("step_*/megaloop.json"):
+        meta.unlink()
+    before = _snapshot(bad)
+    for resume in ("auto", None):
+        p = run_train(bad, *args, resume=resume, expect=2)
+        lines = [line for line in p.stderr.splitlines() if line.strip() and "warn" not in line.lower()]
+        assert len(lines) == 1 and "only incomplete checkpoints" in lines[0] and "step_00000002" in lines[0], lines
+        assert _snapshot(bad) == before
+
+    p = run_train(run, *args, resume="auto")
+    assert f"resumed from {stop}" in p.stdout
+    assert [r["step"] for r in metrics(run)] == list(range(1, 9))
+
+
+# ---------------------------------------------------------------- 3: a save the disk refuses
+@pytest.mark.parametrize("failure", ["enospc", "zip_writer_full", "mkdir_denied"])
+def test_a_failed_save_leaves_nothing_behind_and_says_why(megatron_world, tmp_path, monkeypatch, failure):
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megaloop.train import ckpt_io
+    from tests.train.test_checkpoint import _chunks
+
+    ckpt = CheckpointManager(tmp_path)
+    chunks = _chunks()
+    ckpt.save(1, chunks, None, common={"step": 1})
+    before = _snapshot(tmp_path)
+    if failure == "enospc":  # in megatron's (forked) writer processes
+        def write(*a, **k):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / ".tmp_step_00000002" / "x.distcp"))
+        monkeypatch.setattr(filesystem_async, "_write_item", write)
+        want = "no space left on device (ENOSPC"
+    elif failure == "zip_writer_full":  # what torch's zip writer says on a full disk: no errno
+        def write(*a, **k):
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        monkeypatch.setattr(filesystem_async, "_write_item", write)
+        monkeypatch.setattr(ckpt_io, "_free_bytes", lambda where: 0)
+        want = "no space left on device (0.0 MiB free"
+    else:
+        real = Path.mkdir
+
+        def mkdir(self, *a, **k):
+            if self.name.startswith(".tmp_step_"):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+            return real(self, *a, **k)
+        monkeypatch.setattr(Path, "mkdir", mkdir)
+        want = "permission denied (EACCES"
+    with pytest.raises(CheckpointSaveError) as info:
+        ckpt.save(2, chunks, None, common={"step": 2})
+    msg = str(info.value)
+    assert "\n" not in msg and str(tmp_path) in msg and want in msg and "newest step_00000001" in msg, msg
+    assert _snapshot(tmp_path) == before  # no .tmp_step_*, step 1 and latest as they were
+    monkeypatch.undo()
+    assert ckpt.save(2, chunks, None, common={"step": 2}).name == "step_00000002"  # and it works again
+
+
+def test_a_failed_save_for_another_reason_keeps_its_traceback(megatron_world, tmp_path, monkeypatch):
+    from megaloop.train import checkpoint
+    from tests.train.test_checkpoint import _chunks
+
+    def save(sd, path):
+        raise ValueError("a bug")
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "save", save)
+    with pytest.raises(ValueError, match="a bug"):
+        CheckpointManager(tmp_path).save(1, _chunks(), None, common={"step": 1})
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- 2: only incomplete checkpoints
+def test_only_incomplete_checkpoints_are_refused_naming_them(tmp_path):
+    root = tmp_path / "checkpoints"
+    for s in (2, 4):
+        _fake_checkpoint(root, s, complete=False)
+    ckpt = CheckpointManager(root)
+    for call in (lambda: ckpt.resolve("auto"), lambda: check_fresh_start(ckpt, tmp_path),
+                 lambda: check_resume_source(ckpt, tmp_path, _fake_checkpoint(tmp_path / "other", 4))):
+        with pytest.raises(CheckpointError, match="only incomplete checkpoints .step_00000002, step_00000004: "
+                                                  "missing megaloop.json"):
+            call()
+    _fake_checkpoint(root, 1)  # a complete one: --resume auto takes it (the newer incomplete ones set aside)
+    assert ckpt.resolve("auto").name == "step_00000001"
+    assert not (root / "superseded").exists()
+
+
+# ---------------------------------------------------------------- 4: a lagging `latest`
+def test_latest_is_the_newest_complete_checkpoint_whatever_the_pointer_says(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 6)
+    newest = _fake_checkpoint(root, 8)
+    (root / "latest").write_text("step_00000006")  # killed between the rename and the pointer write
+    ckpt = CheckpointManager(root)
+    assert ckpt.latest() == newest and ckpt.resolve("auto") == newest
+    assert set_aside_newer(ckpt, newest) == []
+    assert (root / "latest").read_text() == "step_00000008" and newest.is_dir()
+
+
+# ---------------------------------------------------------------- 5: a superseded checkpoint
+def test_resuming_an_own_superseded_checkpoint_is_refused_with_the_true_reason(tmp_path):
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 4)
+    old = _fake_checkpoint(root / "superseded", 8)
+    with pytest.raises(RunDirError) as info:
+        check_resume_source(CheckpointManager(root), tmp_path, old)
+    msg = str(info.value)
+    assert "set aside in" in msg and "new --run-dir" in msg and "not a checkpoint of" not in msg, msg
+
+
+# ---------------------------------------------------------------- 6: metrics of another history
+def test_resuming_another_runs_checkpoint_sets_the_old_metrics_aside(tmp_path, capsys):
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    rows = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
+    (run / "metrics.jsonl").write_text(rows)
+    assert set_aside_newer(CheckpointManager(run / "checkpoints"), _fake_checkpoint(other / "checkpoints", 4)) == []
+    aside = list(run.glob("metrics.jsonl.*"))
+    assert not (run / "metrics.jsonl").exists() and len(aside) == 1 and aside[0].read_text() == rows
+    assert aside[0].name in capsys.readouterr().out
+    # the run's own checkpoint: its metrics stay (MetricsLogger truncates them after the step)
+    (run / "metrics.jsonl").write_text(rows)
+    set_aside_newer(CheckpointManager(run / "checkpoints"), _fake_checkpoint(run / "checkpoints", 2))
+    assert (run / "metrics.jsonl").read_text() == rows
