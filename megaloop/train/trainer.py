@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
-from megaloop.runtime.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE
+from megaloop.runtime.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
 from megaloop.train.checkpoint import CheckpointManager
@@ -114,6 +114,7 @@ class Trainer:
         from megaloop.data import build_train_loader
         from megaloop.data.errors import DataError
 
+        shield_resource_tracker()  # before the loader registers shared memory with it
         try:
             self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
                                              dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
