@@ -54,12 +54,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _first_missing(path: Path) -> Path | None:
+    """The topmost ancestor-or-self of ``path`` that does not exist yet (None: ``path`` exists)."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
+def _remove_created(created: Path, out: Path) -> None:
+    """After a failed run: remove ``created``, the folder this run made for ``--out`` (``out`` or a
+    folder above it), unless another build holds ``out``'s lock (it then owns what is inside)."""
+    import shutil
+
+    from megaloop.data._fsutil import try_lock_fd
+
+    if not created.exists():
+        return
+    fd = try_lock_fd(out / ".lock") if out.is_dir() else None
+    if out.is_dir() and fd is None:
+        return  # another build into the same new --out is running
+    try:
+        shutil.rmtree(created, ignore_errors=True)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
     from megaloop.data.txt360 import HoldoutSpec
 
+    created = _first_missing(Path(os.path.abspath(args.out)))  # removed again if this run fails
+    ok = False
     try:
         tokenizer = args.tokenizer
         if tokenizer == "default":
@@ -77,12 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             compression=None if args.compression == "none" else args.compression,
             train_manifest=Path(args.train_manifest) if args.train_manifest else None,
             progress=not args.no_progress, command=shlex.join([sys.executable, *sys.argv])))
+        ok = True
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: nothing half-written is published; rerun the same command", file=sys.stderr)
         return 130
+    finally:
+        if not ok and created is not None:
+            _remove_created(created, Path(os.path.abspath(args.out)))
     print(json.dumps({name: {"num_sequences": m["num_sequences"], "seq_len": m["seq_len"],
                              "total_tokens": m["total_tokens"], "path": str(Path(args.out) / name)}
                       for name, m in res.items()}))

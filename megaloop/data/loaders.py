@@ -38,6 +38,11 @@ def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) ->
     return path
 
 
+def _short(fingerprint: Any) -> str:
+    """A fingerprint as its first 12 hex digits (``none`` when absent)."""
+    return f"{fingerprint[:12]}…" if isinstance(fingerprint, str) and fingerprint else "none"
+
+
 def _check_dp(dp_rank: int, dp_size: int, micro_batch_size: int) -> None:
     require(dp_size >= 1, "dp_size", f"must be >= 1, got {dp_size}")
     require(0 <= dp_rank < dp_size, "dp_rank", f"must be in [0, {dp_size}), got {dp_rank}")
@@ -131,10 +136,15 @@ class TrainLoader:
         if sd.get("version") != STATE_VERSION:
             raise DataError(f"data loader state has version {sd.get('version')}, "
                             f"expected {STATE_VERSION}")
-        if sd.get("num_samples") != self.num_samples or (
-                sd.get("dataset_fingerprint") != self.manifest.get("fingerprint")):
+        saved_fp, fp = sd.get("dataset_fingerprint"), self.manifest.get("fingerprint")
+        if sd.get("num_samples") != self.num_samples:
             raise DataError(f"data loader state was saved on a different dataset than {self.path} "
                             f"({sd.get('num_samples')} vs {self.num_samples} samples)")
+        if saved_fp != fp:  # same size, other content or build settings
+            raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same "
+                            f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
+                            f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
+                            f"'fingerprint')")
         self._epoch = int(sd["epoch"])
         self._base_samples = int(sd["sample_in_epoch"])
         self._batches = 0

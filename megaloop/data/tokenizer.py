@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -19,8 +20,8 @@ from megaloop.data.errors import DataError
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>")
 BOS_CANDIDATES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "[BOS]")
 PAD_CANDIDATES = ("<|pad|>", "<pad>", "[PAD]")
-__all__ = ["SPECIAL_TOKENS", "Tokenizer", "file_sha256", "load_tokenizer", "manifest_tokenizer_sha256",
-           "train_bytelevel_bpe"]
+__all__ = ["SPECIAL_TOKENS", "Tokenizer", "file_sha256", "find_relative", "load_tokenizer",
+           "manifest_tokenizer_sha256", "read_manifest", "train_bytelevel_bpe", "verified_manifest_tokenizer"]
 
 
 def file_sha256(path: str | Path) -> str:
@@ -37,6 +38,56 @@ def manifest_tokenizer_sha256(manifest: dict) -> str | None:
     ``tokenizer`` entry's ``sha256``); None when it records none."""
     tok = manifest.get("tokenizer")
     return manifest.get("tokenizer_sha256") or (tok.get("sha256") if isinstance(tok, dict) else None)
+
+
+def read_manifest(folder: str | Path, name: str = "manifest.json") -> dict | None:
+    """``folder/name`` as a JSON object; None when it is missing, unreadable or not an object."""
+    try:
+        data = json.loads((Path(folder) / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def find_relative(path: str | Path, base: str | Path, accept=None) -> Path | None:
+    """Where a path recorded relative to an unrecorded working directory is: an absolute path is
+    itself; a relative one is tried against ``base`` and its ancestors (nearest first), then the
+    current directory. The first candidate that exists and that ``accept`` (when given) takes;
+    None when there is none. (A run's ``data.path`` from its run directory: ``--run-dir runs/x``
+    launched beside the data; a manifest's tokenizer path from the manifest's folder.)"""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        cands = [p]
+    else:
+        root = Path(os.path.abspath(base))
+        cands = [b / p for b in (root, *root.parents)] + [Path(os.path.abspath(p))]
+    for cand in dict.fromkeys(cands):
+        if cand.exists() and (accept is None or accept(cand)):
+            return cand
+    return None
+
+
+def verified_manifest_tokenizer(folder: str | Path) -> tuple[Path | None, list[str]]:
+    """``(the tokenizer file a dataset's manifest names, whose sha256 is the one it records, or None;
+    why each file found under that name was not taken)``. The path is found with
+    :func:`find_relative` from ``folder``; a manifest recording no sha256 vouches for no file."""
+    folder = Path(folder)
+    manifest = read_manifest(folder) or {}
+    entry = manifest.get("tokenizer")
+    name = entry.get("path") if isinstance(entry, dict) else entry if isinstance(entry, str) else None
+    if not name:
+        return None, []
+    want = manifest_tokenizer_sha256(manifest)
+    shas: dict[Path, str] = {}
+
+    def recorded(cand: Path) -> bool:
+        shas[cand] = file_sha256(cand) if cand.is_file() else "(not a file)"
+        return shas[cand] == want
+
+    found = find_relative(name, folder, recorded)
+    return found, ([] if found is not None else [
+        f"{cand} has sha256 {have}, but {folder / 'manifest.json'} records {want or 'no sha256'} for its "
+        f"tokenizer {name}" for cand, have in shas.items()])
 
 
 class Tokenizer:

@@ -125,6 +125,42 @@ def _check_args(args: argparse.Namespace) -> None:
     check_engine_args(args)
 
 
+def _check_prefix_len(args: argparse.Namespace, engine=None) -> None:
+    """``--prefix-len`` of ``eval ppl`` / ``sweep`` against the sequence length it will meet: refused
+    (naming the valid range) when it leaves no target to score. Before the model loads when the
+    length is known then (``--seq-len``, or an MDS set's manifest), else with ``engine``'s training
+    length (the default set's and a text file's length) before the data is read."""
+    from megaloop.eval.ppl import check_prefix_len
+
+    plen = getattr(args, "prefix_len", None)
+    if plen is None:
+        return
+    if plen < 1:
+        raise ConfigError(f"--prefix-len: must be >= 1 (tokens prefilled before the scored ones), got {plen}")
+    length = args.seq_len or _stored_seq_len(args.data)
+    if length is None and engine is not None and not _is_remote(args.data):
+        length = int(engine.config.max_position_embeddings)
+    if length is not None:
+        check_prefix_len(plen, int(length))
+
+
+def _is_remote(data: str) -> bool:
+    return "://" in str(data)
+
+
+def _stored_seq_len(data: str) -> Optional[int]:
+    """The sequence length an MDS set's manifest records (None: not a local MDS set, or none recorded)."""
+    import json
+
+    if data == "default" or str(data).startswith("default:") or _is_remote(data):
+        return None
+    try:
+        value = json.loads((Path(data) / "manifest.json").read_text()).get("seq_len")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 _WARNED: set = set()
 
 
@@ -136,7 +172,8 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
                           encode=engine.encode if engine.tokenizer is not None else None, eos_id=engine.eos_id,
-                          text_field=args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None))
+                          text_field=args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
+                          tokenizer_hint=_own_val_hint(args.data, engine))
     trained = int(engine.config.max_position_embeddings)
     if data.seq_len > engine.max_context and args.max_context is None:
         engine.max_context = data.seq_len
@@ -145,6 +182,31 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
         print(f"warning: {data.seq_len}-token sequences exceed the training seq_len {trained}: RoPE positions "
               f"{trained}..{data.seq_len - 1} were never trained and are extrapolated", file=sys.stderr)
     return data
+
+
+def _own_val_hint(data: str, engine) -> Optional[str]:
+    """For the embedded default set (``--data`` not given): the run's own validation set
+    (``data.val_path`` of the checkpoint's ``RUN/config.yaml``) as ``--data PATH``, None when the
+    checkpoint is no run or its config sets none. Offered when the default set's tokenizer is not
+    the checkpoint's."""
+    if data != "default" or (getattr(engine, "source", None) or {}).get("kind") != "checkpoint":
+        return None
+    import yaml
+
+    from megaloop.data.tokenizer import find_relative
+    from megaloop.hf.convert import run_dir_of
+
+    run = run_dir_of(Path(engine.source["path"]))
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        val = (cfg.get("data") or {}).get("val_path")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    if not val or not isinstance(val, str):
+        return None
+    local = not (val.startswith("default") or _is_remote(val))
+    found = find_relative(val, run, lambda p: (p / "manifest.json").is_file()) if local else None
+    return f"evaluate on the run's own validation set: --data {found or val} (data.val_path in {run / 'config.yaml'})"
 
 
 def _memory_check(args: argparse.Namespace, engine, data, depths, protocols) -> None:
@@ -190,8 +252,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from megaloop.eval.ppl import evaluate_ppl, protocols_for
 
     _check_args(args)
+    _check_prefix_len(args)
     protocols = protocols_for(args.cache, native=not args.no_native)
     engine = build_engine(args)
+    _check_prefix_len(args, engine)
     data = _data(args, engine)
     _memory_check(args, engine, data, [args.depth or engine.depth], protocols)
     res = evaluate_ppl(engine, data, depth=args.depth, prefill_depth=args.prefill_depth, protocols=protocols,
@@ -231,7 +295,9 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{flag}: applies to the prefill/decode protocols of --sharing; add --sharing "
                                   f"(native PPL is one parallel forward at each depth)")
     depths = parse_depths(args.depths)
+    _check_prefix_len(args)
     engine = build_engine(args)
+    _check_prefix_len(args, engine)
     data = _data(args, engine)
     _memory_check(args, engine, data, depths + [engine.depth],
                   ("native", "terminal", "per_visit") if args.sharing else ("native",))

@@ -67,30 +67,31 @@ def _manifest(path: str) -> dict:
     return {}
 
 
-def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str]) -> None:
-    """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s."""
+def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str], hint: Optional[str] = None) -> None:
+    """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s; ``hint``
+    (e.g. the run's own validation set) is offered first."""
     from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
     have = manifest_tokenizer_sha256(manifest)
     if sha256 and have and have != sha256:
+        fixes = (f"{hint}; or " if hint else "") + "rebuild the set, or pass the matching --tokenizer"
         raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, the checkpoint's "
-                          f"tokenizer is {sha256[:12]}… (rebuild the set, or pass the matching --tokenizer)")
+                          f"tokenizer is {sha256[:12]}… ({fixes})")
 
 
 def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],
-               tokenizer_sha256: Optional[str] = None):
+               tokenizer_sha256: Optional[str] = None, tokenizer_hint: Optional[str] = None):
     """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set.
 
     With ``max_seqs`` on a set with a ``source`` column, the rows are the first ``max_seqs`` of the
     MixVal order (sources interleaved round-robin, as in-training validation), kept in file order:
     a source-balanced subset instead of the first source's rows."""
     from megaloop.data import build_eval_loader
-    from megaloop.data.loaders import source_balanced_order
 
     loader = build_eval_loader(data, seq_len=int(length), micro_batch_size=8, dp_rank=0, dp_size=1,
                                cache_dir=cache_dir, with_source=True)
     try:
-        _check_tokenizer(data, loader.manifest, tokenizer_sha256)
+        _check_tokenizer(data, loader.manifest, tokenizer_sha256, tokenizer_hint)
     except ConfigError:
         loader.close()
         raise
@@ -110,7 +111,7 @@ def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optio
     finally:
         loader.close()
     if max_seqs is not None and has_source and len(set(srcs)) > 1:
-        keep = sorted(source_balanced_order(srcs)[:max_seqs])
+        keep = balanced_rows(srcs, max_seqs)
         sel = torch.tensor(keep, dtype=torch.long)
         return (torch.cat(toks)[sel], torch.cat(labs)[sel], torch.cat(masks)[sel], [srcs[i] for i in keep],
                 int(loader.manifest["eos_id"]))
@@ -118,6 +119,14 @@ def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optio
         raise ConfigError(f"--data: {data} holds no evaluation sequences")
     return (torch.cat(toks), torch.cat(labs), torch.cat(masks), (srcs if has_source else None),
             int(loader.manifest["eos_id"]))
+
+
+def balanced_rows(sources: Sequence[str], max_seqs: int) -> list[int]:
+    """Indices of the first ``max_seqs`` rows of the MixVal order (sources interleaved round-robin,
+    :func:`megaloop.data.loaders.source_balanced_order`), in file order."""
+    from megaloop.data.loaders import source_balanced_order
+
+    return sorted(source_balanced_order(list(sources))[:max_seqs])
 
 
 def repack(tokens: torch.Tensor, sources: Optional[list[str]],
@@ -155,7 +164,8 @@ def check_data_arg(data: str) -> None:
 def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Optional[int] = None,
                    vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
                    cache_dir: Optional[str] = None, encode=None, eos_id: Optional[int] = None,
-                   text_field: str = "text", tokenizer_sha256: Optional[str] = None) -> EvalData:
+                   text_field: str = "text", tokenizer_sha256: Optional[str] = None,
+                   tokenizer_hint: Optional[str] = None) -> EvalData:
     """Validation sequences from ``data``:
 
     * ``default`` (the embedded corpus' validation set, built for ``seq_len`` or
@@ -167,7 +177,8 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
 
     At most ``max_seqs`` real rows (padding rows of the loader are dropped). ``vocab_size``
     checks the ids fit the model; ``tokenizer_sha256`` (the checkpoint's tokenizer file) must
-    match the tokenizer an MDS set's manifest records. ``sources`` holds the set's ``source`` column when it has one."""
+    match the tokenizer an MDS set's manifest records (``tokenizer_hint``: a remedy the refusal
+    offers first). ``sources`` holds the set's ``source`` column when it has one."""
     if max_seqs is not None and max_seqs < 1:
         raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
     if seq_len is not None and seq_len < 4:
@@ -190,7 +201,7 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         want = seq_len if (seq_len and stored and seq_len != stored) else None
         try:
             tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs,
-                                                            cache_dir, tokenizer_sha256)
+                                                            cache_dir, tokenizer_sha256, tokenizer_hint)
         except DataError as err:
             if is_default and isinstance(err, NothingPackedError):  # the embedded corpus is too small for it
                 raise ConfigError(f"--seq-len {length}: the embedded corpus ('--data {data}') cannot fill one "
@@ -204,7 +215,11 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
             if tokens.shape[0] == 0:
                 raise ConfigError(f"--seq-len: {data} holds {stored}-token rows too few to re-cut into one "
                                   f"{want}-token sequence per source")
-            tokens, sources = tokens[:max_seqs], (sources[:max_seqs] if sources is not None else None)
+            if max_seqs is not None and sources is not None and len(set(sources)) > 1:
+                keep = balanced_rows(sources, max_seqs)  # the same source-balanced subset as at the set's length
+                tokens, sources = tokens[torch.tensor(keep, dtype=torch.long)], [sources[i] for i in keep]
+            else:
+                tokens, sources = tokens[:max_seqs], (sources[:max_seqs] if sources is not None else None)
             labels, mask = shifted_targets(tokens, eos)
         else:
             tokens, labels, mask = tokens[:max_seqs], labels[:max_seqs], mask[:max_seqs]
@@ -245,14 +260,31 @@ class PPLResult:
     per_visit_ppl: Optional[float] = None
     sharing_penalty_pct: Optional[float] = None
     kv_bytes_per_token: dict = field(default_factory=dict)  # mode -> bytes (engine dtype)
+    source_counts: Optional[dict] = None  # scored sequences per `source` (sets with a source column)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def source_counts(sources: Sequence[str]) -> dict[str, int]:
+    """``{source: rows}`` of the scored rows, sorted by source name."""
+    counts: dict[str, int] = {}
+    for name in sources:
+        counts[str(name)] = counts.get(str(name), 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _ppl(nll: float, n: float) -> Optional[float]:
     return math.exp(nll / n) if n > 0 else None
+
+
+def check_prefix_len(prefix_len: int, seq_len: int) -> None:
+    """ConfigError naming ``--prefix-len`` unless it leaves a scored target: the last position of a
+    ``seq_len``-token sequence has no target, so the prefix is ``1 .. seq_len - 2`` tokens."""
+    if not 1 <= prefix_len <= seq_len - 2:
+        raise ConfigError(f"--prefix-len: must be in [1, {seq_len - 2}] for {seq_len}-token sequences (the last "
+                          f"position has no target, so a longer prefix leaves no token to score), got {prefix_len}")
 
 
 def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill_depth: Optional[int] = None,
@@ -273,8 +305,7 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
     L = data.seq_len
     given = prefix_len if prefix_len is not None else split
     split = int(given if given is not None else L // 2)
-    if not 1 <= split < L:
-        raise ConfigError(f"--prefix-len: must be in [1, {L}) for {L}-token sequences, got {split}")
+    check_prefix_len(split, L)
     engine.check_context(L, "evaluation sequence")
     t0 = time.perf_counter()
     sums = {k: [0.0, 0.0] for k in ("native", "native_half", "terminal", "per_visit")}
@@ -303,6 +334,8 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
                     native_ppl=_ppl(*sums["native"]), native_ppl_second_half=_ppl(*sums["native_half"]),
                     terminal_ppl=_ppl(*sums["terminal"]), per_visit_ppl=_ppl(*sums["per_visit"]),
                     kv_bytes_per_token={m: engine.kv_bytes_per_token(m, depth) for m in ("terminal", "per_visit")})
+    if data.sources is not None:
+        res.source_counts = source_counts(data.sources)
     if res.terminal_ppl is not None and res.per_visit_ppl is not None:
         res.sharing_penalty_pct = sharing_penalty(res.terminal_ppl, res.per_visit_ppl)
     res.seconds = time.perf_counter() - t0
@@ -317,5 +350,6 @@ def protocols_for(cache: str, native: bool = True) -> tuple[str, ...]:
     return (("native",) if native else ()) + modes
 
 
-__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "check_data_arg",
-           "evaluate_ppl", "load_eval_data", "protocols_for", "repack", "sharing_penalty"]
+__all__ = ["EvalData", "PAPER_PREFIX_LEN", "PAPER_SEQ_LEN", "PPLResult", "PROTOCOLS", "balanced_rows",
+           "check_data_arg", "check_prefix_len", "evaluate_ppl", "load_eval_data", "protocols_for", "repack",
+           "sharing_penalty", "source_counts"]

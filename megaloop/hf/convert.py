@@ -396,27 +396,64 @@ def explicit_tokenizer(path: str | Path) -> Path:
     return p
 
 
+def run_dir_of(ckpt: Path) -> Path:
+    """The run directory of a checkpoint: ``RUN`` of ``RUN/checkpoints/step_*``, else the folder
+    holding the step (``convert --from-hf --out DIR`` keeps the tokenizer in ``DIR``)."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+
+
 def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None) -> Path | None:
-    """tokenizer.json of the run: ``explicit`` > data manifest > checkpoint root (where
-    :func:`megaloop.hf.from_hf.convert_from_hf` keeps one outside ``RUN/checkpoints``) > run dir > embedded default."""
+    """tokenizer.json of the run: ``explicit`` (``--tokenizer``, the user's choice) > the run's own
+    copy (``RUN/tokenizer.json``: training copies its tokenizer there, and
+    :func:`megaloop.hf.from_hf.convert_from_hf` keeps one there or in its ``--out``) > the tokenizer
+    the training data's manifest names, only when its sha256 is the one the manifest records (and
+    the manifest's fingerprint the one ``RUN/data.json`` records, when it does) > the embedded
+    default's (``data.path: default``). A relative ``data.path`` is looked up from the run
+    directory (:func:`megaloop.data.tokenizer.find_relative`), not only the current directory.
+    When the manifest's tokenizer fails those checks and nothing else is found,
+    :class:`ConversionError` names the files and their sha256; None when there is no tokenizer."""
     if explicit:
         return explicit_tokenizer(explicit)
-    data = run_cfg.get("data") or {}
-    path = str(data.get("path") or "")
-    if path and "://" not in path and not path.startswith("default"):
-        manifest = Path(path) / "manifest.json"
-        if manifest.is_file():
-            tok = (json.loads(manifest.read_text()).get("tokenizer") or {}).get("path")
-            if tok and Path(tok).is_file():
-                return Path(tok)
-    for cand in (ckpt.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer.json",
-                 ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
+    from megaloop.data.tokenizer import find_relative, read_manifest, verified_manifest_tokenizer
+
+    ckpt = Path(ckpt)
+    run = run_dir_of(ckpt)
+    for cand in dict.fromkeys((ckpt.parent / "tokenizer.json", run / "tokenizer.json",
+                               run / "tokenizer" / "tokenizer.json")):
         if cand.is_file():
             return cand
+    data = run_cfg.get("data") or {}
+    path = str(data.get("path") or "")
+    rejected: list[str] = []
+    if path and "://" not in path and not path.startswith("default"):
+        recorded = (read_manifest(run, "data.json") or {}).get("manifest_fingerprint")
+
+        def the_runs_data(folder: Path) -> bool:  # a dataset, and the one the run recorded (if it did)
+            manifest = read_manifest(folder)
+            if manifest is None or not recorded or manifest.get("fingerprint") == recorded:
+                return manifest is not None
+            rejected.append(f"{folder / 'manifest.json'} has fingerprint {str(manifest.get('fingerprint'))[:12]}…, "
+                            f"the run trained on {recorded[:12]}… ({run / 'data.json'})")
+            return False
+
+        folder = find_relative(path, run, the_runs_data)
+        if folder is not None:
+            found, why = verified_manifest_tokenizer(folder)
+            if found is not None:
+                return found
+            rejected += why
+    if ckpt.parent.name != "checkpoints":  # a step folder's grandparent (layouts of earlier releases)
+        for cand in (ckpt.parent.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
+            if cand.is_file():
+                return cand
     if path.startswith("default"):
         from megaloop.data.default_corpus import ensure_default_tokenizer
 
         return Path(ensure_default_tokenizer(data.get("cache_dir")))
+    if rejected:
+        raise ConversionError(f"checkpoint {ckpt}: no tokenizer of the run: {run / 'tokenizer.json'} does not exist "
+                              f"and the training data's is not the one it was trained with ({'; '.join(rejected)}); "
+                              "pass --tokenizer with the run's tokenizer.json")
     return None
 
 

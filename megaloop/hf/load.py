@@ -95,14 +95,17 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
 
 def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num_recurrences: Optional[int] = None,
                validate: bool = True, kind: Optional[str] = None,
-               student: Union[str, Path, None] = None) -> LoadedModel:
+               student: Union[str, Path, None] = None, tokenizer: Union[str, Path, None] = None) -> LoadedModel:
     """``(model, source)`` of ``path`` (module docstring). ``kind``: ``checkpoint`` / ``hf`` insists
     on one (None: either); ``num_recurrences``: the default depth (else the run's
     ``train.eval_depth`` / the folder's); ``student``: a distilled-prefill student folder
     (``megaloop distill-prefill --out``) checked against the model's shape, through which every
     prefill then runs (``source["student"]``). CheckpointError for a bad checkpoint (or no HF
     folder where one is expected), ConversionError for a failed validation, ConfigError naming
-    ``--student`` for a bad or mismatched student."""
+    ``--student`` for a bad or mismatched student. ``tokenizer`` (``--tokenizer``): a checkpoint's
+    tokenizer.json chosen by the user (its vocabulary size and eos/pad ids go into the converted
+    config, and the run's own is not searched for); anything that is not a tokenizer.json (a
+    SentencePiece model, ``default``, ``bytes``) is left to the caller."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     hf = is_hf_folder(path)
     if kind == "hf" and not hf:
@@ -112,7 +115,7 @@ def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num
     if hf and kind != "checkpoint":
         model, source = _from_hf(Path(path), dt)
     else:
-        model, source = _from_checkpoint(path, num_recurrences, validate)
+        model, source = _from_checkpoint(path, num_recurrences, validate, json_tokenizer(tokenizer))
     if num_recurrences is not None:
         model.config.num_recurrences = int(num_recurrences)
     model = model.to(device=dev, dtype=dt).eval()
@@ -137,9 +140,17 @@ def _from_hf(path: Path, dtype: torch.dtype):
                    "validation": None}
 
 
-def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool):
+def json_tokenizer(arg: Union[str, Path, None]) -> Optional[Path]:
+    """``arg`` when it is a tokenizer.json or a folder holding one, else None."""
+    if arg is None:
+        return None
+    p = Path(arg) / "tokenizer.json" if Path(arg).is_dir() else Path(arg)
+    return p if p.is_file() and p.suffix == ".json" else None
+
+
+def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool, tokenizer: Optional[Path] = None):
     native, mcfg, run_cfg, ckpt, common = load_native(path)
-    model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences)
+    model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
     check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
     return model, {"kind": "checkpoint", "path": str(ckpt), "step": common.get("step"),
                    "tokenizer": str(tok) if tok else None,

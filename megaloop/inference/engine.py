@@ -180,7 +180,8 @@ class InferenceEngine:
         overriding the model's; ``kwargs`` go to the engine."""
         from megaloop.data.tokenizer import Tokenizer
 
-        model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind, student=student)
+        model, source = load_model(path, device=device, dtype=dtype, validate=validate, kind=kind, student=student,
+                                   tokenizer=tokenizer)
         tok = tokenizer or source["tokenizer"]
         tk = Tokenizer(tok) if tok else None
         real = int(model.config.tokenizer_vocab_size)

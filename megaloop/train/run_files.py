@@ -16,8 +16,10 @@ def record_data(run_dir: Path, data_path: str | Path, manifest: dict) -> None:
     from megaloop.data.fingerprint import content_fingerprint
     from megaloop.runtime.files import atomic_write_json
 
-    atomic_write_json(Path(run_dir) / "data.json", {
-        "path": str(data_path), "manifest_fingerprint": manifest.get("fingerprint"),
+    where = Path(str(data_path))
+    atomic_write_json(Path(run_dir) / "data.json", {  # absolute: tools run from another directory read it
+        "path": str(where.resolve()) if where.exists() else str(data_path),
+        "manifest_fingerprint": manifest.get("fingerprint"),
         "content": content_fingerprint(data_path)})
 
 

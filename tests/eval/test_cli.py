@@ -102,7 +102,7 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{missing}"], "--data: {missing} does not exist"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{short}"], "--data: {short} tokenises to"),
     (["eval", "ppl", "--checkpoint", "{run}", "--data", "{text}", "--prefix-len", "128"],
-     "--prefix-len: must be in [1, 128)"),
+     "--prefix-len: must be in [1, 126] for 128-token sequences"),
     (["eval", "fixed-point", "--checkpoint", "{run}", "--data", "{text}", "--per-source", "4"],
      "--per-source: {text} has no 'source' column"),
     (["eval", "harness", "--checkpoint", "{run}", "--tasks", "megaloop_toy_mc", "--cache", "none", "--scoring",

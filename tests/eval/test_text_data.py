@@ -85,7 +85,7 @@ def test_ppl_protocol_lengths_and_rope_extrapolation():
     assert res.per_visit_ppl == pytest.approx(res.native_ppl_second_half, rel=1e-5)
     half = evaluate_ppl(engine, text, protocols=("terminal",))
     assert half.prefix_len == 96 and half.terminal_ppl != res.terminal_ppl
-    with pytest.raises(ConfigError, match=r"--prefix-len: must be in \[1, 192\)"):
+    with pytest.raises(ConfigError, match=r"--prefix-len: must be in \[1, 190\] for 192-token sequences"):
         evaluate_ppl(engine, text, prefix_len=192)
     engine.max_context = 128
     with pytest.raises(ConfigError, match="longer than the model's context of 128"):

@@ -4,6 +4,7 @@ HF → megaloop round trip."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -84,7 +85,8 @@ def converted(megatron_world, tmp_path_factory):
     tok = make_tokenizer(root / "tok")
     dataset = root / "dataset"  # the run's data manifest points at the tokenizer
     dataset.mkdir()
-    (dataset / "manifest.json").write_text(json.dumps({"vocab_size": VOCAB, "tokenizer": {"path": str(tok)}}))
+    (dataset / "manifest.json").write_text(json.dumps({"vocab_size": VOCAB, "tokenizer": {
+        "path": str(tok), "sha256": hashlib.sha256(tok.read_bytes()).hexdigest()}}))  # as converters record it
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(1))
     out = {}
     for i, (name, overrides) in enumerate(VARIANTS.items()):

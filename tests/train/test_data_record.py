@@ -37,6 +37,15 @@ def test_data_json_records_the_content(tmp_path) -> None:
     assert c["path"] == str(tmp_path / "syn") and c["content"]["sha256"] != a["content"]["sha256"]
 
 
+def test_a_relative_data_path_is_recorded_absolute(tmp_path, monkeypatch) -> None:
+    from megaloop.data.synthetic import write_synthetic_mds
+
+    write_synthetic_mds(tmp_path / "syn", 64, 128, vocab_size=4096, seed=3)
+    monkeypatch.chdir(tmp_path)
+    rec = _record(tmp_path, "rel", "data.path=syn", "model.vocab_size=4096")
+    assert rec["path"] == str((tmp_path / "syn").resolve())
+
+
 def test_a_validation_set_of_another_tokenizer_is_refused(tmp_path) -> None:
     import types
 

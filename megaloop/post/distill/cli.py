@@ -109,7 +109,7 @@ def _run(args: argparse.Namespace) -> int:
                                          args.deepspeed)
     lead = info.rank == 0
     say = print if lead else (lambda *_a, **_k: None)
-    teacher, source = load_model(args.teacher)
+    teacher, source = load_model(args.teacher, tokenizer=args.tokenizer)
     if not teacher.config.looped:
         raise ConfigError(f"--teacher {args.teacher}: not a looped model")
     tok = model_tokenizer(args.tokenizer, args.teacher, source)

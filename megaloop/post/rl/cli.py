@@ -133,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
                                    batch_flag="--prompts x --group-size")
     check_model_path(args.model, "--model")
     info, device = init_post_distributed(args.device, args.deepspeed)
-    model, source = load_model(args.model, num_recurrences=args.depth)
+    model, source = load_model(args.model, num_recurrences=args.depth, tokenizer=args.tokenizer)
     tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
         raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")

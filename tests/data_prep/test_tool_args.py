@@ -1,0 +1,104 @@
+"""data_prep/train_tokenizer.py and build_eval_sets.py: bad flags refused with one line naming the flag,
+an --out's tokenizer never replaced silently (atomic when it is), and a failed build leaves no folder
+it created (and keeps what was there)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"{name}_cli_under_test", ROOT / "data_prep" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def train_tokenizer():
+    return _script("train_tokenizer")
+
+
+@pytest.fixture(scope="module")
+def build_eval_sets():
+    return _script("build_eval_sets")
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-docs", "-1"], "error: --max-docs must be >= 1, got -1"),
+    (["--max-docs", "0"], "error: --max-docs must be >= 1, got 0"),
+    (["--vocab-size", "-5"], "error: --vocab-size must be > 259 (the 256 byte symbols and 3 special tokens"),
+    (["--vocab-size", "0"], "error: --vocab-size must be > 259"),
+    (["--vocab-size", "10"], "error: --vocab-size must be > 259"),
+    (["--vocab-size", "259"], "error: --vocab-size must be > 259"),
+])
+def test_train_tokenizer_refuses_bad_flags(train_tokenizer, txt360_tree, tmp_path, capsys, flags, message):
+    out = tmp_path / "tok"
+    assert train_tokenizer.main(["--input", str(txt360_tree[0]), "--out", str(out), *flags]) == 2
+    assert _error_line(capsys).startswith(message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written
+
+
+def test_train_tokenizer_out_is_never_replaced_silently(train_tokenizer, txt360_tree, tmp_path, capsys,
+                                                        monkeypatch):
+    tree = str(txt360_tree[0])
+    (tmp_path / "afile").write_text("x")
+    assert train_tokenizer.main(["--input", tree, "--out", str(tmp_path / "afile"), "--vocab-size", "300"]) == 2
+    assert _error_line(capsys) == f"error: --out {tmp_path / 'afile'} is a file, not a directory"
+    out = tmp_path / "new" / "tok"
+    assert train_tokenizer.main(["--input", tree, "--out", str(out), "--vocab-size", "300"]) == 0
+    first = (out / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == ["special_tokens_map.json", "tokenizer.json",
+                                                     "tokenizer_config.json"]
+    assert train_tokenizer.main(["--input", tree, "--out", str(out), "--vocab-size", "300"]) == 0  # the same one
+    capsys.readouterr()
+    assert train_tokenizer.main(["--input", tree, "--out", str(out), "--vocab-size", "320"]) == 2
+    line = _error_line(capsys)
+    assert f"--out {out} already holds a different tokenizer.json" in line and "--overwrite" in line
+    assert (out / "tokenizer.json").read_bytes() == first
+    assert train_tokenizer.main(["--input", tree, "--out", str(out), "--vocab-size", "320", "--overwrite"]) == 0
+    assert (out / "tokenizer.json").read_bytes() != first
+    # written beside --out and renamed: an interrupted training leaves --out as it was
+    import megaloop.data.tokenizer as tokenizer_mod
+
+    def interrupted(texts, out_dir, **kw):
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / "tokenizer.json").write_text("half")
+        raise KeyboardInterrupt
+
+    now = (out / "tokenizer.json").read_bytes()
+    monkeypatch.setattr(tokenizer_mod, "train_bytelevel_bpe", interrupted)
+    assert train_tokenizer.main(["--input", tree, "--out", str(out), "--vocab-size", "300", "--overwrite"]) == 130
+    assert (out / "tokenizer.json").read_bytes() == now
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tok"]  # no temporary folder left
+    assert train_tokenizer.main(["--input", tree, "--out", str(tmp_path / "x" / "y"), "--vocab-size", "300"]) == 130
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_failed_eval_set_build_leaves_no_folder_it_created(build_eval_sets, txt360_tree, fixture_tokenizer,
+                                                             tmp_path, capsys):
+    def run(out: Path) -> int:
+        return build_eval_sets.main(["--input", str(txt360_tree[0]), "--out", str(out), "--tokenizer",
+                                     str(fixture_tokenizer), "--val-seq-len", "100000", "--workers", "1",
+                                     "--no-progress"])
+
+    assert run(tmp_path / "new" / "eval") == 2
+    assert "no validation sequence" in _error_line(capsys)
+    assert not (tmp_path / "new").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert run(kept) == 2
+    assert (kept / "notes.txt").read_text() == "mine"  # an --out that was there stays, with its files
+    assert run(kept / "sub") == 2 and not (kept / "sub").exists()

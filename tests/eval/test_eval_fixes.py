@@ -1,0 +1,142 @@
+"""Evaluation sets and flags: a re-cut set keeps --max-seqs source-balanced and the PPL result counts the
+scored sources; a --prefix-len that leaves no target is refused; the embedded default set's tokenizer
+refusal points a custom-tokenizer run to its own data.val_path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megaloop.config_utils import ConfigError
+
+SOURCES = ("arxiv", "code", "web")
+
+
+def write_val_set(out: Path, per_source: int = 8, seq_len: int = 32) -> Path:
+    """A MixVal-like MDS set: ``per_source`` rows of each source, one source after the other."""
+    from megaloop.data.mds_convert import mds_columns, write_sequences_mds
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(3, 200, size=(per_source * len(SOURCES), seq_len)).astype(np.uint16)
+    srcs = [s for s in SOURCES for _ in range(per_source)]
+    write_sequences_mds(out, toks, srcs, compression=None)
+    (out / "manifest.json").write_text(json.dumps({
+        "format": "megaloop-mds-v1", "kind": "val", "seq_len": seq_len, "vocab_size": 256, "eos_id": 0,
+        "columns": mds_columns(seq_len, "uint16"), "num_sequences": len(srcs), "fingerprint": "test-val"}))
+    return out
+
+
+def test_a_recut_set_keeps_max_seqs_source_balanced(tmp_path):
+    from megaloop.eval.ppl import load_eval_data
+
+    val = str(write_val_set(tmp_path / "val"))
+    stored = load_eval_data(val, max_seqs=6)
+    assert Counter(stored.sources) == {s: 2 for s in SOURCES}
+    recut = load_eval_data(val, max_seqs=6, seq_len=16)  # 32-token rows re-cut into 16-token ones
+    assert recut.seq_len == 16 and Counter(recut.sources) == {s: 2 for s in SOURCES}
+    assert recut.sources == sorted(recut.sources)  # kept in file order
+    assert Counter(load_eval_data(val, max_seqs=7, seq_len=64).sources) == {"arxiv": 3, "code": 2, "web": 2}
+    assert load_eval_data(val, seq_len=16).num_seqs == 48  # no --max-seqs: every re-cut row
+
+
+def test_the_ppl_result_counts_the_scored_sources(trained_engine, val_data):
+    from megaloop.eval.ppl import EvalData, evaluate_ppl
+
+    res = evaluate_ppl(trained_engine, val_data, protocols=("native",), batch_size=8).to_dict()
+    assert res["source_counts"] == dict(sorted(Counter(val_data.sources).items()))
+    assert sum(res["source_counts"].values()) == val_data.num_seqs
+    plain = EvalData(val_data.tokens[:2], val_data.labels[:2], val_data.loss_mask[:2], "rows", None)
+    assert evaluate_ppl(trained_engine, plain, protocols=("native",)).source_counts is None
+
+
+def test_a_prefix_that_leaves_no_target_is_refused(trained_engine, val_data, monkeypatch):
+    from megaloop.eval import ppl
+
+    L = val_data.seq_len
+    monkeypatch.setattr(trained_engine, "forward", lambda *a, **k: pytest.fail("scored before refusing"))
+    monkeypatch.setattr(trained_engine, "score_with_prefix", lambda *a, **k: pytest.fail("scored before refusing"))
+    for bad in (L - 1, L, 0):
+        with pytest.raises(ConfigError, match=rf"^--prefix-len: must be in \[1, {L - 2}\] for {L}-token sequences"):
+            ppl.evaluate_ppl(trained_engine, val_data, prefix_len=bad)
+    ppl.check_prefix_len(126, 128)  # the last scored target is position 126's
+
+
+@pytest.fixture
+def cli(megatron_world, monkeypatch, capsys):
+    import megaloop.runtime.parallel as parallel
+    from megaloop.cli import main
+
+    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)  # keep the session's world
+
+    def run(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]
+        return exit_info.value.code, (lines[0] if len(lines) == 1 else err)
+
+    return run
+
+
+def test_prefix_len_is_checked_on_the_cli(cli, trained_run, tmp_path, monkeypatch):
+    import megaloop.eval.cli as eval_cli
+
+    run = str(trained_run)
+    build = eval_cli.build_engine
+    monkeypatch.setattr(eval_cli, "build_engine", lambda *a, **k: pytest.fail("the model was loaded first"))
+    assert cli("eval", "ppl", "--checkpoint", run, "--seq-len", "64", "--prefix-len", "63") == (
+        2, "megaloop: error: --prefix-len: must be in [1, 62] for 64-token sequences (the last position has no "
+           "target, so a longer prefix leaves no token to score), got 63")
+    val = str(write_val_set(tmp_path / "val"))  # an MDS set: its manifest's length
+    code, err = cli("eval", "sweep", "--checkpoint", run, "--data", val, "--sharing", "--prefix-len", "31")
+    assert code == 2 and "--prefix-len: must be in [1, 30] for 32-token sequences" in err, err
+    code, err = cli("eval", "ppl", "--checkpoint", run, "--prefix-len", "0")
+    assert code == 2 and "--prefix-len: must be >= 1" in err, err
+    # the default set at the training length (128), known once the model is loaded, before the data is read
+    import megaloop.eval.ppl as ppl
+
+    monkeypatch.setattr(eval_cli, "build_engine", build)
+    monkeypatch.setattr(ppl, "load_eval_data", lambda *a, **k: pytest.fail("the data was read first"))
+    code, err = cli("eval", "ppl", "--checkpoint", run, "--prefix-len", "127", "--max-seqs", "1")
+    assert code == 2 and "--prefix-len: must be in [1, 126] for 128-token sequences" in err, err
+
+
+def _tokenizer(folder: Path) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator(["a custom tokenizer for this run"] * 20, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_the_default_sets_refusal_suggests_the_runs_val_path(cli, trained_run, tmp_path):
+    """A run trained with its own tokenizer, evaluated without --data: the embedded default set
+    (another tokenizer) is refused, naming the run's data.val_path as the --data to pass."""
+    import yaml
+
+    run = tmp_path / "exp" / "runs" / "custom"
+    shutil.copytree(trained_run / "checkpoints", run / "checkpoints")
+    shutil.copyfile(_tokenizer(tmp_path / "tok"), run / "tokenizer.json")  # what training copies
+    val = write_val_set(tmp_path / "exp" / "data" / "val")
+    cfg = yaml.safe_load((trained_run / "config.yaml").read_text())
+    cfg["data"]["val_path"] = "data/val"  # relative to where training ran (tmp_path/exp)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    for cmd in ("ppl", "states"):
+        code, err = cli("eval", cmd, "--checkpoint", str(run), "--max-seqs", "1")
+        assert code == 2 and "--data: default was tokenised with tokenizer sha256" in err, err
+        assert f"evaluate on the run's own validation set: --data {val} (data.val_path in {run / 'config.yaml'})" \
+            in err, err
+    cfg["data"]["val_path"] = None
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    code, err = cli("eval", "ppl", "--checkpoint", str(run), "--max-seqs", "1")
+    assert code == 2 and "(rebuild the set, or pass the matching --tokenizer)" in err and "val_path" not in err, err

@@ -1,0 +1,159 @@
+"""Which tokenizer a run's checkpoint is exported / evaluated with (``megaloop.hf.convert.find_tokenizer``):
+the run's own copy first, a data manifest's tokenizer only when its sha256 is the recorded one (refused
+naming both otherwise), ``--tokenizer`` always; a relative ``data.path`` found from the run directory,
+not the current directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from megaloop.hf.convert import ConversionError, find_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def manifest(folder: Path, tok: str | Path, sha256: str, fingerprint: str = "fp-real") -> Path:
+    return write(folder / "manifest.json", json.dumps({"fingerprint": fingerprint, "tokenizer": {
+        "path": str(tok), "sha256": sha256}}))
+
+
+def run_layout(root: Path, data_path: str, *, own: str | None = None, fingerprint: str | None = "fp-real"):
+    """(run_cfg, step dir) of RUN = root/runs/x, trained on ``data_path``."""
+    run = root / "runs" / "x"
+    step = run / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    if own is not None:
+        write(run / "tokenizer.json", own)
+    if fingerprint:
+        write(run / "data.json", json.dumps({"path": data_path, "manifest_fingerprint": fingerprint}))
+    return {"data": {"path": data_path}}, step
+
+
+def test_the_runs_own_copy_comes_before_a_retrained_tokenizer(tmp_path):
+    tok = write(tmp_path / "tok" / "tokenizer.json", "A")
+    manifest(tmp_path / "data", tok, sha(tok))
+    cfg, step = run_layout(tmp_path, str(tmp_path / "data"), own="A")
+    write(tok, "B")  # retrained into the same folder
+    assert find_tokenizer(cfg, step) == step.parent.parent / "tokenizer.json"
+    assert find_tokenizer(cfg, step, tmp_path / "tok") == tok  # --tokenizer: the user's choice
+
+
+def test_a_manifest_tokenizer_is_used_only_with_the_recorded_sha256(tmp_path):
+    tok = write(tmp_path / "tok" / "tokenizer.json", "A")
+    want = sha(tok)
+    manifest(tmp_path / "data", tok, want)
+    cfg, step = run_layout(tmp_path, str(tmp_path / "data"))  # a run without its own copy
+    assert find_tokenizer(cfg, step) == tok
+    write(tok, "B")
+    with pytest.raises(ConversionError) as err:
+        find_tokenizer(cfg, step)
+    msg = str(err.value)
+    assert str(tok) in msg and sha(tok) in msg and want in msg and str(tmp_path / "data" / "manifest.json") in msg
+    assert "--tokenizer" in msg
+    assert find_tokenizer(cfg, step, tok) == tok  # an explicit --tokenizer is not second-guessed
+    # a manifest that records no sha256 cannot vouch for its tokenizer either
+    write(tmp_path / "data" / "manifest.json", json.dumps({"fingerprint": "fp-real", "tokenizer": {"path": str(tok)}}))
+    with pytest.raises(ConversionError, match="no sha256"):
+        find_tokenizer(cfg, step)
+
+
+def test_a_relative_data_path_is_the_runs_not_the_current_directorys(tmp_path, monkeypatch):
+    # training ran in tmp_path: `--run-dir runs/x data.path=mds`; the manifest's tokenizer path is relative too
+    real = write(tmp_path / "tok" / "tokenizer.json", "A")
+    manifest(tmp_path / "mds", "tok/tokenizer.json", sha(real))
+    cfg, step = run_layout(tmp_path, "mds")
+    # the current directory holds another dataset called mds (self-consistent, another fingerprint)
+    other = tmp_path / "elsewhere"
+    decoy = write(other / "tok" / "tokenizer.json", "C")
+    manifest(other / "mds", "tok/tokenizer.json", sha(decoy), fingerprint="fp-other")
+    monkeypatch.chdir(other)
+    assert find_tokenizer(cfg, step) == tmp_path / "tok" / "tokenizer.json"
+    # the run's data rebuilt in place with another tokenizer: self-consistent, but not what the run trained on
+    retok = write(tmp_path / "tok2" / "tokenizer.json", "D")
+    manifest(tmp_path / "mds", retok, sha(retok), fingerprint="fp-rebuilt")
+    with pytest.raises(ConversionError, match=r"mds/manifest.json has fingerprint fp-rebuilt…, the run trained on "
+                                              r"fp-real…"):
+        find_tokenizer(cfg, step)
+    manifest(tmp_path / "mds", "tok/tokenizer.json", sha(real))
+    # without data.json (no recorded fingerprint) the run directory's side is still looked at first
+    (step.parent.parent / "data.json").unlink()
+    assert find_tokenizer(cfg, step) == tmp_path / "tok" / "tokenizer.json"
+
+
+def test_the_embedded_default_run_keeps_its_copy(tmp_path):
+    cfg, step = run_layout(tmp_path, "default", own="A", fingerprint=None)
+    assert find_tokenizer(cfg, step) == step.parent.parent / "tokenizer.json"
+
+
+def _tokenizer(folder: Path, vocab: int, words: str) -> Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator([words] * 20, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"
+
+
+def test_export_and_engine_use_the_runs_tokenizer_after_a_retrain(megatron_world, tmp_path):
+    """The tokenswap repro at unit scale: a checkpoint whose data folder's tokenizer was retrained
+    exports (and loads for eval/generate/rl) with the run's copy, and its vocabulary sets
+    ``tokenizer_vocab_size``."""
+    from megaloop.config import RunConfig
+    from megaloop.data.config import DataConfig
+    from megaloop.data.tokenizer import Tokenizer
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.hf.load import load_model
+    from megaloop.model.build import build_model
+    from megaloop.model.config import ModelConfig
+    from megaloop.train.checkpoint import CheckpointManager
+
+    tok = _tokenizer(tmp_path / "tok", 120, "hello world, looped models think longer")
+    manifest(tmp_path / "data", tok, sha(tok))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "tokenizer.json").write_bytes(tok.read_bytes())  # what training copies
+    vocab_a = Tokenizer(tok).vocab_size
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=0)
+    chunks, _ = build_model(cfg, vocab_size=256, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=1, ddp=False)
+    CheckpointManager(run / "checkpoints").save(4, chunks, None, common={
+        "step": 4, "config": RunConfig(model=cfg, data=DataConfig(path=str(tmp_path / "data"))).to_dict()})
+    _tokenizer(tmp_path / "tok", 60, "another corpus entirely")  # retrained into the same folder
+    assert Tokenizer(tok).vocab_size != vocab_a
+    rep = convert_to_hf(run, tmp_path / "hf", validate=False, log=lambda *_: None)
+    assert rep["tokenizer"] == str(run / "tokenizer.json") and rep["tokenizer_vocab_size"] == vocab_a
+    assert (tmp_path / "hf" / "tokenizer.json").read_text() == (run / "tokenizer.json").read_text()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tokenizer_vocab_size"] == vocab_a
+    model, source = load_model(run, validate=False)
+    assert source["tokenizer"] == str(run / "tokenizer.json") and model.config.tokenizer_vocab_size == vocab_a
+    # without the run's copy nothing valid is left: refused, and --tokenizer (eval, generate, rl, distill
+    # through load_model / InferenceEngine.load) is the way past it, setting the vocabulary too
+    good = tmp_path / "good_tokenizer.json"
+    good.write_bytes((run / "tokenizer.json").read_bytes())
+    (run / "tokenizer.json").unlink()
+    from megaloop.hf.convert import ConversionError
+    from megaloop.inference.engine import InferenceEngine
+
+    with pytest.raises(ConversionError, match="--tokenizer"):
+        load_model(run, validate=False)
+    model, source = load_model(run, validate=False, tokenizer=good)
+    assert source["tokenizer"] == str(good) and model.config.tokenizer_vocab_size == vocab_a
+    engine = InferenceEngine.load(run, validate=False, tokenizer=str(good))
+    assert engine.model.config.tokenizer_vocab_size == vocab_a
