@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-files-per-source", type=int, help="scan only the first N files per source")
     p.add_argument("--train-manifest", help="training manifest.json to check the holdout spec against")
     p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
-    p.add_argument("--compression", default="zstd", help="zstd (default) or none")
+    p.add_argument("--compression", default="zstd", help="shard compression: zstd (default), zstd:1-22, gz, bz2, br, snappy or none")
     p.add_argument("--no-progress", action="store_true")
     add_holdout_args(p)
     return p.parse_args(argv)

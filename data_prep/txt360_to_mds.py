@@ -69,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-upsample", help="per-bucket factors, e.g. 1-1=1,2-5=2,6-10=3")
     p.add_argument("--sources", help="comma-separated subset of sources to convert")
     p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
-    p.add_argument("--compression", default="zstd", help="shard compression: zstd (default) or none")
+    p.add_argument("--compression", default="zstd", help="shard compression: zstd (default), zstd:1-22, gz, bz2, br, snappy or none")
     p.add_argument("--shard-size", type=int, default=1 << 26, help="max shard bytes (default 64 MiB)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace a dataset in --out that was converted from another input or with other "

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Test suite: same install as the quickstart, then pytest (distributed tests launch torchrun over
-# gloo with up to 4 processes). Extra arguments go to pytest (e.g. -k tp -x).
+# gloo with up to 4 processes). Extra arguments go to pytest (e.g. -k tp -x, or test paths: tests/data -x).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/_setup.sh"
@@ -26,4 +26,9 @@ if [ -z "${MEGALOOP_TF5_PYTHON:-}" ]; then
   export MEGALOOP_TF5_PYTHON="$TF5_VENV/bin/python"
 fi
 export MEGALOOP_CACHE="${MEGALOOP_CACHE:-$ROOT/.cache/megaloop}"
-python -m pytest tests -q --timeout 900 --durations=25 "$@"
+# the whole suite, unless the arguments name test paths (bash launch/test.sh tests/data -x)
+TARGETS=(tests)
+for a in "$@"; do
+  if [[ "$a" != -* && -e "${a%%::*}" ]]; then TARGETS=(); break; fi
+done
+python -m pytest "${TARGETS[@]}" -q --timeout 900 --durations=25 "$@"

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "applied after the preset and before the overrides")
     t.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=20 model.injection=orthoinj")
     t.set_defaults(fn=cmd_train)
-    # eval ppl|sweep|fixed-point|harness and generate: the pure-PyTorch model loaded from a native
+    # eval ppl|sweep|states|copying|fixed-point|harness|synth and generate: the pure-PyTorch model loaded from a native
     # checkpoint of any TP/PP layout (see megaloop/inference/engine.py for why).
     from megaloop.eval.cli import add_eval_parser
     from megaloop.inference.generate_cli import add_generate_parser

@@ -38,8 +38,9 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
 
 
 def add_eval_parser(sub) -> None:
-    """Add ``eval`` (with ``ppl``, ``sweep``, ``fixed-point``, ``harness``) to ``sub``."""
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | fixed-point | harness | synth")
+    """Add ``eval`` (with ``ppl``, ``sweep``, ``states``, ``copying``, ``fixed-point``, ``harness``, ``synth``)."""
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | copying | fixed-point | harness | "
+                                     "synth")
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
@@ -64,6 +65,7 @@ def add_eval_parser(sub) -> None:
                                        "RMS of e and h, contraction")
     _common(p, decode=False)
     add_memory_option(p)
+    next(a for a in p._actions if a.dest == "depth").help = "deepest recurrence diagnosed (default 16)"
     p.set_defaults(fn=cmd_eval_states)
 
     p = esub.add_parser("copying", help="in-context copying: loss on random tokens at their first occurrence "

@@ -26,7 +26,7 @@ DEFAULT_VOCAB = 65536  # the README's presets table; model.vocab_size=0 means "f
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaloop plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="S", help="preset name or YAML path (as megaloop train)")
+    p.add_argument("--config", default="S", help="preset name or YAML path (as megaloop train; default S)")
     p.add_argument("--arm", default=None, help="a paper arm (megaloop/configs/arms.yaml)")
     p.add_argument("--cluster", default="h100",
                    help="h100 | h200 | b200 | a YAML path | auto (this machine's GPU; preflight skips without one)")
