@@ -497,6 +497,11 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
         tok_path = None
     if tok_path is not None:
         info = _tokenizer_info(tok_path)
+        if info["vocab_size"] > vocab and tokenizer:  # the user's --tokenizer: named as theirs
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"--tokenizer {tokenizer}: its vocabulary ({info['vocab_size']} tokens) is larger than "
+                              f"the model's ({vocab}), so it is not the tokenizer the model was trained with")
         if info["vocab_size"] > vocab:
             raise ConversionError(f"tokenizer {tok_path} has {info['vocab_size']} tokens but the checkpoint's "
                                   f"embedding has only {vocab} rows: wrong tokenizer (pass --tokenizer)")
