@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> None:
     _quiet()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
-        code = importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
+        try:
+            code = importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
+        except KeyboardInterrupt:  # Ctrl-C: one line and 130, as `megaloop train` (no traceback)
+            hint = " (continue from its last checkpoint with --resume)" if argv[0] in ("rl", "distill-prefill") else ""
+            print(f"megaloop {argv[0]}: interrupted{hint}", file=sys.stderr)
+            code = 130
         _record_exit(code or 0)
         sys.exit(code)
     args = parse_args(argv)

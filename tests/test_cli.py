@@ -28,3 +28,24 @@ def test_unknown_arm_exits_2_naming_it(capsys, monkeypatch):
         main(["train", "--arm", "no_such_arm", "--run-dir", "unused"])
     assert err.value.code == 2
     assert "--arm 'no_such_arm'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb, hint", [("rl", " (continue from its last checkpoint with --resume)"), ("plan", "")])
+def test_ctrl_c_in_a_delegated_verb_is_one_line_and_130(capsys, monkeypatch, tmp_path, verb, hint):
+    # rl, distill-prefill, plan, convert, ... run their own parsers: Ctrl-C there is no traceback either,
+    # and the status a launcher reads (MEGALOOP_EXIT_STATUS_FILE) is 130
+    import importlib
+
+    from megaloop.cli import DELEGATED
+
+    def interrupted(_argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(DELEGATED[verb][0]), "main", interrupted)
+    monkeypatch.setenv("MEGALOOP_EXIT_STATUS_FILE", str(tmp_path / "status"))
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit) as exc:
+        main([verb, "--help"])
+    assert exc.value.code == 130
+    assert capsys.readouterr().err == f"megaloop {verb}: interrupted{hint}\n"
+    assert (tmp_path / "status").read_text() == "130\n"
