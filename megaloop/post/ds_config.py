@@ -8,7 +8,10 @@ the single-process run with the same global batch:
   batch). Missing keys are filled; present ones must agree, else :class:`ConfigError` names the key;
 * ``gradient_clipping`` — from ``--clip-grad`` (0 = off);
 * the optimizer — AdamW built from ``--lr``/``--weight-decay`` and handed to ``deepspeed.initialize``;
-  an ``optimizer`` or ``scheduler`` section is rejected rather than silently ignored.
+  an ``optimizer`` or ``scheduler`` section is rejected rather than silently ignored;
+* the precision — the model's own dtype (FP32 by default): an ``fp16`` / ``bf16`` / ``amp`` section that
+  is enabled would change the numerics and the saved dtype (``fp16`` even skips steps on its loss
+  scaler's overflow), so it is rejected naming the section (``"enabled": false`` is accepted).
 
 ``zero_optimization.stage`` must be 0–3 (and among the stages the command supports). Shipped configs:
 ``megaloop/configs/deepspeed/zero{1,2,3}.json`` (``--deepspeed zero2`` names one of them).
@@ -73,6 +76,16 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
         if section in cfg:
             raise ConfigError(f"{label}: {section}: set from the command line (--lr, --weight-decay, schedule); "
                               "remove this section")
+    for section in ("fp16", "bf16", "bfloat16", "amp"):
+        body = cfg.get(section)
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{label}: {section}: must be an object, got {body!r}")
+        if body.get("enabled", False) not in (False, "false"):  # DeepSpeed: off unless "enabled"
+            raise ConfigError(f"{label}: {section}: mixed precision is not supported (the command line owns the "
+                              f"numerics: the model trains in its own dtype); remove this section or set "
+                              f'"enabled": false')
     if global_batch % world:
         raise ConfigError(f"{batch_flag}: the global batch {global_batch} is not divisible by the {world} processes")
     micro = global_batch // world

@@ -87,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.post.rl.io import check_out, model_tokenizer
 
+    _check_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -97,12 +98,15 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:  # DistillConfig's checks
         return report(err, "megaloop distill-prefill")
     args_out = Path(args.out)
+    _check_out_folder(args_out)
     ckpt = check_out(args_out, ("metrics.jsonl", "student.json"), "a student", resume=args.resume,
                      overwrite=args.overwrite)
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),
                                    clip_grad=cfg.clip_grad, batch_flag="--batch-size")
+    record = _run_record(args, cfg)
+    stored = _check_resume(ckpt, record) if args.resume else {}
     check_model_path(args.teacher, "--teacher")
     _check_data(args.data)
     info, device = init_post_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
@@ -131,8 +135,12 @@ def _run(args: argparse.Namespace) -> int:
         calib = [next(batches) for _ in range(cfg.calib_batches)]
     except (OSError, ValueError, KeyError, TypeError) as err:  # the --data file's content
         raise ConfigError(f"--data {args.data}: {str(err).splitlines()[0]}") from None
-    sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
-    say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
+    if stored.get("sigma2") is not None:  # the checkpoint's σ_T² (the calibration batches are still drawn)
+        sigma2 = float(stored["sigma2"])
+        say(f"sigma_T^2 = {sigma2:.6g} (from the checkpoint)")
+    else:
+        sigma2 = calibrate_sigma2(teacher, calib, cfg.depth)
+        say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
     student = PrefillStudent.from_teacher(teacher, args.num_layers, args.init_state, init=args.student_init,
                                           seed=cfg.seed)
     before = evaluate_student(teacher, student, eval_set, cfg, sigma2)
@@ -148,14 +156,25 @@ def _run(args: argparse.Namespace) -> int:
         client = engine.load(ckpt)
         if client is None:
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+        if isinstance(client.get("run"), dict) and not stored.get("run"):  # no sidecar file: check now
+            _compare_runs(client["run"], record, f"{ckpt}/{_latest_tag(ckpt)}")
         start = int(client["step"])
+        if client.get("sigma2") is not None:
+            sigma2 = float(client["sigma2"])
         say(f"resumed at step {start} from {ckpt}")
     saving = args.save_every or args.resume
+
+    def save(step: int) -> None:
+        tag = f"step{step:06d}"
+        engine.save(ckpt, tag, {"step": step, "sigma2": sigma2, "run": record})
+        if lead:  # readable before anything is loaded, so --resume checks its flags first
+            (ckpt / tag).mkdir(parents=True, exist_ok=True)
+            (ckpt / tag / RUN_FILE).write_text(json.dumps({"step": step, "sigma2": sigma2, "run": record}, indent=1))
+
     t0 = time.time()
     res = train_student(teacher, student, batches, cfg, sigma2=sigma2, metrics_path=args_out / "metrics.jsonl"
                         if lead else None, log=say, engine=engine, start_step=start, save_every=args.save_every,
-                        save=(lambda step: engine.save(ckpt, f"step{step:06d}", {"step": step, "sigma2": sigma2}))
-                        if saving else None)
+                        save=save if saving else None)
     state = engine.full_state_dict()
     final = PrefillStudent(teacher.config, student.num_layers, student.init_state).to(device)
     final.load_state_dict(state)
@@ -165,12 +184,121 @@ def _run(args: argparse.Namespace) -> int:
         save_student(final.cpu(), args_out, meta={
             "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
             "student_init": args.student_init, "teacher": source, "data": args.data, "config": config_dict(cfg),
-            "world_size": info.world, "deepspeed": None if ds_config is None else
+            "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
             {"config": args.deepspeed, "zero_stage": engine.stage},
             "train_seconds": round(time.time() - t0, 2), "eval_before": before, "eval_after": after,
             "final_train": res["history"][-1] if res["history"] else None})
         print(f"wrote {args_out}")
     return 0
+
+
+RUN_FILE = "distill_run.json"  # next to each checkpoint: its step, σ_T² and the run's flags
+
+# the flags a resumed run must keep (name in the run record -> the option); --steps may grow
+RESUME_FIELDS = {"teacher": "--teacher", "tokenizer": "--tokenizer", "data": "--data", "max_chars": "--max-chars",
+                 "depth": "--depth", "lambda_kl": "--lambda-kl/--no-kl-loss", "hidden_loss": "hidden_loss (--no-hidden-loss)",
+                 "batch_size": "--batch-size", "seq_len": "--seq-len", "lr": "--lr", "min_lr_ratio": "min_lr_ratio",
+                 "warmup": "--warmup", "weight_decay": "--weight-decay", "clip_grad": "--clip-grad",
+                 "calib_batches": "--calib-batches", "seed": "--seed", "num_layers": "--num-layers",
+                 "init_state": "--init-state", "student_init": "--student-init", "deepspeed": "--deepspeed"}
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse out-of-range numeric flags (one line naming the flag) before anything is loaded."""
+    import math
+
+    from megaloop.config_utils import ConfigError
+
+    def need(ok: bool, flag: str, what: str, value) -> None:
+        if not ok:
+            raise ConfigError(f"{flag}: must be {what}, got {value}")
+
+    need(math.isfinite(args.lr) and args.lr > 0, "--lr", "a finite number > 0", args.lr)
+    for flag, v in (("--lambda-kl", args.lambda_kl), ("--weight-decay", args.weight_decay),
+                    ("--clip-grad", args.clip_grad)):
+        need(math.isfinite(v) and v >= 0, flag, "a finite number >= 0", v)
+    for flag, v, lo in (("--depth", args.depth, 1), ("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1),
+                        ("--seq-len", args.seq_len, 2), ("--warmup", args.warmup, 0),
+                        ("--calib-batches", args.calib_batches, 1), ("--eval-batches", args.eval_batches, 1),
+                        ("--log-every", args.log_every, 1), ("--save-every", args.save_every, 0),
+                        ("--max-chars", args.max_chars, 0)):
+        need(v >= lo, flag, f">= {lo}", v)
+    if args.num_layers is not None:
+        need(args.num_layers >= 1, "--num-layers", ">= 1 (leave it out for the teacher's n_core)", args.num_layers)
+    if args.threads is not None:
+        need(args.threads >= 1, "--threads", ">= 1", args.threads)
+
+
+def _check_out_folder(out: Path) -> None:
+    """Refuse an ``--out`` that is (or lies under) a file, or that holds something other than a student."""
+    from megaloop.config_utils import ConfigError
+
+    for p in (out, *out.parents):
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"--out {out}: {'it' if p == out else p} is a file, not a folder")
+    if (out / "megaloop_rl.json").exists():
+        raise ConfigError(f"--out {out} holds an RL run (megaloop_rl.json, an HF model), not a student; "
+                          "choose another --out")
+    if (out / "config.json").exists():
+        raise ConfigError(f"--out {out} holds an HF model (config.json), not a student; choose another --out")
+
+
+def _run_record(args: argparse.Namespace, cfg) -> dict:
+    """The flags a checkpoint is tied to (stored with it; compared on --resume)."""
+    from megaloop.post.distill.prefill_student import config_dict
+
+    rec = {k: v for k, v in config_dict(cfg).items() if k in RESUME_FIELDS}
+    rec.update(teacher=str(Path(args.teacher).resolve()), tokenizer=args.tokenizer, data=args.data
+               if args.data == "default" else str(Path(args.data).resolve()), max_chars=args.max_chars,
+               num_layers=args.num_layers, init_state=args.init_state, student_init=args.student_init,
+               deepspeed=args.deepspeed, steps=cfg.steps)
+    return rec
+
+
+def _latest_tag(ckpt: Path) -> str | None:
+    f = ckpt / "latest"
+    return f.read_text().strip() if f.is_file() else None
+
+
+def _compare_runs(old: dict, new: dict, where: str) -> None:
+    from megaloop.config_utils import ConfigError
+
+    diffs = [f"{RESUME_FIELDS[k]} {old[k]!r} -> {new.get(k)!r}" for k in RESUME_FIELDS
+             if k in old and old[k] != new.get(k)]
+    if diffs:
+        raise ConfigError(f"--resume: {where} was trained with other flags: {', '.join(diffs)}; resume with the "
+                          "same flags (only --steps may grow) or start a fresh --out")
+
+
+def _check_resume(ckpt: Path, record: dict) -> dict:
+    """The latest checkpoint's stored state (``{"step", "sigma2", "run"}`` where known), after refusing
+    a --resume whose flags differ from the checkpoint's (or whose --steps is below its step)."""
+    from megaloop.config_utils import ConfigError
+
+    tag = _latest_tag(ckpt)
+    if tag is None:
+        raise ConfigError(f"--resume: no checkpoint in {ckpt} (no 'latest' file)")
+    stored: dict = {}
+    side = ckpt / tag / RUN_FILE
+    plain = ckpt / tag / "plain.pt"
+    if side.is_file():
+        try:
+            stored = json.loads(side.read_text())
+        except ValueError:
+            raise ConfigError(f"--resume: {side}: not valid JSON") from None
+    elif plain.is_file():  # an older single-process checkpoint: its client state
+        import torch
+
+        try:
+            stored = dict(torch.load(plain, map_location="cpu", weights_only=False).get("client_state") or {})
+        except Exception as err:  # noqa: BLE001 - a damaged file
+            raise ConfigError(f"--resume: {plain}: unreadable ({str(err).splitlines()[0] if str(err) else err!r})") from None
+    if isinstance(stored.get("run"), dict):
+        _compare_runs(stored["run"], record, f"{ckpt}/{tag}")
+    step = stored.get("step")
+    if isinstance(step, int) and record["steps"] < step:
+        raise ConfigError(f"--steps {record['steps']}: below the checkpoint's step {step} ({ckpt}/{tag})")
+    return stored
 
 
 def _check_data(data: str) -> None:

@@ -127,6 +127,14 @@ class DistillConfig:
             raise ValueError("depth, batch_size must be >= 1, seq_len >= 2 and steps >= 0")
         if self.lambda_kl < 0:
             raise ValueError(f"lambda_kl must be >= 0, got {self.lambda_kl}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.log_every < 1:
+            raise ValueError(f"log_every must be >= 1, got {self.log_every}")
+        if self.calib_batches < 1:
+            raise ValueError(f"calib_batches must be >= 1, got {self.calib_batches}")
         if not self.hidden_loss and self.lambda_kl == 0:
             raise ValueError("no loss term left: the hidden-state term is off and lambda_kl = 0")
 
@@ -268,6 +276,8 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
     for _ in range(start_step):
         next(batches)
     history = []
+    if metrics_path and start_step:
+        cut_metrics(metrics_path, start_step)
     f = open(metrics_path, "a") if metrics_path else None
     t0 = time.perf_counter()
     try:
@@ -290,8 +300,9 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
                 rec = {"step": step, "loss": loss_v, **terms, "grad_norm": gn, "lr": lr,
                        "seconds": time.perf_counter() - t0}
                 history.append(rec)
-                if f:
+                if f:  # flushed at once: a killed run keeps every step it finished (and all before a checkpoint)
                     f.write(json.dumps(rec) + "\n")
+                    f.flush()
                 if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
                     log(f"step {step:5d} loss={rec['loss']:.4f} hidden={terms['hidden']:.4f} kl={terms['kl']:.4f}")
                 if save is not None and (step + 1 == cfg.steps or (save_every and (step + 1) % save_every == 0)):
@@ -301,6 +312,24 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
         if f:
             f.close()
     return {"sigma2": sigma2, "history": history}
+
+
+def cut_metrics(path, step: int) -> int:
+    """Keep only the records of ``metrics.jsonl`` before ``step`` (a resume from the checkpoint of
+    ``step`` re-runs the later ones); returns how many are kept. A torn last line is dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+    return len(keep)
 
 
 # ----------------------------------------------------------------------------- prefill and decode

@@ -1,0 +1,117 @@
+"""``megaloop distill-prefill`` input checks: numeric flags and ``--out`` refused before the teacher
+loads, ``--resume`` tied to the checkpoint's flags and σ_T², metrics.jsonl flushed and cut back on
+resume, mixed-precision DeepSpeed sections refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaloop.config_utils import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _main(argv):
+    from megaloop.post.distill.cli import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--lr", "nan"), ("--lr", "0"), ("--lr", "inf"), ("--log-every", "0"), ("--calib-batches", "0"),
+    ("--eval-batches", "0"), ("--num-layers", "0"), ("--num-layers", "-1"), ("--warmup", "-1"),
+    ("--threads", "0"), ("--save-every", "-1"), ("--max-chars", "-1"), ("--clip-grad", "nan"),
+])
+def test_numeric_flags_refused_before_loading(tmp_path, capsys, flag, value):
+    """A teacher path that does not exist: the flag's check must come first."""
+    rc = _main(["--teacher", str(tmp_path / "missing"), "--out", str(tmp_path / "o"), flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and flag in err[0] and "missing" not in err[0], err
+    assert not (tmp_path / "o").exists()
+
+
+def test_out_file_or_rl_run_refused(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for out, want in ((f, "is a file"), (f / "sub", "is a file")):
+        assert _main(["--teacher", str(tmp_path / "missing"), "--out", str(out)]) == 2
+        assert want in capsys.readouterr().err
+    rl = tmp_path / "rl"
+    rl.mkdir()
+    (rl / "megaloop_rl.json").write_text("{}")
+    (rl / "metrics.jsonl").write_text("")
+    for extra in ([], ["--resume"], ["--overwrite"]):
+        assert _main(["--teacher", str(tmp_path / "missing"), "--out", str(rl), *extra]) == 2
+        err = capsys.readouterr().err
+        assert "holds an RL run (megaloop_rl.json" in err and "already holds a student" not in err, err
+
+
+def test_mixed_precision_deepspeed_sections_refused(tmp_path):
+    from megaloop.post.ds_config import load_ds_config
+
+    for section in ("fp16", "bf16", "bfloat16", "amp"):
+        p = tmp_path / f"{section}.json"
+        p.write_text(json.dumps({"zero_optimization": {"stage": 2}, section: {"enabled": True}}))
+        with pytest.raises(ConfigError, match=f": {section}: mixed precision"):
+            load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)
+        p.write_text(json.dumps({"zero_optimization": {"stage": 2}, section: {"enabled": False}}))
+        load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)  # switched off: fine
+
+
+def test_metrics_flushed_before_each_checkpoint_and_cut_on_resume(tmp_path):
+    from megaloop.post.distill.prefill_student import cut_metrics
+
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "lo')
+    assert cut_metrics(m, 4) == 4
+    assert [json.loads(line)["step"] for line in m.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def _args(hf_dir, text, out, *extra):
+    return ["--teacher", str(hf_dir), "--out", str(out), "--data", str(text), "--batch-size", "2", "--seq-len", "16",
+            "--calib-batches", "1", "--eval-batches", "1", "--depth", "2", "--warmup", "1", "--log-every", "1",
+            *extra]
+
+
+def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_path, capsys, monkeypatch):
+    import megaloop.post.distill.prefill_student as ps
+
+    _, hf_dir = tiny_teacher
+    text = tmp_path / "data.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "stud"
+    seen = []
+    real_train = ps.train_student
+
+    def spy(*a, save=None, metrics_path=None, **k):  # the metrics file holds every step before each save
+        def wrapped(step):
+            seen.append((step, len(metrics_path.read_text().splitlines())))
+            save(step)
+        return real_train(*a, save=wrapped if save else None, metrics_path=metrics_path, **k)
+
+    monkeypatch.setattr(ps, "train_student", spy)
+    assert _main(_args(hf_dir, text, out, "--steps", "4", "--save-every", "2")) == 0
+    assert seen == [(2, 2), (4, 4)]
+    full = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sigma2 = json.loads((out / "student.json").read_text())["sigma2"]
+    capsys.readouterr()
+
+    # changed flags: one line naming each field old -> new, before the teacher loads
+    monkeypatch.setattr("megaloop.hf.load.load_model", lambda *a, **k: pytest.fail("teacher loaded"))
+    rc = _main(_args(hf_dir, text, out, "--steps", "6", "--lr", "0.002", "--num-layers", "3", "--resume"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "--lr 0.001 -> 0.002" in err[0] and "--num-layers None -> 3" in err[0], err
+    assert _main(_args(hf_dir, text, out, "--steps", "3", "--resume")) == 2
+    assert "--steps 3" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    # resume from step 2 (as if killed after it): σ_T² from the checkpoint, metrics cut back to step 2
+    (out / "checkpoints" / "latest").write_text("step000002")
+    monkeypatch.setattr(ps, "calibrate_sigma2", lambda *a, **k: pytest.fail("recalibrated on resume"))
+    assert _main(_args(hf_dir, text, out, "--steps", "4", "--resume")) == 0
+    again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in full], rel=1e-5)
+    assert json.loads((out / "student.json").read_text())["sigma2"] == sigma2
