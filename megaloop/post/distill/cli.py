@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     args_out = Path(args.out)
     _check_out_folder(args_out)
     ckpt = check_out(args_out, ("metrics.jsonl", "student.json"), "a student", resume=args.resume,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, model=args.teacher, model_flag="--teacher")
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),

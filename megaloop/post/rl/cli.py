@@ -107,11 +107,14 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.rl.io import check_out, model_tokenizer, save_hf
     from megaloop.post.rl.tasks import make_task
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     try:
         if args.reward_workers < 1:
             raise ValueError(f"--reward-workers must be >= 1, got {args.reward_workers}")
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        if args.save_every < 0:
+            raise ValueError(f"--save-every must be >= 0 (0: no periodic checkpoints), "
+                             f"got {args.save_every}")
         cfg = GRPOConfig(arm=args.arm, depth=args.depth, neumann_b=args.neumann_b,
                          bptt_window=args.bptt_window, group_size=args.group_size, prompts_per_step=args.prompts,
                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -123,9 +126,12 @@ def _run(args: argparse.Namespace) -> int:
                          reward_mode=args.reward_mode)
     except ValueError as err:  # GRPOConfig / task options (a UserError or a plain ValueError)
         return report(err, "megaloop rl")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
-    ckpt = check_out(out, ("metrics.jsonl", "megaloop_rl.json"), "a run", resume=args.resume, overwrite=args.overwrite)
+    ckpt = check_out(out, ("metrics.jsonl", "megaloop_rl.json"), "a run", resume=args.resume, overwrite=args.overwrite,
+                     model=args.model)
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
@@ -146,12 +152,15 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.time()
     engine = make_engine(model, ds_config, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                          clip_grad=cfg.clip_grad)
-    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine)
+    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine,
+                          meta={"task": args.task, "reward_mode": args.reward_mode})
     if args.resume:
         if not trainer.load(ckpt):
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
         if lead:
-            print(f"resumed at step {trainer.step_no} from {ckpt}")
+            cut = truncate_metrics(metrics, trainer.step_no)
+            print(f"resumed at step {trainer.step_no} from {ckpt}"
+                  + (f" (dropped {cut} record(s) of later steps from {metrics.name})" if cut else ""))
     history = trainer.train(metrics_path=metrics if lead else None,
                             save_dir=ckpt if (args.save_every or args.resume) else None, save_every=args.save_every)
     policy = engine.full_state_dict()
@@ -170,6 +179,31 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
     print(f"wrote {out}")
     return 0
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Keep the records of ``path`` (``metrics.jsonl``) before ``step`` (those of steps after the
+    checkpoint being resumed, which will be redone, and any torn last line go); returns how many went."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            keep = isinstance(rec, dict) and int(rec["step"]) < step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(k + "\n" for k in kept))
+        tmp.replace(path)
+    return dropped
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,35 @@ class GRPOConfig:
             raise ValueError("group_size must be >= 2 (advantages are normalised within a group)")
         if self.depth < 1 or self.neumann_b < 1 or self.max_new_tokens < 1:
             raise ValueError("depth, neumann_b and max_new_tokens must be >= 1")
+        self._check_numbers()
+
+    def _check_numbers(self) -> None:
+        """Every numeric field in range; the messages name the ``megaloop rl`` flag too."""
+        def bad(name: str, flag: str, want: str, got) -> ValueError:
+            return ValueError(f"{flag} ({name}) must be {want}, got {got!r}")
+
+        def finite(x) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if self.prompts_per_step < 1:
+            raise bad("prompts_per_step", "--prompts", ">= 1", self.prompts_per_step)
+        if self.steps < 1:
+            raise bad("steps", "--steps", ">= 1", self.steps)
+        if self.top_k is not None and self.top_k < 0:
+            raise bad("top_k", "--top-k", ">= 0 (0 or unset: no top-k cut)", self.top_k)
+        if not (finite(self.temperature) and self.temperature > 0):
+            raise bad("temperature", "--temperature", "finite and > 0 (greedy sampling makes every "
+                      "completion of a group equal: no advantage)", self.temperature)
+        if not (finite(self.lr) and self.lr > 0):
+            raise bad("lr", "--lr", "finite and > 0", self.lr)
+        if not (finite(self.weight_decay) and self.weight_decay >= 0):
+            raise bad("weight_decay", "--weight-decay", "finite and >= 0", self.weight_decay)
+        if not (finite(self.kl_coef) and self.kl_coef >= 0):
+            raise bad("kl_coef", "--kl-coef", "finite and >= 0", self.kl_coef)
+        if self.clip_grad is not None and not (finite(self.clip_grad) and self.clip_grad >= 0):
+            raise bad("clip_grad", "--clip-grad", "finite and >= 0 (0: no clipping)", self.clip_grad)
+        if self.bptt_window is not None and not 1 <= self.bptt_window <= self.depth:
+            raise bad("bptt_window", "--bptt-window", f"between 1 and --depth ({self.depth})", self.bptt_window)
 
 
 @dataclass
@@ -254,7 +284,9 @@ class GRPOTrainer:
     ``(seed, step)``, so resuming at a step replays the uninterrupted run."""
 
     def __init__(self, model, tokenizer: TextTokenizer, task: Task, cfg: GRPOConfig,
-                 log: Callable[[str], None] | None = print, engine=None):
+                 log: Callable[[str], None] | None = print, engine=None, meta: dict | None = None):
+        """``meta``: more settings of the run that change its training (``megaloop rl``: the task
+        spec, the reward mode), stored in every checkpoint and checked on :meth:`load` with the config."""
         from megaloop.post.engine import PlainEngine
 
         if cfg.kl_coef > 0:
@@ -269,6 +301,7 @@ class GRPOTrainer:
                              f"{self.engine.world} processes")
         self.tokenizer, self.task, self.cfg = tokenizer, task, cfg
         self.log = log
+        self.meta = dict(meta or {})
         self.step_no = 0
         self._bind()
 
@@ -355,13 +388,24 @@ class GRPOTrainer:
 
     def save(self, directory: str | Path) -> None:
         """Checkpoint (engine state + step) under ``directory/step{N:06d}``."""
-        self.engine.save(directory, f"step{self.step_no:06d}", {"step": self.step_no, "config": config_dict(self.cfg)})
+        self.engine.save(directory, f"step{self.step_no:06d}",
+                         {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta})
 
     def load(self, directory: str | Path, tag: str | None = None) -> bool:
-        """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none."""
+        """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none.
+        :class:`~megaloop.config_utils.ConfigError` when the checkpoint was trained with another
+        setting that changes the training (:func:`resume_changes`; ``steps`` may grow)."""
+        from megaloop.config_utils import ConfigError
+
         client = self.engine.load(directory, tag)
         if client is None:
             return False
+        changes = resume_changes({**(client.get("config") or {}), **(client.get("meta") or {})},
+                                 {**config_dict(self.cfg), **self.meta})
+        if changes:
+            raise ConfigError(f"--resume: the checkpoint in {directory} was trained with other settings: "
+                              + "; ".join(changes) + " (only --steps may change on --resume; "
+                              "use a new --out or --overwrite to train with these)")
         self.step_no = int(client["step"])
         self._bind()
         return True
@@ -406,5 +450,29 @@ def config_dict(cfg: GRPOConfig) -> dict:
     return d
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutBatch", "completion_logprobs", "config_dict",
+# settings a resumed run may change: the number of steps (how a run is extended) and the log cadence
+RESUME_FREE = ("steps", "log_every")
+# the megaloop rl flag of each stored setting, for the messages
+FLAGS = {"prompts_per_step": "--prompts", "scale_rewards": "--no-scale-rewards", "betas": "betas"}
+
+
+def resume_changes(old: dict, new: dict) -> list[str]:
+    """``"--flag old → new"`` for each training setting that differs between a checkpoint's stored
+    settings ``old`` and this run's ``new`` (keys missing from ``old``, older checkpoints, are not compared)."""
+    def norm(v):
+        return list(v) if isinstance(v, tuple) else v
+
+    out = []
+    for key, value in new.items():
+        if key in RESUME_FREE or key not in old or norm(old[key]) == norm(value):
+            continue
+        if isinstance(old[key], (int, float)) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool) and float(old[key]) == float(value):
+            continue
+        flag = FLAGS.get(key, "--" + key.replace("_", "-"))
+        out.append(f"{flag} {old[key]!r} → {value!r}")
+    return out
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutBatch", "completion_logprobs", "config_dict", "resume_changes",
            "generate_with_endpoints", "group_advantages", "rollout", "surrogate_loss", "train"]

@@ -52,14 +52,41 @@ def add_run_folder_args(p, stages: str, what: str) -> None:
                    help=f"replace the {what} already in --out; without it such an --out is refused")
 
 
-def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, overwrite: bool) -> Path:
+MODEL_FILES = ("model.safetensors", "config.json", "pytorch_model.bin", "model.safetensors.index.json")
+
+
+def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, overwrite: bool,
+              model: str | Path | None = None, model_flag: str = "--model") -> Path:
     """``out/checkpoints`` of a run folder (``--out``); :class:`ConfigError` first when ``--out``
-    already holds ``what`` (one of ``markers``) without ``--resume`` / ``--overwrite``, when both
-    are given, or when ``--resume`` finds no checkpoint."""
+    is (or lies under) a file, when it already holds ``what`` (one of ``markers``) without
+    ``--resume`` / ``--overwrite``, when both are given, or when ``--resume`` finds no checkpoint.
+    With ``model`` (the input model's path) also when ``--out`` is that same folder, or holds
+    model weights (:data:`MODEL_FILES`) but none of ``markers``: a model folder that is no run,
+    which ``--overwrite`` would destroy."""
     from megaloop.config_utils import ConfigError
 
+    out = Path(out)
+    for p in (out, *out.parents):
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                where = "is a file" if p == out else f"lies under {p}, which is a file"
+                raise ConfigError(f"--out {out} {where}; give a folder")
+            break
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
+    if model is not None:
+        try:
+            same = Path(model).exists() and out.resolve() == Path(model).resolve()
+        except OSError:
+            same = False
+        if same:
+            raise ConfigError(f"--out {out} is {model_flag} {model}: writing there would overwrite the "
+                              "input model; give another --out")
+        held = [m for m in MODEL_FILES if (out / m).exists()]
+        if held and not any((out / m).exists() for m in markers):
+            raise ConfigError(f"--out {out} holds a model ({' / '.join(held)}) but no marker of {what} "
+                              f"({' / '.join(markers)}); refusing to overwrite it (--overwrite only replaces "
+                              f"{what}): give another --out")
     if not resume and not overwrite and any((out / m).exists() for m in markers):
         raise ConfigError(f"--out {out} already holds {what} ({' / '.join(markers)}); pass --resume to continue "
                           "it or --overwrite to replace it")

@@ -1,0 +1,141 @@
+"""``megaloop rl`` inputs checked before anything loads or is written: an ``--out`` that is the
+input model, holds another model or is a file; out-of-range numeric flags; ``--resume`` with
+settings that change the training; and ``metrics.jsonl`` cut back to the resumed checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megaloop.post.rl.cli import main as rl_main
+
+
+def _fake_hf(path):
+    """An HF-looking folder (config.json + weights file) that is never loaded by these tests."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "megaloop"}))
+    (path / "model.safetensors").write_bytes(b"weights")
+    return path
+
+
+def _one_error_line(capsys) -> str:
+    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert len(err) == 1, err
+    return err[0]
+
+
+def _argv(model, out, *extra):
+    return ["--model", str(model), "--out", str(out), "--steps", "2", "--group-size", "2", "--prompts", "1",
+            "--depth", "2", "--neumann-b", "2", "--device", "cpu", *extra]
+
+
+@pytest.mark.parametrize("extra", [(), ("--overwrite",)])
+def test_out_equal_to_model_is_refused_untouched(tmp_path, capsys, extra):
+    model = _fake_hf(tmp_path / "m")
+    for out in (model, tmp_path / "m" / ".", tmp_path / "x" / ".." / "m"):
+        assert rl_main(_argv(model, out, *extra)) == 2
+        line = _one_error_line(capsys)
+        assert "is --model" in line and "overwrite the input model" in line, line
+    assert (model / "model.safetensors").read_bytes() == b"weights"
+    assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize("extra", [(), ("--overwrite",)])
+def test_out_holding_another_model_is_refused(tmp_path, capsys, extra):
+    model = _fake_hf(tmp_path / "m")
+    other = _fake_hf(tmp_path / "other")
+    assert rl_main(_argv(model, other, *extra)) == 2
+    line = _one_error_line(capsys)
+    assert f"--out {other} holds a model" in line and "metrics.jsonl" in line, line
+    assert (other / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_out_that_is_or_lies_under_a_file(tmp_path, capsys):
+    model = _fake_hf(tmp_path / "m")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert rl_main(_argv(model, afile)) == 2
+    assert f"--out {afile} is a file" in _one_error_line(capsys)
+    assert rl_main(_argv(model, afile / "sub" / "deeper")) == 2
+    assert f"lies under {afile}, which is a file" in _one_error_line(capsys)
+    assert afile.read_text() == "x"
+
+
+BAD_FLAGS = [
+    (("--prompts", "0"), "--prompts"), (("--prompts", "-1"), "--prompts"), (("--top-k", "-1"), "--top-k"),
+    (("--temperature", "nan"), "--temperature"), (("--temperature", "inf"), "--temperature"),
+    (("--temperature", "0"), "--temperature"), (("--temperature", "-1"), "--temperature"),
+    (("--lr", "nan"), "--lr"), (("--lr", "0"), "--lr"), (("--lr=-1e-5",), "--lr"), (("--lr", "inf"), "--lr"),
+    (("--threads", "0"), "--threads"), (("--threads", "-2"), "--threads"),
+    (("--steps", "0"), "--steps"), (("--steps", "-1"), "--steps"), (("--save-every", "-1"), "--save-every"),
+    (("--clip-grad", "-1"), "--clip-grad"), (("--clip-grad", "nan"), "--clip-grad"),
+    (("--clip-grad", "inf"), "--clip-grad"), (("--bptt-window", "0"), "--bptt-window"),
+    (("--bptt-window", "-1"), "--bptt-window"), (("--arm", "bptt", "--bptt-window", "3"), "--bptt-window"),
+    (("--weight-decay", "nan"), "--weight-decay"), (("--kl-coef", "-1"), "--kl-coef"),
+]
+
+
+@pytest.mark.parametrize("extra,flag", BAD_FLAGS)
+def test_bad_numeric_flag_exits_2_naming_it_before_loading(tmp_path, capsys, extra, flag):
+    model = _fake_hf(tmp_path / "m")  # not loadable: reaching the load would fail differently
+    out = tmp_path / "out"
+    assert rl_main(_argv(model, out, *extra)) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"megaloop rl: error: {flag}"), line
+    assert not out.exists()
+
+
+def test_in_range_edges_are_accepted_by_the_config():
+    from megaloop.post.rl.grpo import GRPOConfig
+
+    GRPOConfig(depth=3, bptt_window=3, top_k=0, clip_grad=0.0, prompts_per_step=1, steps=1)
+    GRPOConfig(depth=3, bptt_window=1, top_k=None, clip_grad=None)
+
+
+@pytest.mark.parametrize("extra,flag", [(("--prompts", "0"), "--prompts"), (("--temperature", "nan"), "--temperature")])
+def test_grad_check_bad_flags(tmp_path, capsys, extra, flag):
+    model = _fake_hf(tmp_path / "m")
+    assert rl_main(["grad-check", "--model", str(model), "--device", "cpu", *extra]) == 2
+    assert _one_error_line(capsys).startswith(f"megaloop rl: error: {flag}")
+
+
+def test_resume_changes_lists_training_fields_only():
+    from megaloop.post.rl.grpo import GRPOConfig, config_dict, resume_changes
+
+    old = {**config_dict(GRPOConfig(steps=2)), "task": "arithmetic"}
+    assert resume_changes(old, {**config_dict(GRPOConfig(steps=50)), "task": "arithmetic"}) == []
+    new = {**config_dict(GRPOConfig(steps=2, lr=1e-3, group_size=4, prompts_per_step=3, top_k=5,
+                                    scale_rewards=False)), "task": "arithmetic-pm"}
+    changes = resume_changes(old, new)
+    assert changes == ["--group-size 8 → 4", "--prompts 4 → 3", "--top-k None → 5", "--no-scale-rewards True → False",
+                       "--lr 1e-05 → 0.001", "--task 'arithmetic' → 'arithmetic-pm'"], changes
+    assert resume_changes({"lr": 1e-5}, new) == ["--lr 1e-05 → 0.001"]  # keys an old checkpoint lacks: skipped
+
+
+def test_resume_refuses_changed_flags_and_cuts_metrics(tiny_teacher, tmp_path, capsys):
+    _, hf_dir = tiny_teacher
+    out = tmp_path / "rl"
+
+    def run(steps, *extra):
+        return rl_main(["--model", str(hf_dir), "--out", str(out), "--steps", str(steps), "--group-size", "2",
+                        "--prompts", "1", "--max-new-tokens", "3", "--depth", "2", "--neumann-b", "2",
+                        "--device", "cpu", "--save-every", "1", *extra])
+
+    assert run(2) == 0
+    metrics = out / "metrics.jsonl"
+    before = metrics.read_text()
+    capsys.readouterr()
+    assert run(3, "--resume", "--lr", "1e-3", "--group-size", "4", "--task", "arithmetic-pm") == 2
+    line = _one_error_line(capsys)
+    assert "--lr 1e-05 → 0.001" in line and "--group-size 2 → 4" in line and "--task 'arithmetic' → 'arithmetic-pm'" \
+        in line, line
+    assert metrics.read_text() == before
+    # an interrupt after step 1's record but before its checkpoint: the record is dropped and redone once
+    (out / "checkpoints" / "latest").write_text("step000001")
+    with metrics.open("a") as f:
+        f.write('{"step": 2, "torn')
+    assert run(3, "--resume") == 0
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
+    assert steps == [0, 1, 2], steps
+    assert "dropped 2 record(s)" in capsys.readouterr().out
