@@ -54,16 +54,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _first_missing(path: Path) -> Path | None:
-    """The topmost ancestor-or-self of ``path`` that does not exist yet (None: ``path`` exists)."""
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing = p
-    return missing
-
-
 def _remove_created(created: Path, out: Path) -> None:
     """After a failed run: remove ``created``, the folder this run made for ``--out`` (``out`` or a
     folder above it), unless another build holds ``out``'s lock (it then owns what is inside)."""
@@ -89,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
     from megaloop.data.txt360 import HoldoutSpec
 
-    created = _first_missing(Path(os.path.abspath(args.out)))  # removed again if this run fails
+    from megaloop.data._fsutil import first_missing
+
+    created = first_missing(Path(os.path.abspath(args.out)))  # removed again if this run fails
     ok = False
     try:
         tokenizer = args.tokenizer

@@ -60,16 +60,6 @@ def check_args(args: argparse.Namespace) -> None:
         raise DataError(f"--out {out}: {out / 'tokenizer.json'} is not a file")
 
 
-def _first_missing(path: Path) -> Path | None:
-    """The topmost ancestor-or-self of ``path`` that does not exist yet (None: it exists)."""
-    missing = None
-    for p in (path, *path.parents):
-        if p.exists():
-            break
-        missing = p
-    return missing
-
-
 def publish(tmp: Path, out: Path, overwrite: bool, shown: str | Path | None = None) -> None:
     """Move the files trained into ``tmp`` into ``out`` (tokenizer.json last); a different
     tokenizer.json already there is refused (DataError naming both sha256) unless ``overwrite``."""
@@ -96,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(os.path.abspath(args.out))
     tmp = out.parent / f".{out.name}.train_tokenizer-tmp-{os.getpid()}"
-    created = _first_missing(out.parent)  # folders above --out this run creates: removed again on failure
+    from megaloop.data._fsutil import first_missing
+
+    created = first_missing(out.parent)  # folders above --out this run creates: removed again on failure
     path, ok = out / "tokenizer.json", False
     try:
         check_args(args)

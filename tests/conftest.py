@@ -83,3 +83,19 @@ def tiny_teacher(tmp_path_factory):
         return cached_teacher(tmp_path_factory.getbasetemp())
     finally:
         torch.set_num_threads(n)
+
+
+def bpe_tokenizer(folder: Path, vocab: int = 120, words: str = "hello world, looped models think longer") -> Path:
+    """``folder/tokenizer.json``: a tiny BPE tokenizer trained on ``words`` (< 250 ids) with
+    megaloop's special tokens first (ids 0, 1, 2: eos, bos, pad)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator([words] * 20, trainer=trainer)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder / "tokenizer.json"

@@ -53,3 +53,14 @@ def json_sha(obj: Any) -> str:
 def rmtree_quiet(path: str | Path) -> None:
     """``shutil.rmtree`` that ignores a missing path."""
     shutil.rmtree(path, ignore_errors=True)
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost ancestor-or-self of ``path`` that does not exist yet (None: ``path`` exists): what
+    a ``mkdir -p`` of ``path`` would create, so a failed run can remove exactly that."""
+    missing = None
+    for p in (Path(path), *Path(path).parents):
+        if p.exists():
+            break
+        missing = p
+    return missing

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from megaloop.config_utils import ConfigError
+from tests.conftest import bpe_tokenizer
 
 SOURCES = ("arxiv", "code", "web")
 
@@ -106,19 +107,6 @@ def test_prefix_len_is_checked_on_the_cli(cli, trained_run, tmp_path, monkeypatc
     assert code == 2 and "--prefix-len: must be in [1, 126] for 128-token sequences" in err, err
 
 
-def _tokenizer(folder: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=100, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
-                                  show_progress=False)
-    tok.train_from_iterator(["a custom tokenizer for this run"] * 20, trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
-
-
 def test_the_default_sets_refusal_suggests_the_runs_val_path(cli, trained_run, tmp_path):
     """A run trained with its own tokenizer, evaluated without --data: the embedded default set
     (another tokenizer) is refused, naming the run's data.val_path as the --data to pass."""
@@ -126,7 +114,7 @@ def test_the_default_sets_refusal_suggests_the_runs_val_path(cli, trained_run, t
 
     run = tmp_path / "exp" / "runs" / "custom"
     shutil.copytree(trained_run / "checkpoints", run / "checkpoints")
-    shutil.copyfile(_tokenizer(tmp_path / "tok"), run / "tokenizer.json")  # what training copies
+    shutil.copyfile(bpe_tokenizer(tmp_path / "tok", 100, "a custom tokenizer for this run"), run / "tokenizer.json")  # what training copies
     val = write_val_set(tmp_path / "exp" / "data" / "val")
     cfg = yaml.safe_load((trained_run / "config.yaml").read_text())
     cfg["data"]["val_path"] = "data/val"  # relative to where training ran (tmp_path/exp)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from megaloop.hf.convert import ConversionError, find_tokenizer
+from tests.conftest import bpe_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -99,19 +100,6 @@ def test_the_embedded_default_run_keeps_its_copy(tmp_path):
     assert find_tokenizer(cfg, step) == step.parent.parent / "tokenizer.json"
 
 
-def _tokenizer(folder: Path, vocab: int, words: str) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
-                                  show_progress=False)
-    tok.train_from_iterator([words] * 20, trainer=trainer)
-    folder.mkdir(parents=True, exist_ok=True)
-    tok.save(str(folder / "tokenizer.json"))
-    return folder / "tokenizer.json"
-
-
 def test_export_and_engine_use_the_runs_tokenizer_after_a_retrain(megatron_world, tmp_path):
     """The tokenswap repro at unit scale: a checkpoint whose data folder's tokenizer was retrained
     exports (and loads for eval/generate/rl) with the run's copy, and its vocabulary sets
@@ -125,7 +113,7 @@ def test_export_and_engine_use_the_runs_tokenizer_after_a_retrain(megatron_world
     from megaloop.model.config import ModelConfig
     from megaloop.train.checkpoint import CheckpointManager
 
-    tok = _tokenizer(tmp_path / "tok", 120, "hello world, looped models think longer")
+    tok = bpe_tokenizer(tmp_path / "tok", 120, "hello world, looped models think longer")
     manifest(tmp_path / "data", tok, sha(tok))
     run = tmp_path / "run"
     run.mkdir()
@@ -135,7 +123,7 @@ def test_export_and_engine_use_the_runs_tokenizer_after_a_retrain(megatron_world
     chunks, _ = build_model(cfg, vocab_size=256, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=1, ddp=False)
     CheckpointManager(run / "checkpoints").save(4, chunks, None, common={
         "step": 4, "config": RunConfig(model=cfg, data=DataConfig(path=str(tmp_path / "data"))).to_dict()})
-    _tokenizer(tmp_path / "tok", 60, "another corpus entirely")  # retrained into the same folder
+    bpe_tokenizer(tmp_path / "tok", 60, "another corpus entirely")  # retrained into the same folder
     assert Tokenizer(tok).vocab_size != vocab_a
     rep = convert_to_hf(run, tmp_path / "hf", validate=False, log=lambda *_: None)
     assert rep["tokenizer"] == str(run / "tokenizer.json") and rep["tokenizer_vocab_size"] == vocab_a

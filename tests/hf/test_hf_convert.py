@@ -11,12 +11,11 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_torchrun
+from tests.conftest import ROOT, bpe_tokenizer, run_torchrun
 
 TOL = 1e-4
 VOCAB = 250  # padded to 256
@@ -39,20 +38,6 @@ VARIANTS = {  # name -> ModelConfig overrides
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def make_tokenizer(path: Path) -> Path:
-    """A tiny BPE tokenizer.json (< 250 ids) with megaloop's special tokens (ids 0, 1, 2)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<|endoftext|>", "<|bos|>", "<|pad|>", "<unk>"],
-                                  show_progress=False)
-    tok.train_from_iterator(["hello world, looped models think longer"] * 20, trainer=trainer)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.save(str(path / "tokenizer.json"))
-    return path / "tokenizer.json"
 
 
 @torch.no_grad()
@@ -82,7 +67,7 @@ def converted(megatron_world, tmp_path_factory):
     from megaloop.train.checkpoint import CheckpointManager
 
     root = tmp_path_factory.mktemp("hfconv")
-    tok = make_tokenizer(root / "tok")
+    tok = bpe_tokenizer(root / "tok")
     dataset = root / "dataset"  # the run's data manifest points at the tokenizer
     dataset.mkdir()
     (dataset / "manifest.json").write_text(json.dumps({"vocab_size": VOCAB, "tokenizer": {
