@@ -72,6 +72,7 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
     if stage not in stages:
         raise ConfigError(f"{label}: zero_optimization.stage: {stage} is not supported by this command "
                           f"(supported: {', '.join(map(str, stages))})")
+    _check_zero_section(label, zero)
     for section in ("optimizer", "scheduler"):
         if section in cfg:
             raise ConfigError(f"{label}: {section}: set from the command line (--lr, --weight-decay, schedule); "
@@ -98,3 +99,19 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
     cfg.setdefault("steps_per_print", 10**9)
     cfg["zero_optimization"] = {**zero, "stage": stage}
     return cfg
+
+
+def _check_zero_section(label: str, zero: dict) -> None:
+    """DeepSpeed's own validation of ``zero_optimization`` (unknown keys, wrong types), before the
+    model loads: its pydantic error would otherwise come as a traceback from ``deepspeed.initialize``."""
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # DeepSpeed not installed: the engine reports that itself
+        return
+    try:
+        DeepSpeedZeroConfig(**zero)
+    except Exception as err:  # noqa: BLE001 - pydantic's ValidationError (its import path varies)
+        errors = getattr(err, "errors", None)
+        items = errors() if callable(errors) else []
+        what = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in items) or str(err)
+        raise ConfigError(f"{label}: zero_optimization: {what}") from None

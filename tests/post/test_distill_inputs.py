@@ -60,6 +60,19 @@ def test_mixed_precision_deepspeed_sections_refused(tmp_path):
         load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)  # switched off: fine
 
 
+def test_a_zero_section_deepspeed_rejects_is_refused_up_front(tmp_path):
+    # DeepSpeed's own check of zero_optimization, before the model loads (it was a pydantic traceback
+    # from deepspeed.initialize, after loading)
+    from megaloop.post.ds_config import load_ds_config
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2, "bogus_key": 1}}))
+    with pytest.raises(ConfigError, match=r"ds.json: zero_optimization: bogus_key: Extra inputs are not permitted"):
+        load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}}))
+    assert load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)["zero_optimization"]["overlap_comm"]
+
+
 def test_metrics_flushed_before_each_checkpoint_and_cut_on_resume(tmp_path):
     from megaloop.post.distill.prefill_student import cut_metrics
 

@@ -139,3 +139,25 @@ def test_resume_refuses_changed_flags_and_cuts_metrics(tiny_teacher, tmp_path, c
     steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
     assert steps == [0, 1, 2], steps
     assert "dropped 2 record(s)" in capsys.readouterr().out
+    # the summary covers the whole run, also when a finished run is resumed again (a resubmitted job)
+    records = [json.loads(l) for l in metrics.read_text().splitlines()]
+    summary = json.loads((out / "megaloop_rl.json").read_text())
+    assert summary["final"] == records[-1] and summary["reward_mean_first"] == records[0]["reward_mean"]
+    assert run(3, "--resume") == 0
+    again = json.loads((out / "megaloop_rl.json").read_text())
+    assert {k: again[k] for k in ("final", "reward_mean_first", "reward_mean_last")} == \
+        {k: summary[k] for k in ("final", "reward_mean_first", "reward_mean_last")}
+    assert again["seconds"] >= summary["seconds"]
+
+
+def test_rope_extrapolation_is_warned(capsys):
+    from types import SimpleNamespace
+
+    from megaloop.post.rl.io import warn_rope_extrapolation
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=128))
+    assert not warn_rope_extrapolation(model, 128, "x")
+    assert warn_rope_extrapolation(model, 201, "completions of --max-new-tokens 200")
+    assert capsys.readouterr().err == ("warning: completions of --max-new-tokens 200 reach 201 positions, past the "
+                                       "training seq_len 128: RoPE positions 128..200 were never trained and are "
+                                       "extrapolated\n")

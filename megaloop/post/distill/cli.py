@@ -85,7 +85,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
-    from megaloop.post.rl.io import check_out, model_tokenizer
+    from megaloop.post.rl.io import check_out, model_tokenizer, warn_rope_extrapolation
 
     _check_flags(args)
     if args.threads:
@@ -116,6 +116,7 @@ def _run(args: argparse.Namespace) -> int:
     teacher, source = load_model(args.teacher, tokenizer=args.tokenizer)
     if not teacher.config.looped:
         raise ConfigError(f"--teacher {args.teacher}: not a looped model")
+    warn_rope_extrapolation(teacher, args.seq_len, f"--seq-len {args.seq_len} sequences")
     tok = model_tokenizer(args.tokenizer, args.teacher, source)
     if tok is None:
         raise ConfigError(f"--teacher {args.teacher}: no tokenizer found; pass --tokenizer")

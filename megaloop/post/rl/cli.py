@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
-    from megaloop.post.rl.io import check_out, model_tokenizer, save_hf
+    from megaloop.post.rl.io import check_out, model_tokenizer, save_hf, warn_rope_extrapolation
     from megaloop.post.rl.tasks import make_task
 
     try:
@@ -143,6 +143,7 @@ def _run(args: argparse.Namespace) -> int:
     tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
         raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")
+    warn_rope_extrapolation(model, args.max_new_tokens + 1, f"completions of --max-new-tokens {args.max_new_tokens}")
     model.to(device)
     lead = info.rank == 0
     if lead:
@@ -168,7 +169,18 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     model.load_state_dict(policy)
     model.config.num_recurrences = cfg.depth
-    summary = {"source": source, "task": args.task, "config": config_dict(cfg), "seconds": round(time.time() - t0, 2),
+    # the whole run's records (a resumed run's history holds only the steps it ran; metrics.jsonl was
+    # cut back to the checkpoint, so it holds every step once) and its time over every start
+    if args.resume and metrics.is_file():
+        history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    before = 0.0
+    if args.resume and (out / "megaloop_rl.json").is_file():
+        try:
+            before = float(json.loads((out / "megaloop_rl.json").read_text()).get("seconds") or 0.0)
+        except (ValueError, TypeError, AttributeError):
+            before = 0.0
+    summary = {"source": source, "task": args.task, "config": config_dict(cfg),
+               "seconds": round(before + time.time() - t0, 2),
                "world_size": info.world, "deepspeed": None if ds_config is None else
                {"config": args.deepspeed, "zero_stage": engine.stage},
                "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,

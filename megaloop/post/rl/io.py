@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -121,5 +122,18 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
     elif isinstance(tokenizer, ByteTokenizer):
         (out / "megaloop_tokenizer.json").write_text(json.dumps({"spec": "bytes"}))
     if extra:
-        (out / "megaloop_rl.json").write_text(json.dumps(extra, indent=1, default=str))
+        from megaloop.runtime.files import atomic_write_text
+
+        atomic_write_text(out / "megaloop_rl.json", json.dumps(extra, indent=1, default=str))
     return out
+
+
+def warn_rope_extrapolation(model, length: int, what: str) -> bool:
+    """One stderr warning (as eval and generate give) when ``length`` positions exceed the model's
+    training length (``max_position_embeddings``): RoPE positions past it were never trained."""
+    trained = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if not trained or length <= trained:
+        return False
+    print(f"warning: {what} reach {length} positions, past the training seq_len {trained}: RoPE positions "
+          f"{trained}..{length - 1} were never trained and are extrapolated", file=sys.stderr, flush=True)
+    return True

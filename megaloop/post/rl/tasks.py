@@ -152,6 +152,28 @@ class JsonlTask:
         return self._reward(example, completion)
 
 
+class Gsm8kTask(JsonlTask):
+    """GSM8K records as megaloop writes them (``prompt``, ``answer`` = the final number) or as the
+    dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``: the
+    number after the last ``####`` is the answer)."""
+
+    def __init__(self, path: str | Path, template: str = "Question: {prompt}\nAnswer:"):
+        self.path = Path(path)
+        self.name = "gsm8k"
+        self.examples = []
+        for lineno, rec in read_jsonl(self.path, required=("answer",)):
+            key = "prompt" if "prompt" in rec else "question" if "question" in rec else None
+            if key is None:
+                raise ValueError(f"{self.path}:{lineno}: missing key 'prompt' (or GSM8K's 'question')")
+            answer = str(rec["answer"])
+            answer = answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
+            meta = {k: v for k, v in rec.items() if k not in (key, "answer")}
+            self.examples.append(Example(template.format(prompt=rec[key]), answer, meta))
+        if not self.examples:
+            raise ValueError(f"{self.path}: no records")
+        self._reward = FinalNumberReward()
+
+
 class CallableRewardTask:
     """Wraps another task with a different :class:`RewardFn` (shaped rewards, tests)."""
 
@@ -185,7 +207,7 @@ def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = Fa
         return CodeTask(path, config=CodeTaskConfig(reward_mode=reward_mode, workers=reward_workers,
                                                     unsafe_code_exec=unsafe_code_exec))
     if kind == "gsm8k" and path:
-        return JsonlTask(path, FinalNumberReward(), template="Question: {prompt}\nAnswer:", name="gsm8k")
+        return Gsm8kTask(path)
     if kind == "exact" and path:
         return JsonlTask(path, ExactMatchReward())
     raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "

@@ -48,6 +48,14 @@ def test_rewards_are_exact(tmp_path):
     (e,) = t.sample(1, rng)
     assert e.prompt == "Question: 2 + 2?\nAnswer:" and e.meta == {"id": 7} and t.reward(e, "It is 4.") == 1.0
     assert isinstance(JsonlTask(path), JsonlTask)
+    # GSM8K as published: "question", and the worked answer ending "#### N" (its final number is the answer)
+    path.write_text(json.dumps({"question": "Tom has 3 and buys 4 more. How many?",
+                                "answer": "3 + 4 = <<3+4=7>>7\n#### 7"}) + "\n")
+    (e,) = make_task(f"gsm8k:{path}").sample(1, rng)
+    assert e.prompt == "Question: Tom has 3 and buys 4 more. How many?\nAnswer:" and e.answer == "7"
+    path.write_text(json.dumps({"text": "x", "answer": "1"}) + "\n")
+    with pytest.raises(ValueError, match=r"gsm.jsonl:1: missing key 'prompt' \(or GSM8K's 'question'\)"):
+        make_task(f"gsm8k:{path}")
     with pytest.raises(ValueError):
         make_task("nope")
 
