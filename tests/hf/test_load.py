@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from tests.hf.test_hf_convert import VOCAB, build_native, make_tokenizer, perturb
+from tests.conftest import bpe_tokenizer
+from tests.hf.test_hf_convert import VOCAB, build_native, perturb
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -20,7 +21,7 @@ def checkpoint(megatron_world, tmp_path_factory):
     from megaloop.train.checkpoint import CheckpointManager
 
     run = tmp_path_factory.mktemp("load") / "run"
-    make_tokenizer(run)  # RUN/tokenizer.json: found next to the checkpoints
+    bpe_tokenizer(run)  # RUN/tokenizer.json: found next to the checkpoints
     cfg, chunks = build_native(dict(injection="huginn_linear", num_query_groups=2))
     perturb(chunks[0])
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
