@@ -269,10 +269,9 @@ class PPLResult:
 
 def source_counts(sources: Sequence[str]) -> dict[str, int]:
     """``{source: rows}`` of the scored rows, sorted by source name."""
-    counts: dict[str, int] = {}
-    for name in sources:
-        counts[str(name)] = counts.get(str(name), 0) + 1
-    return dict(sorted(counts.items()))
+    from collections import Counter
+
+    return dict(sorted(Counter(map(str, sources)).items()))
 
 
 def _ppl(nll: float, n: float) -> Optional[float]:
