@@ -137,10 +137,18 @@ class PostEngine(Protocol):
 
 
 def _latest(directory: Path, tag: str | None) -> str | None:
-    if tag is not None:
-        return tag
-    f = directory / "latest"
-    return f.read_text().strip() if f.is_file() else None
+    """``tag``, else the tag ``directory/latest`` names (None without one); ConfigError when the
+    named checkpoint folder is missing (deleted or moved by hand)."""
+    if tag is None:
+        f = directory / "latest"
+        if not f.is_file():
+            return None
+        tag = f.read_text().strip()
+        if not tag or not (directory / tag).is_dir():
+            raise ConfigError(f"--resume: {f} names checkpoint {tag!r}, but {directory / tag} does not exist "
+                              f"(deleted or moved?); restore it, or write the tag of a checkpoint that exists "
+                              f"into {f}")
+    return tag
 
 
 class PlainEngine:
@@ -194,9 +202,13 @@ class PlainEngine:
     def save(self, directory: str | Path, tag: str, client_state: dict) -> None:
         d = Path(directory)
         (d / tag).mkdir(parents=True, exist_ok=True)
+        tmp = d / tag / "plain.pt.tmp"  # written whole, then renamed: an interrupted save leaves no torn file
         torch.save({"module": self.module.state_dict(), "optimizer": self.opt.state_dict(),
-                    "client_state": client_state}, d / tag / "plain.pt")
-        (d / "latest").write_text(tag)
+                    "client_state": client_state}, tmp)
+        os.replace(tmp, d / tag / "plain.pt")
+        tmp_latest = d / "latest.tmp"
+        tmp_latest.write_text(tag)
+        os.replace(tmp_latest, d / "latest")
 
     def load(self, directory: str | Path, tag: str | None = None) -> dict | None:
         d = Path(directory)

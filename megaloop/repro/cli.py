@@ -83,6 +83,8 @@ def _eval_update(args: argparse.Namespace) -> dict:
             upd["depths"] = [int(x) for x in args.depths.split(",") if x.strip()]
         except ValueError:
             raise UserError(f"--depths: expected comma-separated integers, got {args.depths!r}") from None
+        if not upd["depths"] or min(upd["depths"]) < 1:
+            raise UserError(f"--depths: expected comma-separated integers >= 1, got {args.depths!r}")
     return upd
 
 
@@ -179,7 +181,9 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     if not args.experiment:
         raise UserError("--experiment: required (a shipped name or a YAML path), or --render")
     launch = launch_from_args(args, default_parallel=None)
-    only = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    only = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
+    if only == []:
+        raise UserError(f"--arms: expected comma-separated arm names, got {args.arms!r}")
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
     if not args.out:  # run_cli checked an explicit --out; the default is checked here

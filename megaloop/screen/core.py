@@ -273,6 +273,7 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
                     "data.val_path": "--screen-set", "train.eval_depth": "--eval-depth",
                     "train.eval_batches": "--eval-batches"}[key]
             raise UserError(f"override {ov!r}: {key} is set by the screen; use {flag}")
+    base = _load_config(args.config, extras)  # an unknown preset or a bad override is named first
     scale = scale_of(args.config)
     defaults = SCALE_DEFAULTS.get(scale or "", {})
     if args.points is not None and args.points < 3:
@@ -306,7 +307,6 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
     if args.eval_batches is not None and args.eval_batches < 1:
         raise UserError(f"--eval-batches: must be >= 1, got {args.eval_batches}")
 
-    base = _load_config(args.config, extras)
     if stop_after > base.train.max_steps:
         raise UserError(f"--stop-after: {stop_after} exceeds the schedule horizon train.max_steps="
                          f"{base.train.max_steps}; a screen stops inside the full run's schedule")

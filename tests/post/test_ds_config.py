@@ -80,6 +80,11 @@ def test_plain_engine_checkpoint_round_trip(tmp_path):
     assert torch.equal(net2.weight, net.weight)
     assert eng2.opt.state_dict()["state"][0]["exp_avg"].equal(eng.opt.state_dict()["state"][0]["exp_avg"])
     assert PlainEngine(net, lr=0.1).load(tmp_path / "none") is None
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["latest", "plain.pt", "step000001"]  # no temp files
+    # 'latest' naming a folder that was deleted: named as such, not as a checkpoint of another kind
+    (tmp_path / "latest").write_text("step000007")
+    with pytest.raises(ConfigError, match=r"latest names checkpoint 'step000007', but .*step000007 does not exist"):
+        PlainEngine(net2, lr=0.1).load(tmp_path)
 
 
 @pytest.mark.parametrize("cmd", [

@@ -234,3 +234,17 @@ def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
     proc = subprocess.run(script, env=dict(env, SLURM_ARRAY_TASK_ID="7"), cwd=tmp_path, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and "task_7.args" in proc.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--depths", "0,5"], "--depths: expected comma-separated integers >= 1, got '0,5'"),
+    (["--depths", ","], "--depths: expected comma-separated integers >= 1"),
+    (["--depths", "a"], "--depths: expected comma-separated integers, got 'a'"),
+    (["--arms", ","], "--arms: expected comma-separated arm names, got ','"),
+])
+def test_bad_flags_are_named(tool, user_yaml: Path, tmp_path: Path, capsys, argv, words) -> None:
+    out = tmp_path / "o"
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--dry-run", *argv]) == 2
+    captured = capsys.readouterr()
+    assert words in captured.err and "would run" not in captured.out, captured.err
+    assert not out.exists()

@@ -94,6 +94,10 @@ def test_config_errors_exit_2(tmp_path: Path, capsys) -> None:
     assert cli.main(["--config", "nosuch", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "4",
                       "--out", str(tmp_path), "--dry-run"]) == 2
     assert "nosuch" in capsys.readouterr().err
+    # without --grid/--stop-after the unknown preset is still what is named (not the missing defaults)
+    assert cli.main(["--config", "nosuch", "--out", str(tmp_path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --config nosuch: config 'nosuch': no such file or preset" in err, err
     # a preset without defaults needs an explicit grid / stop
     yaml = tmp_path / "custom.yaml"
     yaml.write_text((ROOT / "megaloop" / "configs" / "tiny.yaml").read_text())

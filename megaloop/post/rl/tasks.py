@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 import re
 from pathlib import Path
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 from megaloop.post.rl.examples import Example, read_jsonl
 
@@ -131,16 +131,23 @@ class ArithmeticTask:
 class JsonlTask:
     """Prompt/answer records from a JSONL file (``{"prompt": ..., "answer": ...}``; other keys
     kept in ``meta``), e.g. GSM8K with ``answer`` the final number. ``template`` formats the
-    prompt (``"Question: {prompt}\\nAnswer:"``)."""
+    prompt (``"Question: {prompt}\\nAnswer:"``); ``prompt_key`` may list alternatives (the first
+    present is used) and ``answer_fn`` maps the stored answer to the reference string."""
 
     def __init__(self, path: str | Path, reward: RewardFn | None = None, template: str = "{prompt}",
-                 prompt_key: str = "prompt", answer_key: str = "answer", name: str | None = None):
+                 prompt_key: str | Sequence[str] = "prompt", answer_key: str = "answer", name: str | None = None,
+                 answer_fn: Callable[[str], str] = str, prompt_key_note: str = ""):
         self.path = Path(path)
         self.name = name or self.path.stem
+        keys = (prompt_key,) if isinstance(prompt_key, str) else tuple(prompt_key)
         self.examples = []
-        for _, rec in read_jsonl(self.path, required=(prompt_key, answer_key)):
-            meta = {k: v for k, v in rec.items() if k not in (prompt_key, answer_key)}
-            self.examples.append(Example(template.format(prompt=rec[prompt_key]), str(rec[answer_key]), meta))
+        for lineno, rec in read_jsonl(self.path, required=(answer_key,)):
+            key = next((k for k in keys if k in rec), None)
+            if key is None:
+                raise ValueError(f"{self.path}:{lineno}: missing key {keys[0]!r}{prompt_key_note}")
+            meta = {k: v for k, v in rec.items() if k not in (key, answer_key)}
+            answer = answer_fn(str(rec[answer_key]))
+            self.examples.append(Example(template.format(prompt=rec[key]), answer, meta))
         if not self.examples:
             raise ValueError(f"{self.path}: no records")
         self._reward = reward or FinalNumberReward()
@@ -152,26 +159,19 @@ class JsonlTask:
         return self._reward(example, completion)
 
 
+def gsm8k_answer(answer: str) -> str:
+    """GSM8K's published answer is a worked solution ending ``#### 72``: the number after the last
+    ``####``; an answer without one is taken as it is."""
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
+
+
 class Gsm8kTask(JsonlTask):
     """GSM8K records as megaloop writes them (``prompt``, ``answer`` = the final number) or as the
-    dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``: the
-    number after the last ``####`` is the answer)."""
+    dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``)."""
 
     def __init__(self, path: str | Path, template: str = "Question: {prompt}\nAnswer:"):
-        self.path = Path(path)
-        self.name = "gsm8k"
-        self.examples = []
-        for lineno, rec in read_jsonl(self.path, required=("answer",)):
-            key = "prompt" if "prompt" in rec else "question" if "question" in rec else None
-            if key is None:
-                raise ValueError(f"{self.path}:{lineno}: missing key 'prompt' (or GSM8K's 'question')")
-            answer = str(rec["answer"])
-            answer = answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
-            meta = {k: v for k, v in rec.items() if k not in (key, "answer")}
-            self.examples.append(Example(template.format(prompt=rec[key]), answer, meta))
-        if not self.examples:
-            raise ValueError(f"{self.path}: no records")
-        self._reward = FinalNumberReward()
+        super().__init__(path, FinalNumberReward(), template, prompt_key=("prompt", "question"), name="gsm8k",
+                         answer_fn=gsm8k_answer, prompt_key_note=" (or GSM8K's 'question')")
 
 
 class CallableRewardTask:
