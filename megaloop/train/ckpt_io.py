@@ -146,6 +146,15 @@ def explain_save_failure(err: BaseException, where) -> str | None:
     if writing and free is not None and free < LOW_SPACE:
         return (f"no space left on device ({free / 2**20:.1f} MiB free on that filesystem; "
                 f"the writer reported {_first_failure(err)})")
+    if writing and _received_from_coordinator(err):
+        return "the write failed on a rank; the error is named on rank 0, which gathered the ranks' results"
     if writing:
         return f"the write failed: {_first_failure(err)}"
     return None
+
+
+def _received_from_coordinator(err: BaseException) -> bool:
+    """torch's ``CheckpointException`` as a non-coordinator rank receives it: the coordinator's
+    verdict broadcast without the per-rank failures (``failures`` empty), so nothing to name here."""
+    return (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0
+            and type(err).__name__ == "CheckpointException" and not getattr(err, "failures", None))

@@ -197,3 +197,20 @@ def test_resuming_another_runs_checkpoint_sets_the_old_metrics_aside(tmp_path, c
     (run / "metrics.jsonl").write_text(rows)
     set_aside_newer(CheckpointManager(run / "checkpoints"), _fake_checkpoint(run / "checkpoints", 2))
     assert (run / "metrics.jsonl").read_text() == rows
+
+
+@pytest.mark.distributed
+def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
+    """ENOSPC in one rank's writer (DP=2: rank 0; TP=2: rank 1, which writes its own shards): both
+    ranks raise CheckpointSaveError within seconds (no rank waits in a collective), rank 0 names
+    the error, the other rank points at rank 0, and only the earlier checkpoint is left."""
+    from tests.conftest import run_torchrun
+
+    out = run_torchrun(ROOT / "tests/distributed/ckpt_fault_worker.py", 2, str(tmp_path), timeout=240)
+    assert "ALL DONE" in out and "NOT RAISED" not in out, out[-3000:]
+    for tp in (1, 2):
+        lines = {r: next(l for l in out.splitlines() if l.startswith(f"tp{tp} rank {r}: raised")) for r in (0, 1)}
+        assert all(float(l.split(" in ")[1].split("s:")[0]) < 30 for l in lines.values()), lines
+        assert "no space left on device (ENOSPC" in lines[0], lines[0]
+        assert "the error is named on rank 0" in lines[1] and "newest step_00000001" in lines[1], lines[1]
+        assert f"tp{tp} names: ['latest', 'step_00000001']" in out
