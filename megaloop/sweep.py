@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import queue
 import shlex
@@ -197,6 +198,8 @@ def launch_from_args(args: argparse.Namespace, default_parallel: int | None) -> 
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {v}")
+    if not (math.isfinite(args.poll) and args.poll > 0):
+        raise UserError(f"--poll: seconds between squeue polls, must be > 0, got {args.poll:g}")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     launch = Launch(launcher=args.launcher, parallel=args.parallel, nproc=args.nproc, devices=devices,
                     sbatch_args=list(args.sbatch_arg), wait=args.wait, poll=args.poll, collect=args.collect,
@@ -282,7 +285,8 @@ class LocalPool:
         if run.after and not self.stop.is_set():
             t0 = time.time()
             code = self._spawn(slot, megaloop_command(run.after), run.run_dir / "after.log")
-            what = "done" if code == 0 else f"FAILED (exit {code}, see {run.run_dir / 'after.log'})"
+            what = "done" if code == 0 else \
+                f"{'interrupted' if stopped(code) else 'FAILED'} (exit {code}, see {run.run_dir / 'after.log'})"
             log(f"{run.name}: {run.after[0]} {what} in {time.time() - t0:.0f}s")
 
     def _worker(self, slot: int, todo: "queue.Queue[Run]") -> None:
@@ -504,6 +508,40 @@ def check_out_dir(out: str | None) -> None:
     if not p.is_dir():
         raise UserError(f"--out: {out} exists and is not a directory" if p == Path(out) else
                         f"--out: {out}: {p} is not a directory")
+
+
+# what marks a folder as written by each sweep command (a results.json alone: by its keys)
+_MARKERS = {"lr-screen": "screen.json", "reproduce": "plan.json"}
+
+
+def folder_kind(out: Path) -> str | None:
+    """Which command's outputs ``out`` holds: ``lr-screen``, ``reproduce`` (also a merged result,
+    which has no plan.json), ``unknown`` (a results.json of neither) or None (none of them)."""
+    for kind, marker in _MARKERS.items():
+        if (out / marker).is_file():
+            return kind
+    res = out / "results.json"
+    if not res.is_file():
+        return None
+    try:
+        data = json.loads(res.read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    if isinstance(data, dict) and "experiment" in data and "arms" in data:
+        return "reproduce"
+    if isinstance(data, dict) and "grid" in data and "points" in data:
+        return "lr-screen"
+    return "unknown"
+
+
+def check_out_kind(out: str | Path | None, kind: str, flag: str = "--out") -> None:
+    """Refuse an ``out`` holding another command's results (both write ``results.json``)."""
+    if not out:
+        return
+    held = folder_kind(Path(out))
+    if held is not None and held != kind:
+        what = f"a `megaloop {held}` result" if held != "unknown" else "a results.json of another tool"
+        raise UserError(f"{flag}: {out} holds {what}, which `megaloop {kind}` would overwrite; choose another folder")
 
 
 def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, list[str]], int],

@@ -38,12 +38,13 @@ from pathlib import Path
 
 from megaloop.errors import UserError
 from megaloop.repro import report as rep
-from megaloop.repro.evaluate import checkpoint_step, evaluate_arm
+from megaloop.repro.evaluate import SUMMARY, checkpoint_step, evaluate_arm
 from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
-from megaloop.sweep import Run, add_launch_args, check_out_dir, execute, launch_from_args, pending, run_cli, slurm_active
+from megaloop.sweep import (Run, add_launch_args, check_out_dir, check_out_kind, execute, launch_from_args, pending,
+                            run_cli, slurm_active)
 
 PROG = "megaloop reproduce"
 
@@ -88,6 +89,17 @@ def _eval_update(args: argparse.Namespace) -> dict:
     return upd
 
 
+def _arms(args: argparse.Namespace) -> list[str] | None:
+    if args.arms is None:
+        return None
+    only = [a.strip() for a in args.arms.split(",")]
+    if not all(only):
+        raise UserError(f"--arms: expected comma-separated arm names (no empty entries), got {args.arms!r}")
+    if dup := sorted({a for a in only if only.count(a) > 1}):
+        raise UserError(f"--arms: {dup[0]!r} is given twice")
+    return only
+
+
 def _seeds(args: argparse.Namespace) -> list[int] | None:
     if args.seeds is None:
         return None
@@ -119,7 +131,42 @@ def render(args: argparse.Namespace) -> int:
                         f"by another version?): {type(err).__name__}: {err}") from err
 
 
+# flags of a run that --render does not read (it renders what the results file holds)
+_NOT_FOR_RENDER = {"arms": "--arms", "seeds": "--seeds", "max_seqs": "--max-seqs", "depths": "--depths",
+                   "evaluate_arm": "--evaluate-arm", "collect": "--collect", "dry_run": "--dry-run",
+                   "wait": "--wait", "parallel": "--parallel", "threads": "--threads",
+                   "threads_per_run": "--threads-per-run", "devices": "--devices"}
+
+
+def _render_out(args: argparse.Namespace, inputs: list[Path]) -> Path:
+    """The folder --render writes into (``--out``, else the input's folder), refused when it holds
+    another result that rendering (or merging) there would overwrite."""
+    if args.out is None:
+        return inputs[0].parent
+    out = Path(args.out)
+    check_out_kind(out, "reproduce")
+    held = out / "results.json"
+    if (out / "plan.json").is_file() and all(p.resolve().parent != out.resolve() for p in inputs):
+        raise UserError(f"--out: {out} is an experiment folder (plan.json) that holds none of the inputs; rendering "
+                        "there would overwrite its report; choose another folder")
+    if held.is_file() and all(p.resolve() != held.resolve() for p in inputs):
+        try:
+            merged = bool(((json.loads(held.read_text()) or {}).get("launcher") or {}).get("merged"))
+        except (OSError, ValueError, AttributeError):
+            merged = False
+        if not (args.merge and merged):  # a merge may replace an earlier merged result
+            raise UserError(f"--out: {out} holds another result ({held}) that this would overwrite; choose "
+                            "another folder")
+    return out
+
+
 def _render(args: argparse.Namespace) -> int:
+    given = [flag for key, flag in _NOT_FOR_RENDER.items() if getattr(args, key, None) not in (None, False)]
+    if given or args.nproc != 1 or args.sbatch_arg or args.launcher != "local":
+        flags = given + (["--nproc"] if args.nproc != 1 else []) + (["--sbatch-arg"] if args.sbatch_arg else []) \
+            + (["--launcher"] if args.launcher != "local" else [])
+        raise UserError(f"{flags[0]}: does not apply to --render, which renders what the results file holds "
+                        "(run the experiment to train or evaluate)")
     path = Path(args.render)
     results = _read_results(path, "--render")
     if args.merge:
@@ -129,20 +176,27 @@ def _render(args: argparse.Namespace) -> int:
         path = Path(args.out) / "results.json"
         if any(p.resolve() == path.resolve() for p in paths):
             raise UserError(f"--out: {args.out} holds one of the merged files; choose a new folder")
+        out = _render_out(args, paths)
         results = rep.add_verdicts(merge_results(paths, [results, *(_read_results(p, "--merge") for p in paths[1:])],
-                                                 path.parent))
+                                                 out))
+    else:
+        out = _render_out(args, [path])
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
         plan = load_plan(args.experiment, results["scale"])
-        missing = sorted({a for c in plan.claims for a in c.arms} - {a.get("group") or a["name"] for a in results["arms"]})
-        if missing:
-            raise UserError(f"--experiment: {args.experiment} claims arms {missing} that {path} does not hold")
-        results["claims"] = [c.__dict__ for c in plan.claims]
+        held = {a.get("group") or a["name"] for a in results["arms"]}
+        claims = [c for c in plan.claims if set(c.arms + ([c.relative_to] if c.relative_to else [])) <= held]
+        if dropped := list(dict.fromkeys(c.id for c in plan.claims if c not in claims)):  # as --arms does
+            log(f"claims {', '.join(dropped)} of {args.experiment} left out: {path} does not hold their arms")
+        results["claims"] = [c.__dict__ for c in claims]
         rep.add_verdicts(results)
-    outputs = rep.render(results, Path(args.out) if args.out else path.parent)  # all or nothing
-    if args.merge or (args.experiment and path.name == "results.json"):  # once the report could be made
-        rep.write_results(path.parent, results)
+    outputs = rep.render(results, out)  # all or nothing
+    written = []
+    # the results file goes with its report: into --out (the input is left as it is) or, without
+    # --out, back into the input's results.json with the experiment file's claims
+    if args.merge or (args.experiment and (args.out is not None or path.name == "results.json")):
+        written = [rep.write_results(out, results)]
     rep.print_table(results)
-    print("  wrote " + ", ".join(map(str, outputs)))
+    print("  wrote " + ", ".join(map(str, [*written, *outputs])))
     return 0
 
 
@@ -181,15 +235,16 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     if not args.experiment:
         raise UserError("--experiment: required (a shipped name or a YAML path), or --render")
     launch = launch_from_args(args, default_parallel=None)
-    only = None if args.arms is None else [a.strip() for a in args.arms.split(",") if a.strip()]
-    if only == []:
-        raise UserError(f"--arms: expected comma-separated arm names, got {args.arms!r}")
+    only = _arms(args)
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
     if not args.out:  # run_cli checked an explicit --out; the default is checked here
         check_out_dir(str(out))
+    check_out_kind(out, "reproduce")
     plan, screens, waiting = resolve_lrs(out, base)
     check_out(out, plan, skip=waiting)
+    if launch.collect:
+        _check_collect_eval_plan(out, plan)
     s = plan.settings
     log(f"experiment {plan.experiment} ({Path(plan.source).name}) at scale {plan.scale}: {len(plan.groups())} "
         f"arm(s)" + (f" x {len(plan.seeds)} seeds {plan.seeds}" if plan.seeds else "") + f", preset {plan.config}, "
@@ -235,6 +290,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     where = (f"{launch.parallel} run(s) in parallel x {launch.threads} thread(s)"
              + (f" x {launch.nproc} proc(s)" if launch.nproc > 1 else "")) if launch.launcher == "local" \
         else " ".join(launch.sbatch_args) or "default sbatch options"
+    if only is not None:  # the report covers every arm this OUT holds, not only the ones run now
+        plan, screens, waiting = resolve_lrs(out, _held_arms_plan(out, args, extras, only))
     results = rep.collect(out, plan, active, {launch.launcher: where}, screens=screens, waiting=waiting)
     path = rep.write_results(out, results)
     outputs = rep.render(results, out)
@@ -243,6 +300,33 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     if code:
         return code
     return 1 if any(a["status"] not in ("done", "queued") for a in results["arms"]) else 0
+
+
+def _check_collect_eval_plan(out: Path, plan: Plan) -> None:
+    """--collect with another evaluation plan (--depths/--max-seqs) than the arms were evaluated
+    with would report none of their measurements: refused, naming the arm and the plans."""
+    for arm in plan.arms:
+        path = run_dir(out, arm) / "eval" / SUMMARY
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if summary.get("complete") and summary.get("eval_digest") != plan.eval.digest():
+            raise UserError(f"--collect: arm {arm.name!r} was evaluated with another plan than this command's "
+                            f"(--depths/--max-seqs or the file's eval:; {path}); collect with the same plan, or "
+                            "run without --collect to evaluate every arm again with this one")
+
+
+def _held_arms_plan(out: Path, args: argparse.Namespace, extras: list[str], only: list[str]) -> Plan:
+    """The experiment restricted to ``only`` and every run of it that ``OUT/plan.json`` records."""
+    every = load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=_seeds(args))
+    known = {a.name for a in every.arms}
+    try:
+        held = {a["name"] for a in json.loads((out / "plan.json").read_text()).get("arms", [])}
+    except (OSError, ValueError, KeyError, TypeError):
+        held = set()
+    return load_plan(args.experiment, args.scale, extras, _eval_update(args), sorted(set(only) | (held & known)),
+                     seeds=_seeds(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from typing import Callable
 
 from megaloop.repro.spec import Arm, EvalPlan
 from megaloop.runtime.files import atomic_write_json
+from megaloop.sweep import stopped
 
 SUMMARY = "summary.json"
 RunFn = Callable[[list[str], Path, dict], int]  # (argv, log file, env) -> exit status
@@ -196,7 +197,8 @@ def evaluate_arm(run_dir: Path, arm: Arm, plan: EvalPlan, *, max_steps: int, thr
         t0 = time.time()
         code = run(argv, out / f"{stage}.log", env)
         summary["stages"][stage] = "ok" if code == 0 else f"exit {code}"
-        what = "done" if code == 0 else f"FAILED (exit {code}, see {out / (stage + '.log')})"
+        what = "done" if code == 0 else \
+            f"{'interrupted' if stopped(code) else 'FAILED'} (exit {code}, see {out / (stage + '.log')})"
         log(f"{arm.name}: eval {stage} {what} in {time.time() - t0:.0f}s")
         _write(path, summary)
         if code != 0:

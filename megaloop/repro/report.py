@@ -393,8 +393,8 @@ def render_markdown(results: dict) -> str:
             name += f" [{g['status']}]"
         lr = [", ".join(f"{x:g}" for x in g["lr"]) or "—"] if with_lr else []
         lines.append("| " + " | ".join([_md_escape(name)] + lr + [cell(k, g) for k in cols]) + " |")
-    lines += ["", "Sharing penalty = 100·(PPL_terminal/PPL_per-visit − 1) at R; R=64 extrapolation = "
-              "100·(PPL@R_max/PPL@R − 1) (native); training FLOPs are model FLOPs (SPEC §6); prior columns "
+    lines += ["", f"Sharing penalty = 100·(PPL_terminal/PPL_per-visit − 1) at R; R={max(results['eval']['depths'])} "
+              "extrapolation = 100·(PPL@R_max/PPL@R − 1) (native); training FLOPs are model FLOPs (SPEC §6); prior columns "
               "are the final depth distribution (p(5) = probability of depth 5).", ""]
     means = {g["name"]: {"metrics": g["mean"]} for g in rows}
     labels = {k: label(results, k) for k in METRICS}

@@ -49,10 +49,30 @@ def _positive_int(v: Any, where: str, *, optional: bool = False) -> int | None:
     return v
 
 
+def _check_local_set(path: str, seq_len: int, where: str) -> None:
+    """A local screen set is an MDS dataset (manifest.json) whose sequences fit the model, checked
+    before anything runs (as ``megaloop lr-screen --screen-set`` does)."""
+    import json
+    from pathlib import Path
+
+    if "://" in path or path.startswith("default"):
+        return
+    mf = Path(path) / "manifest.json"
+    if not Path(path).is_dir():
+        raise ConfigError(f"{where}: {path} is not a directory (expected an MDS dataset, e.g. the screen/ "
+                          "directory written by data_prep/build_eval_sets.py)")
+    try:
+        seq = json.loads(mf.read_text()).get("seq_len")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{where}: {mf} is missing or unreadable ({err}): not a megaloop MDS dataset") from None
+    if isinstance(seq, int) and seq > seq_len:
+        raise ConfigError(f"{where}: {path} holds {seq}-token sequences, longer than model.seq_len {seq_len}")
+
+
 def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
     """A scale's ``screen:`` settings, defaults from the LR-screen tool's scale (SPEC §11); a
     ConfigError starts with ``.key: `` (appended to where the mapping lives) or ``: ``."""
-    from megaloop.screen.core import SCALE_DEFAULTS, log_grid, scale_of
+    from megaloop.screen.core import SCALE_DEFAULTS, log_grid, lr_tag, scale_of
 
     raw = raw or {}
     if not isinstance(raw, dict):
@@ -80,6 +100,10 @@ def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
             raise ConfigError(f"{where}.range: expected [lo, hi] with 0 < lo < hi, got {rng!r}")
         points = _positive_int(raw.get("points", defaults.get("points", 5)), f"{where}.points")
         grid = log_grid(lo_hi[0], lo_hi[1], points)
+    tags = [lr_tag(x) for x in grid]  # run folders are named by the rate at 3 significant digits
+    if dups := sorted({t for t in tags if tags.count(t) > 1}):
+        raise ConfigError(f"{where}.grid: learning rates {dups[0]} coincide at 3 significant digits "
+                          "(the runs' folder names); drop one")
     if len(grid) < 3:
         raise ConfigError(f"{where}: the grid {grid} has fewer than 3 points: it cannot bracket an optimum")
     stop = raw.get("stop_after", defaults.get("stop_after"))
@@ -100,6 +124,7 @@ def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
     if cfg.data.val_path and screen_set == cfg.data.val_path:
         raise ConfigError(f"{where}.screen_set: {screen_set} is the main validation set (data.val_path); SPEC §11 "
                         "screens on a distinct frozen set")
+    _check_local_set(screen_set, cfg.model.seq_len, f"{where}.screen_set")
     return ScreenPlan(grid=grid, stop_after=stop, screen_set=screen_set,
                       eval_depth=_positive_int(raw.get("eval_depth", 5), f"{where}.eval_depth"),
                       eval_batches=_positive_int(raw.get("eval_batches"), f"{where}.eval_batches", optional=True))

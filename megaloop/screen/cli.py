@@ -33,11 +33,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from megaloop.errors import UserError
 from megaloop.runtime.files import atomic_write_json
 from megaloop.screen import report as rep
 from megaloop.screen.core import (SCALE_DEFAULTS, TERMINAL, WHOLE_SET, build_screen, check_fixed_settings, finite,
                                   log, lr_tag, point_state, select_best)
-from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
+from megaloop.sweep import (Run, add_launch_args, check_out_kind, execute, launch_from_args, pending, run_cli,
+                            slurm_active)
 
 PROG = "megaloop lr-screen"
 
@@ -61,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--screen-set", help="MDS LR-screen set (default: the embedded corpus's 'default:screen' "
                    "when data.path is the embedded default; required otherwise)")
     p.add_argument("--eval-depth", type=int, default=5, help="recurrence depth of the selection CE (5)")
-    p.add_argument("--eval-batches", type=int, help="eval micro-batches (default: the whole screen set)")
+    p.add_argument("--eval-batches", type=int, metavar="K", help="validation covers K x train.global_batch_size "
+                   "sequences of the screen set (train.eval_batches; default: the whole set)")
     p.add_argument("--fail-on-edge", action="store_true", help="exit 3 when the best LR is on a grid edge")
     add_launch_args(p, default_parallel="1")
     return p
@@ -77,10 +80,15 @@ def _summary(run_dir: Path, end_step: int) -> tuple[str, str]:
 def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
     """The screen: launch the unfinished points, then collect, plot and report."""
     screen = build_screen(args, extras)
+    check_out_kind(screen.out, "lr-screen")
     launch = launch_from_args(args, default_parallel=1)
-    if not args.dry_run:
-        check_fixed_settings(screen)
-    batches = "whole set" if screen.eval_batches == WHOLE_SET else f"{screen.eval_batches} micro-batches"
+    if args.collect and not ((screen.out / "screen.json").is_file() or any(screen.run_dir(lr).is_dir()
+                                                                          for lr in screen.lrs)):
+        raise UserError(f"--collect: {screen.out} holds no LR screen (no screen.json, no run folder of the grid); "
+                        "nothing to collect")
+    check_fixed_settings(screen)  # also for --dry-run: it only reads
+    batches = ("whole set" if screen.eval_batches == WHOLE_SET else
+               f"{screen.eval_batches} x {screen.global_batch_size} sequences")
     log(f"config {screen.config}: {len(screen.lrs)} points {[lr_tag(x) for x in screen.lrs]}, stop after "
         f"{screen.end_step} of {screen.max_steps} updates, val CE at R={screen.eval_depth} on "
         f"{screen.screen_set} ({batches})")

@@ -206,6 +206,7 @@ class Screen:
     micro_batch_size: int
     warmup_steps: int
     screen_info: dict = field(default_factory=dict)
+    global_batch_size: int = 0  # sequences per update (train.eval_batches counts these)
 
     @property
     def end_step(self) -> int:
@@ -339,19 +340,34 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
                 f"--screen-seq-len {base.model.seq_len} (or shorter: evaluation runs at the set's length)")
         if manifest.get("kind") not in (None, "screen"):
             log(f"warning: {screen_set} is a {manifest.get('kind')!r} set, not an LR-screen set")
-        if eval_batches is None and manifest.get("num_sequences"):
-            eval_batches = -(-int(manifest["num_sequences"]) // base.train.micro_batch_size)
+        if eval_batches is None and manifest.get("num_sequences"):  # validation covers eval_batches x gbs
+            eval_batches = -(-int(manifest["num_sequences"]) // base.train.global_batch_size)
     if eval_batches is None:
         eval_batches = WHOLE_SET  # the trainer stops at the end of the set
     return Screen(config=args.config, out=Path(args.out).resolve(), lrs=lrs, stop_after=stop_after,
                   max_steps=base.train.max_steps, eval_depth=args.eval_depth, eval_batches=eval_batches,
                   screen_set=screen_set, overrides=list(extras),
                   micro_batch_size=base.train.micro_batch_size,
-                  warmup_steps=base.optim.warmup_steps, screen_info=info)
+                  warmup_steps=base.optim.warmup_steps, screen_info=info,
+                  global_batch_size=base.train.global_batch_size)
+
+
+def _setting(screen: Screen, key: str, value: Any) -> Any:
+    """A fixed setting as it acts: overrides as {key: last value}; eval_batches covering the
+    whole screen set (its size known from the manifest) as "all"."""
+    if key == "overrides" and isinstance(value, list):
+        return dict(str(o).split("=", 1) if "=" in str(o) else (str(o), None) for o in value)
+    if key == "eval_batches" and isinstance(value, int):
+        n = screen.screen_info.get("num_sequences")
+        if value == WHOLE_SET or (n and screen.global_batch_size and value * screen.global_batch_size >= n):
+            return "all"
+    return value
 
 
 def check_fixed_settings(screen: Screen) -> None:
-    """OUT may be reused with a changed grid, but not with other settings (results would mix)."""
+    """OUT may be reused with a changed grid, but not with other settings (results would mix).
+    Overrides compare as the settings they make (the same ones in another order are the same), and
+    two ``eval_batches`` that both cover the whole screen set are the same."""
     path = screen.out / "screen.json"
     if not path.is_file():
         return
@@ -359,8 +375,9 @@ def check_fixed_settings(screen: Screen) -> None:
         old = json.loads(path.read_text())
     except ValueError:
         return
-    diff = [f"{k}: {old.get(k)!r} -> {screen.fixed()[k]!r}" for k in FIXED_SETTINGS
-            if k in old and old.get(k) != screen.fixed()[k]]
+    mine = screen.fixed()
+    diff = [f"{k}: {old.get(k)!r} -> {mine[k]!r}" for k in FIXED_SETTINGS
+            if k in old and _setting(screen, k, old.get(k)) != _setting(screen, k, mine[k])]
     if diff:
         raise UserError(f"--out: {screen.out} holds a screen with other settings ({'; '.join(diff)}); "
                          "use a new --out directory or the same settings")

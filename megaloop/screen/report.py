@@ -108,9 +108,27 @@ def proposal_command(args: argparse.Namespace, screen: Screen, grid: list[float]
         cmd += ["--screen-set", args.screen_set]
     if args.eval_batches is not None:
         cmd += ["--eval-batches", str(args.eval_batches)]
+    cmd += launcher_flags(args)
     if screen.overrides:
         cmd += ["--", *screen.overrides]
     return shlex.join(cmd)
+
+
+def launcher_flags(args: argparse.Namespace) -> list[str]:
+    """The launcher options this screen was run with (a proposed extension must run the same way:
+    the same slurm partition/account, threads, processes, devices)."""
+    out: list[str] = []
+    for name in ("parallel", "threads", "threads_per_run", "devices"):
+        if getattr(args, name, None) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if getattr(args, "nproc", 1) != 1:
+        out += ["--nproc", str(args.nproc)]
+    out += [f"--sbatch-arg={a}" for a in getattr(args, "sbatch_arg", None) or []]
+    if getattr(args, "wait", False):
+        out.append("--wait")
+        if getattr(args, "poll", 60.0) != 60.0:
+            out += ["--poll", f"{args.poll:g}"]
+    return out
 
 
 def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.repro.test_report import RESULTS, _arm
 
 
@@ -179,3 +180,57 @@ def test_merge_refuses_runs_trained_on_other_data(tool, tmp_path: Path, capsys) 
     assert "trained on different data" in err and "aaaaaaaaaaaa" in err and "bbbbbbbbbbbb" in err
     assert str(other.resolve()) in err
     assert not (tmp_path / "x").exists()
+
+
+def test_an_out_holding_another_result_is_never_overwritten(tool, tmp_path: Path, capsys) -> None:
+    a = _file(tmp_path, "a", [1], {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    b = _file(tmp_path, "b", [2], {"orthoinj": [101.0], "parcae_decay": [111.0]})
+    screen = tmp_path / "screen"  # an LR screen's folder
+    screen.mkdir()
+    (screen / "screen.json").write_text("{}")
+    (screen / "results.json").write_text(json.dumps({"grid": [1e-3], "points": []}))
+    other = _file(tmp_path, "other", [3], {"orthoinj": [1.0], "parcae_decay": [2.0]})  # another result
+    expt = tmp_path / "expt"  # an experiment folder (plan.json) of another run
+    expt.mkdir()
+    (expt / "plan.json").write_text("{}")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cases = [
+        (["--render", str(a), "--merge", str(b), "--out", str(screen)], "holds a `megaloop lr-screen` result"),
+        (["--render", str(a), "--merge", str(b), "--out", str(other.parent)], "holds another result"),
+        (["--render", str(a), "--out", str(other.parent)], "holds another result"),
+        (["--render", str(a), "--out", str(expt)], "is an experiment folder (plan.json) that holds none of the inputs"),
+        (["--render", str(a), "--depths", "1,5"], "--depths: does not apply to --render"),
+        (["--render", str(a), "--arms", "orthoinj"], "--arms: does not apply to --render"),
+    ]
+    for argv, message in cases:
+        assert tool.main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    # a merge may replace an earlier merged result in its own folder
+    out = tmp_path / "ab"
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(out)]) == 0
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(out)]) == 0
+    capsys.readouterr()
+
+
+def test_render_with_an_experiment_into_another_out_leaves_the_input_alone(tool, tmp_path: Path, capsys) -> None:
+    src = ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json"
+    a = tmp_path / "a" / "results.json"
+    a.parent.mkdir()
+    a.write_bytes(src.read_bytes())
+    out = tmp_path / "elsewhere"
+    assert tool.main(["--render", str(a), "--experiment", "tbptt", "--out", str(out)]) == 0
+    assert a.read_bytes() == src.read_bytes()  # the input is not rewritten
+    assert (out / "results.json").is_file() and (out / "report.md").is_file()
+    assert f"wrote {out / 'results.json'}" in capsys.readouterr().out
+
+
+def test_render_with_an_experiment_leaves_out_the_claims_of_arms_not_held(tool, tmp_path: Path, capsys) -> None:
+    res = json.loads((ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json").read_text())
+    res["arms"] = [a for a in res["arms"] if a["name"] in ("huginn_bR", "parcae_bR")]
+    a = tmp_path / "a" / "results.json"
+    a.parent.mkdir()
+    a.write_text(json.dumps(res))
+    assert tool.main(["--render", str(a), "--experiment", "tbptt"]) == 0
+    assert "claims C2, C3" in capsys.readouterr().out
+    assert {c["id"] for c in json.loads(a.read_text())["claims"]} == {"C1"}

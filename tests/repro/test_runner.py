@@ -240,7 +240,10 @@ def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
     (["--depths", "0,5"], "--depths: expected comma-separated integers >= 1, got '0,5'"),
     (["--depths", ","], "--depths: expected comma-separated integers >= 1"),
     (["--depths", "a"], "--depths: expected comma-separated integers, got 'a'"),
-    (["--arms", ","], "--arms: expected comma-separated arm names, got ','"),
+    (["--arms", ","], "--arms: expected comma-separated arm names (no empty entries), got ','"),
+    (["--arms", "full,,b1"], "--arms: expected comma-separated arm names (no empty entries)"),
+    (["--arms", "full,full"], "--arms: 'full' is given twice"),
+    (["--poll", "0", "--launcher", "slurm", "--wait"], "--poll: seconds between squeue polls, must be > 0"),
 ])
 def test_bad_flags_are_named(tool, user_yaml: Path, tmp_path: Path, capsys, argv, words) -> None:
     out = tmp_path / "o"
@@ -248,3 +251,51 @@ def test_bad_flags_are_named(tool, user_yaml: Path, tmp_path: Path, capsys, argv
     captured = capsys.readouterr()
     assert words in captured.err and "would run" not in captured.out, captured.err
     assert not out.exists()
+
+
+def test_a_subset_run_reports_every_arm_the_out_holds(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    """--arms b1 on an OUT where both arms ran: results.json / report.md keep 'full' too."""
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test")
+    for name in ("full", "b1"):
+        rd = run_dir(out, name)
+        fake_metrics(rd, 2)
+        fake_checkpoint(rd, 2)
+        _finish_eval(rd, plan, 2)
+        _mark_started(out, plan, name)
+    from megaloop.repro.runs import write_plan
+
+    write_plan(out, plan)
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--arms", "b1",
+                      "--collect"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [a["name"] for a in res["arms"]] == ["full", "b1"], res["arms"]
+    capsys.readouterr()
+
+
+def test_out_holding_an_lr_screen_is_refused(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "screen"
+    out.mkdir()
+    (out / "screen.json").write_text("{}")
+    (out / "results.json").write_text(json.dumps({"grid": [1e-3], "points": []}))
+    before = (out / "results.json").read_bytes()
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--collect"]) == 2
+    assert f"--out: {out} holds a `megaloop lr-screen` result" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == before and sorted(p.name for p in out.iterdir()) == \
+        ["results.json", "screen.json"]
+
+
+def test_collect_with_another_eval_plan_is_refused(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test")
+    rd = run_dir(out, "full")
+    fake_metrics(rd, 2)
+    fake_checkpoint(rd, 2)
+    _finish_eval(rd, plan, 2)
+    argv = ["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--arms", "full", "--collect"]
+    assert tool.main([*argv, "--depths", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert "--collect: arm 'full' was evaluated with another plan" in err, err
+    assert not (out / "results.json").exists()
+    assert tool.main(argv) == 0  # the same plan collects
+    capsys.readouterr()

@@ -121,7 +121,8 @@ def test_screen_set_seq_len_is_checked(tmp_path: Path, capsys) -> None:
     assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
                       "--out", str(tmp_path / "o"), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert f"data.val_path={scr}" in out and "train.eval_batches=3" in out  # ceil(20 / mbs 8)
+    # validation covers eval_batches x global_batch_size sequences: ceil(20 / gbs 16)
+    assert f"data.val_path={scr}" in out and "train.eval_batches=2" in out
     # a shorter set is fine: the trainer evaluates at the set's own length
     (scr / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 64, "num_sequences": 20}))
     assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--screen-set", str(scr),
@@ -140,6 +141,57 @@ def test_dry_run_defaults(tmp_path: Path, capsys) -> None:
     assert cli.main(["--config", "S", "--out", str(tmp_path / "s"), "--dry-run", "--stop-after", "400"]) == 0
     assert "inside the LR warm-up" in capsys.readouterr().out
     assert not (tmp_path / "s").exists()  # a dry run writes nothing
+
+
+def test_reused_out_is_checked_by_a_dry_run_too(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "s"
+    grid = ["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--out", str(out)]
+    assert cli.main([*grid, "--stop-after", "4", "--collect", "--", "train.max_steps=6", "optim.warmup_steps=1"]) == 2
+    assert "--collect: " in capsys.readouterr().err and not out.exists()  # nothing to collect, nothing made
+    from megaloop.screen.core import build_screen
+
+    args = cli.build_parser().parse_args([*grid, "--stop-after", "4"])
+    screen = build_screen(args, ["train.max_steps=6", "optim.warmup_steps=1"])
+    out.mkdir()
+    (out / "screen.json").write_text(json.dumps(screen.fixed()))
+    # the same overrides in another order are the same settings
+    assert cli.main([*grid, "--stop-after", "4", "--dry-run", "--", "optim.warmup_steps=1", "train.max_steps=6"]) == 0
+    capsys.readouterr()
+    assert cli.main([*grid, "--stop-after", "5", "--dry-run", "--", "train.max_steps=6", "optim.warmup_steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a screen with other settings (stop_after: 4 -> 5)" in err, err
+
+
+def test_out_holding_a_reproduce_experiment_is_refused(tmp_path: Path, capsys) -> None:
+    for marker, text in (("plan.json", "{}"), ("results.json", json.dumps({"experiment": "tbptt", "arms": []}))):
+        out = tmp_path / marker.split(".")[0]
+        out.mkdir()
+        (out / marker).write_text(text)
+        assert cli.main(["--config", "tiny", "--out", str(out), "--collect"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out: {out} holds a `megaloop reproduce` result" in err, err
+        assert sorted(p.name for p in out.iterdir()) == [marker]
+
+
+def test_launcher_flags_reach_the_proposed_command() -> None:
+    from megaloop.screen import report as rep
+    from megaloop.screen.core import build_screen
+
+    args = cli.build_parser().parse_args(["--config", "tiny", "--out", "/tmp/x", "--launcher", "slurm", "--wait",
+                                          "--poll", "30", "--sbatch-arg=--partition=gpu",
+                                          "--sbatch-arg=--account=abc", "--parallel", "2"])
+    cmd = rep.proposal_command(args, build_screen(args, []), [5e-4, 1e-3, 2e-3])
+    for flag in ("--launcher slurm", "--parallel 2", "--sbatch-arg=--partition=gpu", "--sbatch-arg=--account=abc",
+                 "--wait", "--poll 30"):
+        assert flag in cmd, cmd
+
+
+@pytest.mark.parametrize("poll", ["-1", "0", "nan"])
+def test_bad_poll_exits_2_before_anything_is_submitted(tmp_path: Path, capsys, poll) -> None:
+    assert cli.main(["--config", "tiny", "--out", str(tmp_path / "s"), "--launcher", "slurm", "--wait",
+                      "--poll", poll]) == 2
+    assert "--poll: seconds between squeue polls, must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 # ----------------------------------------------------------------------------------------- selection
