@@ -474,7 +474,7 @@ def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
     eos, bos = name(info["eos"]), name(info["bos"])
     pad = name(info["pad"]) or eos
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos, pad_token=pad,
-                                  model_max_length=max_len,
+                                  model_max_length=max_len, padding_side="left",  # batched generate pads left
                                   model_input_names=["input_ids", "attention_mask"])  # no token_type_ids
     tok.save_pretrained(str(out))
 

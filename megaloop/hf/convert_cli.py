@@ -50,7 +50,8 @@ def _check_args(args) -> None:
     """Before any loading: a sane --depth and --max-shard-size (made bytes), and an --out that
     nothing else lives in (an HF export written into a run or checkpoint directory would shadow its
     checkpoints for every later ``--checkpoint RUN``). An earlier export (it holds
-    megaloop_conversion.json) may be replaced. With --from-hf, convert_from_hf checks --out."""
+    megaloop_conversion.json, and no checkpoints) may be replaced. With --from-hf, --out must be new
+    or empty (convert_from_hf also refuses a folder holding checkpoints)."""
     from megaloop.config_utils import ConfigError
 
     if args.depth is not None and args.depth < 1:
@@ -59,11 +60,23 @@ def _check_args(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
-    if args.from_hf or not out.exists():
+    parent = out
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
+    if out.resolve() == Path(args.checkpoint).resolve():
+        raise ConfigError(f"--out {out} is the --checkpoint folder itself: choose a new or empty folder")
+    if not out.exists() or not any(out.iterdir()):
         return
-    if any(out.iterdir()) and not (out / "megaloop_conversion.json").is_file():
-        raise ConfigError(f"--out {out} is not empty and is not an earlier megaloop export (no "
-                          "megaloop_conversion.json): choose a new or empty folder; nothing was written")
+    if args.from_hf:  # checkpoints go into a folder of their own (a run's checkpoints/, or a new one)
+        raise ConfigError(f"--out {out} is not empty: --from-hf writes a checkpoint root (step_00000000, latest) "
+                          "into a new or empty folder; nothing was written")
+    held = [p.name for p in out.iterdir() if p.name == "latest" or p.name.startswith(("step_", ".tmp_step_"))]
+    if held or not (out / "megaloop_conversion.json").is_file():
+        why = f"holds megaloop checkpoints ({', '.join(sorted(held)[:3])})" if held else \
+            "is not empty and is not an earlier megaloop export (no megaloop_conversion.json)"
+        raise ConfigError(f"--out {out} {why}: choose a new or empty folder; nothing was written")
 
 
 def main(argv: list[str] | None = None) -> int:

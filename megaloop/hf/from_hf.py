@@ -28,6 +28,9 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     if held is not None:
         raise ConversionError(f"--out {out_root} already holds megaloop checkpoints (newest: {held}): choose a "
                               "new or empty folder; nothing was written")
+    if out_root.is_dir() and any(out_root.iterdir()):
+        raise ConversionError(f"--out {out_root} is not empty: a checkpoint root (step_00000000, latest) goes into a "
+                              "new or empty folder; nothing was written")
     if check_model_path(hf_dir, "--checkpoint") != "hf":  # names a missing, damaged or unknown folder
         raise ConversionError(f"--checkpoint {hf_dir} is not an HF folder; it is a megaloop checkpoint: "
                               f"`megaloop convert --checkpoint {hf_dir} --out DIR` (without --from-hf) exports it")

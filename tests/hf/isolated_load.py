@@ -49,6 +49,13 @@ for folder in sys.argv[2:]:
         tok = AutoTokenizer.from_pretrained(folder)
         entry["tokens"] = tok("hello world")["input_ids"]
         entry["eos"] = tok.eos_token
+        entry["padding_side"] = tok.padding_side
+        # a tokenizer-padded batch of two prompts of different lengths: each row continues as alone
+        enc = tok(["hello world , looped models", "think"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            both = model.generate(**enc, max_new_tokens=4, do_sample=False)
+            alone = model.generate(tok(["think"], return_tensors="pt").input_ids, max_new_tokens=4, do_sample=False)
+        entry["padded_batch_ok"] = bool(torch.equal(both[1, -alone.shape[1]:], alone[0]))
     except (OSError, ValueError):
         pass
     over = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, num_recurrences=8,

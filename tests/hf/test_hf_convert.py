@@ -140,6 +140,7 @@ def test_isolated_load_matches_native(converted, tmp_path):
         assert entry["num_recurrences"] == 5 and entry["generate"].shape == (2, 12)
         assert entry["override"] == (8, "per_visit")
         assert entry["eos"] == "<|endoftext|>" and len(entry["tokens"]) > 0
+        assert entry["padding_side"] == "left" and entry["padded_batch_ok"], name  # plain `tok(..., padding=True)`
 
 
 def test_tp2_and_pp2_checkpoints_convert(megatron_world, tmp_path):
@@ -367,3 +368,32 @@ def test_from_hf_keeps_the_tokenizer_outside_a_checkpoints_folder(megatron_world
     engine = InferenceEngine.load(root, validate=False)
     assert engine.source["tokenizer"] == str(root / "tokenizer.json")
     assert engine.tokenizer.sha256 == file_sha256(hf / "tokenizer.json")
+
+
+def test_out_folders_that_would_mix_or_lose_outputs_are_refused(megatron_world, converted, tmp_path, capsys):
+    """--from-hf into an HF export (or any non-empty folder, or the input itself); an export into a
+    folder holding checkpoints (even next to an earlier export's marker); an --out under a file:
+    one line each, exit 2, nothing written or removed."""
+    from megaloop.hf.convert_cli import main
+
+    item = converted["deq_qkv"]
+    export = tmp_path / "export"
+    shutil.copytree(item["hf"], export)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(item["hf"], mixed)
+    shutil.copytree(item["ckpt"], mixed / item["ckpt"].name)
+    afile = tmp_path / "afile"
+    afile.write_text("kept")
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    cases = [
+        (["--from-hf", "--checkpoint", str(item["hf"]), "--out", str(export)], f"--out {export} is not empty"),
+        (["--from-hf", "--checkpoint", str(export), "--out", str(export)], "is the --checkpoint folder itself"),
+        (["--checkpoint", str(item["ckpt"]), "--out", str(mixed)], f"--out {mixed} holds megaloop checkpoints"),
+        (["--checkpoint", str(item["ckpt"]), "--out", str(afile / "sub")], f"{afile} is a file, not a folder"),
+        (["--from-hf", "--checkpoint", str(export), "--out", str(afile / "ck")], f"{afile} is a file, not a folder"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
