@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from megaloop.config_utils import ConfigError
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, add_student_option, build_engine,
-                                             check_engine_args, write_json)
+                                             check_engine_args, check_outputs_not_inputs, check_plot_path,
+                                             write_json)
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -125,6 +126,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
         check_data_arg(args.data)
     check_engine_args(args)
+    check_outputs_not_inputs(args, {"--json": args.json})
 
 
 def _check_prefix_len(args: argparse.Namespace, engine=None) -> None:
@@ -237,6 +239,14 @@ def _fmt(x: Any, digits: int = 4) -> str:
     return str(x)
 
 
+def _depth_summary(stats: dict) -> str:
+    """One line of a protocol's adaptive depths (``PPLResult.adaptive_depths[mode]``): scored tokens only."""
+    if not stats.get("tokens"):
+        return "no scored tokens"
+    hist = " ".join(f"{d}:{c}" for d, c in stats["histogram"].items())
+    return f"mean depth {stats['mean_depth']:.2f} over {stats['tokens']} scored tokens; depth:tokens {hist}"
+
+
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -253,6 +263,9 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from megaloop.eval.ppl import evaluate_ppl, protocols_for
 
+    if args.decode_depth is not None and args.exit is None:
+        raise ConfigError("--decode-depth: eval ppl scores the second half in one parallel pass at --depth "
+                          "(SPEC §7), not token by token; drop it (with --exit it is the default --max-depth)")
     _check_args(args)
     _check_prefix_len(args)
     protocols = protocols_for(args.cache, native=not args.no_native)
@@ -276,11 +289,11 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
            ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
     if res.sharing_penalty_pct is not None:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
-    if engine.exit is not None:
-        print(f"adaptive decode ({engine.exit.spec}, second half scored token by token): {engine.depth_log.summary()}")
+    for mode, stats in (res.adaptive_depths or {}).items():
+        print(f"adaptive decode ({stats['criterion']}, {mode} cache, second half scored token by token): "
+              f"{_depth_summary(stats)}")
     write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
-                            **res.to_dict(),
-                            **({"adaptive_depths": engine.depth_log.to_dict()} if engine.exit is not None else {})})
+                            **res.to_dict()})
     return 0
 
 
@@ -290,6 +303,9 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     _check_args(args)
     if args.decode_depth is not None:
         raise ConfigError("--decode-depth: eval sweep decodes each row at its own depth (--depths); drop it")
+    if args.max_depth is not None:
+        raise ConfigError("--max-depth: eval sweep caps each row's adaptive depth at its own depth (--depths); "
+                          "drop it")
     if not args.sharing:
         for flag, value in (("--prefill-depth", args.prefill_depth), ("--exit", args.exit),
                             ("--min-depth", args.min_depth), ("--max-depth", args.max_depth)):
@@ -297,6 +313,12 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{flag}: applies to the prefill/decode protocols of --sharing; add --sharing "
                                   f"(native PPL is one parallel forward at each depth)")
     depths = parse_depths(args.depths)
+    from megaloop.inference.generate_cli import is_untied
+
+    if is_untied(args):
+        raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
+    plot = check_plot_path(args.plot, args.json, "depth_sweep.png")
+    check_outputs_not_inputs(args, {"--json": args.json, "--plot": str(plot)})
     _check_prefix_len(args)
     engine = build_engine(args)
     _check_prefix_len(args, engine)
@@ -309,12 +331,15 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     rows = [[r["depth"], r["native_ppl"]] + ([r["terminal_ppl"], r["per_visit_ppl"], r["sharing_penalty_pct"]]
                                              if args.sharing else []) for r in res["rows"]]
     _table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, rows)
+    for r in res["rows"]:
+        for mode, stats in (r.get("adaptive_depths") or {}).items():
+            print(f"R={r['depth']} adaptive decode ({stats['criterion']}, max depth {stats['max_depth']}, {mode} "
+                  f"cache): {_depth_summary(stats)}")
     print(f"extrapolation: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
           f"{res['extrapolation_pct']:+.3f} %")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "depth_sweep.png")
-    res["plot"] = str(plot_sweep(res, plot))
-    print(f"wrote {res['plot']}")
+    res["plot"] = str(plot)
     write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
+    print(f"wrote {plot_sweep(res, plot)}")  # after the JSON: a failing plot loses no result
     return 0
 
 
@@ -459,6 +484,12 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     from megaloop.eval.decode_score import check_scoring
     from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
 
+    if args.limit is not None and not (args.limit >= 1 or 0 < args.limit < 1):
+        raise ConfigError(f"--limit: must be >= 1 (examples per task) or a fraction in (0, 1), got {args.limit:g}")
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        raise ConfigError(f"--num-fewshot: must be >= 0, got {args.num_fewshot}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size: must be >= 1, got {args.batch_size}")
     _check_args(args)
     check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -37,24 +37,46 @@ def parse_depths(text: str | Sequence[int]) -> list[int]:
     return sorted(set(out))
 
 
+def row_policy(policy, depth: int):
+    """The adaptive-exit policy of a sweep row at depth ``depth``: ``policy`` capped at the row's R
+    (``max_depth = R``, so ``latent:0`` equals fixed decoding at R); None (fixed depth R) when
+    ``policy`` is None or R is below its ``min_depth`` (no criterion can fire before R then)."""
+    if policy is None or depth < policy.min_depth:
+        return None
+    import dataclasses
+
+    return dataclasses.replace(policy, max_depth=int(depth))
+
+
 def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, *, sharing: bool = False,
                 prefill_depth: Optional[int] = None, batch_size: int = 4, reference_depth: Optional[int] = None,
                 log=None, prefix_len: Optional[int] = None) -> dict:
     """Rows ``{depth, native_ppl, [terminal_ppl, per_visit_ppl, sharing_penalty_pct]}`` plus
     ``reference_depth`` (default the engine's depth, i.e. the training/eval depth) and
     ``extrapolation_pct`` = 100·(PPL at the deepest depth / PPL at the reference − 1).
-    ``prefix_len``: tokens prefilled by the sharing protocols (default half the sequence)."""
+    ``prefix_len``: tokens prefilled by the sharing protocols (default half the sequence). With
+    ``sharing`` and an engine exit policy, each row's cache protocols decode adaptively capped at
+    the row's R (:func:`row_policy`; rows get ``adaptive_depths`` per protocol)."""
     depths = parse_depths(depths)
     ref = check_depth(reference_depth or engine.depth, "--reference-depth")
     protocols = ("native", "terminal", "per_visit") if sharing else ("native",)
+    saved = getattr(engine, "exit", None)
+    base = saved if sharing else None
     rows = []
     for d in sorted(set(depths) | {ref}):
-        res = evaluate_ppl(engine, data, depth=d, prefill_depth=prefill_depth, protocols=protocols,
-                           batch_size=batch_size, prefix_len=prefix_len)
+        policy = row_policy(base, d)
+        try:  # each row decodes adaptively with its own R as the cap (the decode depth of that row)
+            engine.exit = policy
+            res = evaluate_ppl(engine, data, depth=d, prefill_depth=prefill_depth, protocols=protocols,
+                               batch_size=batch_size, prefix_len=prefix_len)
+        finally:
+            engine.exit = saved
         row = {"depth": d, "native_ppl": res.native_ppl, "seconds": res.seconds, "in_sweep": d in depths}
         if sharing:
             row.update(terminal_ppl=res.terminal_ppl, per_visit_ppl=res.per_visit_ppl,
                        sharing_penalty_pct=res.sharing_penalty_pct)
+            if base is not None:  # None: R < min_depth, the row decodes at fixed depth R
+                row["adaptive_depths"] = res.adaptive_depths
         rows.append(row)
         if log:
             log(row)
@@ -94,4 +116,4 @@ def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence d
     return save_figure(fig, path)
 
 
-__all__ = ["DEFAULT_DEPTHS", "depth_sweep", "parse_depths", "plot_sweep"]
+__all__ = ["DEFAULT_DEPTHS", "depth_sweep", "parse_depths", "plot_sweep", "row_policy"]

@@ -346,6 +346,21 @@ def resolve_tasks(tasks: Sequence[str], include_path: Optional[Sequence[str | Pa
     return manager, specs
 
 
+def _is_dataset_load_error(err: BaseException) -> bool:
+    """A network / offline / missing-dataset error of ``datasets`` or ``huggingface_hub`` (anywhere in
+    the exception's chain)."""
+    seen = 0
+    while err is not None and seen < 10:
+        name, mod = type(err).__name__, type(err).__module__ or ""
+        if isinstance(err, ConnectionError) or "Offline" in name or "ConnectionError" in name or \
+                name in ("DatasetNotFoundError", "DataFilesNotFoundError", "EmptyDatasetError") or \
+                (mod.split(".")[0] in ("datasets", "huggingface_hub", "requests", "urllib3")
+                 and isinstance(err, (OSError, ConnectionError))):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
 def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] = None,
                 num_fewshot: Optional[int] = None, include_path: Optional[Sequence[str | Path]] = None,
                 include_defaults: bool = False, seed: int = 1234, resolved=None) -> dict:
@@ -354,9 +369,21 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
     from lm_eval import simple_evaluate
 
     manager, specs = resolved or resolve_tasks(tasks, include_path, include_defaults)
-    out = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                          bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                          torch_random_seed=seed, fewshot_random_seed=seed)
+    try:
+        out = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                              bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed)
+    except ValueError as err:
+        if "larger than population" in str(err):
+            raise ConfigError(f"--num-fewshot: {num_fewshot} examples exceed the few-shot examples the task "
+                              f"({', '.join(tasks)}) has; lower --num-fewshot") from None
+        raise
+    except Exception as err:  # noqa: BLE001 - a dataset lm-eval could not download
+        if not _is_dataset_load_error(err):
+            raise
+        raise ConfigError(f"--tasks {','.join(tasks)}: the dataset of a task could not be loaded "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); offline? "
+                          f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or no network)") from None
     results = {}
     for task, metrics in (out or {}).get("results", {}).items():
         results[task] = {k.split(",")[0]: v for k, v in metrics.items()

@@ -262,6 +262,8 @@ class PPLResult:
     kv_bytes_per_token: dict = field(default_factory=dict)  # mode -> bytes (engine dtype)
     source_counts: Optional[dict] = None  # scored sequences per `source` (sets with a source column)
     seconds: float = 0.0
+    # adaptive decode (engine.exit): cache protocol -> DepthLog.to_dict() over its scored tokens only
+    adaptive_depths: Optional[dict] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -308,6 +310,12 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
     engine.check_context(L, "evaluation sequence")
     t0 = time.perf_counter()
     sums = {k: [0.0, 0.0] for k in ("native", "native_half", "terminal", "per_visit")}
+    policy = getattr(engine, "exit", None)
+    logs = {}
+    if policy is not None:
+        from megaloop.inference.adaptive import DepthLog
+
+        logs = {m: DepthLog() for m in ("terminal", "per_visit") if m in protocols}
     for tokens, labels, mask in data.batches(batch_size):
         if "native" in protocols:
             logits = engine.forward(tokens, depth)
@@ -319,8 +327,16 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
         for mode in ("terminal", "per_visit"):
             if mode not in protocols:
                 continue
-            _, logits = engine.score_with_prefix(tokens[:, :split], tokens[:, split:], depth=depth,
-                                                 prefill_depth=pdepth, cache_mode=check_mode(mode))
+            kw = {}
+            if policy is not None:  # this protocol's depths, over its scored tokens only
+                kw["scored"] = mask[:, split:] > 0
+                outer, engine.depth_log = engine.depth_log, logs[mode]
+            try:
+                _, logits = engine.score_with_prefix(tokens[:, :split], tokens[:, split:], depth=depth,
+                                                     prefill_depth=pdepth, cache_mode=check_mode(mode), **kw)
+            finally:
+                if policy is not None:
+                    engine.depth_log = outer
             nll, n = _nll(logits, labels[:, split:], mask[:, split:])
             sums[mode][0] += nll
             sums[mode][1] += n
@@ -333,6 +349,12 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
                     native_ppl=_ppl(*sums["native"]), native_ppl_second_half=_ppl(*sums["native_half"]),
                     terminal_ppl=_ppl(*sums["terminal"]), per_visit_ppl=_ppl(*sums["per_visit"]),
                     kv_bytes_per_token={m: engine.kv_bytes_per_token(m, depth) for m in ("terminal", "per_visit")})
+    if logs:
+        res.adaptive_depths = {m: {"criterion": policy.spec, "min_depth": policy.min_depth,
+                                   "max_depth": policy.max_depth, **log.to_dict()} for m, log in logs.items()}
+        for log in logs.values():  # the engine's own log keeps every step, as before
+            engine.depth_log.counts.update(log.counts)
+            engine.depth_log.row_recurrences += log.row_recurrences
     if data.sources is not None:
         res.source_counts = source_counts(data.sources)
     if res.terminal_ppl is not None and res.per_visit_ppl is not None:

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from megaloop.config_utils import ConfigError
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, build_engine, check_engine_args,
-                                             write_json)
+                                             check_outputs_not_inputs, check_plot_path, write_json)
 
 
 def add_synth_parser(sub) -> None:
@@ -69,6 +68,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     check_engine_args(args)
     check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
     depths = parse_depths(args.depths)
+    plot = check_plot_path(args.plot, args.json, "synth_table.png")
+    check_outputs_not_inputs(args, {"--json": args.json, "--plot": str(plot)})
     problems = load_problems(args.problems or SHIPPED, _parse_ks(args.ks), args.limit)
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     table = synth_table(engine, problems, depths, cache_mode=args.cache, scoring=args.scoring,
@@ -76,10 +77,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
                         memory_check=not args.no_memory_check,
                         log=lambda r, s: print(f"R={r}: {len(problems)} problems in {s:.1f} s", flush=True))
     print(table.format())
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else "synth_table.png")
-    print(f"wrote {plot_synth(table, plot)}")
     write_json(args.json, {"command": "eval synth", "engine": engine.describe(),
                            "problems": str(args.problems or SHIPPED), **table.to_dict(), "plot": str(plot)})
+    print(f"wrote {plot_synth(table, plot)}")  # after the JSON: a failing plot loses no result
     return 0
 
 

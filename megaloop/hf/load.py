@@ -47,7 +47,10 @@ def resolve_device(device: Union[str, torch.device, None]) -> torch.device:
     """``auto`` / None = CUDA when available; ConfigError naming ``--device`` for absent CUDA."""
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"--device {device}: not a device; one of auto, cpu, cuda, cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}: CUDA is not available on this machine")
     return dev
@@ -91,6 +94,22 @@ def check_model_path(path: Union[str, Path], flag: str = "--model") -> str:
         raise ConfigError(f"{flag} {p}: neither an HF folder (config.json with model_type \"megaloop\") nor "
                           f"a megaloop checkpoint ({str(err).splitlines()[0]})") from None
     return "checkpoint"
+
+
+def model_arch(path: Union[str, Path]) -> Optional[str]:
+    """The architecture (``looped`` / ``untied``) a checkpoint or HF folder records, read without
+    loading weights; None when it cannot be told cheaply (loading then reports what is wrong)."""
+    try:
+        p = Path(path)
+        if is_hf_folder(p):
+            cfg = json.loads((p / "config.json").read_text())
+            return str(cfg.get("arch") or ("looped" if cfg.get("looped", True) else "untied"))
+        from megaloop.hf.convert import read_run_config
+        from megaloop.train.checkpoint import find_checkpoint
+
+        return str((read_run_config(find_checkpoint(p)).get("model") or {}).get("arch") or "looped")
+    except Exception:  # noqa: BLE001 - a cheap peek only; load_model raises the real error
+        return None
 
 
 def load_model(path: Union[str, Path], *, device="cpu", dtype=torch.float32, num_recurrences: Optional[int] = None,

@@ -347,7 +347,8 @@ class InferenceEngine:
     @torch.no_grad()
     def score_with_prefix(self, prefix: Optional[torch.Tensor], chunk: torch.Tensor, *, depth: Optional[int] = None,
                           prefill_depth: Optional[int] = None, cache_mode: Optional[str] = None,
-                          cache=None, policy: Optional[ExitPolicy] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                          cache=None, policy: Optional[ExitPolicy] = None,
+                          scored: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The PPL protocol's two passes: prefill ``prefix`` [b, m] at ``prefill_depth`` (default
         ``depth``) into a cache, then one parallel pass over ``chunk`` [b, n] at ``depth`` whose
         tokens read the prefix through the cached banks (terminal: one bank per layer) and each
@@ -355,7 +356,9 @@ class InferenceEngine:
         ``(last_prefix_logits [b, V] — the prediction of chunk[:, 0] — , chunk_logits [b, n, V])``.
         Pass ``cache`` (already holding the prefix; ``prefix`` None) to skip the prefill; the
         cache then also holds ``chunk``. With a ``policy`` (default the engine's ``exit``) the chunk
-        is fed token by token at adaptive depth (teacher forcing; depths in ``depth_log``)."""
+        is fed token by token at adaptive depth (teacher forcing; depths in ``depth_log``); ``scored``
+        [b, n] (bool) limits the depths logged to the positions that are scored (the row
+        recurrences computed are logged in full)."""
         depth = check_depth(depth if depth is not None else self.depth, "--depth")
         pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
         last = None
@@ -372,6 +375,8 @@ class InferenceEngine:
         steps = []
         for j in range(chunk.shape[1]):
             logits, depths, work = adaptive_decode(self.model, chunk[:, j:j + 1].to(self.device), cache, policy)
+            if scored is not None:
+                depths = depths[scored[:, j].to(depths.device).bool()]
             self.depth_log.add(depths, work)
             steps.append(logits.float())
         return last, torch.cat(steps, dim=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -74,10 +75,15 @@ def check_engine_args(args: argparse.Namespace) -> None:
             check_depth(getattr(args, name), "--" + name.replace("_", "-"))
     if args.max_context is not None and args.max_context < 1:
         raise ConfigError(f"--max-context: must be >= 1, got {args.max_context}")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads: must be >= 1, got {args.threads}")
         import torch
 
         torch.set_num_threads(int(args.threads))
+    from megaloop.hf.load import resolve_device
+
+    resolve_device(args.device)  # ConfigError naming --device
     if getattr(args, "exit", None):  # the criterion and depths (the decode depth is known after loading)
         from megaloop.inference.adaptive import exit_policy
 
@@ -92,6 +98,78 @@ def check_engine_args(args: argparse.Namespace) -> None:
         from megaloop.train.checkpoint import CheckpointError
 
         raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
+    check_untied_args(args)
+
+
+DEPTH_FLAGS = (("exit", "--exit"), ("depth", "--depth"), ("prefill_depth", "--prefill-depth"),
+               ("decode_depth", "--decode-depth"), ("min_depth", "--min-depth"), ("max_depth", "--max-depth"))
+
+
+def is_untied(args: argparse.Namespace) -> bool:
+    """True when ``--checkpoint`` records ``arch: untied`` (read without loading the weights)."""
+    from megaloop.hf.load import model_arch
+
+    if "://" in str(args.checkpoint):
+        return False
+    if not hasattr(args, "_arch"):
+        args._arch = model_arch(args.checkpoint)
+    return args._arch == "untied"
+
+
+def check_untied_args(args: argparse.Namespace) -> None:
+    """An untied (non-looped) model has no recurrence: refuse the depth and adaptive-exit options
+    before it loads (one line naming the flag)."""
+    given = [(dest, flag) for dest, flag in DEPTH_FLAGS if getattr(args, dest, None) is not None]
+    if not given or not is_untied(args):
+        return
+    dest, flag = given[0]
+    what = "it has no recurrence to exit early from" if dest == "exit" else "it has no depth to vary"
+    raise ConfigError(f"{flag}: {args.checkpoint} is an untied (non-looped) model, {what}")
+
+
+INPUT_FLAGS = (("data", "--data"), ("tokenizer", "--tokenizer"), ("problems", "--problems"),
+               ("student", "--student"), ("checkpoint", "--checkpoint"))
+
+
+def check_outputs_not_inputs(args: argparse.Namespace, outputs: dict) -> None:
+    """Refuse an output path (``outputs``: flag → path) that is one of the command's inputs (the same
+    file once resolved: ``--data``, ``--tokenizer``, ``--problems``), or an existing file inside an
+    input folder (``--checkpoint``, ``--student``, an MDS ``--data`` set, a tokenizer folder), naming
+    both flags. New files inside a run directory are allowed."""
+    for out_flag, out in outputs.items():
+        if not out:
+            continue
+        o = Path(out).expanduser().resolve()
+        for dest, in_flag in INPUT_FLAGS:
+            value = getattr(args, dest, None)
+            if not value or not isinstance(value, str) or "://" in value or value == "default":
+                continue
+            i = Path(value).expanduser().resolve()
+            if o == i or (i.is_dir() and i in o.parents and o.exists()):
+                what = "is" if o == i else "lies inside"
+                raise ConfigError(f"{out_flag} {out}: {what} the input {in_flag} {value}; writing it would "
+                                  f"overwrite the command's own input, choose another path")
+
+
+def check_plot_path(plot: Optional[str], json_path: Optional[str], default: str, flag: str = "--plot") -> Path:
+    """The figure path of ``--plot`` (default: next to ``--json``, else ``default``), checked before
+    any compute: a format matplotlib writes (no extension: PNG, ``.png`` appended and said), not a
+    directory, its parent creatable. Returns the path the figure will be written to."""
+    path = Path(plot) if plot else (Path(json_path).with_suffix(".png") if json_path else Path(default))
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory, not a file path")
+    ext = path.suffix[1:].lower()
+    if not ext:
+        path = path.with_name(path.name + ".png")
+        print(f"note: {flag} {plot} has no extension: writing a PNG to {path}", file=sys.stderr)
+    else:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = sorted(FigureCanvasBase.get_supported_filetypes())
+        if ext not in formats:
+            raise ConfigError(f"{flag} {path}: unsupported figure format {ext!r}; use one of {', '.join(formats)}")
+    check_out_file(str(path), flag)
+    return path
 
 
 def check_out_file(path: Optional[str], flag: str) -> None:
@@ -128,8 +206,19 @@ def write_json(path: Optional[str], payload: dict) -> None:
         return
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1, default=str))
+    out.write_text(json.dumps(json_safe(payload), indent=1, default=str, allow_nan=False))
     print(f"wrote {out}")
+
+
+def json_safe(obj):
+    """``obj`` with every NaN / ±inf float replaced by None (JSON has no NaN: ``null``), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 # ----------------------------------------------------------------------------- generate
@@ -172,6 +261,7 @@ def add_generate_parser(sub) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     check_engine_args(args)
+    check_outputs_not_inputs(args, {"--json": args.json})
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     engine = build_engine(args, cache_mode=args.cache)

@@ -270,7 +270,10 @@ def test_adaptive_exit_options_reach_ppl_harness_and_generate(cli, trained_run, 
                        "--exit", "latent:1e9", "--max-depth", "8", "--json", str(tmp_path / "p.json"))
     assert code == 0 and "adaptive decode" in out
     p = json.loads((tmp_path / "p.json").read_text())
-    assert p["adaptive_depths"]["mean_depth"] == 2.0 and p["adaptive_depths"]["tokens"] > 0
+    # per cache protocol, over the scored tokens only (item 9 of the eval audit)
+    t = p["adaptive_depths"]["terminal"]
+    assert t["mean_depth"] == 2.0 and t["tokens"] == p["tokens_scored"] > 0 and set(p["adaptive_depths"]) == {"terminal"}
+    assert "scored tokens" in out
     code, out, _ = cli("eval", "harness", "--checkpoint", ck, "--tasks", "megaloop_toy_mc", "--limit", "2",
                        "--exit", "kl:1e9", "--max-depth", "6")
     assert code == 0
