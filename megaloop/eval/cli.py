@@ -338,6 +338,8 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     print(f"extrapolation: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
           f"{res['extrapolation_pct']:+.3f} %")
     res["plot"] = str(plot)
+    trained = int(engine.config.max_position_embeddings)
+    res.update(seq_len=data.seq_len, training_seq_len=trained, rope_extrapolated=data.seq_len > trained)
     write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
     print(f"wrote {plot_sweep(res, plot)}")  # after the JSON: a failing plot loses no result
     return 0

@@ -41,6 +41,11 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
     assert code == 0 and "extrapolation" in out and (tmp_path / "sweep.png").is_file()
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["depth"] for r in sweep["rows"]] == [1, 4] and sweep["prefix_len"] == 32
+    assert (sweep["seq_len"], sweep["training_seq_len"], sweep["rope_extrapolated"]) == (128, 128, False)
+    code, _, err = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1", "--seq-len", "160",
+                       "--json", str(tmp_path / "s160.json"), "--plot", str(tmp_path / "s160.png"))
+    long = json.loads((tmp_path / "s160.json").read_text())
+    assert code == 0 and (long["seq_len"], long["rope_extrapolated"]) == (160, True) and "extrapolated" in err
 
     code, out, _ = cli("eval", "fixed-point", "--checkpoint", ck, "--max-seqs", "1", "--prefix-len", "12",
                        "--json", str(tmp_path / "fp.json"))
