@@ -72,8 +72,14 @@ class MegaloopLM(LM):
                  decode_depth: Optional[int] = None, cache_mode: str = "terminal",
                  scoring: Optional[str] = None, batch_size: int = 16,
                  max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", memory_check: bool = True,
-                 **_ignored):
+                 max_batch_size: Optional[int] = None, **unknown):
         super().__init__()
+        del max_batch_size  # lm-eval passes it with batch_size and device; batches here are fixed-size
+        if unknown:  # a misspelled model_args key (e.g. `cache=`) would otherwise be dropped silently
+            known = ("checkpoint", "hf", "depth", "prefill_depth", "decode_depth", "cache_mode", "scoring",
+                     "batch_size", "max_gen_toks", "device", "dtype", "memory_check")
+            raise ConfigError(f"megaloop lm-eval model: unknown model_args {', '.join(sorted(unknown))} "
+                              f"(known: {', '.join(known)})")
         if engine is None:
             from megaloop.inference.engine import InferenceEngine
 

@@ -108,3 +108,11 @@ def test_bad_scoring_arguments(engine):
         MegaloopLM(engine, decode_depth=0)
     with pytest.raises(ConfigError, match="--batch-size"):
         decode_loglikelihood(engine, [([2], [3])], prefill_depth=1, decode_depth=1, batch_size=0)
+
+
+def test_unknown_model_args_are_refused_and_lm_evals_extras_accepted(engine):
+    """lm-eval passes batch_size, max_batch_size and device with the user's model_args; a
+    misspelled key (``cache=``) is named instead of being dropped."""
+    assert MegaloopLM(engine, batch_size=4, max_batch_size=64, device="cpu").batch_size == 4
+    with pytest.raises(ConfigError, match=r"unknown model_args cache, scoringg \(known: checkpoint, hf, depth"):
+        MegaloopLM(engine, cache="per_visit", scoringg="decode")
