@@ -177,7 +177,8 @@ class MegaloopLM(LM):
         cont = max(max(len(c) for _, c in pairs), max_new)
         # rows are left-padded to the longest context; one generation stops at the context length
         total = min(ctx + cont - 1, max(self.max_length, ctx)) if max_new else ctx + cont - 1
-        fits, shrink = "--batch-size {n} fits", "use --cache terminal or lower the depths"
+        fits = "--batch-size {n} fits"
+        shrink = "use --cache terminal or lower the depths" if self.cache_mode != "terminal" else "lower the depths"
         what = f"--batch-size {b}, contexts of up to {ctx} tokens, continuations of up to {cont}"
         if max_new or self.scoring == "decode":
             mode = "per_visit" if self.cache_mode == "per_visit" else "terminal"

@@ -89,6 +89,10 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
         exit_policy(args.exit, min_depth=args.min_depth, max_depth=args.max_depth,
                     default_max_depth=max(args.min_depth or 2, 2), finished_rows=args.finished_rows)
+        dd = getattr(args, "decode_depth", None)
+        if dd is not None and args.max_depth is not None and args.max_depth < dd:
+            raise ConfigError(f"--max-depth: {args.max_depth} is below --decode-depth {dd}; with --exit the decode "
+                              "depth is only the default cap of the adaptive depth: give --max-depth alone")
     tok = getattr(args, "tokenizer", None)
     if tok and not Path(tok).exists():
         raise ConfigError(f"--tokenizer {tok}: no such file or directory (a tokenizer.json, a SentencePiece "
@@ -276,7 +280,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             decode_depth=decode_depth_bound(engine), mode=args.cache, padded=len(set(lens)) > 1,
                             what=f"{n} prompt(s) of up to {p} tokens + --max-new-tokens {args.max_new_tokens}",
                             fits="{n} prompt(s) at a time fit",
-                            shrink="lower --max-new-tokens, --decode-depth or use --cache terminal")
+                            shrink="lower --max-new-tokens or --decode-depth" +
+                            (" or use --cache terminal" if args.cache != "terminal" else ""))
     out = engine.generate(args.prompt if len(args.prompt) > 1 else args.prompt[0],
                           max_new_tokens=args.max_new_tokens,
                           temperature=0.0 if args.greedy or args.temperature is None else args.temperature,

@@ -119,6 +119,8 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--decode-depth: eval sweep decodes each row at its own depth"),
     # cheap options are checked before the checkpoint (here missing) is even looked at
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "foo:1"], "--exit:"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "latent:1e-3", "--max-depth", "2",
+      "--decode-depth", "6"], "--max-depth: 2 is below --decode-depth 6"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--tokenizer", "{missing}/t.json"],
      "--tokenizer {missing}/t.json: no such file or directory"),
     (["eval", "ppl", "--checkpoint", "{missing}", "--json", "{short}/out.json"],
@@ -188,6 +190,15 @@ def test_generate_and_harness_refuse_what_memory_cannot_hold_before_any_forward(
     code, _, err = cli("eval", "harness", "--checkpoint", ck, "--tasks", "megaloop_toy_mc", "--limit", "4",
                        "--cache", "per_visit", "--decode-depth", "64", "--batch-size", "64")
     assert code == 2 and "megaloop: error: --batch-size " in err and "per_visit cache at depth 64" in err, err
+    assert "use --cache terminal" in err
+    # on a terminal cache the advice does not suggest the cache already in use
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(1 << 16))
+    for argv in (["generate", "--prompt", "The", "--cache", "terminal", "--decode-depth", "64"],
+                 ["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "4", "--cache", "terminal",
+                  "--decode-depth", "64"]):
+        code, _, err = cli(*argv, "--checkpoint", ck)
+        assert code == 2 and "terminal cache" in err and "use --cache terminal" not in err, (argv, err)
+    monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(4 << 20))
     for argv in (["generate", "--prompt", "The", "--cache", "per_visit", "--decode-depth", "64"],
                  ["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "4", "--cache", "per_visit",
                   "--decode-depth", "64"]):
