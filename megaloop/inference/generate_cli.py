@@ -84,6 +84,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from megaloop.hf.load import resolve_device
 
     resolve_device(args.device)  # ConfigError naming --device
+    if getattr(args, "student", None) and getattr(args, "cache", "terminal") != "terminal":
+        raise ConfigError(f"--student: the student's prefill fills a terminal cache; with --cache {args.cache} it "
+                          "would never run (use --cache terminal, or drop --student)")
     if getattr(args, "exit", None):  # the criterion and depths (the decode depth is known after loading)
         from megaloop.inference.adaptive import exit_policy
 

@@ -119,6 +119,11 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--decode-depth: eval sweep decodes each row at its own depth"),
     # cheap options are checked before the checkpoint (here missing) is even looked at
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "foo:1"], "--exit:"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--student", "{missing}", "--cache", "per_visit"],
+     "--student: the student's prefill fills a terminal cache; with --cache per_visit it would never run"),
+    (["eval", "harness", "--checkpoint", "{missing}", "--tasks", "megaloop_toy_mc", "--student", "{missing}",
+      "--cache", "none"],
+     "--student: the student's prefill fills a terminal cache; with --cache none"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "latent:1e-3", "--max-depth", "2",
       "--decode-depth", "6"], "--max-depth: 2 is below --decode-depth 6"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--tokenizer", "{missing}/t.json"],
