@@ -300,12 +300,12 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
 def cmd_eval_sweep(args: argparse.Namespace) -> int:
     from megaloop.eval.depth_sweep import depth_sweep, parse_depths, plot_sweep
 
-    _check_args(args)
     if args.decode_depth is not None:
         raise ConfigError("--decode-depth: eval sweep decodes each row at its own depth (--depths); drop it")
     if args.max_depth is not None:
         raise ConfigError("--max-depth: eval sweep caps each row's adaptive depth at its own depth (--depths); "
                           "drop it")
+    _check_args(args)
     if not args.sharing:
         for flag, value in (("--prefill-depth", args.prefill_depth), ("--exit", args.exit),
                             ("--min-depth", args.min_depth), ("--max-depth", args.max_depth)):

@@ -87,6 +87,12 @@ def check_engine_args(args: argparse.Namespace) -> None:
     if getattr(args, "student", None) and getattr(args, "cache", "terminal") != "terminal":
         raise ConfigError(f"--student: the student's prefill fills a terminal cache; with --cache {args.cache} it "
                           "would never run (use --cache terminal, or drop --student)")
+    if not getattr(args, "exit", None):  # the adaptive-depth options mean nothing without a criterion
+        for flag, given in (("--min-depth", getattr(args, "min_depth", None) is not None),
+                            ("--max-depth", getattr(args, "max_depth", None) is not None),
+                            ("--finished-rows", getattr(args, "finished_rows", "mask") != "mask")):
+            if given:
+                raise ConfigError(f"{flag}: applies to adaptive depth; add --exit latent:EPS|kl:EPS|argmax:K")
     if getattr(args, "exit", None):  # the criterion and depths (the decode depth is known after loading)
         from megaloop.inference.adaptive import exit_policy
 
@@ -267,6 +273,12 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.temperature is None:  # greedy decoding: the sampling options would be ignored
+        for flag, given in (("--top-k", args.top_k != 0), ("--top-p", args.top_p != 1.0),
+                            ("--seed", args.seed is not None)):
+            if given:
+                raise ConfigError(f"{flag}: applies to sampling; add --temperature T (without it decoding is "
+                                  "greedy)")
     check_engine_args(args)
     check_outputs_not_inputs(args, {"--json": args.json})
     if args.max_new_tokens < 1:

@@ -119,6 +119,13 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--decode-depth: eval sweep decodes each row at its own depth"),
     # cheap options are checked before the checkpoint (here missing) is even looked at
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "foo:1"], "--exit:"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--max-depth", "8"],
+     "--max-depth: applies to adaptive depth; add --exit"),
+    (["eval", "ppl", "--checkpoint", "{missing}", "--min-depth", "2"], "--min-depth: applies to adaptive depth"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--top-k", "5"],
+     "--top-k: applies to sampling; add --temperature T"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--greedy", "--seed", "3"],
+     "--seed: applies to sampling"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--student", "{missing}", "--cache", "per_visit"],
      "--student: the student's prefill fills a terminal cache; with --cache per_visit it would never run"),
     (["eval", "harness", "--checkpoint", "{missing}", "--tasks", "megaloop_toy_mc", "--student", "{missing}",
