@@ -8,19 +8,25 @@ The layout comes from the config (``parallel.*``, ``train.micro_batch_size``, ``
 ``model.fp8``) and the flags below, which are shorthands for those overrides; ``cluster.KEY=VALUE``
 overrides edit the cluster description. All numbers are predictions: the GPU constants of the cost
 model (efficiencies, latencies, reserve, fragmentation) are assumptions until a GPU run calibrates
-them (tools/gpu_check.sh records what they need). Exit 2 with one line naming the field on bad input.
+them (tools/gpu_check.sh records what they need). Exit 2 with one line naming the field on bad input,
+before any compute; ``--search`` exits 2 as well when no layout fits (the line says what excluded
+them), as ``--preflight`` does for a layout predicted not to fit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from megaloop.config_utils import ConfigError
 from megaloop.errors import UserError, report
 
 DEFAULT_VOCAB = 65536  # the README's presets table; model.vocab_size=0 means "from the tokenizer"
+DEFAULT_STEPS = 32  # sampled optimizer steps, one layout and --search alike
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,47 +39,129 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=None, help="world size (default: --nodes x GPUs per node)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default: the cluster description's)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel size (world = tp x pp x dp)")
-    p.add_argument("--tp", type=int, default=None)
-    p.add_argument("--pp", type=int, default=None)
-    p.add_argument("--vpp", type=int, default=None, help="model chunks per pipeline rank (interleaved 1F1B)")
-    p.add_argument("--mbs", type=int, default=None, help="micro-batch size")
-    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size (with --search: held fixed)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline-parallel size (with --search: held fixed)")
+    p.add_argument("--vpp", type=int, default=None,
+                   help="model chunks per pipeline rank (interleaved 1F1B; with --search: held fixed)")
+    p.add_argument("--mbs", type=int, default=None, help="micro-batch size (with --search: held fixed)")
+    p.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=None,
+                   help="activation recomputation (with --search: held fixed)")
     p.add_argument("--dist-opt", action=argparse.BooleanOptionalAction, default=None,
                    help="distributed optimizer (optimizer state sharded over DP)")
-    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None, help="sequence parallelism")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, default=None,
+                   help="sequence parallelism (with --search: held fixed)")
     p.add_argument("--fp8", default=None, help="hybrid | e4m3 | none")
     p.add_argument("--vocab", type=int, default=None,
-                   help=f"vocabulary size when model.vocab_size is 0 (default {DEFAULT_VOCAB})")
-    p.add_argument("--steps", type=int, default=None, help="sampled optimizer steps (default 32; 8 with --search)")
+                   help="vocabulary size when model.vocab_size is 0 (default: the data's tokenizer where the planner "
+                        f"can read it: data.path=default or a local MDS folder's manifest.json; else {DEFAULT_VOCAB})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"sampled optimizer steps (>= 1; default {DEFAULT_STEPS})")
     p.add_argument("--search", action="store_true",
-                   help="rank the layouts (TP, PP, VPP, micro-batch, recompute, SP) that fit on --gpus")
-    p.add_argument("--top", type=int, default=10, help="layouts listed by --search")
-    p.add_argument("--min-pp", type=int, default=1, help="--search: only layouts with at least this pipeline size")
+                   help="rank the layouts (TP, PP, VPP, micro-batch, recompute, SP) that fit on --gpus; "
+                        "layout flags given with it are held fixed")
+    p.add_argument("--top", type=int, default=None, help="--search: layouts listed (>= 1; default 10)")
+    p.add_argument("--min-pp", type=int, default=None,
+                   help="--search: only layouts with at least this pipeline size (default 1)")
     p.add_argument("--microbatch-sweep", action="store_true",
                    help="bubble with sampled vs fixed depth as the microbatch count grows (same layout)")
     p.add_argument("--preflight", action="store_true",
-                   help="memory check only; one line; exit 2 if predicted not to fit")
+                   help="memory check only; one line (a JSON object with --json); exit 2 if predicted not to fit")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--json-out", default=None, help="also write the JSON report to this file")
+    p.add_argument("--json-out", default=None, help="also write the JSON report to this file (atomically)")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides; cluster.KEY=VALUE edits the cluster")
     return p
 
 
+def _check_flags(args) -> None:
+    """Flag values and combinations, before anything is loaded (ConfigError naming the flag)."""
+    for flag in ("gpus", "nodes", "dp", "tp", "pp", "vpp", "mbs", "vocab", "steps", "top", "min_pp"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {v}")
+    if not args.search:
+        for flag in ("top", "min_pp"):
+            if getattr(args, flag) is not None:
+                raise ConfigError(f"--{flag.replace('_', '-')}: only applies to --search")
+    if args.preflight:
+        for flag, given in (("search", args.search), ("microbatch-sweep", args.microbatch_sweep),
+                            ("steps", args.steps is not None)):
+            if given:
+                raise ConfigError(f"--preflight: checks one layout's worst-case memory and samples no steps; "
+                                  f"drop --{flag} (or --preflight)")
+    if args.search and args.microbatch_sweep:
+        raise ConfigError("--microbatch-sweep: sweeps one layout; drop --search (and give the layout --search found)")
+    if args.search and args.pp is not None and args.min_pp is not None and args.pp < args.min_pp:
+        raise ConfigError(f"--min-pp: {args.min_pp} excludes the --pp {args.pp} the search is held to")
+    if args.json_out is not None:
+        _check_json_out(args.json_out)
+
+
+def _check_json_out(path: str) -> None:
+    p = Path(path)
+    if not path.strip():
+        raise ConfigError("--json-out: empty; give a file path")
+    if p.is_dir() or path.endswith(os.sep):
+        raise ConfigError(f"--json-out: {path!r} is a directory; give a file path")
+    parent = p.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--json-out: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--json-out: folder {parent} is not writable")
+    if p.exists() and not p.is_file():
+        raise ConfigError(f"--json-out: {path} exists and is not a regular file")
+
+
 def _cluster(args, cluster_ov: list[str]):
-    """The cluster description; ``auto`` = this machine's GPU (None when there is none)."""
+    """The cluster description; ``auto`` = this machine's GPU (None when there is none: the
+    overrides are still checked, against the shipped h100)."""
     from megaloop.plan.cluster import load_cluster, shipped_clusters
 
     name = args.cluster
-    if name.lower() == "auto":
+    if name.strip().lower() == "auto":
         import torch
 
         if not torch.cuda.is_available():
+            load_cluster("h100", cluster_ov)  # cluster.KEY=VALUE errors even when there is nothing to plan on
             return None
         gpu = torch.cuda.get_device_name(0)
         mem = torch.cuda.get_device_properties(0).total_memory / 2**30
         base = next((c for c in shipped_clusters() if c.upper() in gpu.upper()), "h100")
         return load_cluster(base, [f"gpu={gpu.replace(' ', '_')}", f"gpu_memory_gib={mem:.1f}", *cluster_ov])
     return load_cluster(name, cluster_ov)
+
+
+def resolve_vocab(cfg, flag: int | None) -> tuple[int, str]:
+    """The vocabulary to plan and where it came from, as ``megaloop train`` would take it:
+    ``model.vocab_size``, else ``--vocab``, else the data's tokenizer (``data.path=default``: the
+    embedded corpus's; a local MDS folder: its ``manifest.json``'s ``vocab_size``), else
+    :data:`DEFAULT_VOCAB`. Nothing is built or downloaded."""
+    model_v = cfg.model.vocab_size
+    if model_v:
+        if flag is not None and flag != model_v:
+            raise ConfigError(f"--vocab: {flag} contradicts the config's model.vocab_size={model_v}; give one of them")
+        return model_v, "model.vocab_size"
+    if flag is not None:
+        return flag, "--vocab"
+    path = cfg.data.path
+    if path == "default" or path.startswith("default:"):
+        import inspect
+
+        from megaloop.data.default_corpus import ensure_default_dataset
+
+        v = inspect.signature(ensure_default_dataset).parameters["vocab_size"].default
+        return int(v), "data.path=default: the embedded corpus's tokenizer"
+    if "://" in path:
+        return DEFAULT_VOCAB, f"default; data.path={path} is remote and not read here (--vocab N to set it)"
+    manifest = Path(path) / "manifest.json"
+    if not manifest.is_file():
+        return DEFAULT_VOCAB, f"default; no {manifest} here (--vocab N to set it)"
+    try:
+        v = json.loads(manifest.read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"data.path: cannot read {manifest}: {err}") from None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        return DEFAULT_VOCAB, f"default; {manifest} gives no vocab_size (--vocab N to set it)"
+    return v, f"data.path: {manifest}"
 
 
 def _inputs(args):
@@ -87,25 +175,50 @@ def _inputs(args):
     cluster = _cluster(args, cluster_ov)
     cfg = load_config(args.config, overrides, arm=args.arm)
     cfg.check_trainable()
-    if args.vocab is not None and args.vocab < 1:
-        raise ConfigError(f"--vocab: must be >= 1, got {args.vocab}")
-    vocab = cfg.model.vocab_size or args.vocab or DEFAULT_VOCAB
-    for flag in ("gpus", "nodes", "dp"):
-        v = getattr(args, flag)
-        if v is not None and v < 1:
-            raise ConfigError(f"--{flag}: must be >= 1, got {v}")
-    return cfg, overrides, cluster, vocab
+    vocab, source = resolve_vocab(cfg, args.vocab)
+    if cluster is not None:
+        cluster.peak_tflops(bool(cfg.model.fp8))  # an FP8 layout on a GPU without an FP8 peak
+    return cfg, overrides, cluster, vocab, source
 
 
 def _world(args, cfg, cluster) -> int:
+    gpn = cluster.gpus_per_node
+    by_nodes = args.nodes * gpn if args.nodes is not None else None
+    if args.gpus is not None and by_nodes is not None and args.gpus != by_nodes:
+        raise ConfigError(f"--gpus: {args.gpus} GPUs contradict --nodes {args.nodes} ({args.nodes} x {gpn} GPUs per "
+                          f"node = {by_nodes}); give one of them")
+    world = args.gpus if args.gpus is not None else by_nodes
     if args.dp is not None:
-        world = cfg.parallel.tp * cfg.parallel.pp * args.dp
-        if args.gpus is not None and args.gpus != world:
-            raise ConfigError(f"--dp: tp x pp x dp = {world} but --gpus {args.gpus}")
-        return world
-    if args.gpus is not None:
-        return args.gpus
-    return (args.nodes or cluster.nodes) * cluster.gpus_per_node
+        if args.search:
+            if world is None:
+                raise ConfigError("--dp: --search needs the world size: give --gpus or --nodes")
+            if world % args.dp:
+                raise ConfigError(f"--dp: {world} GPUs are not divisible by --dp {args.dp}")
+            return world
+        by_dp = cfg.parallel.tp * cfg.parallel.pp * args.dp
+        if world is not None and world != by_dp:
+            given = f"--gpus {args.gpus}" if args.gpus is not None else f"--nodes {args.nodes} ({by_nodes} GPUs)"
+            raise ConfigError(f"--dp: tp x pp x dp = {by_dp} but {given}")
+        return by_dp
+    return world if world is not None else cluster.nodes * gpn
+
+
+# config keys the search varies -> how a held value reads from the loaded config
+_HELD = {"parallel.tp": ("tp", lambda c: c.parallel.tp), "parallel.pp": ("pp", lambda c: c.parallel.pp),
+         "parallel.vpp": ("vpp", lambda c: c.parallel.vpp or 1),
+         "train.micro_batch_size": ("mbs", lambda c: c.train.micro_batch_size),
+         "model.recompute": ("recompute", lambda c: c.model.recompute),
+         "parallel.sequence_parallel": ("sp", lambda c: c.parallel.sequence_parallel)}
+
+
+def _held(args, cfg, overrides: list[str]) -> dict:
+    """Layout knobs the user fixed (a flag or a KEY=VALUE override of a searched key): the search
+    holds them at the config's value instead of overriding them."""
+    keys = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    held = {name: get(cfg) for key, (name, get) in _HELD.items() if key in keys}
+    if args.dp is not None:
+        held["dp"] = args.dp
+    return held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,31 +232,53 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args) -> int:
     from megaloop.plan.layout import make_layout
-    from megaloop.plan.report import (format_plan, format_preflight, format_search, format_sweep, plan_json,
-                                      microbatch_sweep)
+    from megaloop.plan.report import (format_plan, format_preflight, format_search, format_sweep, microbatch_sweep,
+                                      plan_json, preflight_json, search_failure)
     from megaloop.plan.search import evaluate, memory_plan, search
 
-    cfg, overrides, cluster, vocab = _inputs(args)
+    _check_flags(args)
+    cfg, overrides, cluster, vocab, vocab_source = _inputs(args)
     if cluster is None and not args.preflight:
         raise ConfigError("--cluster: auto found no GPU on this machine")
-    if cluster is None:
+    if cluster is None:  # still refuse what is wrong whatever the GPU: --gpus/--nodes/--dp, the layout
+        from megaloop.plan.cluster import load_cluster
+
+        make_layout(cfg, _world(args, cfg, load_cluster("h100", [o for o in args.overrides if o.startswith("cluster.")])))
         print("megaloop preflight: skipped (no GPU visible here; set PLAN_CLUSTER=h100|h200|b200|PATH to check)")
         return 0
     world = _world(args, cfg, cluster)
+    steps = args.steps or DEFAULT_STEPS
     if args.search:
-        plans, excluded = search(args.config, overrides, cluster, world, vocab, args.steps or 8, arm=args.arm,
-                                 top=args.top, min_pp=args.min_pp)
-        rep = {"plans": [plan_json(p) for p in plans[:args.top]], "excluded": excluded, "fitting": len(plans)}
-        _emit(args, rep, lambda: format_search(plans[:args.top], excluded, cfg, cluster, world, len(plans)))
+        held = _held(args, cfg, overrides)
+        prod = held.get("tp", 1) * held.get("pp", 1) * held.get("dp", 1)
+        if world % prod:
+            raise ConfigError(f"--search: {world} GPUs are not divisible by the held "
+                              f"{' x '.join(f'{k} {held[k]}' for k in ('tp', 'pp', 'dp') if k in held)} = {prod}")
+        top = args.top or 10
+        plans, excluded = search(args.config, overrides, cluster, world, vocab, steps, arm=args.arm, top=top,
+                                 min_pp=args.min_pp or 1, fixed=held)
+        if not plans:
+            raise ConfigError(search_failure(excluded, cluster, world, held, args.min_pp or 1))
+        for p in plans:
+            p.vocab_source = vocab_source
+        rep = {"plans": [plan_json(p) for p in plans], "excluded": excluded, "fitting": excluded["fitting"],
+               "held": held, "steps": steps, "vocab": vocab, "vocab_source": vocab_source}
+        _emit(args, rep, lambda: format_search(plans, excluded, cfg, cluster, world, held, steps, vocab, vocab_source))
         return 0
     layout = make_layout(cfg, world)
     if args.preflight:
         plan = memory_plan(cfg, layout, cluster, vocab)
+        plan.vocab_source = vocab_source
         line = format_preflight(plan, args.config)
-        print(line, file=sys.stdout if plan.fits else sys.stderr)
+        if args.json or args.json_out:
+            _emit(args, preflight_json(plan, args.config, line), lambda: line,
+                  stream=sys.stdout if plan.fits or args.json else sys.stderr)
+        else:
+            print(line, file=sys.stdout if plan.fits else sys.stderr)
         return 0 if plan.fits else 2
-    plan = evaluate(cfg, layout, cluster, vocab, args.steps or 32)
-    sweep = microbatch_sweep(cfg, layout, cluster, vocab, args.steps or 32) if args.microbatch_sweep else None
+    plan = evaluate(cfg, layout, cluster, vocab, steps)
+    plan.vocab_source = vocab_source
+    sweep = microbatch_sweep(cfg, layout, cluster, vocab, steps) if args.microbatch_sweep else None
     rep = plan_json(plan)
     if sweep is not None:
         rep["microbatch_sweep"] = sweep
@@ -151,13 +286,33 @@ def _run(args) -> int:
     return 0
 
 
-def _emit(args, rep: dict, text) -> None:
-    """Print the text report (or the JSON with --json); --json-out also writes the JSON."""
+def _emit(args, rep: dict, text, stream=None) -> None:
+    """Print the text report (or the JSON with --json); --json-out also writes the JSON (atomically:
+    a temporary file beside it, then os.replace)."""
     if args.json_out:
-        from pathlib import Path
+        write_json(args.json_out, rep)
+    print(json.dumps(rep, indent=1) if args.json else text(), file=stream or sys.stdout)
 
-        Path(args.json_out).write_text(json.dumps(rep, indent=1))
-    print(json.dumps(rep, indent=1) if args.json else text())
+
+def write_json(path: str, rep: dict) -> None:
+    """``rep`` as JSON at ``path``: written to a temporary file beside it, then renamed over it, so
+    a reader never sees half a report (ConfigError naming --json-out if the folder refuses it)."""
+    target = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise ConfigError(f"--json-out: cannot write in {target.parent}: {err.strerror or err}") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(rep, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, target)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise ConfigError(f"--json-out: cannot write {path}: {err.strerror or err}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from megaloop.plan.cluster import ClusterSpec
 from megaloop.plan.layout import Layout
 from megaloop.plan.memory import MemoryModel, injection_params, layer_params
 from megaloop.plan.pipeline_sim import SimResult, simulate
-from megaloop.plan.stages import stage_work
 from megaloop.train.flops import forward_flops_per_token, injection_flops_per_token, microbatch_flops
 
 
@@ -69,7 +68,8 @@ class CostModel:
         self.inj = injection_flops_per_token(m) if m.looped else 0.0
         self.prepare = once - (m.n_prelude + m.n_coda) * layer if m.looped else 0.0
         self.head = head
-        self._op: dict = {}
+        self._op: dict = {}  # (kind, stage, depth) -> seconds
+        self._op_work: dict = {}  # (kind, recurrences, backpropagated, first, last) -> seconds
 
     # ------------------------------------------------------------------ links
     def _bw(self, intra: bool) -> float:
@@ -98,7 +98,7 @@ class CostModel:
     def flops(self, kind: str, v: int, depth: int) -> tuple[float, float]:
         """(GEMM, attention) FLOPs of op ``kind`` on virtual stage ``v`` for one TP rank."""
         m, L = self.cfg.model, self.layout
-        w = stage_work(m, depth, L.stages, self.V)[v]
+        w = self.mem.work(depth)[v]
         if m.looped:
             rec = w.recurrences if kind == "F" else w.grad_recurrences
             visits = rec * m.n_core + (m.n_prelude if w.first else 0) + (m.n_coda if w.last else 0)
@@ -113,7 +113,7 @@ class CostModel:
 
     def visits(self, kind: str, v: int, depth: int) -> int:
         m = self.cfg.model
-        w = stage_work(m, depth, self.layout.stages, self.V)[v]
+        w = self.mem.work(depth)[v]
         if not m.looped:
             return w.recurrences
         rec = w.recurrences if kind == "F" else w.grad_recurrences
@@ -135,18 +135,26 @@ class CostModel:
         key = (kind, v, depth)
         if key in self._op:
             return self._op[key]
+        # the duration depends on what the stage runs, not on which stage or depth: share it
+        w = self.mem.work(depth)[v]
+        wkey = (kind, w.recurrences, w.grad_recurrences, w.first, w.last)
+        t = self._op_work.get(wkey)
+        if t is None:
+            t = self._op_work[wkey] = self._op_time(kind, v, depth)
+        self._op[key] = t
+        return t
+
+    def _op_time(self, kind: str, v: int, depth: int) -> float:
         c, L = self.cluster, self.layout
         gemm, attn = self.flops(kind, v, depth)
-        peak_gemm = (c.peak_fp8_tflops if L.fp8 else c.peak_bf16_tflops) * 1e12 * c.gemm_efficiency
+        peak_gemm = c.peak_tflops(L.fp8) * 1e12 * c.gemm_efficiency
         peak_attn = c.peak_bf16_tflops * 1e12 * c.gemm_efficiency
         n = self.visits(kind, v, depth)
         membound = self.mem_bytes(kind, v, depth) / (c.hbm_gbps * 1e9)
         d, a = self.cfg.model.hidden_size, self.mem.dims.a
         tp_bytes = self.tokens * d * a
         tp_comm = (1 if kind == "F" else (2 if L.recompute else 1)) * 2 * n * self.allreduce_s(tp_bytes, L.tp, self.tp_intra())
-        t = gemm / peak_gemm + attn / peak_attn + membound + n * c.layer_overhead_us * 1e-6 + tp_comm
-        self._op[key] = t
-        return t
+        return gemm / peak_gemm + attn / peak_attn + membound + n * c.layer_overhead_us * 1e-6 + tp_comm
 
     # ------------------------------------------------------------------ step
     def dp_s(self) -> float:
@@ -175,15 +183,78 @@ class CostModel:
 
     def step(self, depths: list[int]) -> StepEstimate:
         L, m = self.layout, self.cfg.model
-        sim = simulate(L.pp, len(depths), lambda k, mb, v: self.op_s(k, v, depths[mb]), vpp=L.vpp,
-                       transfer=self.p2p_s())
+        op, op_s = self._op, self.op_s
+
+        def dur(kind: str, mb: int, v: int) -> float:
+            t = op.get((kind, v, depths[mb]))
+            return op_s(kind, v, depths[mb]) if t is None else t
+
+        sim = simulate(L.pp, len(depths), dur, vpp=L.vpp, transfer=self.p2p_s())
         flops = sum(microbatch_flops(m, self.V, m.seq_len, self.tokens, r, m.bptt_window) for r in depths) * L.dp
         return StepEstimate(sim=sim, pipeline_s=sim.makespan, dp_s=self.dp_s(), core_sync_s=self.core_sync_s(),
                             optimizer_s=self.optimizer_s(), model_flops=flops)
 
+    def peak_flops(self) -> float:
+        """Dense peak FLOP/s per GPU of the precision the layout's GEMMs run in: the FP8 peak for an
+        FP8 layout, else bf16. MFU is reported against it (against the bf16 peak an FP8 run could
+        exceed 100 %); the trainer's logged ``mfu`` uses the bf16 peak (``mfu_vs_bf16``)."""
+        return self.cluster.peak_tflops(self.layout.fp8) * 1e12
+
     def mfu(self, est: StepEstimate) -> float:
-        """Model FLOPs / (step time × GPUs × dense bf16 peak), as the trainer reports it."""
-        return est.model_flops / (est.step_s * self.layout.world * self.cluster.peak_bf16_tflops * 1e12)
+        """Model FLOPs / (step time × GPUs × :meth:`peak_flops`)."""
+        return est.model_flops / (est.step_s * self.layout.world * self.peak_flops())
+
+    def fixed_s(self) -> float:
+        """The step's parts that do not depend on the depths: DP reduce, core sync, optimizer."""
+        return self.dp_s() + self.core_sync_s() + self.optimizer_s()
+
+    def expected_microbatch(self, law: list[tuple[int, float]]) -> tuple[float, float]:
+        """Over the depth law ``[(depth, p)]``: the expected compute seconds of one microbatch
+        (its F and B on every virtual stage, summed) and its expected model FLOPs. Exact."""
+        f, b = self.expected_ops(law)
+        m = self.cfg.model
+        flops = sum(p * microbatch_flops(m, self.V, m.seq_len, self.tokens, r, m.bptt_window) for r, p in law)
+        return sum(f) + sum(b), flops
+
+    def expected_ops(self, law: list[tuple[int, float]]) -> tuple[list[float], list[float]]:
+        """Expected F and B seconds of one microbatch on each virtual stage over the depth law."""
+        S = self.layout.stages
+        f, b = [0.0] * S, [0.0] * S
+        for r, p in law:
+            for v in range(S):
+                f[v] += p * self.op_s("F", v, r)
+                b[v] += p * self.op_s("B", v, r)
+        return f, b
+
+    def makespan_bound(self, first_f: list[float], last_b: list[float], one_f: list[float], one_b: list[float],
+                       busy: list[float]) -> float:
+        """A lower bound of the pipeline's makespan, from per-virtual-stage op times: ``first_f`` =
+        F of the first microbatch, ``last_b`` = B of the last, ``one_f`` / ``one_b`` = F and B of any
+        one microbatch, ``busy`` = each pipeline rank's total compute. Every step satisfies it
+        (tests/plan/test_search.py); with expectations over the depth law it bounds the expected
+        makespan (the bound is linear in the op times, so expectation passes through).
+
+        * one microbatch's path: F on every virtual stage, then B back, one transfer per hop;
+        * rank k: its first op is the first microbatch's F on virtual stage k (after stages 0..k-1
+          forwarded it), then it computes ``busy[k]``; without interleaving its last op is the last
+          microbatch's B, which stages k-1..0 then run too."""
+        L = self.layout
+        pp, S, hop = L.pp, L.stages, self.p2p_s()
+        out = sum(one_f) + sum(one_b) + 2 * (S - 1) * hop
+        for k in range(pp):
+            t = sum(first_f[:k]) + k * hop + busy[k]
+            if L.vpp == 1:
+                t += sum(last_b[:k]) + k * hop
+            out = max(out, t)
+        return out
+
+    def expected_step_bound(self, law: list[tuple[int, float]]) -> float:
+        """A lower bound of the expected step time over the depth law (no sampling): the makespan
+        bound at expected op times plus the step's fixed parts."""
+        L = self.layout
+        f, b = self.expected_ops(law)
+        busy = [L.microbatches * sum(f[c * L.pp + k] + b[c * L.pp + k] for c in range(L.vpp)) for k in range(L.pp)]
+        return self.makespan_bound(f, b, f, b, busy) + self.fixed_s()
 
 
 def summarize(values: list[float]) -> dict[str, float]:

@@ -88,6 +88,18 @@ def depth_support(cfg: RunConfig) -> list[int]:
     return [i + 1 for i in range(p.numel()) if p[i] > 0]
 
 
+def depth_law(cfg: RunConfig) -> list[tuple[int, float]]:
+    """``(depth, probability)`` of every depth the run can draw (the learned prior's initial law);
+    the exact expectation the planner's throughput estimate uses (``search._summ``)."""
+    if cfg.depth.kind == "fixed":
+        return [(cfg.depth.depth, 1.0)]
+    from megaloop.depth.sampler import DepthSampler
+
+    p = DepthSampler(cfg.depth, cfg.train.seed).probs()
+    total = float(p.sum())
+    return [(i + 1, float(p[i]) / total) for i in range(p.numel()) if p[i] > 0]
+
+
 def depth_plans(cfg: RunConfig, microbatches: int, steps: int, first_step: int = 0) -> list[list[int]]:
     """The depths of ``steps`` optimizer steps' microbatches, drawn by the trainer's own sampler
     (``DepthSampler.plan``; a learned prior at its initial distribution)."""
@@ -107,5 +119,5 @@ def fixed_depth_plans(depth: int, microbatches: int, steps: int) -> list[list[in
     return [[depth] * microbatches for _ in range(steps)]
 
 
-__all__ = ["Layout", "depth_mean", "depth_plans", "depth_support", "fixed_depth_plans", "layout_overrides",
+__all__ = ["Layout", "depth_law", "depth_mean", "depth_plans", "depth_support", "fixed_depth_plans", "layout_overrides",
            "make_layout"]

@@ -42,7 +42,7 @@ from megaloop.config import RunConfig
 from megaloop.plan.cluster import ClusterSpec
 from megaloop.plan.layout import Layout
 from megaloop.plan.pipeline_sim import inflight_order
-from megaloop.plan.stages import stage_work
+from megaloop.plan.stages import StageTable
 
 GiB = float(2**30)
 
@@ -129,7 +129,12 @@ class MemoryModel:
         # megatron's local spec where the model asks for it, else the cluster's (te on GPU clusters)
         self.profile = "local" if cfg.model.transformer_impl == "local" else cluster.activation_profile
         self.stage_params = stage_params(cfg, layout, vocab)
-        self._held: dict = {}
+        self.work = StageTable(cfg.model, layout.stages, self.dims.V)  # depth -> per-stage work
+        self._held: dict = {}  # (stage, depth) -> bytes
+        self._transient: dict = {}
+        # what a stage holds depends on its work (recurrences run / backpropagated, first, last stage)
+        self._held_work: dict = {}
+        self._transient_work: dict = {}
 
     # ------------------------------------------------------------------ static
     def rank_params(self, rank: int) -> float:
@@ -177,9 +182,15 @@ class MemoryModel:
     def held(self, v: int, depth: int) -> float:
         """Bytes kept from F to B by one microbatch of ``depth`` on virtual stage ``v``."""
         key = (v, depth)
-        if key not in self._held:
-            self._held[key] = self._held_bytes(v, depth)
-        return self._held[key]
+        got = self._held.get(key)
+        if got is None:  # shared by the (stage, depth) pairs that run the same work
+            w = self.work(depth)[v]
+            wkey = (w.recurrences, w.grad_recurrences, w.first, w.last)
+            got = self._held_work.get(wkey)
+            if got is None:
+                got = self._held_work[wkey] = self._held_bytes(v, depth)
+            self._held[key] = got
+        return got
 
     def _held_bytes(self, v: int, depth: int) -> float:
         return sum(self.held_parts(v, depth).values())
@@ -189,7 +200,7 @@ class MemoryModel:
         injections), ``prelude_coda`` (their layer visits), ``logits`` (final norm and the CE's fp32
         softmax, i.e. the logit buffer), ``pipeline`` (received input, sent output), ``other``."""
         m, D, S = self.cfg.model, self.dims, self.layout.stages
-        w = stage_work(m, depth, S, D.V)[v]
+        w = self.work(depth)[v]
         first, last = w.first, w.last
         lb, tok = self.layer_bytes(), D.tokens
         if m.looped:
@@ -215,8 +226,20 @@ class MemoryModel:
 
     def transient(self, kind: str, v: int, depth: int) -> float:
         """Extra bytes live during an F or B op beyond what is held (working set, logits, grads)."""
+        key = (kind, v, depth)
+        got = self._transient.get(key)
+        if got is None:
+            w = self.work(depth)[v]
+            wkey = (kind, w.recurrences, w.grad_recurrences, w.first, w.last)
+            got = self._transient_work.get(wkey)
+            if got is None:
+                got = self._transient_work[wkey] = self._transient_bytes(kind, v, depth)
+            self._transient[key] = got
+        return got
+
+    def _transient_bytes(self, kind: str, v: int, depth: int) -> float:
         m, D, S = self.cfg.model, self.dims, self.layout.stages
-        w = stage_work(m, depth, S, D.V)[v]
+        w = self.work(depth)[v]
         t, a, d = D.tp, D.a, D.d
         pbytes = D.a
         runs_layers = w.recurrences > 0 or (w.first and m.n_prelude) or (w.last and (m.n_coda or not m.looped))

@@ -170,6 +170,34 @@ def programs(pp: int, m: int, vpp: int = 1) -> tuple[tuple[Item, ...], ...]:
     return tuple(tuple(program_interleaved(pp, vpp, m, k)) for k in range(pp))
 
 
+@lru_cache(maxsize=256)
+def _compiled(pp: int, m: int, vpp: int) -> tuple:
+    """The programs with each communication step's messages resolved once: per message its link
+    (direction, src, dst) and its index on that link (the n-th send of ``src``, the n-th receive
+    of ``dst``: fixed by program order, since only the sender posts sends on a link and only the
+    receiver receives). Compute items stay ``(kind, mb, chunk)``; a step is ``("X", messages)``."""
+    links: dict[tuple[str, int, int], int] = {}
+    out = []
+    for k, prog in enumerate(programs(pp, m, vpp)):
+        count: dict[tuple[int, bool], int] = {}
+        items = []
+        for item in prog:
+            if item[0] != "X":
+                items.append(item)
+                continue
+            msgs = []
+            for box, is_send in ((item[1], True), (item[2], False)):
+                for d, peer in box:
+                    key = (d, k, peer) if is_send else (d, peer, k)
+                    lid = links.setdefault(key, len(links))
+                    i = count.get((lid, is_send), 0)
+                    count[(lid, is_send)] = i + 1
+                    msgs.append((lid, i, is_send, key))
+            items.append(("X", tuple(msgs)))
+        out.append(tuple(items))
+    return tuple(out), len(links)
+
+
 def simulate(pp: int, m: int, cost: Callable[[str, int, int], float], *, vpp: int = 1,
              transfer: float | Callable[..., float] = 0.0, eager_sends: bool = False,
              per_message: bool = False) -> SimResult:
@@ -179,9 +207,11 @@ def simulate(pp: int, m: int, cost: Callable[[str, int, int], float], *, vpp: in
     that link as seen by its sender / receiver (replays of measured runs).
     ``eager_sends``: a send completes ``transfer`` after it is posted whether or not the receiver
     has posted (buffered transports); default: rendezvous."""
-    progs = programs(pp, m, vpp)
+    progs, n_links = _compiled(pp, m, vpp)
+    const = None
     if not callable(transfer):
-        xfer = (lambda d, s, t, i, snd, v=float(transfer): v)
+        const = float(transfer)
+        xfer = None
     elif per_message:
         xfer = transfer
     else:
@@ -190,56 +220,54 @@ def simulate(pp: int, m: int, cost: Callable[[str, int, int], float], *, vpp: in
     now = [0.0] * pp
     busy = [0.0] * pp
     trace: list[list[tuple[str, int, int, float, float]]] = [[] for _ in range(pp)]
-    sent: dict[tuple[str, int, int], list[float]] = {}  # (dir, src, dst) -> post times of sends
-    recvd: dict[tuple[str, int, int], list[float]] = {}
+    sent: list[list[float]] = [[] for _ in range(n_links)]  # per link: post times of its sends, in order
+    recvd: list[list[float]] = [[] for _ in range(n_links)]
     posted = [False] * pp  # current comm item of the rank has been posted
-    n_sent: dict[tuple[str, int, int], int] = {}
-    n_recv: dict[tuple[str, int, int], int] = {}
-    my_idx: list[list[tuple[tuple[str, int, int], int, bool]]] = [[] for _ in range(pp)]
-    remaining = sum(len(p) for p in progs)
+    lengths = [len(p) for p in progs]
+    remaining = sum(lengths)
     while remaining:
         progressed = False
         for k in range(pp):
-            while pc[k] < len(progs[k]):
-                item = progs[k][pc[k]]
-                if item[0] in ("F", "B"):
+            prog, n_k, t = progs[k], lengths[k], now[k]
+            tr = trace[k]
+            while pc[k] < n_k:
+                item = prog[pc[k]]
+                if item[0] != "X":
                     kind, mb, c = item
                     dt = float(cost(kind, mb, c * pp + k))
-                    trace[k].append((kind, mb, c, now[k], now[k] + dt))
-                    now[k] += dt
+                    tr.append((kind, mb, c, t, t + dt))
+                    t += dt
                     busy[k] += dt
                 else:
-                    _, sends, recvs = item
+                    msgs = item[1]
                     if not posted[k]:  # post every message of the step at the rank's current time
-                        my_idx[k] = []
-                        for msgs, count, log, is_send in ((sends, n_sent, sent, True), (recvs, n_recv, recvd, False)):
-                            for d, peer in msgs:
-                                key = (d, k, peer) if is_send else (d, peer, k)
-                                i = count.get(key, 0)
-                                count[key] = i + 1
-                                log.setdefault(key, []).append(now[k])
-                                my_idx[k].append((key, i, is_send))
+                        for lid, _i, is_send, _key in msgs:
+                            (sent if is_send else recvd)[lid].append(t)
                         posted[k] = True
-                    done = now[k]
+                    done = t
                     ready = True
-                    for key, i, is_send in my_idx[k]:
-                        s, r = sent.get(key, []), recvd.get(key, [])
+                    for lid, i, is_send, key in msgs:
+                        s = sent[lid]
                         if eager_sends and is_send:
-                            done = max(done, s[i] + xfer(key[0], key[1], key[2], i, True))
+                            done = max(done, s[i] + (const if xfer is None else xfer(key[0], key[1], key[2], i, True)))
                             continue
+                        r = recvd[lid]
                         if len(s) <= i or len(r) <= i:
                             ready = False
                             break
-                        done = max(done, max(s[i], r[i]) + xfer(key[0], key[1], key[2], i, is_send))
+                        a, b = s[i], r[i]
+                        done = max(done, (a if a > b else b)
+                                   + (const if xfer is None else xfer(key[0], key[1], key[2], i, is_send)))
                     if not ready:
                         break
-                    now[k] = done
+                    t = done
                     posted[k] = False
                 pc[k] += 1
                 remaining -= 1
                 progressed = True
+            now[k] = t
         if not progressed:
-            stuck = {k: progs[k][pc[k]] for k in range(pp) if pc[k] < len(progs[k])}
+            stuck = {k: programs(pp, m, vpp)[k][pc[k]] for k in range(pp) if pc[k] < lengths[k]}
             raise RuntimeError(f"pipeline simulation deadlocked (pp={pp}, vpp={vpp}, m={m}): {stuck}")
     return SimResult(makespan=max(now), busy=busy, end=list(now), trace=trace)
 

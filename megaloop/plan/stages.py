@@ -43,6 +43,30 @@ def stage_work(cfg: ModelConfig, depth: int, stages: int, vocab: int,
     return _stage_work(split_costs(cfg, vocab), depth, stages, b)
 
 
+class StageTable:
+    """:func:`stage_work` of one (model config, stage count, padded vocab), memoised per depth.
+
+    The planner asks for the same stages hundreds of thousands of times per search (memory
+    replays, op durations); this computes ``split_costs`` once instead of at every call. Build it
+    from a config that is not mutated afterwards (as :class:`~megaloop.plan.memory.MemoryModel` does)."""
+
+    def __init__(self, cfg: ModelConfig, stages: int, vocab: int, bptt_window: int | None = None):
+        self.cfg, self.stages, self.vocab = cfg, stages, vocab
+        self.window = cfg.bptt_window if bptt_window is None else bptt_window
+        self.costs = split_costs(cfg, vocab) if cfg.looped else None
+        self._memo: dict[int, tuple[StageWork, ...]] = {}
+
+    def __call__(self, depth: int) -> tuple[StageWork, ...]:
+        w = self._memo.get(depth)
+        if w is None:
+            if self.costs is None:
+                w = stage_work(self.cfg, depth, self.stages, self.vocab, self.window)
+            else:
+                w = _stage_work(self.costs, depth, self.stages, min(depth, self.window))
+            self._memo[depth] = w
+        return w
+
+
 @lru_cache(maxsize=8192)
 def _stage_work(costs: SplitCosts, depth: int, stages: int, b: int) -> tuple[StageWork, ...]:
     out = []
