@@ -51,3 +51,22 @@ def val_data(trained_engine):
 
     return load_eval_data("default", default_seq_len=trained_engine.max_context, max_seqs=8,
                           vocab_size=trained_engine.vocab_size)
+
+
+@pytest.fixture
+def cli(megatron_world, monkeypatch, capsys):
+    """``run(*argv) -> (exit code, the one 'megaloop: error' line, or all of stderr)`` of the
+    ``megaloop`` CLI in this process (tests/eval/test_cli.py has its own, returning stdout too)."""
+    import megaloop.runtime.parallel as parallel
+    from megaloop.cli import main
+
+    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)  # keep the session's world
+
+    def run(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]
+        return exit_info.value.code, (lines[0] if len(lines) == 1 else err)
+
+    return run

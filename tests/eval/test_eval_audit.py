@@ -15,22 +15,6 @@ from megaloop.config_utils import ConfigError
 from tests.inference.helpers import make_engine
 
 
-@pytest.fixture
-def cli(megatron_world, monkeypatch, capsys):
-    import megaloop.runtime.parallel as parallel
-    from megaloop.cli import main
-
-    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)  # keep the session's world
-
-    def run(*argv: str) -> tuple[int, str]:
-        with pytest.raises(SystemExit) as exit_info:
-            main(list(argv))
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]
-        return exit_info.value.code, (lines[0] if len(lines) == 1 else err)
-
-    return run
-
 
 def _data(n=3, L=12, seed=0):
     from megaloop.eval.text_data import EvalData

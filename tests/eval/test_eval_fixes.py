@@ -67,22 +67,6 @@ def test_a_prefix_that_leaves_no_target_is_refused(trained_engine, val_data, mon
     ppl.check_prefix_len(126, 128)  # the last scored target is position 126's
 
 
-@pytest.fixture
-def cli(megatron_world, monkeypatch, capsys):
-    import megaloop.runtime.parallel as parallel
-    from megaloop.cli import main
-
-    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)  # keep the session's world
-
-    def run(*argv: str) -> tuple[int, str]:
-        with pytest.raises(SystemExit) as exit_info:
-            main(list(argv))
-        err = capsys.readouterr().err
-        lines = [line for line in err.splitlines() if line.startswith("megaloop: error")]
-        return exit_info.value.code, (lines[0] if len(lines) == 1 else err)
-
-    return run
-
 
 def test_prefix_len_is_checked_on_the_cli(cli, trained_run, tmp_path, monkeypatch):
     import megaloop.eval.cli as eval_cli

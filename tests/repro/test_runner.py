@@ -27,6 +27,15 @@ def _finish_eval(rd: Path, plan, step: int, complete: bool = True) -> None:
                                                    "complete": complete, "stages": {}, "metrics": {}}))
 
 
+def _done_arm(out: Path, plan, name: str, steps: int = 2) -> Path:
+    """Arm ``name`` trained to ``steps`` (metrics, checkpoint) and evaluated with ``plan``."""
+    rd = run_dir(out, name)
+    fake_metrics(rd, steps)
+    fake_checkpoint(rd, steps)
+    _finish_eval(rd, plan, steps)
+    return rd
+
+
 def test_arm_states(user_yaml: Path, tmp_path: Path) -> None:
     plan = load_plan(str(user_yaml), "test")
     out = tmp_path / "out"
@@ -94,10 +103,7 @@ def test_identity_guards_resume(user_yaml: Path, tmp_path: Path) -> None:
 def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     plan = load_plan(str(user_yaml), "test")
-    rd = run_dir(out, "full")
-    fake_metrics(rd, 2)
-    fake_checkpoint(rd, 2)
-    _finish_eval(rd, plan, 2)
+    _done_arm(out, plan, "full")
     fake_checkpoint(run_dir(out, "b1"), 1)
     assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out
@@ -258,10 +264,7 @@ def test_a_subset_run_reports_every_arm_the_out_holds(tool, user_yaml: Path, tmp
     out = tmp_path / "out"
     plan = load_plan(str(user_yaml), "test")
     for name in ("full", "b1"):
-        rd = run_dir(out, name)
-        fake_metrics(rd, 2)
-        fake_checkpoint(rd, 2)
-        _finish_eval(rd, plan, 2)
+        _done_arm(out, plan, name)
         _mark_started(out, plan, name)
     from megaloop.repro.runs import write_plan
 
@@ -288,10 +291,7 @@ def test_out_holding_an_lr_screen_is_refused(tool, user_yaml: Path, tmp_path: Pa
 def test_collect_with_another_eval_plan_is_refused(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     plan = load_plan(str(user_yaml), "test")
-    rd = run_dir(out, "full")
-    fake_metrics(rd, 2)
-    fake_checkpoint(rd, 2)
-    _finish_eval(rd, plan, 2)
+    _done_arm(out, plan, "full")
     argv = ["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--arms", "full", "--collect"]
     assert tool.main([*argv, "--depths", "1,2"]) == 2
     err = capsys.readouterr().err
