@@ -382,7 +382,7 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-seqs: must be >= 1, got {args.num_seqs}")
     if args.half_len is not None and args.half_len < 2:
         raise ConfigError(f"--half-len: must be >= 2, got {args.half_len}")
-    depths = parse_depths(args.depths) if args.depths else None
+    depths = parse_depths(args.depths) if args.depths is not None else None  # "" is refused, not the default
     _check_args(args)
     engine = build_engine(args)
     half = args.half_len or int(engine.config.max_position_embeddings) // 2
@@ -421,6 +421,11 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     from megaloop.inference.fixed_point import Criteria, fixed_point_report, select_per_source
 
     _check_args(args)
+    if args.depth is not None:  # the solves run to convergence, not to a depth
+        raise ConfigError("--depth: eval fixed-point iterates each span to its fixed point (at most --max-steps); "
+                          "--control-depth sets the fixed-depth control")
+    if args.dtype != "fp32":
+        raise ConfigError(f"--dtype {args.dtype}: eval fixed-point solves in FP32 (SPEC §8); drop --dtype")
     criteria = Criteria(max_steps=args.max_steps)
     if args.control_depth < 0:
         raise ConfigError(f"--control-depth: must be >= 0, got {args.control_depth}")

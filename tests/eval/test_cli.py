@@ -119,6 +119,10 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--decode-depth: eval sweep decodes each row at its own depth"),
     # cheap options are checked before the checkpoint (here missing) is even looked at
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--exit", "foo:1"], "--exit:"),
+    (["eval", "fixed-point", "--checkpoint", "{run}", "--depth", "99"],
+     "--depth: eval fixed-point iterates each span to its fixed point"),
+    (["eval", "fixed-point", "--checkpoint", "{run}", "--dtype", "bf16"], "--dtype bf16: eval fixed-point solves in FP32"),
+    (["eval", "copying", "--checkpoint", "{run}", "--depths", ""], "--depths"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--max-depth", "8"],
      "--max-depth: applies to adaptive depth; add --exit"),
     (["eval", "ppl", "--checkpoint", "{missing}", "--min-depth", "2"], "--min-depth: applies to adaptive depth"),
