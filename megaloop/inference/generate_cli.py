@@ -144,11 +144,26 @@ INPUT_FLAGS = (("data", "--data"), ("tokenizer", "--tokenizer"), ("problems", "-
                ("student", "--student"), ("checkpoint", "--checkpoint"))
 
 
+# what a command reads inside an input folder (a run, checkpoint, HF export, student or MDS set);
+# other files there (an earlier eval's JSON or PNG, a log) may be written and rewritten
+READ_NAMES = {"config.yaml", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "tokenizer.model", "latest", "megaloop.json", "megaloop_conversion.json",
+              "metrics.jsonl", "data.json", "student.json", "manifest.json", "index.json", "common.pt", ".metadata"}
+READ_SUFFIXES = (".safetensors", ".pt", ".bin", ".distcp", ".py", ".mds", ".zstd")
+
+
+def _read_by_the_command(path: Path, folder: Path) -> bool:
+    rel = path.relative_to(folder)
+    return (path.name in READ_NAMES or path.name.endswith(READ_SUFFIXES)
+            or any(part == "checkpoints" or part.startswith("step_") for part in rel.parts[:-1]))
+
+
 def check_outputs_not_inputs(args: argparse.Namespace, outputs: dict) -> None:
     """Refuse an output path (``outputs``: flag → path) that is one of the command's inputs (the same
-    file once resolved: ``--data``, ``--tokenizer``, ``--problems``), or an existing file inside an
-    input folder (``--checkpoint``, ``--student``, an MDS ``--data`` set, a tokenizer folder), naming
-    both flags. New files inside a run directory are allowed."""
+    file once resolved: ``--data``, ``--tokenizer``, ``--problems``), or a file the command reads
+    inside an input folder (``--checkpoint``, ``--student``, an MDS ``--data`` set, a tokenizer
+    folder: weights, configs, tokenizer, checkpoints; ``READ_NAMES``), naming both flags. Other
+    files in a run directory (an earlier result of the same command) may be written again."""
     for out_flag, out in outputs.items():
         if not out:
             continue
@@ -158,7 +173,7 @@ def check_outputs_not_inputs(args: argparse.Namespace, outputs: dict) -> None:
             if not value or not isinstance(value, str) or "://" in value or value == "default":
                 continue
             i = Path(value).expanduser().resolve()
-            if o == i or (i.is_dir() and i in o.parents and o.exists()):
+            if o == i or (i.is_dir() and i in o.parents and _read_by_the_command(o, i)):
                 what = "is" if o == i else "lies inside"
                 raise ConfigError(f"{out_flag} {out}: {what} the input {in_flag} {value}; writing it would "
                                   f"overwrite the command's own input, choose another path")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,6 +115,18 @@ def test_outputs_may_not_overwrite_inputs(cli, trained_run, tmp_path, monkeypatc
     code, err = cli("eval", "sweep", "--checkpoint", run, "--json", str(trained_run / "config.yaml"))
     assert code == 2 and "--json" in err and "--checkpoint" in err, err
     assert victim.read_text() == '{"text": "hello"}\n' and tok.read_text() == "{}"
+    # an earlier result of the command in the run directory may be written again (quickstart, synth.sh)
+    from megaloop.inference.generate_cli import check_outputs_not_inputs
+
+    earlier = trained_run / "an_earlier_sweep.json"
+    earlier.write_text("{}")
+    try:
+        args = SimpleNamespace(checkpoint=run, data="default", tokenizer=None, problems=None, student=None)
+        check_outputs_not_inputs(args, {"--json": str(earlier), "--plot": str(trained_run / "depth_sweep.png")})
+        with pytest.raises(ConfigError, match="lies inside the input --checkpoint"):
+            check_outputs_not_inputs(args, {"--json": str(trained_run / "checkpoints" / "latest")})
+    finally:
+        earlier.unlink()
 
 
 def test_plot_path_is_checked_before_compute(cli, trained_run, tmp_path, monkeypatch):
