@@ -135,9 +135,7 @@ class CostModel:
         key = (kind, v, depth)
         if key in self._op:
             return self._op[key]
-        # the duration depends on what the stage runs, not on which stage or depth: share it
-        w = self.mem.work(depth)[v]
-        wkey = (kind, w.recurrences, w.grad_recurrences, w.first, w.last)
+        wkey = self.mem.work_key(kind, v, depth)  # what the stage runs, not which stage or depth: shared
         t = self._op_work.get(wkey)
         if t is None:
             t = self._op_work[wkey] = self._op_time(kind, v, depth)

@@ -224,13 +224,18 @@ class MemoryModel:
             parts["pipeline"] = tok * width * D.a * D.d / D.rep * ((v > 0) + (v < S - 1))
         return parts
 
+    def work_key(self, kind: str, v: int, depth: int) -> tuple:
+        """What an F/B op's cost depends on: its kind and what virtual stage ``v`` runs at ``depth``
+        (recurrences, backpropagated ones, first/last stage), not the stage or depth themselves."""
+        w = self.work(depth)[v]
+        return (kind, w.recurrences, w.grad_recurrences, w.first, w.last)
+
     def transient(self, kind: str, v: int, depth: int) -> float:
         """Extra bytes live during an F or B op beyond what is held (working set, logits, grads)."""
         key = (kind, v, depth)
         got = self._transient.get(key)
         if got is None:
-            w = self.work(depth)[v]
-            wkey = (kind, w.recurrences, w.grad_recurrences, w.first, w.last)
+            wkey = self.work_key(kind, v, depth)
             got = self._transient_work.get(wkey)
             if got is None:
                 got = self._transient_work[wkey] = self._transient_bytes(kind, v, depth)
