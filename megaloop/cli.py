@@ -19,6 +19,11 @@ def _quiet() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", message=".*(\.grad attribute|cuda_graph_scope|tp_group is None).*")
     os.environ.setdefault("WANDB_SILENT", "true")
+    if "DS_ACCELERATOR" not in os.environ:  # transformers/lm-eval import DeepSpeed, whose device probe warns
+        import torch
+
+        if not torch.cuda.is_available() and not torch.backends.mps.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"  # what the probe settles on here anyway, without the warning
 
 
 def cmd_train(args: argparse.Namespace) -> int:

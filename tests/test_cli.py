@@ -49,3 +49,23 @@ def test_ctrl_c_in_a_delegated_verb_is_one_line_and_130(capsys, monkeypatch, tmp
     assert exc.value.code == 130
     assert capsys.readouterr().err == f"megaloop {verb}: interrupted{hint}\n"
     assert (tmp_path / "status").read_text() == "130\n"
+
+
+def test_cli_start_silences_deepspeeds_device_probe_on_a_cpu_machine():
+    """transformers (convert's reload check) and lm-eval import DeepSpeed, which warned "Setting accelerator
+    to CPU" on every command; the CLI names the device it would settle on (only where torch sees no GPU)."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CLI leaves the probe alone where a GPU is visible")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = "from megaloop.cli import _quiet; import deepspeed; print('DS', deepspeed.accelerator.get_accelerator()._name)"
+    bare = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    quiet = subprocess.run([sys.executable, "-c", code.replace("import deepspeed", "_quiet(); import deepspeed")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert "DS cpu" in bare.stdout and "Setting accelerator" in bare.stdout + bare.stderr, bare.stderr[-2000:]
+    assert "DS cpu" in quiet.stdout and "Setting accelerator" not in quiet.stdout + quiet.stderr, quiet.stderr[-2000:]

@@ -23,7 +23,7 @@ from megaloop.inference.generate_cli import (add_engine_options, add_memory_opti
 
 # ----------------------------------------------------------------------------- parsers
 def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"), cache_default="terminal",
-            data: bool = True, decode: bool = True) -> None:
+            data: bool = True, decode: bool = True, batch: bool = True) -> None:
     add_engine_options(p, cache_choices=cache_choices, cache_default=cache_default, decode=decode)
     if data:
         p.add_argument("--data", default="default",
@@ -35,7 +35,8 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
         p.add_argument("--seq-len", type=int, default=None,
                        help="tokens per evaluation sequence (paper: 8192; default: the MDS set's length, else "
                             "the training seq_len); beyond the training length RoPE positions are extrapolated")
-        p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
+        if batch:  # states traces its spans in one forward, fixed-point solves span by span
+            p.add_argument("--batch-size", type=int, default=4, help="sequences per forward")
 
 
 def add_eval_parser(sub) -> None:
@@ -64,7 +65,7 @@ def add_eval_parser(sub) -> None:
 
     p = esub.add_parser("states", help="depth use: per-recurrence state change, state share of the injection, "
                                        "RMS of e and h, contraction")
-    _common(p, decode=False)
+    _common(p, decode=False, batch=False)
     add_memory_option(p)
     next(a for a in p._actions if a.dest == "depth").help = "deepest recurrence diagnosed (default 16)"
     p.set_defaults(fn=cmd_eval_states)
@@ -81,7 +82,7 @@ def add_eval_parser(sub) -> None:
     p.set_defaults(fn=cmd_eval_copying)
 
     p = esub.add_parser("fixed-point", help="SPEC §8: joint vs frozen-prefix fixed points")
-    _common(p, decode=False)
+    _common(p, decode=False, batch=False)
     p.add_argument("--per-source", type=int, default=None,
                    help="spans per validation source (default 16, the paper's 16 × 19 = 304; needs a 'source' "
                         "column; 0: the first --max-seqs rows)")
@@ -308,7 +309,8 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     _check_args(args)
     if not args.sharing:
         for flag, value in (("--prefill-depth", args.prefill_depth), ("--exit", args.exit),
-                            ("--min-depth", args.min_depth), ("--max-depth", args.max_depth)):
+                            ("--min-depth", args.min_depth), ("--max-depth", args.max_depth),
+                            ("--prefix-len", args.prefix_len)):
             if value is not None:
                 raise ConfigError(f"{flag}: applies to the prefill/decode protocols of --sharing; add --sharing "
                                   f"(native PPL is one parallel forward at each depth)")

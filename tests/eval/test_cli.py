@@ -36,7 +36,7 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
     assert (res["seq_len"], res["prefix_len"], res["rope_extrapolated"]) == (128, 64, False)
     assert res["engine"]["kv_bytes_per_token"]["terminal"] * 2 == res["engine"]["kv_bytes_per_token"]["per_visit"]
 
-    code, out, _ = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1,4",
+    code, out, _ = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1,4", "--sharing",
                        "--prefix-len", "32", "--json", str(tmp_path / "sweep.json"))
     assert code == 0 and "extrapolation" in out and (tmp_path / "sweep.png").is_file()
     sweep = json.loads((tmp_path / "sweep.json").read_text())
@@ -115,6 +115,7 @@ def test_generate_command(cli, trained_run, tmp_path):
     (["eval", "sweep", "--checkpoint", "{run}", "--exit", "latent:1e-3"], "--exit: applies to the prefill/decode "
      "protocols of --sharing"),
     (["eval", "sweep", "--checkpoint", "{run}", "--prefill-depth", "3"], "--prefill-depth: applies to"),
+    (["eval", "sweep", "--checkpoint", "{run}", "--prefix-len", "32"], "--prefix-len: applies to the prefill/decode"),
     (["eval", "sweep", "--checkpoint", "{run}", "--sharing", "--decode-depth", "3"],
      "--decode-depth: eval sweep decodes each row at its own depth"),
     # cheap options are checked before the checkpoint (here missing) is even looked at
@@ -324,6 +325,7 @@ def test_student_option_is_wired_and_checked(cli, trained_run, tmp_path):
     ["eval", "states", "--exit", "latent:1e-3"], ["eval", "states", "--cache", "per_visit"],
     ["eval", "fixed-point", "--decode-depth", "3"], ["eval", "fixed-point", "--finished-rows", "compact"],
     ["eval", "sweep", "--cache", "per_visit"],
+    ["eval", "states", "--batch-size", "2"], ["eval", "fixed-point", "--batch-size", "2"],  # one forward / span by span
 ])
 def test_options_a_command_would_ignore_are_refused(cli, trained_run, argv):
     """Decode options exist only where they act: states / fixed-point never decode, sweep --sharing scores

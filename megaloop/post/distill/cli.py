@@ -80,6 +80,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.distill.prefill_student import (DistillConfig, PrefillStudent, calibrate_sigma2, config_dict,
                                                   evaluate_student, save_student, token_stream, train_student,
                                                   window_batches)
+    from megaloop.post.distill.student_lm import weights_digest
     from megaloop.config_utils import ConfigError
     from megaloop.errors import report
     from megaloop.hf.load import check_model_path, load_model
@@ -184,7 +185,8 @@ def _run(args: argparse.Namespace) -> int:
     if lead:
         save_student(final.cpu(), args_out, meta={
             "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
-            "student_init": args.student_init, "teacher": source, "data": args.data, "config": config_dict(cfg),
+            "student_init": args.student_init, "teacher": source, "teacher_digest": weights_digest(teacher),
+            "data": args.data, "config": config_dict(cfg),
             "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
             {"config": args.deepspeed, "zero_stage": engine.stage},
             "train_seconds": round(time.time() - t0, 2), "eval_before": before, "eval_after": after,

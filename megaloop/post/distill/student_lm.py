@@ -16,13 +16,29 @@ padding mask and positions (the student's layers attend like the core's).
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from megaloop.config_utils import ConfigError
 
 _SHAPE_KEYS = ("hidden_size", "num_attention_heads", "n_prelude", "n_core", "n_coda", "injection", "vocab_size")
+
+
+@torch.no_grad()
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of ``model``'s state dict (names and values rounded to BF16, so an FP32 teacher and
+    the same weights loaded in BF16 or exported as BF16 agree): which teacher a student was fitted to."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        if not torch.is_tensor(t) or not t.is_floating_point():
+            continue
+        h.update(name.encode())
+        h.update(t.detach().to(device="cpu", dtype=torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return h.hexdigest()
 
 
 class StudentPrefillLM(nn.Module):
@@ -82,6 +98,10 @@ def load_student_for(model: nn.Module, path: str | Path) -> nn.Module:
         if key in tc and getattr(model.config, key, None) != tc[key]:
             raise ConfigError(f"--student: {path} was distilled from a model with {key}={tc[key]!r}, "
                               f"this one has {getattr(model.config, key, None)!r}")
+    if info.get("teacher_digest") and info["teacher_digest"] != weights_digest(model):
+        print(f"warning: --student {path} was distilled from other weights of the same shape "
+              f"({info.get('teacher', 'teacher not recorded')}); its prefill approximates that model's recurrence, "
+              f"not this one's (distill a student from this checkpoint for a faithful prefill)", file=sys.stderr)
     return student
 
 

@@ -123,7 +123,7 @@ def test_student_training_lowers_loss_then_prefill_and_decode(tiny_teacher, tmp_
     assert torch.equal(a, b)
 
 
-def test_cli(tiny_teacher, tmp_path):
+def test_cli(tiny_teacher, tmp_path, capsys):
     from megaloop.post.distill.cli import main
 
     _, hf_dir = tiny_teacher
@@ -139,6 +139,22 @@ def test_cli(tiny_teacher, tmp_path):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
     load_student(out)
     assert token_stream(ByteTokenizer(), str(text)).numel() == len(text.read_text()) + 1
+    # the student remembers its teacher's weights: the same weights (FP32 or BF16) load quietly, other weights
+    # of the same shape load with a warning naming the teacher it was fitted to
+    from megaloop.hf.load import load_model
+    from megaloop.post.distill.student_lm import load_student_for
+
+    assert len(info["teacher_digest"]) == 64
+    for dtype in (torch.float32, torch.bfloat16):
+        load_model(hf_dir, dtype=dtype, student=out)
+        assert "warning" not in capsys.readouterr().err
+    model, _ = load_model(hf_dir)
+    with torch.no_grad():
+        next(model.parameters()).add_(1e-2)
+    load_student_for(model, out)
+    err = capsys.readouterr().err
+    assert "warning: --student" in err and "distilled from other weights of the same shape" in err
+    assert str(hf_dir) in err
 
 
 def test_token_stream_reports_a_cut_short_read(tmp_path):
