@@ -47,7 +47,15 @@ def main():
     p = argparse.ArgumentParser()
     model_args(p, seq=256, batch=4)
     p.add_argument("--depths", default="4,8,16,32")
+    p.add_argument("--compare", default="8,32", help="LO,HI: the summary's ratio depth HI / depth LO (both in --depths)")
     args = p.parse_args()
+    try:
+        depths = [int(x) for x in args.depths.split(",")]
+        lo, hi = (int(x) for x in args.compare.split(","))
+    except ValueError:
+        p.error(f"--depths {args.depths!r} / --compare {args.compare!r}: comma-separated integers (--compare: two)")
+    if min(depths) < 1 or lo not in depths or hi not in depths or lo == hi:
+        p.error(f"--compare {args.compare}: two different depths of --depths {args.depths} (all >= 1)")
     single_process_megatron()
     from megaloop.model.config import ModelConfig
 
@@ -56,17 +64,18 @@ def main():
     model = native_model(cfg, args.vocab).to(dev)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)
     rows = []
-    for depth in map(int, args.depths.split(",")):
+    for depth in depths:
         for label, window in (("b=4", min(4, depth)), ("b=r", depth)):
             act, peak = measure(model, ids, depth, window)
             rows.append({"depth": depth, "window": label, "activation_MiB": act / 2**20,
                          "peak_alloc_MiB": None if peak is None else peak / 2**20})
             print(f"depth {depth:3d} {label:4s} activations {act / 2**20:9.1f} MiB")
     by = {(r["depth"], r["window"]): r["activation_MiB"] for r in rows}
-    summary = {"b4_depth32_over_depth8": by[(32, "b=4")] / by[(8, "b=4")],
-               "br_depth32_over_depth8": by[(32, "b=r")] / by[(8, "b=r")]}
+    summary = {f"b4_depth{hi}_over_depth{lo}": by[(hi, "b=4")] / by[(lo, "b=4")],
+               f"br_depth{hi}_over_depth{lo}": by[(hi, "b=r")] / by[(lo, "b=r")]}
     print(summary)
-    write_result("tbptt_memory", vars(args), {"rows": rows, "summary": summary},
+    write_result("tbptt_memory" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev},
+                 {"rows": rows, "summary": summary},
                  command("bench_tbptt_memory.py", args))
 
 

@@ -31,14 +31,26 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, full BPTT)",
                 f"step time **{_f(r['ratio_megaloop_over_plain_step_time'])}×** (model TFLOP/s "
                 f"{t['megaloop']:.3g} vs {t['plain_pytorch']:.3g})")
+    if name.startswith("vs_refs"):
+        t, ratio = r["model_tflops"], r["ratio_megaloop_over_reference_step_time"]
+        parts = [f"{n.capitalize()}: step time **{_f(v)}×** (model TFLOP/s {t[f'megaloop_{n}_matched']:.3g} vs "
+                 f"{t[f'{n}_reference']:.3g}, commit {r['reference_commits'][n][:8]})" for n, v in ratio.items()]
+        return (f"Train step, megaloop reference-matched config / the reference's own code, same shape, parameters "
+                f"and FLOPs ({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, "
+                f"backprop through {c['bptt_window']})", "; ".join(parts))
     if name == "rewards":
         rows = r["rows"]
         before = next(x for x in rows if x["variant"] == "before")
-        after = ", ".join(f"{x['workers']} worker{'s' if x['workers'] > 1 else ''} {x['rewards_per_s']}"
+
+        def rate(x: dict) -> str:  # best round (median round)
+            med = x.get("rewards_per_s_median")
+            return f"{x['rewards_per_s']}" + (f" (median {med})" if med is not None else "")
+
+        after = ", ".join(f"{x['workers']} worker{'s' if x['workers'] > 1 else ''} {rate(x)}"
                           for x in rows if x["variant"] != "before")
-        return ("Code-execution rewards/s on mbpp:tiny (bwrap sandbox + trusted verdict vs the old unsandboxed "
-                "subprocess); CPU ms per reward",
-                f"before {before['rewards_per_s']} ({before['cpu_ms_per_reward']} ms); after: {after} "
+        return (f"Code-execution rewards/s on mbpp:tiny (bwrap sandbox + trusted verdict vs the old unsandboxed "
+                f"subprocess), best of {c.get('rounds', '?')} interleaved rounds (median); CPU ms per reward",
+                f"before {rate(before)}, {before['cpu_ms_per_reward']} ms; after: {after}; "
                 f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
     if name == "eval_memory_speed":
@@ -65,10 +77,11 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"positions {span('seq_len')}{env})",
                 "; ".join(f"{k.split('`')[1]}: **{min(v):.2f}–{max(v):.2f}×**" for k, v in found.items())
                 + " (check refuses above 0.90 of free memory)")
-    if name == "tbptt_memory":
+    if name.startswith("tbptt_memory"):
         s = r["summary"]
-        return (f"TBPTT activation memory, depth 32 / depth 8, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
-                f"b=4: **{_f(s['b4_depth32_over_depth8'])}×**, b=r: {_f(s['br_depth32_over_depth8'])}×")
+        lo, hi = c.get("compare", "8,32").split(",")
+        return (f"TBPTT activation memory, depth {hi} / depth {lo}, d={c['hidden']}, s={c['seq']}, b={c['batch']}",
+                f"b=4: **{_f(s[f'b4_depth{hi}_over_depth{lo}'])}×**, b=r: {_f(s[f'br_depth{hi}_over_depth{lo}'])}×")
     if name.startswith("decode"):
         parts = [f"R={k[1:]}: KV {_f(v['kv_ratio_terminal_over_per_visit'], 3)}×, decode speed "
                  f"{_f(v['decode_speed_terminal_over_per_visit'])}×" for k, v in r["summary"].items()]
