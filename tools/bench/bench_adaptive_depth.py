@@ -42,6 +42,9 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="auto")
     args = p.parse_args()
+    if not Path(args.checkpoint).exists():
+        p.error(f"--checkpoint {args.checkpoint}: no such checkpoint (a trained run, e.g. the one `megaloop reproduce "
+                "--experiment depth --scale tiny --out runs/repro_depth` writes to runs/repro_depth/arms/learned_h0.01)")
     torch.set_num_threads(args.threads)
     from megaloop.eval.ppl import load_eval_data
     from megaloop.inference.adaptive import ExitPolicy

@@ -5,8 +5,7 @@ cost time is the process-wide ``TorchFunctionMode`` that sees every torch call m
 LoopedGPT's forward pops the mode (it passes an explicit causal mask, so it needs no redirect);
 megatron's schedules, optimizer and checkpointing keep it. This measures one training step
 (forward + backward) of the tiny native model with the forward run under the mode (``_forward``)
-vs the shipped path that pops it (``forward``), alternated in one run; and the same for a plain
-PyTorch model. Usage: python tools/bench/bench_cpu_compat.py [--reps 20]
+vs the shipped path that pops it (``forward``), alternated in one run. Usage: python tools/bench/bench_cpu_compat.py [--reps 20]
 """
 
 from __future__ import annotations
