@@ -40,7 +40,7 @@ from megaloop.errors import UserError, report
 from megaloop.runtime.exits import EXIT_REQUEUE
 from megaloop.runtime.files import atomic_write_json, atomic_write_text
 
-ROOT = Path(__file__).resolve().parents[1]  # the repository: runs start from here
+ROOT = Path(__file__).resolve().parents[1]  # the repository (its slurm/ scripts); runs start in the caller's cwd
 ARRAY_SCRIPT = ROOT / "slurm" / "sweep_array.sh"
 RUN_FILE = "sweep_run.json"
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGKILL)
@@ -253,7 +253,9 @@ class LocalPool:
             f.flush()
             # own session: a terminal's Ctrl-C reaches only the launcher, which then asks the runs
             # to checkpoint (SIGTERM) instead of killing them mid-step
-            proc = subprocess.Popen(argv, cwd=ROOT, env=self._env(slot), stdout=f, stderr=subprocess.STDOUT,
+            # from the launcher's own directory: relative paths in the overrides (data.path, a screen set,
+            # a config YAML) mean what they meant to the checks that ran here before the launch
+            proc = subprocess.Popen(argv, env=self._env(slot), stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             with self.lock:
                 self.procs[slot] = proc
@@ -395,7 +397,7 @@ def write_task(tasks: Path, run: Run, index: int) -> None:
 def sbatch_command(sweep: Sweep, indices: list[int], launch: Launch) -> list[str]:
     array = compress_indices(indices) + (f"%{launch.parallel}" if launch.parallel else "")
     return ["sbatch", "--parsable", f"--array={array}", f"--job-name={sweep.tag}-{sweep.out.name}",
-            f"--chdir={ROOT}", "--export=ALL", f"--output={sweep.out / 'slurm' / '%A_%a.out'}",
+            f"--chdir={Path.cwd()}", "--export=ALL", f"--output={sweep.out / 'slurm' / '%A_%a.out'}",
             *launch.sbatch_args, str(ARRAY_SCRIPT)]
 
 

@@ -117,6 +117,7 @@ class TrainLoader:
         self._batches = 0  # batches handed out since the last (re)start of this epoch
         self._generation = 0
         self._active: Any = None  # the running DataLoader iterator, if any
+        self.rebuilt = False  # resumed on a rebuild of the saved dataset (load_state_dict)
 
     # -- state -------------------------------------------------------------------------------
     def _samples_in_epoch(self) -> int:
@@ -129,10 +130,25 @@ class TrainLoader:
                 "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
                 "initial_dp_size": self.initial_dp_size,
                 "dataset_fingerprint": self.manifest.get("fingerprint"),
+                "dataset_content_sha256": self.content_sha256(),
                 "num_samples": self.num_samples}
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Resume: the next ``iter(self)`` continues exactly after the saved position."""
+    def content_sha256(self) -> str | None:
+        """The shards' content fingerprint (``megaloop.data.fingerprint``; None for a remote dataset or
+        one too large to hash without recorded shard hashes). Computed once."""
+        if not hasattr(self, "_content_sha"):
+            from megaloop.data.fingerprint import content_fingerprint
+
+            fp = content_fingerprint(self.path)
+            self._content_sha = fp["sha256"] if fp and fp.get("hashed") else None
+        return self._content_sha
+
+    def load_state_dict(self, sd: dict[str, Any], recorded_content: str | None = None) -> None:
+        """Resume: the next ``iter(self)`` continues exactly after the saved position. A dataset rebuilt
+        since the save (another build fingerprint: the converter hashes its inputs' sizes and mtimes)
+        is accepted when its shards' content equals the saved one (``dataset_content_sha256``, or
+        ``recorded_content`` for states saved before it was kept: the run's ``data.json``);
+        ``self.rebuilt`` says so."""
         if sd.get("version") != STATE_VERSION:
             raise DataError(f"data loader state has version {sd.get('version')}, "
                             f"expected {STATE_VERSION}")
@@ -140,11 +156,15 @@ class TrainLoader:
         if sd.get("num_samples") != self.num_samples:
             raise DataError(f"data loader state was saved on a different dataset than {self.path} "
                             f"({sd.get('num_samples')} vs {self.num_samples} samples)")
-        if saved_fp != fp:  # same size, other content or build settings
+        saved_content = sd.get("dataset_content_sha256") or recorded_content
+        self.rebuilt = saved_fp != fp and saved_content is not None and saved_content == self.content_sha256()
+        if saved_fp != fp and not self.rebuilt:  # same size, other content or build settings
+            why = ("and other shard content" if saved_content and self.content_sha256() else
+                   "and the shards' content could not be compared")
             raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same "
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
-                            f"'fingerprint')")
+                            f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
         self._epoch = int(sd["epoch"])
         self._base_samples = int(sd["sample_in_epoch"])
         self._batches = 0

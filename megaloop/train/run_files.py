@@ -23,6 +23,22 @@ def record_data(run_dir: Path, data_path: str | Path, manifest: dict) -> None:
         "content": content_fingerprint(data_path)})
 
 
+def recorded_content(run_dir: Path, build_fingerprint: str | None) -> str | None:
+    """The content sha256 ``RUN/data.json`` recorded for the build ``build_fingerprint`` (None when
+    the file is missing, unreadable, of another build or without a trustworthy content hash)."""
+    import json
+
+    try:
+        rec = json.loads((Path(run_dir) / "data.json").read_text())
+    except (OSError, ValueError):
+        return None
+    content = rec.get("content") if isinstance(rec, dict) else None
+    if rec.get("manifest_fingerprint") != build_fingerprint or not isinstance(content, dict) or \
+            not content.get("hashed"):
+        return None
+    return content.get("sha256")
+
+
 def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configured: str) -> Path | None:
     """Copy the data's tokenizer.json into ``RUN/tokenizer.json`` once (evaluation and HF export find
     it there, ``hf.convert.find_tokenizer``, even after the data or the embedded corpus of a newer

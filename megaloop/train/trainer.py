@@ -36,9 +36,9 @@ from megaloop.train.checkpoint import CheckpointManager
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
-from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_saved_optim,
-                                    set_aside_newer)
-from megaloop.train.run_files import keep_tokenizer, record_data
+from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
+                                    check_saved_optim, set_aside_newer)
+from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 
 
@@ -78,6 +78,7 @@ class Trainer:
         # checkpoint to resume and the depth sampler first: a bad --resume path or depth.init=from:PATH
         # fails before data and model are built (a resumed run's checkpoint brings its own prior)
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
+        check_run_dir_location(self.run_dir, {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path})
         self._lock = RunDirLock(self.run_dir)
         self._lock.acquire(self.rank)  # one run per directory; released when run() ends
         resume_path = self.ckpt.resolve(self.resume) if self.resume else None
@@ -134,6 +135,9 @@ class Trainer:
         # the embedded default ships its own validation split; other data name it in data.val_path
         self.val_path, self.val_seq = self._resolve_val(
             cfg.data.val_path or ("default" if cfg.data.path == "default" else None), manifest)
+        if self.val_path is None and self.rank == 0:
+            print(f"note: data.val_path is not set: this run on {cfg.data.path} reports no validation loss "
+                  "(build a validation set with data_prep/build_eval_sets.py)", flush=True)
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,
@@ -272,7 +276,12 @@ class Trainer:
             self.scheduler.load_state_dict(common["scheduler"])
         self.sampler.load_state_dict(common["sampler"])
         states = common["loader"]
-        self.loader.load_state_dict(states[self.dp_rank] if len(states) == self.dp else states[0])
+        state = states[self.dp_rank] if len(states) == self.dp else states[0]
+        self.loader.load_state_dict(state, recorded_content(Path(path).parent.parent,
+                                                            state.get("dataset_fingerprint")))
+        if self.loader.rebuilt and self.rank == 0:
+            print(f"note: {self.loader.path} was rebuilt since the checkpoint (new build fingerprint) with "
+                  "identical shard content: resuming on it", flush=True)
         self.last_saved = self.step
         if self.rank == 0:
             for moved in set_aside_newer(self.ckpt, path):
@@ -531,6 +540,10 @@ class Trainer:
         try:
             t = self.cfg.train
             end = self._end_step()
+            if self.step >= end:  # a resumed run that already reached its end (a finished screen point: fine)
+                limit = f"train.stop_after={t.stop_after}" if t.stop_after and t.stop_after < t.max_steps else \
+                    f"train.max_steps={t.max_steps}"
+                self.metrics.message(f"nothing to train: the checkpoint's step {self.step} is at or past {limit}")
             while self.step < end:
                 try:
                     rec = self.train_step()

@@ -33,3 +33,60 @@ def test_same_count_other_fingerprint_names_the_fingerprint(tmp_path):
     write_synthetic_mds(c, num_sequences=48, seq_len=SEQ, vocab_size=512, seed=0)
     with pytest.raises(DataError, match=r"\(40 vs 48 samples\)"):
         _loader(c).load_state_dict(la.state_dict())
+
+
+def _rebuild_with_new_fingerprint(src, dst):
+    """``dst``: the same shards as ``src`` under another build fingerprint (what re-running the converter
+    after a `touch` of an input, or a re-download, produces)."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    man = json.loads((dst / "manifest.json").read_text())
+    man["fingerprint"] = "rebuilt-" + str(man["fingerprint"])
+    (dst / "manifest.json").write_text(json.dumps(man))
+
+
+def test_a_rebuild_with_the_same_content_resumes_and_says_so(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    write_synthetic_mds(a, num_sequences=40, seq_len=SEQ, vocab_size=512, seed=0)
+    _rebuild_with_new_fingerprint(a, b)
+    la = _loader(a)
+    it = iter(la)
+    next(it)
+    state = la.state_dict()
+    expected = next(it)
+    assert state["dataset_content_sha256"]
+    lb = _loader(b)
+    assert lb.manifest["fingerprint"] != la.manifest["fingerprint"]
+    lb.load_state_dict(state)
+    got = next(iter(lb))
+    assert lb.rebuilt and all((got[k] == expected[k]).all() for k in expected)
+    # a state saved before the content hash was kept: the run's data.json supplies it (recorded_content)
+    old = {k: v for k, v in state.items() if k != "dataset_content_sha256"}
+    with pytest.raises(DataError, match="the shards' content could not be compared: resume on the data"):
+        _loader(b).load_state_dict(old)
+    lc = _loader(b)
+    lc.load_state_dict(old, recorded_content=state["dataset_content_sha256"])
+    assert lc.rebuilt
+    # other content under another fingerprint is still refused, naming both
+    write_synthetic_mds(c, num_sequences=40, seq_len=SEQ, vocab_size=512, seed=1)
+    with pytest.raises(DataError, match="and other shard content: resume on the data the run trained on"):
+        _loader(c).load_state_dict(state)
+
+
+def test_recorded_content_reads_the_runs_data_json_for_its_build_only(tmp_path):
+    import json
+
+    from megaloop.train.run_files import recorded_content
+
+    assert recorded_content(tmp_path, "fp") is None  # no data.json
+    (tmp_path / "data.json").write_text(json.dumps({"manifest_fingerprint": "fp",
+                                                    "content": {"sha256": "abc", "hashed": True}}))
+    assert recorded_content(tmp_path, "fp") == "abc"
+    assert recorded_content(tmp_path, "other") is None
+    (tmp_path / "data.json").write_text(json.dumps({"manifest_fingerprint": "fp",
+                                                    "content": {"sha256": "abc", "hashed": False}}))
+    assert recorded_content(tmp_path, "fp") is None
+    (tmp_path / "data.json").write_text("{not json")
+    assert recorded_content(tmp_path, "fp") is None

@@ -74,3 +74,21 @@ def test_out_that_is_a_file_is_refused_before_the_command(tmp_path, capsys, sub:
     # a new directory (under an existing one) and an existing directory are fine
     for ok in (tmp_path / "new" / "out", tmp_path):
         assert run_cli("megaloop x", p, lambda args, extras: 0, ["--out", str(ok), *dry]) == 0
+
+
+def test_runs_start_in_the_callers_directory(tmp_path, monkeypatch) -> None:
+    """Relative paths in a sweep's overrides (data.path=mds, a screen set, a config YAML) are checked in
+    the caller's directory before the launch; the runs start there too (they started in the repository,
+    where every run failed on the path its checks had accepted), locally and under slurm (--chdir)."""
+    import sys
+
+    from megaloop.sweep import LocalPool, Sweep, sbatch_command
+
+    monkeypatch.chdir(tmp_path)
+    sweep = Sweep(out=tmp_path / "out", runs=[], tag="t")
+    sweep.out.mkdir()
+    pool = LocalPool(sweep, _launch())
+    log = tmp_path / "log.txt"
+    assert pool._spawn(0, [sys.executable, "-c", "import os; print('CWD', os.getcwd())"], log) == 0
+    assert f"CWD {tmp_path}" in log.read_text()
+    assert f"--chdir={tmp_path}" in sbatch_command(sweep, [0], _launch())

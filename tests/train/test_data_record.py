@@ -25,15 +25,18 @@ def _record(tmp_path, name: str, *overrides: str) -> dict:
     return json.loads((tmp_path / name / "data.json").read_text())
 
 
-def test_data_json_records_the_content(tmp_path) -> None:
+def test_data_json_records_the_content(tmp_path, capsys) -> None:
     from megaloop.data.synthetic import write_synthetic_mds
 
     a = _record(tmp_path, "a")
+    assert "data.val_path is not set" not in capsys.readouterr().out  # the embedded corpus has its own
     b = _record(tmp_path, "b", "train.seed=7")  # another order of the same data
     assert a["content"] == b["content"] == content_fingerprint(a["path"])
     assert a["content"]["samples"] > 0 and a["manifest_fingerprint"]
     write_synthetic_mds(tmp_path / "syn", 64, 128, vocab_size=4096, seed=3)
     c = _record(tmp_path, "c", f"data.path={tmp_path / 'syn'}", "model.vocab_size=4096")
+    assert f"note: data.val_path is not set: this run on {tmp_path / 'syn'} reports no validation loss" in \
+        capsys.readouterr().out
     assert c["path"] == str(tmp_path / "syn") and c["content"]["sha256"] != a["content"]["sha256"]
 
 

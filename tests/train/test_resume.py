@@ -28,6 +28,10 @@ def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
     run_train(tmp_path, *STEPS, "train.stop_after=3")
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
+    # a re-run of the same stopped command (a screen point launched again) trains nothing, and says so
+    proc = run_train(tmp_path, *STEPS, "train.stop_after=2", resume="auto")
+    assert "nothing to train: the checkpoint's step 3 is at or past train.stop_after=2" in proc.stdout
+    assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
     run_train(tmp_path, *STEPS, resume="auto")
     _same(metrics(tmp_path), uninterrupted)
 

@@ -98,3 +98,34 @@ def test_a_run_directory_in_use_is_refused(tmp_path):
     finally:
         os.close(fd)
     run_train(tmp_path, "train.max_steps=2", "train.save_interval=0")  # free again
+
+
+def test_a_dataset_folder_is_not_a_run_directory(tmp_path):
+    """--run-dir that is (or lies in) data.path, an MDS folder or a raw TxT360-layout tree is refused
+    before the lock file, config.yaml or checkpoints are written into it."""
+    import pytest
+
+    from megaloop.data.synthetic import write_synthetic_mds
+    from megaloop.train.run_dir import RunDirError, check_run_dir_location
+
+    mds = tmp_path / "mds"
+    write_synthetic_mds(mds, num_sequences=40, seq_len=128, vocab_size=512, seed=0)
+    raw = tmp_path / "txt360" / "data" / "common-crawl" / "CC-MAIN-2013-20"
+    raw.mkdir(parents=True)
+    (raw / "0.jsonl").write_text('{"text": "x"}\n')
+    cases = [(mds, {"data.path": str(mds)}, "is the dataset data.path="),
+             (mds / "run", {"data.path": str(mds)}, "is inside the dataset data.path="),
+             (mds, {"data.path": "default"}, "holds index.json: it is a dataset folder"),
+             (tmp_path / "txt360", {}, "holds a raw text tree"),
+             (tmp_path / "val" / "x", {"data.val_path": str(tmp_path / "val")}, None)]  # val missing: loader names it
+    for run_dir, paths, message in cases:
+        if message is None:
+            check_run_dir_location(run_dir, paths)
+            continue
+        with pytest.raises(RunDirError, match=message):
+            check_run_dir_location(run_dir, paths)
+    check_run_dir_location(tmp_path / "runs" / "a", {"data.path": str(mds)})  # a run folder beside the data
+    before = _snapshot(mds)
+    line = _one_error_line(run_train(mds, f"data.path={mds}", "train.max_steps=2", expect=2))
+    assert f"--run-dir {mds} is the dataset data.path={mds}" in line
+    assert _snapshot(mds) == before and not (mds / ".megaloop.lock").exists() and not (mds / "checkpoints").exists()
