@@ -11,8 +11,9 @@
 # script exits with the trainer's status (75, 130 for Ctrl-C; launch/_local_run.sh); run the same
 # command again to continue from there.
 # Preflight: `megaloop plan --preflight` predicts the memory per GPU of the layout and the launch
-# exits 2 (one line) if it does not fit; PLAN_CLUSTER=h100|h200|b200|PATH (default: this machine's
-# GPU, skipped without one); --no-preflight (anywhere among the arguments) or PREFLIGHT=0 skips it.
+# exits 2 (one line) if it does not fit or megaloop refuses the configuration (a bad override or
+# layout); PLAN_CLUSTER=h100|h200|b200|PATH (default: this machine's GPU, skipped without one);
+# --no-preflight (anywhere among the arguments) or PREFLIGHT=0 skips it.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=launch/_setup.sh

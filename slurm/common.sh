@@ -4,6 +4,7 @@
 #
 #   megaloop_setup                         check the allocation, cd to ROOT, activate the venv,
 #                                          derive the rendezvous and the per-job log directory
+#   megaloop_abspath PATH                  PATH made absolute against MEGALOOP_START_DIR (below)
 #   megaloop_launch PYTHON_ARGS...         srun one torchrun per node running PYTHON_ARGS (e.g.
 #                                          `-m megaloop.cli rl ...`); signal forwarding, requeue
 #                                          and logs as below; returns its exit status
@@ -14,8 +15,18 @@
 #                                          slurm/train_*.sh -> the array OVERRIDES
 #   megaloop_preflight CONFIG WORLD GPUS_PER_NODE [KEY=VALUE ...]
 #                                          `megaloop plan --preflight`: exit 2 (one line) if the layout
-#                                          is predicted not to fit in GPU memory; a layout it cannot
-#                                          plan (bad config, no python) only warns: the trainer checks
+#                                          is predicted not to fit in GPU memory or the configuration is
+#                                          refused (megaloop's exit 2: bad input, which every rank would
+#                                          refuse too); any other failure (no usable python, a planner
+#                                          crash) only warns and the launch goes on
+#
+# Paths: the job runs in ROOT (megaloop_setup cds there), but every path the user gives (DATA_PATH,
+# VAL_PATH, RUN_DIR, CONFIG and PLAN_CLUSTER files, LOG_DIR, VENV; OUT, MODEL, TEACHER, DATA, TASK's
+# file, DS_CONFIG files of rl.sh/distill.sh; SWEEP_*, the config file and the run directory of a
+# sweep task; the path fields data.path, data.val_path, data.cache_dir, train.init_weights among the
+# dotlist overrides of EXTRA_ARGS and of a sweep task) is relative to MEGALOOP_START_DIR, the directory
+# the batch script started in: where sbatch was run (SLURM_SUBMIT_DIR), or its --chdir (megaloop's
+# sweeps submit with --chdir=their caller's directory). They are made absolute before the cd.
 #
 # Pre-emption / time limit: submit with `--signal=B:USR1@120 --requeue`. The USR1 reaches this
 # (batch) shell, which forwards it to srun; srun passes it to every task, torchrun (told to handle
@@ -24,6 +35,10 @@
 # checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
 # a worker) requeues too: torchrun reports any failed worker as 1, so the trainer's own status is
 # read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). SIGTERM to this shell (scancel) is forwarded but never requeues.
+# Each node's log then ends with torchrun's `SignalException: Process N got signal: 10` traceback:
+# expected. torchrun's agent re-raises the signal it forwarded once its workers have stopped (torch's
+# elastic agent `run`); signalling the workers instead of torchrun would trade it for torchrun's
+# ChildFailedError traceback on the trainer's exit 75, and lose torchrun's --shutdown-timeout wait.
 #
 # Knobs (environment, all optional):
 #   NODES            nodes to use (default: all of the allocation, $SLURM_NNODES)
@@ -32,7 +47,8 @@
 #                    or static (--master_addr/--master_port/--node_rank)
 #   MASTER_ADDR      default: first host of $SLURM_JOB_NODELIST
 #   MASTER_PORT      default: 20000 + SLURM_JOB_ID % 20000
-#   LOG_DIR          default logs/ (relative to ROOT); per job: $LOG_DIR/$SLURM_JOB_ID/
+#   LOG_DIR          default logs/ (in MEGALOOP_START_DIR, beside slurm-*.out); per job:
+#                    $LOG_DIR/$SLURM_JOB_ID/ (node<i>.log, launch.txt, exit_code, trainer_exit)
 #   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH)
 #   SHUTDOWN_TIMEOUT seconds torchrun waits for workers to checkpoint after a signal (default 110)
 #   TORCHRUN_SIGNALS signals torchrun forwards (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1;
@@ -53,12 +69,66 @@ megaloop_log() {
   echo "[megaloop-slurm $(date '+%F %T')] $*"
 }
 
+# Where the batch script started (sbatch's directory, or its --chdir): user paths are relative to it.
+MEGALOOP_START_DIR="$(pwd)"
+
+# megaloop_abspath PATH: PATH if absolute or empty, else MEGALOOP_START_DIR/PATH (leading ./ dropped).
+megaloop_abspath() {
+  local p="$1"
+  case "$p" in
+    '' | /*) printf '%s\n' "$p" ;;
+    *)
+      while [ "${p#./}" != "$p" ]; do p="${p#./}"; done
+      printf '%s\n' "$MEGALOOP_START_DIR${p:+/$p}"
+      ;;
+  esac
+}
+
+# megaloop_abspath_data VALUE: a data.path / data.val_path value; `default`, `default:<split>`, a
+# URL (s3://...) and null stay as they are, a relative path becomes absolute.
+megaloop_abspath_data() {
+  case "$1" in
+    default | default:* | *://* | null | Null | NULL | '~') printf '%s\n' "$1" ;;
+    *) megaloop_abspath "$1" ;;
+  esac
+}
+
+# megaloop_abspath_override KEY=VALUE: a dotlist override; the value of a path field (data.path,
+# data.val_path, data.cache_dir, train.init_weights) as megaloop_abspath_data makes it, others as given.
+megaloop_abspath_override() {
+  case "$1" in
+    data.path=* | data.val_path=* | data.cache_dir=* | train.init_weights=*)
+      printf '%s\n' "${1%%=*}=$(megaloop_abspath_data "${1#*=}")" ;;
+    *) printf '%s\n' "$1" ;;
+  esac
+}
+
+# megaloop_abspath_file NAME: a shipped name (a preset `S`, a cluster `h100`, `zero2`) stays as it is;
+# a file (with a / or a .yaml/.yml/.json suffix, or one that exists there) becomes absolute.
+megaloop_abspath_file() {
+  case "$1" in
+    '' | /*) printf '%s\n' "$1" ;;
+    */* | *.yaml | *.yml | *.json) megaloop_abspath "$1" ;;
+    *)
+      if [ -e "$MEGALOOP_START_DIR/$1" ]; then
+        megaloop_abspath "$1"
+      else
+        printf '%s\n' "$1"
+      fi
+      ;;
+  esac
+}
+
 megaloop_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || megaloop_die "SLURM_JOB_ID is not set: submit this script with sbatch"
   [ -n "${SLURM_JOB_NODELIST:-}" ] || megaloop_die "SLURM_JOB_NODELIST is not set (not inside an allocation?)"
+  LOG_DIR="$(megaloop_abspath "${LOG_DIR:-logs}")"
+  VENV="${VENV:-$ROOT/.venv}"
+  if [ "$VENV" != none ]; then
+    VENV="$(megaloop_abspath "$VENV")"
+  fi
   cd "$ROOT" || megaloop_die "cannot cd to $ROOT"
 
-  VENV="${VENV:-$ROOT/.venv}"
   if [ "$VENV" != none ] && [ -f "$VENV/bin/activate" ]; then
     export PATH="$VENV/bin:$PATH"
     export VIRTUAL_ENV="$VENV"
@@ -88,7 +158,6 @@ megaloop_setup() {
   export PYTHONUNBUFFERED=1
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
-  LOG_DIR="${LOG_DIR:-logs}"
   JOB_LOG_DIR="$LOG_DIR/$SLURM_JOB_ID"
   mkdir -p "$JOB_LOG_DIR"
   megaloop_log "job $SLURM_JOB_ID${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)}: $NODES node(s) [$NODE_LIST]" \
@@ -122,6 +191,8 @@ megaloop_post_main() {
   local -a cmd extra
   shift 3
   case "$every" in '' | *[!0-9]*) megaloop_die "SAVE_EVERY must be a non-negative integer, got '$every'" ;; esac
+  OUT="$(megaloop_abspath "$OUT")"
+  ds="$(megaloop_abspath_file "$ds")"
   megaloop_setup
   cmd=(-m megaloop.cli "$verb" "$@" --out "$OUT" --deepspeed "$ds" --save-every "$every")
   if [ -f "$OUT/checkpoints/latest" ]; then
@@ -222,21 +293,36 @@ megaloop_scale_overrides() {
     OVERRIDES+=("logging.name=$WANDB_NAME")
   fi
   read -r -a extra <<<"$EXTRA_ARGS"
-  OVERRIDES+=("${extra[@]}")
+  local ov
+  for ov in "${extra[@]}"; do
+    OVERRIDES+=("$(megaloop_abspath_override "$ov")")
+  done
 }
 
 
 # Predicted memory per GPU of the layout (megaloop/plan): refuse, exit 2 with one line, a layout
-# predicted not to fit. Anything else the planner reports (a config it rejects, no usable python)
-# is logged as a warning and the launch goes on: the trainer validates the config itself.
+# predicted not to fit. A configuration `megaloop plan` refuses (its exit 2: bad input, one line
+# naming the field, by the trainer's own rules; or a bad PLAN_CLUSTER) exits 2 with that line as well,
+# before anything is launched: every rank would refuse it. Any other failure (no usable python, a
+# planner crash) is logged as a warning and the launch goes on: the trainer validates the config itself.
 megaloop_preflight() {
   [ "$#" -ge 3 ] || megaloop_die "megaloop_preflight CONFIG WORLD GPUS_PER_NODE [KEY=VALUE ...]"
-  local config="$1" world="$2" gpn="$3" out rc=0
+  local config="$1" world="$2" gpn="$3" cluster out rc=0
   shift 3
+  cluster="${PLAN_CLUSTER:-auto}"
+  if [ "$cluster" != auto ]; then
+    cluster="$(megaloop_abspath_file "$cluster")"
+  fi
   out="$(python -m megaloop.cli plan --preflight --config "$config" --gpus "$world" \
-    --cluster "${PLAN_CLUSTER:-auto}" "cluster.gpus_per_node=$gpn" "$@" 2>&1)" || rc=$?
+    --cluster "$cluster" "cluster.gpus_per_node=$gpn" "$@" 2>&1)" || rc=$?
   if [ "$rc" -ne 0 ] && [[ "$out" == *"megaloop preflight: refusing"* ]]; then
     printf '%s\n' "$out" | grep "megaloop preflight: refusing" | tail -n 1 >&2
+    exit 2
+  fi
+  if [ "$rc" -eq 2 ]; then
+    local line
+    line="$(printf '%s\n' "$out" | grep -E '^megaloop plan: error' | tail -n 1)"
+    echo "megaloop preflight: refusing: ${line:-$(printf '%s\n' "$out" | tail -n 1)}; nothing launched" >&2
     exit 2
   fi
   if [ "$rc" -ne 0 ]; then
@@ -259,13 +345,13 @@ megaloop_scale_main() {
     esac
   done
   set -- "$preset"
-  CONFIG="${CONFIG:-$1}"
-  RUN_DIR="${RUN_DIR:-runs/$1}"
+  CONFIG="$(megaloop_abspath_file "${CONFIG:-$1}")"
+  RUN_DIR="$(megaloop_abspath "${RUN_DIR:-runs/$1}")"
   TP="${TP:-1}"
   PP="${PP:-1}"
   VPP="${VPP:-}"
-  DATA_PATH="${DATA_PATH:-default}"
-  VAL_PATH="${VAL_PATH:-}"
+  DATA_PATH="$(megaloop_abspath_data "${DATA_PATH:-default}")"
+  VAL_PATH="$(megaloop_abspath_data "${VAL_PATH:-}")"
   WANDB_MODE="${WANDB_MODE:-offline}"
   WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
   EXTRA_ARGS="${EXTRA_ARGS:-}"

@@ -8,6 +8,7 @@
 # DATA (default = embedded corpus; FILE.txt | FILE.jsonl) DS_CONFIG (zero3; zero1 | zero2 | zero3 | a JSON
 # file) SAVE_EVERY (200) EXTRA_ARGS (more `megaloop distill-prefill` options, word-split);
 # NODES, GPUS_PER_NODE, RDZV, ...: slurm/common.sh.
+# Relative paths (TEACHER, OUT, DATA, a DS_CONFIG file) are relative to the directory you submit from.
 # Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
 #SBATCH --job-name=megaloop-distill
 #SBATCH --nodes=1
@@ -27,4 +28,9 @@ source "$ROOT/slurm/common.sh"
 
 [ -n "${TEACHER:-}" ] || megaloop_die "TEACHER is not set (an HF folder or a megaloop checkpoint)"
 OUT="${OUT:-students/distill}"
-megaloop_post_main distill-prefill "${DS_CONFIG:-zero3}" "${SAVE_EVERY:-200}" --teacher "$TEACHER" --data "${DATA:-default}"
+DATA="${DATA:-default}"
+if [ "$DATA" != default ]; then
+  DATA="$(megaloop_abspath "$DATA")"
+fi
+megaloop_post_main distill-prefill "${DS_CONFIG:-zero3}" "${SAVE_EVERY:-200}" \
+  --teacher "$(megaloop_abspath "$TEACHER")" --data "$DATA"

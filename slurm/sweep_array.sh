@@ -10,7 +10,11 @@
 # GPUS_PER_NODE, rendezvous, requeue on SIGUSR1), records the exit status in
 # RUN_DIR/$SWEEP_EXIT_FILE and, when the training exited 0, runs the follow-up on this (the batch)
 # node: $PYTHON -m megaloop.cli <after...> (PYTHON: default `python` of the activated venv).
-# SWEEP_TASK_FILE, when set, is the task file instead of $SWEEP_TASKS/task_<i>.args.
+# SWEEP_TASK_FILE, when set, is the task file instead of $SWEEP_TASKS/task_<i>.args. The task runs in
+# the repository, but relative paths (SWEEP_*, the config file, the run directory, data.path,
+# data.val_path, data.cache_dir, train.init_weights overrides) are relative to where it started (megaloop
+# submits with --chdir=the directory it was run from; slurm/common.sh). Per-task logs: LOG_DIR (default
+# $SWEEP_DIR/slurm/logs, beside the array's slurm output).
 #SBATCH --job-name=megaloop-sweep
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -30,19 +34,25 @@ source "$ROOT/slurm/common.sh"
 
 [ -n "${SWEEP_DIR:-}" ] || megaloop_die "SWEEP_DIR is not set: submit through megaloop lr-screen / reproduce --launcher slurm"
 [ -n "${SLURM_ARRAY_TASK_ID:-}" ] || megaloop_die "SLURM_ARRAY_TASK_ID is not set: submit as an array job (sbatch --array=...)"
-TASK_FILE="${SWEEP_TASK_FILE:-${SWEEP_TASKS:-$SWEEP_DIR/slurm}/task_${SLURM_ARRAY_TASK_ID}.args}"
+SWEEP_DIR="$(megaloop_abspath "$SWEEP_DIR")"
+TASK_FILE="$(megaloop_abspath "${SWEEP_TASK_FILE:-${SWEEP_TASKS:-$SWEEP_DIR/slurm}/task_${SLURM_ARRAY_TASK_ID}.args}")"
 [ -f "$TASK_FILE" ] || megaloop_die "no task file $TASK_FILE (array index outside the sweep?)"
 mapfile -t TASK <"$TASK_FILE"
 [ "${#TASK[@]}" -ge 2 ] || megaloop_die "$TASK_FILE: expected the config, the run directory, then overrides"
 
+LOG_DIR="${LOG_DIR:-$SWEEP_DIR/slurm/logs}"
 megaloop_setup
-RUN_DIR="${TASK[1]}"
+RUN_DIR="$(megaloop_abspath "${TASK[1]}")"
+OVERRIDES=()
+for ov in "${TASK[@]:2}"; do
+  OVERRIDES+=("$(megaloop_abspath_override "$ov")")
+done
 EXIT_FILE="$RUN_DIR/${SWEEP_EXIT_FILE:-sweep_exit}"
 mkdir -p "$RUN_DIR"
 rm -f "$EXIT_FILE"
 megaloop_log "sweep task ${SLURM_ARRAY_TASK_ID}: ${TASK[2]:-} -> $RUN_DIR"
 rc=0
-megaloop_train "${TASK[0]}" "$RUN_DIR" "${TASK[@]:2}" || rc=$?
+megaloop_train "$(megaloop_abspath_file "${TASK[0]}")" "$RUN_DIR" "${OVERRIDES[@]}" || rc=$?
 echo "$rc" >"$EXIT_FILE.tmp"
 mv -f "$EXIT_FILE.tmp" "$EXIT_FILE"
 AFTER_FILE="${TASK_FILE%.args}.after"

@@ -7,9 +7,13 @@
 # PP (1) VPP (unset) DATA_PATH (default = embedded corpus) VAL_PATH (unset; default:val with the
 # embedded corpus) RUN_DIR (runs/M) WANDB_MODE (offline) WANDB_PROJECT (megaloop) WANDB_NAME
 # EXTRA_ARGS (more dotlist overrides, word-split) CONFIG (M); rendezvous, logs, venv: slurm/common.sh.
-# Submit from the repository root (or set MEGALOOP_ROOT). Re-submitting resumes (--resume auto).
-# Preflight: the predicted memory per GPU (megaloop plan) must fit, or the job exits 2 before
-# srun; PLAN_CLUSTER=h100|h200|b200|PATH (default: this node's GPU); `--no-preflight` skips it.
+# Submit from the repository root, or from anywhere with MEGALOOP_ROOT=/path/to/repo: relative paths
+# (DATA_PATH, VAL_PATH, RUN_DIR, LOG_DIR, CONFIG/PLAN_CLUSTER files, the data.path, data.val_path,
+# data.cache_dir, train.init_weights overrides in EXTRA_ARGS) are relative to the directory you submit
+# from, as is slurm-*.out. Re-submitting resumes (--resume auto).
+# Preflight: the predicted memory per GPU (megaloop plan) must fit and megaloop must accept the
+# configuration, or the job exits 2 (one line) before srun; PLAN_CLUSTER=h100|h200|b200|PATH
+# (default: this node's GPU); `--no-preflight` skips it.
 #SBATCH --job-name=megaloop-M
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -12,6 +12,8 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
 * ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); anything else is
   only recorded (``requeue`` included).
 * ``sbatch``: prints ``$STUB_JOB_ID`` (default 777). ``squeue``: prints ``$STUB_DIR/squeue.out``.
+
+``repo_copy`` copies slurm/ into a temporary "repository" for tests of where a job writes.
 """
 
 from __future__ import annotations
@@ -137,6 +139,18 @@ def stub_env(directory: Path, **extra: str) -> dict:
                STUB_DIR=str(directory))
     env.update(extra)
     return env
+
+
+def repo_copy(directory: Path) -> Path:
+    """``directory/repo`` holding a copy of the repository's slurm/ scripts: run as MEGALOOP_ROOT, a
+    job cds there and writes there whatever a script does wrong, never into the repository."""
+    from tests.conftest import ROOT
+
+    repo = directory / "repo"
+    (repo / "slurm").mkdir(parents=True, exist_ok=True)
+    for script in (ROOT / "slurm").glob("*.sh"):
+        (repo / "slurm" / script.name).write_text(script.read_text())
+    return repo
 
 
 def calls(directory: Path, name: str | None = None) -> list[dict]:

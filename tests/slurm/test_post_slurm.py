@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, stub_env
+from tests.slurm.stubs import calls, repo_copy, stub_env
 
 HOSTS = "gpu-a01 gpu-a02"
 
@@ -84,3 +84,37 @@ def test_failures_and_bad_knobs(tmp_path: Path) -> None:
     env = _env(tmp_path / "f", MODEL="m", STUB_TORCHRUN="exit:3")
     _run("rl.sh", env, expect=3)
     assert (tmp_path / "f" / "logs" / "4242" / "exit_code").read_text().strip() == "3"
+
+
+def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path) -> None:
+    """`cd work; MEGALOOP_ROOT=REPO MODEL=hf/S OUT=out ... sbatch REPO/slurm/rl.sh`: the job runs in the
+    repository (a copy here), the paths it is given name work/..., logs/ is work/logs."""
+    repo, work = repo_copy(tmp_path), tmp_path / "work"
+    (work / "out" / "checkpoints").mkdir(parents=True)
+    (work / "out" / "checkpoints" / "latest").write_text("step000050")
+    base = dict(STUB_HOSTS=HOSTS, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a[01-02]", SLURM_NNODES="2",
+                SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(work), VENV="none", MEGALOOP_ROOT=str(repo),
+                GPUS_PER_NODE="4")
+    env = stub_env(tmp_path, **base, MODEL="hf/S", OUT="out", TASK="gsm8k:data/gsm8k.jsonl", DS_CONFIG="ds/z1.json")
+    proc = subprocess.run(["bash", str(repo / "slurm" / "rl.sh")], env=env, cwd=work, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rec in calls(tmp_path, "torchrun"):
+        cmd = rec["argv"][rec["argv"].index("-m"):]
+        assert rec["cwd"] == str(repo)
+        assert _flag(cmd, "--model") == str(work / "hf" / "S") and _flag(cmd, "--out") == str(work / "out")
+        assert _flag(cmd, "--task") == f"gsm8k:{work}/data/gsm8k.jsonl"
+        assert _flag(cmd, "--deepspeed") == str(work / "ds" / "z1.json")
+        assert "--resume" in cmd  # work/out/checkpoints/latest, not the repository's
+    assert (work / "logs" / "4242" / "exit_code").read_text().strip() == "0"
+    assert not (repo / "logs").exists()
+
+    (tmp_path / "d").mkdir()
+    env = stub_env(tmp_path / "d", **base, TEACHER="ckpt/L", DATA="val.jsonl")
+    proc = subprocess.run(["bash", str(repo / "slurm" / "distill.sh")], env=env, cwd=work, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rec in calls(tmp_path / "d", "torchrun"):
+        cmd = rec["argv"][rec["argv"].index("-m"):]
+        assert _flag(cmd, "--teacher") == str(work / "ckpt" / "L") and _flag(cmd, "--data") == str(work / "val.jsonl")
+        assert _flag(cmd, "--out") == str(work / "students" / "distill") and _flag(cmd, "--deepspeed") == "zero3"

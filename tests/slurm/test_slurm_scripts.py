@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, stub_env
+from tests.slurm.stubs import calls, repo_copy, stub_env
 
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + [ROOT / "launch" / n for n in ("train_single_node.sh", "torchrun.sh",
                                                                                  "_local_run.sh")]
@@ -108,7 +108,8 @@ def test_train_L_two_nodes_c10d(tmp_path: Path) -> None:
 
 
 def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
-    env = _slurm_env(tmp_path, RDZV="static", MASTER_PORT="29555", PP="2", VPP="2", GPUS_PER_NODE="4")
+    # (pp=4: interleaving needs pp > 2, and the preflight refuses a configuration the trainer would)
+    env = _slurm_env(tmp_path, RDZV="static", MASTER_PORT="29555", PP="4", VPP="2", GPUS_PER_NODE="4")
     _run("train_M.sh", env, expect=0)
     for rec in calls(tmp_path, "torchrun"):
         argv = rec["argv"]
@@ -117,7 +118,7 @@ def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
         assert "--rdzv_backend" not in argv
         assert _flag(argv, "--nproc_per_node") == "4"
         assert _flag(argv, "--config") == "M"
-        assert "parallel.vpp=2" in argv and "parallel.pp=2" in argv
+        assert "parallel.vpp=2" in argv and "parallel.pp=4" in argv
         # no DATA_PATH: the embedded corpus and its validation split
         assert "data.path=default" in argv and "data.val_path=default:val" in argv
 
@@ -214,3 +215,74 @@ def test_sweep_array_point(tmp_path: Path) -> None:
     assert "array job" in _run("sweep_array.sh", env2, expect=2).stderr
     env3 = dict(env, SLURM_ARRAY_TASK_ID="9")
     assert "task_9.args" in _run("sweep_array.sh", env3, expect=2).stderr
+
+
+def _submit_from_elsewhere(tmp: Path, script: str, expect: int, **extra: str) -> tuple[Path, Path]:
+    """`cd tmp/work; MEGALOOP_ROOT=REPO ... sbatch REPO/slurm/SCRIPT`, REPO a copy of slurm/ (so that a
+    job writing into its repository writes there, not into this one); returns (repo, work)."""
+    repo, work = repo_copy(tmp), tmp / "work"
+    work.mkdir(exist_ok=True)
+    env = stub_env(tmp, **{"STUB_HOSTS": HOSTS, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+                           "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_SUBMIT_DIR": str(work), "VENV": "none",
+                           "MEGALOOP_ROOT": str(repo), "PREFLIGHT": "0", **extra})
+    proc = subprocess.run(["bash", str(repo / "slurm" / script)], env=env, cwd=work, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return repo, work
+
+
+def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path) -> None:
+    """The job cds to the repository, but DATA_PATH, VAL_PATH (and path overrides in EXTRA_ARGS), RUN_DIR, a
+    CONFIG file and logs/ are the submission directory's (found: `data.path=mds: dataset directory mds
+    does not exist` on every rank, the run and logs/ inside the repository)."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "my.yaml").write_text((ROOT / "megaloop" / "configs" / "S.yaml").read_text())
+    repo, work = _submit_from_elsewhere(tmp_path, "train_S.sh", 0, DATA_PATH="mds", VAL_PATH="./eval/val",
+                                        RUN_DIR="myrun", CONFIG="my.yaml",
+                                        EXTRA_ARGS="optim.lr=1e-3 data.path=more/mds train.init_weights=ckpt/S")
+    (srun,) = calls(tmp_path, "srun")
+    assert f"--output={work}/logs/4242/node%n.log" in srun["argv"]
+    assert (work / "logs" / "4242" / "exit_code").read_text().strip() == "0"
+    assert not (repo / "logs").exists()
+    tr = calls(tmp_path, "torchrun")
+    assert len(tr) == 2
+    for rec in tr:
+        argv = rec["argv"]
+        assert rec["cwd"] == str(repo)
+        assert _flag(argv, "--config") == str(work / "my.yaml") and _flag(argv, "--run-dir") == str(work / "myrun")
+        for ov in (f"data.path={work}/mds", f"data.val_path={work}/eval/val", "optim.lr=1e-3",
+                   f"data.path={work}/more/mds", f"train.init_weights={work}/ckpt/S"):
+            assert ov in argv, (ov, argv)
+
+
+def test_path_knobs_that_are_not_relative_paths_stay(tmp_path: Path) -> None:
+    """A preset name, the embedded corpus, a URL, absolute paths, an absolute LOG_DIR: as given; the
+    default RUN_DIR runs/S is the submission directory's too."""
+    _, work = _submit_from_elsewhere(tmp_path, "train_S.sh", 0, DATA_PATH="s3://bucket/mds", VAL_PATH="default:val",
+                                     EXTRA_ARGS="data.val_path=/abs/val", LOG_DIR=str(tmp_path / "logs"))
+    (srun,) = calls(tmp_path, "srun")
+    assert f"--output={tmp_path}/logs/4242/node%n.log" in srun["argv"]
+    for rec in calls(tmp_path, "torchrun"):
+        argv = rec["argv"]
+        assert _flag(argv, "--config") == "S" and _flag(argv, "--run-dir") == str(work / "runs" / "S")
+        for ov in ("data.path=s3://bucket/mds", "data.val_path=default:val", "data.val_path=/abs/val"):
+            assert ov in argv, (ov, argv)
+
+
+def test_sweep_array_relative_sweep_dir(tmp_path: Path) -> None:
+    """SWEEP_DIR, the task's config file, run directory and path overrides relative to where the task
+    started (megaloop submits with --chdir=its caller's directory), not to the repository; its logs beside
+    the sweep's slurm output (SWEEP_DIR/slurm/logs), not in the repository."""
+    (tmp_path / "work" / "screen" / "slurm").mkdir(parents=True)
+    (tmp_path / "work" / "screen" / "slurm" / "task_3.args").write_text(
+        "cfg/my.yaml\nscreen/lr_0.001\noptim.lr=0.001\ndata.val_path=sets/screen\ndata.path=s3://b/mds\n")
+    repo, work = _submit_from_elsewhere(tmp_path, "sweep_array.sh", 0, SWEEP_DIR="screen",
+                                        SWEEP_EXIT_FILE="screen_exit", SLURM_ARRAY_TASK_ID="3", SLURM_NNODES="1",
+                                        SLURM_JOB_NODELIST="gpu-a01", STUB_HOSTS="gpu-a01", GPUS_PER_NODE="2")
+    (tr,) = calls(tmp_path, "torchrun")
+    assert _flag(tr["argv"], "--run-dir") == str(work / "screen" / "lr_0.001")
+    assert _flag(tr["argv"], "--config") == str(work / "cfg" / "my.yaml")
+    assert tr["argv"][-3:] == ["optim.lr=0.001", f"data.val_path={work}/sets/screen", "data.path=s3://b/mds"]
+    assert (work / "screen" / "lr_0.001" / "screen_exit").read_text().strip() == "0"
+    assert (work / "screen" / "slurm" / "logs" / "4242" / "exit_code").is_file()
+    assert not (repo / "logs").exists() and not (repo / "screen").exists()
