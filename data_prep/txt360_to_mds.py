@@ -26,7 +26,9 @@ Deterministic for a given ``--seed``; resumable (finished input files are skippe
 or added input files are converted and parts of removed ones dropped); crash-safe (files are
 published by rename, the manifest last). An ``--out`` holding a dataset from another input or with
 other settings is refused unless ``--overwrite``; a non-empty ``--out`` that holds no dataset is
-refused.
+refused. One conversion per ``--out`` at a time: a second one names the holder of ``OUT/.lock`` (pid,
+host) and waits. SIGTERM (exit 143) or Ctrl-C (130) stops the workers and keeps finished parts; the
+workers also end if the main process is killed outright.
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 
@@ -79,12 +83,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so the worker pool is stopped and the temporary files removed."""
+
+
+_MAIN_PID = os.getpid()
+
+
+def _on_sigterm(signum, frame):  # noqa: ARG001
+    if os.getpid() != _MAIN_PID:  # a worker forked before it reset the handler: just end
+        os._exit(128 + signum)
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.mds_convert import ConvertConfig, convert_txt360
     from megaloop.data.txt360 import HoldoutSpec, MixSpec
 
+    global _MAIN_PID
+    _MAIN_PID = os.getpid()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         tokenizer = args.tokenizer
         if tokenizer == "default":
@@ -104,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: finished parts are kept; rerun the same command to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        how = "terminated" if isinstance(err, Terminated) else "interrupted"
+        print(f"{how}: finished parts are kept; rerun the same command to resume", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     run = manifest.pop("_run")
     summary = {k: manifest.get(k) for k in ("total_tokens", "num_sequences", "dropped_tokens",
                                             "pad_tokens", "packing", "vocab_size", "eos_id",

@@ -8,30 +8,82 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 from megaloop.runtime.files import atomic_write_json, atomic_write_text  # noqa: F401  (used by megaloop.data)
 
 
+_HELD_LOCK_FDS: set[int] = set()  # fds of the file_lock()s this process holds (or waits for)
+
+
+def _drop_held_locks_in_child() -> None:
+    """After ``fork``: close the child's copies of the parent's lock fds. An ``flock`` belongs to
+    the open file description, so a forked worker keeping a copy would keep the lock held after the
+    parent died (a rerun would wait for the orphan). Closing a copy never unlocks the parent."""
+    for fd in list(_HELD_LOCK_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _HELD_LOCK_FDS.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_held_locks_in_child)
+
+
+def lock_holder() -> str:
+    """``"pid N on HOST"``: what :func:`file_lock` records in a lock file it holds."""
+    return f"pid {os.getpid()} on {socket.gethostname()}"
+
+
 @contextlib.contextmanager
-def file_lock(path: str | Path) -> Iterator[None]:
+def file_lock(path: str | Path, busy: str | None = None) -> Iterator[None]:
     """Exclusive ``flock`` on ``path`` (created if needed); blocks until acquired.
 
     Works across processes and across threads of one process (each call opens its own
-    file description).
+    file description). Not inherited: a process forked while the lock is held does not hold it.
+
+    ``busy``: what to say when another process holds the lock; then one line ``note: {busy}
+    (pid N on HOST); waiting for it to finish (lock PATH)`` goes to stderr before waiting, and
+    the holder is recorded in the lock file while this process holds it.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    owner, held = os.getpid(), False
+    _HELD_LOCK_FDS.add(fd)  # before the flock: a fork from another thread must not copy it locked
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        if busy is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+                except OSError:
+                    holder = ""
+                who = f" ({holder})" if holder else ""
+                print(f"note: {busy}{who}; waiting for it to finish (lock {path})", file=sys.stderr, flush=True)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{lock_holder()}\n".encode(), 0)
         yield
     finally:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        if os.getpid() == owner:  # a forked child that unwinds this frame never held the lock
+            _HELD_LOCK_FDS.discard(fd)
+            try:
+                if held:
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(fd, 0)  # no stale holder for the next waiter to name
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
 
 def try_lock_fd(path: str | Path) -> int | None:

@@ -156,7 +156,7 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
                                         "n": cfg.screen_sequences})}
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    with file_lock(out / ".lock"):
+    with file_lock(out / ".lock", busy=f"--out {out} is in use by another build_eval_sets run"):
         result: dict[str, dict] = {}
         todo = []
         for name in ("val", "screen"):
@@ -195,7 +195,10 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
     tasks = [(f, cfg.holdout) for f in files]
     results: Iterator[list[tuple[str, str, str]]]
     if cfg.workers > 1 and len(tasks) > 1:
-        pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)))
+        from megaloop.data.mds_convert import _die_with_parent
+
+        # workers end with this process (killed, even with SIGKILL) instead of scanning on as orphans
+        pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)), _die_with_parent, (os.getpid(),))
         results = pool.imap(_scan, tasks)
     else:
         pool, results = None, map(_scan, tasks)

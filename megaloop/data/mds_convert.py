@@ -22,12 +22,17 @@ Crash safety: a partition is written under ``OUT/.tmp/`` and renamed to ``OUT/pa
 only after its ``_done.json`` is in place; ``OUT/index.json`` (all shards) and then
 ``OUT/manifest.json`` are written last, atomically. A rerun with the same settings skips finished
 partitions; a dataset without ``manifest.json`` is incomplete and the loader refuses it.
+
+One conversion per ``OUT`` at a time: ``OUT/.lock`` (holding ``pid N on HOST``); a second one prints
+one line naming the holder and waits for it (then resumes or reuses its result). Worker processes
+do not inherit the lock and end when the converter process dies, however it dies.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import uuid
@@ -184,10 +189,38 @@ class _Task:
 _WORKER_TOK: Tokenizer | None = None
 
 
-def _init_worker(tok_path: str, eos_token: str | None) -> None:
+def _init_worker(tok_path: str, eos_token: str | None, parent: int) -> None:
     global _WORKER_TOK
+    # a signal handler the parent installed (the CLI's SIGTERM) is not the worker's; Ctrl-C reaches the
+    # whole process group, and the parent then stops the pool, so workers ignore it (no tracebacks)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_TOK = Tokenizer(tok_path, eos_token=eos_token)
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this worker when the converter process ``parent`` dies (killed, even with SIGKILL),
+    instead of finishing its file as an orphan that cannot report back. Linux: the kernel sends
+    SIGTERM (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent id."""
+    try:
+        import ctypes
+
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+    if not armed:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="megaloop-parent-watch", daemon=True).start()
 
 
 def _process_part(task: _Task) -> dict:
@@ -321,7 +354,7 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         if not (old and old.get("fingerprint") == fingerprint):
             _refuse_foreign(out, old, common | {"input": str(cfg.input)})
     out.mkdir(parents=True, exist_ok=True)
-    with file_lock(out / ".lock"):
+    with file_lock(out / ".lock", busy=f"--out {out} is in use by another conversion"):
         manifest_path = out / "manifest.json"
         old = _load_json(manifest_path)
         if old and old.get("fingerprint") == fingerprint:
@@ -449,7 +482,7 @@ def _run_tasks(todo: list[_Task], cfg: ConvertConfig, tok: Tokenizer, dones: dic
 
             ensure_streaming_importable()  # import once here; forked workers inherit it
             pool = mp.get_context("fork").Pool(min(cfg.workers, len(todo)), _init_worker,
-                                               (str(tok.path), cfg.eos_token))
+                                               (str(tok.path), cfg.eos_token, os.getpid()))
             results = pool.imap_unordered(_process_part, todo)
         try:
             for done in results:

@@ -1,9 +1,10 @@
 """TxT360 layout: file discovery, mixture weights / bucket upsampling, and content-hash holdout.
 
 Layout: ``ROOT/data/<source>/<dup-bucket>/<i>_<n>.jsonl[.gz]`` (``ROOT`` may also be the ``data``
-directory itself, and extra directory levels such as a CommonCrawl dump name are allowed). The
-bucket is the first path component below ``<source>`` that names a duplicate-count bucket; files
-outside a bucket get bucket ``none``. Each JSONL record holds ``text`` (str) and ``meta`` (object).
+directory itself, and extra directory levels such as a CommonCrawl dump name are allowed; any
+folder may be a symlink, followed once per real folder). The bucket is the first path component
+below ``<source>`` that names a duplicate-count bucket; files outside a bucket get bucket ``none``.
+Each JSONL record holds ``text`` (str) and ``meta`` (object).
 
 Mixing: every document of (source, bucket) is repeated ``m = source_weight * bucket_upsample``
 times on average: ``floor(m)`` copies each, plus one more copy for the ``round(frac(m) * n)``
@@ -22,6 +23,7 @@ import gzip
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 import zlib
@@ -77,7 +79,9 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
     Errors: a source folder passed as the root (its subfolders are bucket names), two files that
     map to one partition (``x.jsonl`` beside ``x.jsonl.gz``). Notes on stderr: files that are not
     read (other suffixes, files directly under ``data/``), sources without any JSONL file, and
-    folders named like a bucket that is not one of :data:`BUCKETS` (read as bucket ``none``)."""
+    folders named like a bucket that is not one of :data:`BUCKETS` (read as bucket ``none``).
+    Links to folders (a source folder or any folder below one) are followed, each real folder read
+    once; links that would loop or reach a folder a second time are noted (:func:`_walk_sources`)."""
     data = data_root(root)
     found: list[InputFile] = []
     src_dirs = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -94,10 +98,8 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
     for want in sources or []:
         if want not in known:
             raise DataError(f"source {want!r} not found under {data} (found: {known})")
-    for sdir in src_dirs:
-        if sources and sdir.name not in sources:
-            continue
-        every = [f for f in sdir.rglob("*") if f.is_file()]  # one walk of the source's tree
+    walked = _walk_sources(data, [d for d in src_dirs if not sources or d.name in sources])
+    for sdir, every in walked.items():  # one walk of each source's tree, links to folders followed
         files = sorted(f for f in every if f.name.endswith((".jsonl", ".jsonl.gz")))
         other = sorted(str(f.relative_to(data)) for f in every
                        if not f.name.endswith((".jsonl", ".jsonl.gz")) and not f.name.startswith("."))
@@ -128,6 +130,93 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
     return found
 
 
+def _dir_key(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _walk_sources(data: Path, src_dirs: list[Path]) -> dict[Path, list[Path]]:
+    """Every file under each source folder (paths as reached, below the source folder), following
+    links to folders. Each real folder is read once: the folders reached without a link first, then
+    the linked ones in sorted order; a link to a folder above it (a loop) and a second way to a
+    folder already read are not followed, and are listed on stderr (so are dangling links and
+    folders that cannot be listed)."""
+    seen: dict[tuple[int, int], Path] = {}  # real folder -> the path it is read as
+    root_key = _dir_key(data)
+    if root_key:
+        seen[root_key] = data
+    out: dict[Path, list[Path]] = {}
+    links: list[tuple[Path, Path]] = []  # (source folder, linked folder), followed after the real tree
+    loops: list[str] = []
+    again: list[str] = []
+    dangling: list[str] = []
+    unreadable: list[str] = []
+
+    def claim(d: Path) -> bool:
+        key = _dir_key(d)
+        if key is None:
+            unreadable.append(f"{d} (cannot stat)")
+            return False
+        if key in seen:
+            first = seen[key]
+            (loops if first == d or first in d.parents else again).append(f"{d} -> {first}")
+            return False
+        seen[key] = d
+        return True
+
+    def walk(sdir: Path, top: Path) -> None:
+        stack = [top]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = sorted(os.scandir(d), key=lambda e: e.name)
+            except OSError as err:
+                unreadable.append(f"{d} ({err.strerror or err})")
+                continue
+            for e in entries:
+                p = d / e.name
+                try:
+                    is_dir, is_link = e.is_dir(), e.is_symlink()
+                except OSError:
+                    is_dir, is_link = False, False
+                if is_dir and is_link:
+                    links.append((sdir, p))
+                elif is_dir:
+                    if claim(p):
+                        stack.append(p)
+                elif e.is_file():
+                    out[sdir].append(p)
+                elif is_link and not p.exists():
+                    dangling.append(str(p))
+
+    for sdir in sorted(src_dirs, key=lambda d: d.is_symlink()):  # a real source folder wins over a link to it
+        if claim(sdir):
+            out[sdir] = []
+    out = {sdir: out[sdir] for sdir in src_dirs if sdir in out}
+    for sdir in out:
+        walk(sdir, sdir)
+    i = 0
+    while i < len(links):  # links met inside linked folders are appended and followed in turn
+        sdir, link = links[i]
+        i += 1
+        if claim(link):
+            walk(sdir, link)
+    if loops:
+        _note(f"{len(loops)} link(s) lead to a folder above them and are not followed (they would loop): "
+              f"{loops[:5]}")
+    if again:
+        _note(f"{len(again)} folder(s) lead to a folder already read under another path and are not read "
+              f"twice: {again[:5]}")
+    if dangling:
+        _note(f"{len(dangling)} link(s) lead nowhere and are not read: {dangling[:5]}")
+    if unreadable:
+        _note(f"{len(unreadable)} folder(s) cannot be listed and are not read: {unreadable[:5]}")
+    return out
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
     """``(line_number, text)`` of each record; malformed records raise naming ``path:line``."""
     opener: Any = gzip.open if path.name.endswith(".gz") else open
@@ -139,7 +228,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+                    what = err.msg[:-3] if err.msg.endswith(" at") else err.msg  # "Invalid control character at"
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({what} at column {err.colno})") from None
                 if not isinstance(rec, dict) or "text" not in rec:
                     raise DataError(f"{path}:{lineno}: record has no 'text' field")
                 if not isinstance(rec["text"], str):
@@ -153,25 +243,26 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                                         f"character {err.start})") from None
                 yield lineno, rec["text"]
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: cannot read: not UTF-8 ({err.reason}, byte 0x{err.object[err.start]:02x}); "
-                        f"the line is {_bad_utf8_line(path)}") from None
+        raise DataError(_not_utf8(path, err)) from None
     except (OSError, EOFError, zlib.error) as err:
         raise DataError(f"{path}: cannot read ({err})") from None
 
 
-def _bad_utf8_line(path: Path) -> str:
-    """``"line N"`` of the first line of ``path`` (gz: decompressed) that is not UTF-8."""
+def _not_utf8(path: Path, err: UnicodeDecodeError) -> str:
+    """The error for bytes of ``path`` that are not UTF-8: ``path:LINE: not UTF-8: byte 0xe9 at
+    byte N of the line (reason)``, found by re-reading the file (gz: decompressed) line by line."""
     opener: Any = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 try:
                     raw.decode("utf-8")
-                except UnicodeDecodeError:
-                    return f"line {lineno}"
+                except UnicodeDecodeError as bad:
+                    return (f"{path}:{lineno}: not UTF-8: byte 0x{bad.object[bad.start]:02x} at byte {bad.start + 1} "
+                            f"of the line ({bad.reason})")
     except (OSError, EOFError, zlib.error):
         pass
-    return "unknown"
+    return f"{path}: not UTF-8: byte 0x{err.object[err.start]:02x} ({err.reason}; line not found)"
 
 
 def _hash01(text: str, key: bytes) -> float:

@@ -67,8 +67,18 @@ def test_unreadable_records_name_the_file_and_line(tmp_path, fixture_tokenizer):
     latin = _tree(tmp_path / "l", {"web/1-1/0_1.jsonl": DOC * 5})
     f = latin / "data" / "web" / "1-1" / "0_1.jsonl"
     f.write_bytes(f.read_bytes() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))
-    with pytest.raises(DataError, match=r"0_1\.jsonl: cannot read: not UTF-8 .*byte 0xe9.*the line is line 6"):
+    with pytest.raises(DataError) as err:
         _convert(latin, fixture_tokenizer, tmp_path / "o2")
+    assert str(err.value) == f"{f}:6: not UTF-8: byte 0xe9 at byte 14 of the line (invalid continuation byte)"
+    # invalid JSON keeps json's position (it used to end "(Invalid control character at)")
+    ctrl = _tree(tmp_path / "j", {"web/1-1/1_2.jsonl": DOC * 2 + '{"text": "a\tb"}\n' + DOC})
+    with pytest.raises(DataError) as err:
+        _convert(ctrl, fixture_tokenizer, tmp_path / "o4")
+    assert str(err.value) == (f"{ctrl / 'data' / 'web' / '1-1' / '1_2.jsonl'}:3: invalid JSON "
+                              "(Invalid control character at column 12)")
+    bad = _tree(tmp_path / "k", {"web/1-1/0_1.jsonl": DOC + '{"text": "x" "y"}\n'})
+    with pytest.raises(DataError, match=r"0_1\.jsonl:2: invalid JSON \(Expecting ',' delimiter at column 14\)$"):
+        _convert(bad, fixture_tokenizer, tmp_path / "o5")
     corrupt = _tree(tmp_path / "c", {"web/1-1/0_1.jsonl.gz": DOC * 200})
     g = corrupt / "data" / "web" / "1-1" / "0_1.jsonl.gz"
     raw = bytearray(g.read_bytes())

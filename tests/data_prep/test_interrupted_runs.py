@@ -1,0 +1,172 @@
+"""The converter's worker processes end with it (SIGTERM or SIGKILL of the main process alone), without
+tracebacks and without keeping ``OUT/.lock``; a second conversion into the same ``--out`` says which
+process it waits for."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from megaloop.data._fsutil import try_lock_fd
+from megaloop.data.mds_convert import ConvertConfig, convert_txt360
+from tests.data_prep.conftest import write_text_file
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
+# the CLI, with workers that announce themselves and then take long over their file
+SLOW_CLI = r"""
+import importlib.util, os, sys, time
+import megaloop.data.mds_convert as mc
+
+def slow(task):
+    os.write(1, f"worker {os.getpid()}\n".encode())  # one write: the two workers' lines never interleave
+    time.sleep(120)
+
+mc._process_part = slow
+spec = importlib.util.spec_from_file_location("txt360_to_mds_slow", "data_prep/txt360_to_mds.py")
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _tree(root: Path) -> Path:
+    for name in ("0_2.jsonl", "1_2.jsonl"):
+        write_text_file(root / "data" / "web" / "1-1" / name, DOC * 20)
+    return root
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _worker_pids(proc: subprocess.Popen, n: int, timeout: float = 120.0) -> list[int]:
+    buf, deadline = b"", time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    while buf.count(b"\n") < n and time.monotonic() < deadline and proc.poll() is None:
+        if select.select([fd], [], [], 0.5)[0]:
+            buf += os.read(fd, 4096)
+    pids = [int(line.split()[1]) for line in buf.decode().splitlines() if line.startswith("worker ")]
+    assert len(pids) == n, (buf, proc.poll())
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_end_with_the_converter(tmp_path, fixture_tokenizer, sig):
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, "--input", str(tree), "--out", str(out),
+                             "--tokenizer", str(fixture_tokenizer), "--seq-len", "16", "--workers", "2",
+                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        pids = _worker_pids(proc, 2)
+        os.kill(proc.pid, sig)
+        _, err = proc.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "workers outlived the converter"
+        fd = try_lock_fd(out / ".lock")
+        assert fd is not None, "OUT/.lock is still held"
+        os.close(fd)
+        if sig == signal.SIGTERM:
+            assert proc.returncode == 143
+            assert err.decode().strip() == "terminated: finished parts are kept; rerun the same command to resume"
+            assert not (out / ".tmp").exists()
+        else:
+            assert proc.returncode == -signal.SIGKILL and b"Traceback" not in err
+    finally:
+        for p in [proc.pid, *pids]:  # leave nothing running when the test fails
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        proc.wait()
+
+
+def test_a_second_conversion_into_the_same_out_names_the_holder(tmp_path, fixture_tokenizer, capsys):
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys\nfrom megaloop.data._fsutil import file_lock\n"
+         "with file_lock(sys.argv[1], busy='x'):\n    print('held', flush=True)\n    sys.stdin.read()",
+         str(out / ".lock")], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(convert_txt360(ConvertConfig(
+        input=tree, out=out, tokenizer=str(fixture_tokenizer), seq_len=16, workers=1, progress=False))))
+    try:
+        assert holder.stdout.readline() == b"held\n"
+        capsys.readouterr()
+        worker.start()
+        err, deadline = "", time.monotonic() + 60
+        while "waiting" not in err and time.monotonic() < deadline and worker.is_alive():
+            time.sleep(0.1)
+            err += capsys.readouterr().err
+        assert err.strip() == (f"note: --out {out} is in use by another conversion (pid {holder.pid} on "
+                               f"{socket.gethostname()}); waiting for it to finish (lock {out / '.lock'})")
+    finally:
+        holder.communicate(b"", timeout=30)  # the holder ends: the conversion goes on
+        if worker.is_alive():
+            worker.join(timeout=120)
+    assert result["num_parts"] == 2 and (out / "manifest.json").is_file()
+    assert "waiting" not in capsys.readouterr().err  # said once
+    assert (out / ".lock").read_text() == ""  # no stale holder left for the next one to name
+
+
+# build_eval_sets.py, with scanning workers that announce themselves and then take long over their file
+SLOW_EVAL_CLI = r"""
+import importlib.util, os, sys, time
+import megaloop.data.eval_sets as es
+
+def slow(task):
+    os.write(1, f"worker {os.getpid()}\n".encode())
+    time.sleep(120)
+
+es._scan = slow
+spec = importlib.util.spec_from_file_location("build_eval_sets_slow", "data_prep/build_eval_sets.py")
+cli = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(cli)
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer):
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "eval"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL_CLI, "--input", str(tree), "--out", str(out),
+                             "--tokenizer", str(fixture_tokenizer), "--workers", "2", "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    pids: list[int] = []
+    try:
+        pids = _worker_pids(proc, 2)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pids if _alive(p)], "workers outlived build_eval_sets"
+        fd = try_lock_fd(out / ".lock")
+        assert fd is not None, "OUT/.lock is still held"
+        os.close(fd)
+    finally:
+        for p in [proc.pid, *pids]:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        proc.wait()
