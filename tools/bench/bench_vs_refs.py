@@ -122,14 +122,20 @@ def main() -> None:
            "model_tflops": {a: flops[a] / v / 1e12 for a, v in med.items()},
            "ratio_megaloop_over_reference_step_time": {n: med[f"megaloop_{n}_matched"] / med[f"{n}_reference"]
                                                        for n in refs},
+           # per round (the arms alternate), then the median: robust to the machine's load drifting
+           "ratio_paired_median": {n: statistics.median(a / b for a, b in zip(times[f"megaloop_{n}_matched"],
+                                                                             times[f"{n}_reference"])) for n in refs},
            "reference_commits": commits, "arms": configs}
     for a in arms:
         print(f"{a:28s} median {med[a] * 1e3:8.1f} ms  {res['tokens_per_s'][a]:9.0f} tok/s  "
               f"{res['model_tflops'][a]:.4f} model TFLOP/s  {params[a]:,} params")
     for n, r in res["ratio_megaloop_over_reference_step_time"].items():
-        print(f"megaloop / {n} step time: {r:.3f}x")
+        print(f"megaloop / {n} step time: {r:.3f}x (median of per-round ratios "
+              f"{res['ratio_paired_median'][n]:.3f}x)")
     cfg_rec = {k2: v for k2, v in vars(args).items() if k2 not in ("huginn", "parcae")}
-    cfg_rec.update(device=dev, references=sorted(refs))
+    import os
+
+    cfg_rec.update(device=dev, references=sorted(refs), load_avg_1min_at_end=round(os.getloadavg()[0], 2))
     cmd_args = argparse.Namespace(**{k2: ("PATH" if k2 in refs and v else v) for k2, v in vars(args).items()})
     write_result(args.name + ("_gpu" if dev == "cuda" else ""), cfg_rec, res, command("bench_vs_refs.py", cmd_args))
 

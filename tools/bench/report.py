@@ -33,8 +33,11 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"{t['megaloop']:.3g} vs {t['plain_pytorch']:.3g})")
     if name.startswith("vs_refs"):
         t, ratio = r["model_tflops"], r["ratio_megaloop_over_reference_step_time"]
-        parts = [f"{n.capitalize()}: step time **{_f(v)}×** (model TFLOP/s {t[f'megaloop_{n}_matched']:.3g} vs "
-                 f"{t[f'{n}_reference']:.3g}, commit {r['reference_commits'][n][:8]})" for n, v in ratio.items()]
+        paired = r.get("ratio_paired_median") or {}
+        parts = [f"{n.capitalize()}: step time **{_f(v)}×**"
+                 + (f" (per-round median {_f(paired[n])}×)" if n in paired else "")
+                 + f", model TFLOP/s {t[f'megaloop_{n}_matched']:.3g} vs {t[f'{n}_reference']:.3g} (commit "
+                 f"{r['reference_commits'][n][:8]})" for n, v in ratio.items()]
         return (f"Train step, megaloop reference-matched config / the reference's own code, same shape, parameters "
                 f"and FLOPs ({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, "
                 f"backprop through {c['bptt_window']})", "; ".join(parts))
