@@ -98,9 +98,19 @@ def _record_exit(code: object) -> None:
         print(f"megaloop: warning: cannot write MEGALOOP_EXIT_STATUS_FILE={path}: {err}", file=sys.stderr)
 
 
+def _strip_local_rank(argv: list[str]) -> list[str]:
+    """The DeepSpeed launcher (``deepspeed --module megaloop.cli rl ...``) puts ``--local_rank=N`` before
+    the subcommand; the rank is in the environment too (LOCAL_RANK), so it is dropped here."""
+    while argv and argv[0].split("=")[0] in ("--local_rank", "--local-rank"):
+        flag = argv.pop(0)
+        value = flag.split("=", 1)[1] if "=" in flag else (argv.pop(0) if argv else "")
+        os.environ.setdefault("LOCAL_RANK", value)
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
     _quiet()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
     if argv and argv[0] in DELEGATED:
         try:
             code = importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])

@@ -69,3 +69,16 @@ def test_cli_start_silences_deepspeeds_device_probe_on_a_cpu_machine():
                            capture_output=True, text=True, env=env, timeout=300)
     assert "DS cpu" in bare.stdout and "Setting accelerator" in bare.stdout + bare.stderr, bare.stderr[-2000:]
     assert "DS cpu" in quiet.stdout and "Setting accelerator" not in quiet.stdout + quiet.stderr, quiet.stderr[-2000:]
+
+
+def test_the_deepspeed_launchers_local_rank_before_the_subcommand_is_dropped(monkeypatch):
+    """`deepspeed --module megaloop.cli rl ...` runs `python -m megaloop.cli --local_rank=0 rl ...`."""
+    from megaloop.cli import _strip_local_rank
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert _strip_local_rank(["--local_rank=1", "rl", "--steps", "3"]) == ["rl", "--steps", "3"]
+    import os
+
+    assert os.environ["LOCAL_RANK"] == "1"
+    assert _strip_local_rank(["--local-rank", "0", "distill-prefill"]) == ["distill-prefill"]
+    assert _strip_local_rank(["rl", "--local_rank=0"]) == ["rl", "--local_rank=0"]  # the subcommand's own parser

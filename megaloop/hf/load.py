@@ -153,10 +153,49 @@ def _from_hf(path: Path, dtype: torch.dtype):
     if not any((path / name).is_file() for name in HF_WEIGHT_FILES):
         raise ConfigError(f"HF folder {path} has a megaloop config.json but no weights "
                               f"({' / '.join(HF_WEIGHT_FILES[:2])}): an interrupted or partial export?")
-    model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
+    try:
+        model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
+    except Exception as err:  # noqa: BLE001 - re-raised unless a weights file is unreadable
+        bad = _damaged_weights(path, err)
+        if bad is None:
+            raise
+        raise ConversionError(bad) from None
     tok = path / "tokenizer.json"
     return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,
                    "validation": None}
+
+
+def _damaged_weights(path: Path, err: BaseException) -> Optional[str]:
+    """One line naming the unreadable weights file of HF folder ``path`` when ``err`` (from
+    ``from_pretrained``) comes from reading one (truncated, overwritten, not a safetensors/torch file);
+    None when the error is something else."""
+    import pickle
+
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # older safetensors
+        from safetensors._safetensors_rust import SafetensorError
+
+    text = str(err).splitlines()[0] if str(err) else type(err).__name__
+    reading = isinstance(err, (SafetensorError, EOFError, pickle.UnpicklingError, OSError, json.JSONDecodeError)) or (
+        isinstance(err, RuntimeError) and any(w in str(err) for w in ("PytorchStreamReader", "deserializ", "zip")))
+    if not reading:
+        return None
+    culprit = None
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as bad:  # noqa: BLE001 - any failure to open names the file
+            culprit, text = f, str(bad).splitlines()[0] if str(bad) else type(bad).__name__
+            break
+    if culprit is None:
+        present = [path / n for n in HF_WEIGHT_FILES if (path / n).is_file()]
+        culprit = present[0] if present else path
+    return (f"{culprit}: cannot read the HF folder's weights ({text}): a damaged or partial file (a truncated "
+            "copy, an interrupted export?); export or copy the folder again")
 
 
 def json_tokenizer(arg: Union[str, Path, None]) -> Optional[Path]:
@@ -167,7 +206,31 @@ def json_tokenizer(arg: Union[str, Path, None]) -> Optional[Path]:
     return p if p.is_file() and p.suffix == ".json" else None
 
 
+def _join_launched_world(path) -> None:
+    """Inside a launch of several processes (``torchrun ... megaloop rl|distill-prefill``, whose
+    process group DeepSpeed already started), give megatron-core a TP=1/PP=1 layout over that whole
+    world (data parallel = the launch's size), so :func:`load_native` builds the model without asking
+    for a world of one. Every rank then reads the whole checkpoint (the read is collective: all ranks
+    call :func:`load_model` together, as ``rl`` and ``distill-prefill`` do) into its own FP32 model."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    world = torch.distributed.get_world_size()
+    if world == 1:
+        return
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    from megaloop.hf.convert import read_run_config
+    from megaloop.runtime.parallel import ParallelDims, init_distributed
+    from megaloop.train.checkpoint import find_checkpoint
+
+    run_cfg = read_run_config(find_checkpoint(path))
+    init_distributed(ParallelDims(world=world), int((run_cfg.get("train") or {}).get("seed", 1234)))
+
+
 def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool, tokenizer: Optional[Path] = None):
+    _join_launched_world(path)
     native, mcfg, run_cfg, ckpt, common = load_native(path)
     model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
     check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None

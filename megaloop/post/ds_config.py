@@ -20,6 +20,7 @@ the single-process run with the same global batch:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
@@ -34,13 +35,15 @@ def shipped_config(name: str) -> Path:
     return SHIPPED_DIR / f"{name}.json"
 
 
-def read_ds_config(spec: str | Path) -> tuple[dict, str]:
-    """``(dict, label)`` from a shipped name (``zero2``) or a JSON path; errors name the file."""
+def read_ds_config(spec: str | Path, stages: tuple[int, ...] = STAGES) -> tuple[dict, str]:
+    """``(dict, label)`` from a shipped name (``zero2``) or a JSON path; errors name the file (and the
+    shipped configs of the ``stages`` the command supports)."""
     path = Path(spec)
     if not path.suffix and shipped_config(str(spec)).is_file():
         path = shipped_config(str(spec))
     if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("*.json")))
+        shipped = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("zero*.json")
+                                   if p.stem[4:].isdigit() and int(p.stem[4:]) in stages))
         raise ConfigError(f"--deepspeed: no such file {spec} (or a shipped config: {shipped})")
     try:
         cfg = json.loads(path.read_text())
@@ -61,7 +64,8 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
     """The checked and filled config for a run of ``world`` processes over ``global_batch`` rows per step.
 
     ``batch_flag`` names the command-line option(s) the global batch comes from (for messages)."""
-    raw, label = read_ds_config(spec)
+    raw, label = read_ds_config(spec, stages)
+    _check_top_level_keys(label, raw)
     cfg = copy.deepcopy(raw)
     zero = cfg.get("zero_optimization", {})
     if not isinstance(zero, dict):
@@ -115,3 +119,81 @@ def _check_zero_section(label: str, zero: dict) -> None:
         items = errors() if callable(errors) else []
         what = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in items) or str(err)
         raise ConfigError(f"{label}: zero_optimization: {what}") from None
+
+
+# top-level keys DeepSpeed reads only through ``in``/``keys()`` or outside DeepSpeedConfig (documented ones)
+_EXTRA_KEYS = ("optimizer", "scheduler", "flops_profiler", "activation_checkpointing", "aio", "autotuning",
+               "sequence_parallel_size", "model_info", "zero_optimization", "amp", "fp16", "bf16", "bfloat16",
+               "tensorboard", "wandb", "csv_monitor", "comet", "elasticity", "compression_training",
+               "data_efficiency", "curriculum_learning", "checkpoint", "nebula", "pipeline", "compile",
+               "hybrid_engine", "sparse_attention", "sparse_gradients", "weight_quantization", "tensor_parallel")
+
+
+# DeepSpeed's modules of config key constants (DeepSpeed 0.19; missing ones are skipped)
+_KEY_MODULES = tuple("deepspeed." + m for m in (
+    "constants", "autotuning.constants", "checkpoint.constants", "comm.constants", "compile.constants",
+    "monitor.config", "profiling.constants", "runtime.constants", "runtime.activation_checkpointing.config",
+    "runtime.data_pipeline.constants", "runtime.model_checkpointing.constants", "runtime.swap_tensor.constants",
+    "runtime.zero.config", "runtime.zero.offload_config", "elasticity.constants", "compression.constants",
+    "nebula.constants", "runtime.precision_config", "runtime.tensor_parallel.config"))
+
+
+@functools.lru_cache(maxsize=1)
+def known_top_level_keys() -> frozenset[str] | None:
+    """The top-level keys this DeepSpeed knows: those its ``DeepSpeedConfig`` looks up (recorded on a
+    minimal config), the key constants of its config modules, and :data:`_EXTRA_KEYS`. None when
+    DeepSpeed is not installed or cannot be asked (then no key is refused)."""
+    try:
+        import importlib
+
+        from deepspeed.runtime.config import DeepSpeedConfig
+    except Exception:  # noqa: BLE001 - DeepSpeed absent or broken: the engine reports that itself
+        return None
+    seen: set = set()
+
+    class Recording(dict):
+        def __getitem__(self, k):
+            seen.add(k)
+            return super().__getitem__(k)
+
+        def get(self, k, default=None):
+            seen.add(k)
+            return super().get(k, default)
+
+        def __contains__(self, k):
+            seen.add(k)
+            return super().__contains__(k)
+
+    try:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            DeepSpeedConfig(Recording(train_batch_size=1, train_micro_batch_size_per_gpu=1,
+                                      gradient_accumulation_steps=1))
+    except Exception:  # noqa: BLE001 - a DeepSpeed whose config cannot be built like this: no check
+        return None
+    keys = {k for k in seen if isinstance(k, str)}
+    for name in _KEY_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - optional parts (or another DeepSpeed version's layout)
+            continue
+        keys |= {v for k, v in vars(mod).items() if k.isupper() and isinstance(v, str) and v == v.lower()
+                 and v.replace("_", "").isalnum()}
+    return frozenset(keys | set(_EXTRA_KEYS))
+
+
+def _check_top_level_keys(label: str, cfg: dict) -> None:
+    """Refuse a top-level key DeepSpeed does not know (a typo is otherwise ignored silently), naming it
+    and the closest known key."""
+    known = known_top_level_keys()
+    if known is None:
+        return
+    import difflib
+
+    for key in cfg:
+        if key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ConfigError(f"{label}: {key}: not a DeepSpeed config key{hint}")

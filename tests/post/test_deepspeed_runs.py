@@ -1,5 +1,6 @@
 """DeepSpeed ZeRO post-training on CPU (gloo, 2 processes): equivalence with the single-process run
-at the same global batch, exact resume, and the 2-process CLI runs whose outputs load.
+at the same global batch, exact resume, and the 2-process CLI runs (from a native checkpoint) whose
+outputs load.
 
 Tolerance: relative error of the parameter deltas (trained − initial, all parameters) and of the
 per-step losses vs one process below 1e-5 (measured ~1e-6: only the order of the gradient sums
@@ -12,16 +13,21 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.conftest import ROOT, clean_env, run_torchrun
 
 WORKER = ROOT / "tests" / "post" / "ds_worker.py"
+CLI_WORKER = ROOT / "tests" / "post" / "cli_worker.py"
 ENV = {"DS_ACCELERATOR": "cpu"}
 
 
+def results_list(out: str) -> list[dict]:
+    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
+
+
 def results(out: str) -> dict[str, dict]:
-    recs = [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
-    return {r["check"]: r for r in recs}
+    return {r["check"]: r for r in results_list(out)}
 
 
 def test_rl_zero2_zero1_equal_single_process_and_resume(tiny_teacher, tmp_path):
@@ -56,27 +62,63 @@ def _cli(nproc: int, *args: str, expect: int = 0) -> subprocess.CompletedProcess
     return proc
 
 
-def test_two_process_cli_runs_load(tiny_teacher, tmp_path):
-    from megaloop.post.distill.prefill_student import load_student
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+def test_two_process_cli_runs_from_a_checkpoint_load_and_refuse_a_one_process_resume(tiny_checkpoint, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """One torchrun launch (2 processes) runs ``megaloop rl --model RUN/checkpoints --deepspeed zero2`` and
+    ``distill-prefill --teacher RUN --deepspeed zero3`` (each rank reads the native checkpoint; this
+    failed with "launched with 2 processes but config expects 1"), and ``distill-prefill`` from the HF
+    conversion of the same model, which trains the same student bit for bit. The outputs load, the
+    weights files have the umask's mode, and resuming with 1 process is refused in one line before
+    anything loads."""
+    import os
 
-    _, hf_dir = tiny_teacher
-    out = tmp_path / "rl"
-    _cli(2, "rl", "--model", str(hf_dir), "--out", str(out), "--task", "arithmetic", "--deepspeed", "zero2",
-         "--depth", "2", "--neumann-b", "2", "--steps", "2", "--group-size", "2", "--prompts", "2",
-         "--max-new-tokens", "3", "--save-every", "1")
+    from safetensors.torch import load_file
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.post.distill.cli import main as distill_main
+    from megaloop.post.distill.prefill_student import load_student
+    from megaloop.post.rl.cli import main as rl_main
+    from megaloop.runtime.files import _umask
+
+    run, hf = tiny_checkpoint
+    data = tmp_path / "data.txt"
+    data.write_text("hello world, looped models think longer. " * 60)
+    out, st, st_hf = tmp_path / "rl", tmp_path / "student", tmp_path / "student_hf"
+    rl = ["rl", "--model", str(run / "checkpoints"), "--out", str(out), "--task", "arithmetic", "--deepspeed", "zero2",
+          "--depth", "2", "--neumann-b", "2", "--steps", "2", "--group-size", "2", "--prompts", "2",
+          "--max-new-tokens", "3", "--save-every", "1"]
+
+    def distill(teacher, folder):
+        return ["distill-prefill", "--teacher", str(teacher), "--out", str(folder), "--deepspeed", "zero3", "--depth",
+                "2", "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--calib-batches", "1", "--eval-batches",
+                "1", "--data", str(data), "--student-init", "random", "--no-hidden-loss", "--save-every", "1"]
+
+    log = run_torchrun(CLI_WORKER, 2, json.dumps([rl, distill(run, st), distill(hf, st_hf)]), env=ENV)
+    assert [r.get("rc") for r in results_list(log)] == [0, 0, 0], log[-3000:]
     summary = json.loads((out / "megaloop_rl.json").read_text())
     assert summary["world_size"] == 2 and summary["deepspeed"]["zero_stage"] == 2
+    assert summary["source"]["kind"] == "checkpoint" and summary["source"]["step"] == 3
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2  # rank 0 only
     assert (out / "checkpoints" / "latest").read_text().strip() == "step000002"
     assert MegaloopForCausalLM.from_pretrained(str(out)).config.num_recurrences == 2
-    st = tmp_path / "student"
-    _cli(2, "distill-prefill", "--teacher", str(hf_dir), "--out", str(st), "--deepspeed", "zero3", "--depth", "2",
-         "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--calib-batches", "1", "--eval-batches", "1",
-         "--max-chars", "20000", "--student-init", "random", "--no-hidden-loss")
     student, info = load_student(st)
     assert info["world_size"] == 2 and info["deepspeed"]["zero_stage"] == 3 and not info["hidden_loss"]
-    assert info["student_init"] == "random" and student.num_layers == 2
+    assert info["student_init"] == "random" and info["teacher"]["kind"] == "checkpoint"
+    assert student.num_layers == info["num_layers"]
+    a, b = load_file(str(st / "student.safetensors")), load_file(str(st_hf / "student.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for f in (out / "model.safetensors", st / "student.safetensors"):  # was 0600 (safetensors' temp file)
+        assert os.stat(f).st_mode & 0o777 == 0o666 & ~_umask(), f
+
+    # a 2-process ZeRO checkpoint resumed by 1 process: one line, before the model loads
+    monkeypatch.setattr("megaloop.hf.load.load_model", lambda *a, **k: pytest.fail("model loaded"))
+    capsys.readouterr()
+    assert rl_main([*rl[1:], "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step000002 was saved with 2 processes, now 1" in err[0], err
+    assert distill_main([*distill(run, st)[1:], "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step000002 was saved with 2 processes, now 1" in err[0], err
 
 
 def test_one_process_deepspeed_run_and_cli_resume(tiny_teacher, tmp_path):

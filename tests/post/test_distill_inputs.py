@@ -128,3 +128,8 @@ def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_pa
     assert [r["step"] for r in again] == [0, 1, 2, 3]
     assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in full], rel=1e-5)
     assert json.loads((out / "student.json").read_text())["sigma2"] == sigma2
+    from megaloop.runtime.files import _umask
+
+    mode = (out / "student.safetensors").stat().st_mode & 0o777  # was 0600 (safetensors' temp file)
+    assert mode == (out / "student.json").stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(mode)
+    assert not list(out.glob(".*tmp"))

@@ -73,6 +73,8 @@ BAD_FLAGS = [
     (("--clip-grad", "inf"), "--clip-grad"), (("--bptt-window", "0"), "--bptt-window"),
     (("--bptt-window", "-1"), "--bptt-window"), (("--arm", "bptt", "--bptt-window", "3"), "--bptt-window"),
     (("--weight-decay", "nan"), "--weight-decay"), (("--kl-coef", "-1"), "--kl-coef"),
+    (("--group-size", "1"), "--group-size"), (("--depth", "0"), "--depth"), (("--neumann-b", "0"), "--neumann-b"),
+    (("--max-new-tokens", "0"), "--max-new-tokens"),
 ]
 
 
@@ -83,6 +85,8 @@ def test_bad_numeric_flag_exits_2_naming_it_before_loading(tmp_path, capsys, ext
     assert rl_main(_argv(model, out, *extra)) == 2
     line = _one_error_line(capsys)
     assert line.startswith(f"megaloop rl: error: {flag}"), line
+    if flag in ("--group-size", "--depth", "--neumann-b", "--max-new-tokens"):  # were named by field only
+        assert line.endswith(f"got {extra[-1]}"), line
     assert not out.exists()
 
 

@@ -3,10 +3,11 @@
     megaloop distill-prefill --teacher hf/S --out students/S --depth 5 --steps 2000 \\
         --batch-size 8 --seq-len 512 --lambda-kl 1.0 [--data default|FILE.txt|FILE.jsonl]
 
-``--teacher`` is a megaloop checkpoint or an HF folder. Writes ``OUT/student.safetensors``,
-``OUT/student.json`` (teacher config, σ_T², depth, λ_KL, held-out metrics before and after) and
-``OUT/metrics.jsonl``. Use it with :func:`megaloop.post.distill.prefill_student.student_prefill`
-(or ``--student OUT`` of ``megaloop eval`` / ``megaloop generate``).
+``--teacher`` is a megaloop checkpoint (under several processes every rank reads it whole) or an HF
+folder. Writes ``OUT/student.safetensors``, ``OUT/student.json`` (teacher config, σ_T², depth, λ_KL,
+held-out metrics before and after) and ``OUT/metrics.jsonl``. Use it with
+:func:`megaloop.post.distill.prefill_student.student_prefill` (or ``--student OUT`` of ``megaloop eval``
+/ ``megaloop generate``).
 
 Experiments: ``--student-init random`` (a fresh student of the same shape instead of the core's
 copy), ``--no-hidden-loss`` / ``--no-kl-loss`` (drop one loss term). Several processes
@@ -14,8 +15,10 @@ copy), ``--no-hidden-loss`` / ``--no-kl-loss`` (drop one loss term). Several pro
 student under DeepSpeed ZeRO-1/2/3, each rank on its share of ``--batch-size`` rows (the teacher is
 replicated, frozen); rank 0 writes the folder. ``--save-every N`` checkpoints into
 ``OUT/checkpoints``; ``--resume`` continues from the latest exactly. An ``--out`` that already holds a
-student is refused unless ``--resume`` or ``--overwrite`` is given.
-"""
+student is refused unless ``--resume`` or ``--overwrite`` is given; one that holds another tool's
+folder (a pretraining run, an RL run, an HF model) is refused whatever the flags. ``--resume`` needs the
+same flags, engine and number of processes (checked before the teacher loads). The deepspeed launcher
+works as for ``rl`` (its ``--local_rank`` is dropped)."""
 
 from __future__ import annotations
 
@@ -72,6 +75,11 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except UserError as err:
         return report(err, "megaloop distill-prefill")
+    except KeyboardInterrupt:  # one line; --resume named only when a checkpoint exists
+        from megaloop.post.runs import interrupted_line
+
+        print(interrupted_line("megaloop distill-prefill", args.out), file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -99,15 +107,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as err:  # DistillConfig's checks
         return report(err, "megaloop distill-prefill")
     args_out = Path(args.out)
-    _check_out_folder(args_out)
-    ckpt = check_out(args_out, ("metrics.jsonl", "student.json"), "a student", resume=args.resume,
-                     overwrite=args.overwrite, model=args.teacher, model_flag="--teacher")
+    ckpt = check_out(args_out, "student", resume=args.resume, overwrite=args.overwrite, model=args.teacher,
+                     model_flag="--teacher")
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=cfg.batch_size, world=launched_world(),
                                    clip_grad=cfg.clip_grad, batch_flag="--batch-size")
     record = _run_record(args, cfg)
-    stored = _check_resume(ckpt, record) if args.resume else {}
+    stored = _check_resume(ckpt, record, args.deepspeed) if args.resume else {}
     check_model_path(args.teacher, "--teacher")
     _check_data(args.data)
     info, device = init_post_distributed(args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
@@ -145,8 +152,8 @@ def _run(args: argparse.Namespace) -> int:
         say(f"sigma_T^2 = {sigma2:.6g} (teacher depth {cfg.depth}, {cfg.calib_batches} batches)")
     student = PrefillStudent.from_teacher(teacher, args.num_layers, args.init_state, init=args.student_init,
                                           seed=cfg.seed)
-    before = evaluate_student(teacher, student, eval_set, cfg, sigma2)
-    say("held-out before: " + json.dumps({k: round(v, 5) for k, v in before.items()}))
+    before_eval = evaluate_student(teacher, student, eval_set, cfg, sigma2)
+    say("held-out before: " + json.dumps({k: round(v, 5) for k, v in before_eval.items()}))
     if lead:
         args_out.mkdir(parents=True, exist_ok=True)
         if not args.resume:
@@ -165,13 +172,19 @@ def _run(args: argparse.Namespace) -> int:
             sigma2 = float(client["sigma2"])
         say(f"resumed at step {start} from {ckpt}")
     saving = args.save_every or args.resume
+    # training seconds over every launch: the checkpoint resumed from carries those of the steps before it
+    before = float((client.get("seconds") if args.resume else 0.0) or 0.0)
 
     def save(step: int) -> None:
+        from megaloop.post.runs import write_sidecar
+
         tag = f"step{step:06d}"
-        engine.save(ckpt, tag, {"step": step, "sigma2": sigma2, "run": record})
+        state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0}
+        engine.save(ckpt, tag, state)
         if lead:  # readable before anything is loaded, so --resume checks its flags first
-            (ckpt / tag).mkdir(parents=True, exist_ok=True)
-            (ckpt / tag / RUN_FILE).write_text(json.dumps({"step": step, "sigma2": sigma2, "run": record}, indent=1))
+            write_sidecar(ckpt, tag, RUN_FILE, {**state, "tool": "megaloop distill-prefill", "world_size": info.world,
+                                                "engine": "plain" if engine.stage is None else "deepspeed",
+                                                "zero_stage": engine.stage})
 
     t0 = time.time()
     res = train_student(teacher, student, batches, cfg, sigma2=sigma2, metrics_path=args_out / "metrics.jsonl"
@@ -189,7 +202,8 @@ def _run(args: argparse.Namespace) -> int:
             "data": args.data, "config": config_dict(cfg),
             "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
             {"config": args.deepspeed, "zero_stage": engine.stage},
-            "train_seconds": round(time.time() - t0, 2), "eval_before": before, "eval_after": after,
+            "train_seconds": round(before + time.time() - t0, 2), "launch_train_seconds": round(time.time() - t0, 2),
+            "eval_before": before_eval, "eval_after": after,
             "final_train": res["history"][-1] if res["history"] else None})
         print(f"wrote {args_out}")
     return 0
@@ -232,20 +246,6 @@ def _check_flags(args: argparse.Namespace) -> None:
         need(args.threads >= 1, "--threads", ">= 1", args.threads)
 
 
-def _check_out_folder(out: Path) -> None:
-    """Refuse an ``--out`` that is (or lies under) a file, or that holds something other than a student."""
-    from megaloop.config_utils import ConfigError
-
-    for p in (out, *out.parents):
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"--out {out}: {'it' if p == out else p} is a file, not a folder")
-    if (out / "megaloop_rl.json").exists():
-        raise ConfigError(f"--out {out} holds an RL run (megaloop_rl.json, an HF model), not a student; "
-                          "choose another --out")
-    if (out / "config.json").exists():
-        raise ConfigError(f"--out {out} holds an HF model (config.json), not a student; choose another --out")
-
-
 def _run_record(args: argparse.Namespace, cfg) -> dict:
     """The flags a checkpoint is tied to (stored with it; compared on --resume)."""
     from megaloop.post.distill.prefill_student import config_dict
@@ -273,31 +273,20 @@ def _compare_runs(old: dict, new: dict, where: str) -> None:
                           "same flags (only --steps may grow) or start a fresh --out")
 
 
-def _check_resume(ckpt: Path, record: dict) -> dict:
-    """The latest checkpoint's stored state (``{"step", "sigma2", "run"}`` where known), after refusing
-    a --resume whose flags differ from the checkpoint's (or whose --steps is below its step)."""
+def _check_resume(ckpt: Path, record: dict, deepspeed: str | None) -> dict:
+    """The latest checkpoint's stored state (``{"step", "sigma2", "run", "seconds"}`` where known), after
+    refusing a --resume on another engine or process count, whose flags differ from the checkpoint's, or
+    whose --steps is below its step."""
     from megaloop.config_utils import ConfigError
+    from megaloop.post.engine import launched_world
+    from megaloop.post.runs import check_layout, check_tool, checkpoint_facts, resume_tag
 
-    tag = _latest_tag(ckpt)
-    if tag is None:
-        raise ConfigError(f"--resume: no checkpoint in {ckpt} (no 'latest' file)")
-    stored: dict = {}
-    side = ckpt / tag / RUN_FILE
-    plain = ckpt / tag / "plain.pt"
-    if side.is_file():
-        try:
-            stored = json.loads(side.read_text())
-        except ValueError:
-            raise ConfigError(f"--resume: {side}: not valid JSON") from None
-    elif plain.is_file():  # an older single-process checkpoint: its client state
-        import torch
-
-        try:
-            stored = dict(torch.load(plain, map_location="cpu", weights_only=False).get("client_state") or {})
-        except Exception as err:  # noqa: BLE001 - a damaged file
-            raise ConfigError(f"--resume: {plain}: unreadable ({str(err).splitlines()[0] if str(err) else err!r})") from None
+    tag = resume_tag(ckpt)
+    stored = checkpoint_facts(ckpt, tag, RUN_FILE)
+    check_tool(stored, f"{ckpt}/{tag}", "student")
     if isinstance(stored.get("run"), dict):
         _compare_runs(stored["run"], record, f"{ckpt}/{tag}")
+    check_layout(stored, f"{ckpt}/{tag}", world=launched_world(), deepspeed=deepspeed)
     step = stored.get("step")
     if isinstance(step, int) and record["steps"] < step:
         raise ConfigError(f"--steps {record['steps']}: below the checkpoint's step {step} ({ckpt}/{tag})")
@@ -305,7 +294,8 @@ def _check_resume(ckpt: Path, record: dict) -> dict:
 
 
 def _check_data(data: str) -> None:
-    """Refuse a --data file that is missing, empty or not UTF-8 before anything is loaded."""
+    """Refuse a --data file that is missing, empty or not UTF-8, or a JSONL file with a bad record
+    (``file:line`` and what is wrong), before anything is loaded."""
     from megaloop.config_utils import ConfigError
 
     if data == "default":
@@ -321,6 +311,13 @@ def _check_data(data: str) -> None:
     except UnicodeDecodeError as err:
         line = raw[:err.start].count(b"\n") + 1
         raise ConfigError(f"--data {p}:{line}: not UTF-8 text") from None
+    if p.suffix == ".jsonl":  # every record {"text": str}, named by file:line
+        from megaloop.post.distill.prefill_student import jsonl_texts
+
+        try:
+            jsonl_texts(p)
+        except ValueError as err:
+            raise ConfigError(f"--data {err}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -385,13 +385,19 @@ def generate(model, student, input_ids: torch.Tensor, max_new_tokens: int, *,
 def save_student(student: PrefillStudent, out: str | Path, meta: Optional[dict] = None) -> Path:
     from safetensors.torch import save_file
 
+    from megaloop.post.runs import plain_mode
+    from megaloop.runtime.files import atomic_write_text
+
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    tmp = out / ".student.safetensors.tmp"  # written whole, then renamed (with the umask's mode, not 0600)
     save_file({k: v.detach().contiguous().cpu() for k, v in student.state_dict().items()},
-              str(out / "student.safetensors"), metadata={"format": FORMAT})
+              str(tmp), metadata={"format": FORMAT})
+    plain_mode(tmp)
+    tmp.replace(out / "student.safetensors")
     info = {"format": FORMAT, "version": 1, "num_layers": student.num_layers, "init_state": student.init_state,
             "teacher_config": student.config.to_dict(), **(meta or {})}
-    (out / "student.json").write_text(json.dumps(info, indent=1, default=str))
+    atomic_write_text(out / "student.json", json.dumps(info, indent=1, default=str))
     return out
 
 
@@ -426,8 +432,7 @@ def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = 
         holdout = _holdout()
         texts = [d["text"] for d in corpus_documents() if holdout.band(d["text"]) == "train"]
     elif source.endswith(".jsonl"):
-        with open(source) as f:
-            texts = [json.loads(line)["text"] for line in f if line.strip()]
+        texts = jsonl_texts(source)
     else:
         texts = [Path(source).read_text()]
     ids: list[int] = []
@@ -442,6 +447,22 @@ def token_stream(tokenizer, source: str = "default", max_chars: Optional[int] = 
     if info is not None:
         info.update(documents_read=read, documents=len(texts), characters_read=chars, truncated=read < len(texts))
     return torch.tensor(ids, dtype=torch.long)
+
+
+def jsonl_texts(path: str | Path) -> list[str]:
+    """The ``"text"`` of each record of a JSONL file; ``ValueError`` naming ``file:line`` and what is
+    wrong (not UTF-8, not a JSON object, no ``"text"``, a ``"text"`` that is not a string)."""
+    from megaloop.post.rl.examples import read_jsonl
+
+    texts = []
+    for lineno, rec in read_jsonl(path, required=("text",)):
+        if not isinstance(rec["text"], str):
+            raise ValueError(f"{path}:{lineno}: \"text\" must be a string, got {type(rec['text']).__name__} "
+                             f"{json.dumps(rec['text'])[:40]}")
+        texts.append(rec["text"])
+    if not texts:
+        raise ValueError(f"{path}: no records")
+    return texts
 
 
 def window_batches(ids: torch.Tensor, batch_size: int, seq_len: int, seed: int = 0,

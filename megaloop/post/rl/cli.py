@@ -4,22 +4,28 @@ how well endpoint reuse approximates the recompute gradient on one rollout).
     megaloop rl --model runs/tiny/checkpoints --out hf/tiny-rl --task arithmetic \\
         --arm reuse --depth 5 --neumann-b 5 --steps 50 --group-size 8 --prompts 4
 
-``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``) or an HF folder;
-``--out`` receives an HF folder (weights, code files, tokenizer, ``megaloop_rl.json`` with the
-config and final metrics) and ``metrics.jsonl`` (one record per step). An ``--out`` that already
-holds a run is refused unless ``--resume`` (continue it) or ``--overwrite`` (replace it) is given.
+``--model`` is a megaloop checkpoint (step dir, ``RUN/checkpoints`` or ``RUN``; under several processes
+every rank reads it whole) or an HF folder; ``--out`` receives an HF folder (weights, code files,
+tokenizer, ``megaloop_rl.json`` with the config and final metrics) and ``metrics.jsonl`` (one record
+per step). An ``--out`` that already holds an RL run is refused unless ``--resume`` (continue it) or
+``--overwrite`` (replace it) is given; one that holds another tool's folder (a pretraining run, a
+prefill student, an HF model) is refused whatever the flags (:mod:`megaloop.post.runs`).
 
 ``--task mbpp:PATH.jsonl`` (or ``mbpp:tiny``) scores completions by running them in a bubblewrap
 sandbox (:mod:`megaloop.post.rl.sandbox`), ``--reward-workers`` at a time; without a working sandbox it
 refuses to start unless ``--unsafe-code-exec`` is given. The isolation used is recorded
 (``reward_isolation`` in ``metrics.jsonl``, ``reward_sandbox`` in ``megaloop_rl.json``).
 
-Several processes (``torchrun --nproc_per_node N -m megaloop.cli rl --deepspeed zero2 ...`` or the
-deepspeed launcher) train data-parallel under DeepSpeed ZeRO-1/2 (:mod:`megaloop.post`): each rank
+Several processes (``torchrun --nproc_per_node N -m megaloop.cli rl --deepspeed zero2 ...``, or the
+deepspeed launcher: ``deepspeed --num_gpus N --module megaloop.cli rl ...``, the rank comes from
+the environment) train data-parallel under DeepSpeed
+ZeRO-1/2 (:mod:`megaloop.post`): each rank
 rolls out its share of the ``--prompts x --group-size`` rows, the advantages are normalised over
 whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoints in
-``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``); ``--resume`` continues from the
-latest one exactly. ``megaloop rl grad-check --model M`` prints the reuse/recompute gradient cosine.
+``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``, with an ``rl_run.json`` beside each);
+``--resume`` continues from the latest one exactly, on the same ``--model``, settings, engine and
+number of processes (checked before the model loads; ``--steps`` may grow). ``megaloop rl grad-check
+--model M`` prints the reuse/recompute gradient cosine.
 """
 
 from __future__ import annotations
@@ -81,18 +87,26 @@ def _cuda() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``megaloop rl [grad-check] ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line."""
+    """``megaloop rl [grad-check] ...``; a :class:`~megaloop.errors.UserError` exits 2 with one line,
+    Ctrl-C 130 with one line (naming ``--resume`` only when a checkpoint exists to continue from)."""
     from megaloop.errors import UserError, report
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = None
     try:
         if argv and argv[0] == "grad-check":
             from megaloop.post.rl.grad_check import main as grad_check
 
             return grad_check(argv[1:])
-        return _run(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        return _run(args)
     except UserError as err:
         return report(err, "megaloop rl")
+    except KeyboardInterrupt:
+        from megaloop.post.runs import interrupted_line
+
+        print(interrupted_line("megaloop rl", getattr(args, "out", None)), file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -130,13 +144,14 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     metrics = out / "metrics.jsonl"
-    ckpt = check_out(out, ("metrics.jsonl", "megaloop_rl.json"), "a run", resume=args.resume, overwrite=args.overwrite,
-                     model=args.model)
+    ckpt = check_out(out, "rl", resume=args.resume, overwrite=args.overwrite, model=args.model)
     ds_config = None
     if args.deepspeed is not None:
         ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
                                    world=launched_world(), clip_grad=cfg.clip_grad, stages=(0, 1, 2),
                                    batch_flag="--prompts x --group-size")
+    meta = {"task": args.task, "reward_mode": args.reward_mode, "model": str(Path(args.model).resolve())}
+    stored = _check_resume(ckpt, cfg, meta, args.deepspeed) if args.resume else {}
     check_model_path(args.model, "--model")
     info, device = init_post_distributed(args.device, args.deepspeed)
     model, source = load_model(args.model, num_recurrences=args.depth, tokenizer=args.tokenizer)
@@ -153,10 +168,23 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.time()
     engine = make_engine(model, ds_config, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
                          clip_grad=cfg.clip_grad)
-    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine,
-                          meta={"task": args.task, "reward_mode": args.reward_mode})
+    trainer = GRPOTrainer(model, tok, task, cfg, log=print if lead else None, engine=engine, meta=meta,
+                          record={"deepspeed": args.deepspeed, "world_size": info.world})
     if args.resume:
-        if not trainer.load(ckpt):
+        try:
+            loaded = trainer.load(ckpt)
+        except RuntimeError as err:  # load_state_dict: a checkpoint of another model shape
+            if not any(w in str(err) for w in ("size mismatch", "Missing key", "Unexpected key")):
+                raise
+            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line),
+                         str(err).splitlines()[0])
+            was = (stored.get("meta") or {}).get("model")
+            hint = (f" ({was})" if was and was != meta["model"] else
+                    " (the model at that path was replaced since?)" if was else "")
+            raise ConfigError(f"--resume: the checkpoint in {ckpt} does not fit --model {args.model} (another "
+                              f"model shape: {first.rstrip('.')}); resume with the model it was trained "
+                              f"from{hint}") from None
+        if not loaded:
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
         if lead:
             cut = truncate_metrics(metrics, trainer.step_no)
@@ -170,17 +198,12 @@ def _run(args: argparse.Namespace) -> int:
     model.load_state_dict(policy)
     model.config.num_recurrences = cfg.depth
     # the whole run's records (a resumed run's history holds only the steps it ran; metrics.jsonl was
-    # cut back to the checkpoint, so it holds every step once) and its time over every start
+    # cut back to the checkpoint, so it holds every step once) and its training time over every launch
+    # (the checkpoint resumed from carries the seconds of the steps before it)
     if args.resume and metrics.is_file():
         history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    before = 0.0
-    if args.resume and (out / "megaloop_rl.json").is_file():
-        try:
-            before = float(json.loads((out / "megaloop_rl.json").read_text()).get("seconds") or 0.0)
-        except (ValueError, TypeError, AttributeError):
-            before = 0.0
     summary = {"source": source, "task": args.task, "config": config_dict(cfg),
-               "seconds": round(before + time.time() - t0, 2),
+               "seconds": round(trainer.seconds, 2), "launch_seconds": round(time.time() - t0, 2),
                "world_size": info.world, "deepspeed": None if ds_config is None else
                {"config": args.deepspeed, "zero_stage": engine.stage},
                "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,
@@ -191,6 +214,34 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
     print(f"wrote {out}")
     return 0
+
+
+def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:
+    """The latest checkpoint's recorded facts (:func:`megaloop.post.runs.checkpoint_facts`), after
+    refusing — before the model loads — a ``--resume`` on another engine or process count, with
+    settings that change the training (``--model`` included; each named, old → new) or with a
+    ``--steps`` below the checkpoint's step."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.post.engine import launched_world
+    from megaloop.post.rl.grpo import config_dict, resume_changes
+    from megaloop.post.runs import RL_SIDECAR, check_layout, check_tool, checkpoint_facts, resume_tag
+
+    tag = resume_tag(ckpt)
+    where = f"{ckpt}/{tag}"
+    facts = checkpoint_facts(ckpt, tag, RL_SIDECAR)
+    check_tool(facts, where, "rl")
+    check_layout(facts, where, world=launched_world(), deepspeed=deepspeed)
+    old = {**(facts.get("config") or {}), **(facts.get("meta") or {})}
+    changes = resume_changes(old, {**config_dict(cfg), **meta})
+    if changes:
+        raise ConfigError(f"--resume: the checkpoint {where} was trained with other settings: " + "; ".join(changes)
+                          + " (only --steps may change on --resume; use a new --out or --overwrite to train "
+                          "with these)")
+    step = facts.get("step")
+    if isinstance(step, int) and cfg.steps < step:
+        raise ConfigError(f"--steps {cfg.steps}: below the checkpoint's step {step} ({where}); --steps is the "
+                          f"run's total, so give at least {step}")
+    return facts
 
 
 def truncate_metrics(path: Path, step: int) -> int:

@@ -71,10 +71,6 @@ class GRPOConfig:
             raise ValueError(f"arm: one of {ARMS}, got {self.arm!r}")
         if self.loss_norm not in ("sequence", "token"):
             raise ValueError(f"loss_norm: 'sequence' or 'token', got {self.loss_norm!r}")
-        if self.group_size < 2:
-            raise ValueError("group_size must be >= 2 (advantages are normalised within a group)")
-        if self.depth < 1 or self.neumann_b < 1 or self.max_new_tokens < 1:
-            raise ValueError("depth, neumann_b and max_new_tokens must be >= 1")
         self._check_numbers()
 
     def _check_numbers(self) -> None:
@@ -85,6 +81,12 @@ class GRPOConfig:
         def finite(x) -> bool:
             return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
+        if self.group_size < 2:
+            raise bad("group_size", "--group-size", ">= 2 (advantages are normalised within a group)",
+                      self.group_size)
+        for name, flag in (("depth", "--depth"), ("neumann_b", "--neumann-b"), ("max_new_tokens", "--max-new-tokens")):
+            if getattr(self, name) < 1:
+                raise bad(name, flag, ">= 1", getattr(self, name))
         if self.prompts_per_step < 1:
             raise bad("prompts_per_step", "--prompts", ">= 1", self.prompts_per_step)
         if self.steps < 1:
@@ -284,9 +286,12 @@ class GRPOTrainer:
     ``(seed, step)``, so resuming at a step replays the uninterrupted run."""
 
     def __init__(self, model, tokenizer: TextTokenizer, task: Task, cfg: GRPOConfig,
-                 log: Callable[[str], None] | None = print, engine=None, meta: dict | None = None):
+                 log: Callable[[str], None] | None = print, engine=None, meta: dict | None = None,
+                 record: dict | None = None):
         """``meta``: more settings of the run that change its training (``megaloop rl``: the task
-        spec, the reward mode), stored in every checkpoint and checked on :meth:`load` with the config."""
+        spec, the reward mode, the model), stored in every checkpoint and checked on :meth:`load` with
+        the config. ``record``: more facts written into each checkpoint's sidecar (``rl_run.json``:
+        ``megaloop rl`` adds its ``--deepspeed`` and process count)."""
         from megaloop.post.engine import PlainEngine
 
         if cfg.kl_coef > 0:
@@ -302,7 +307,9 @@ class GRPOTrainer:
         self.tokenizer, self.task, self.cfg = tokenizer, task, cfg
         self.log = log
         self.meta = dict(meta or {})
+        self.record = dict(record or {})
         self.step_no = 0
+        self.seconds = 0.0  # training time of the steps done, over every launch (restored by load)
         self._bind()
 
     def _bind(self) -> None:
@@ -387,9 +394,19 @@ class GRPOTrainer:
         return out
 
     def save(self, directory: str | Path) -> None:
-        """Checkpoint (engine state + step) under ``directory/step{N:06d}``."""
-        self.engine.save(directory, f"step{self.step_no:06d}",
-                         {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta})
+        """Checkpoint (engine state + step + training seconds) under ``directory/step{N:06d}``; rank 0
+        then writes its sidecar ``rl_run.json`` (:mod:`megaloop.post.runs`: readable before a model loads)."""
+        from megaloop.post.runs import RL_SIDECAR, write_sidecar
+
+        tag = f"step{self.step_no:06d}"
+        state = {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta,
+                 "seconds": self.seconds}
+        self.engine.save(directory, tag, state)
+        if self.engine.rank == 0:
+            write_sidecar(directory, tag, RL_SIDECAR, {
+                **state, "tool": "megaloop rl", "world_size": self.engine.world,
+                "engine": "plain" if self.engine.stage is None else "deepspeed", "zero_stage": self.engine.stage,
+                **self.record})
 
     def load(self, directory: str | Path, tag: str | None = None) -> bool:
         """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none.
@@ -407,6 +424,7 @@ class GRPOTrainer:
                               + "; ".join(changes) + " (only --steps may change on --resume; "
                               "use a new --out or --overwrite to train with these)")
         self.step_no = int(client["step"])
+        self.seconds = float(client.get("seconds") or 0.0)
         self._bind()
         return True
 
@@ -417,10 +435,12 @@ class GRPOTrainer:
         history = []
         total = steps if steps is not None else self.cfg.steps
         f = open(metrics_path, "a") if metrics_path else None
+        base, t0 = self.seconds, time.perf_counter()
         try:
             while self.step_no < total:
                 rec = self.step()
                 history.append(rec)
+                self.seconds = base + time.perf_counter() - t0
                 if save_dir is not None and (self.step_no == total or (save_every and self.step_no % save_every == 0)):
                     self.save(save_dir)
                 if f:

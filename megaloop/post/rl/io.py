@@ -3,6 +3,7 @@ folders (``--out``, HF folders). The models themselves load through :func:`megal
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -50,21 +51,28 @@ def add_run_folder_args(p, stages: str, what: str) -> None:
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
     p.add_argument("--overwrite", action="store_true",
-                   help=f"replace the {what} already in --out; without it such an --out is refused")
+                   help=f"replace the {what} already in --out (only this command's own runs); without it such "
+                        "an --out is refused")
+    # the deepspeed launcher passes --local_rank=N (unless --no_local_rank); the rank is read from the
+    # environment (LOCAL_RANK, which it sets too), so the option is accepted and ignored. With
+    # `--module megaloop.cli` it lands before the subcommand, where megaloop.cli drops it
+    p.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
 
-MODEL_FILES = ("model.safetensors", "config.json", "pytorch_model.bin", "model.safetensors.index.json")
+# the files named when --out already holds a run of the command's own (rl | student: megaloop.post.runs.OWN)
+OWN_MARKERS = {"rl": ("metrics.jsonl", "megaloop_rl.json"), "student": ("metrics.jsonl", "student.json")}
 
 
-def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, overwrite: bool,
-              model: str | Path | None = None, model_flag: str = "--model") -> Path:
-    """``out/checkpoints`` of a run folder (``--out``); :class:`ConfigError` first when ``--out``
-    is (or lies under) a file, when it already holds ``what`` (one of ``markers``) without
-    ``--resume`` / ``--overwrite``, when both are given, or when ``--resume`` finds no checkpoint.
-    With ``model`` (the input model's path) also when ``--out`` is that same folder, or holds
-    model weights (:data:`MODEL_FILES`) but none of ``markers``: a model folder that is no run,
-    which ``--overwrite`` would destroy."""
+def check_out(out: Path, own: str, *, resume: bool, overwrite: bool, model: str | Path | None = None,
+              model_flag: str = "--model") -> Path:
+    """``out/checkpoints`` of a run folder (``--out``) of the command whose runs are ``own`` (``rl`` |
+    ``student``); :class:`ConfigError` first when ``--out`` is (or lies under) a file, when it is
+    not writable, when it is the input ``model``, when it holds another tool's folder (a pretraining
+    run, the other command's run, an HF model that is no run: :func:`megaloop.post.runs.folder_holds`;
+    neither ``--resume`` nor ``--overwrite`` acts on those), when it already holds a run of its own
+    without ``--resume`` / ``--overwrite``, when both are given, or when ``--resume`` finds no checkpoint."""
     from megaloop.config_utils import ConfigError
+    from megaloop.post.runs import OWN, check_owner, check_writable
 
     out = Path(out)
     for p in (out, *out.parents):
@@ -83,17 +91,15 @@ def check_out(out: Path, markers: tuple[str, ...], what: str, *, resume: bool, o
         if same:
             raise ConfigError(f"--out {out} is {model_flag} {model}: writing there would overwrite the "
                               "input model; give another --out")
-        held = [m for m in MODEL_FILES if (out / m).exists()]
-        if held and not any((out / m).exists() for m in markers):
-            raise ConfigError(f"--out {out} holds a model ({' / '.join(held)}) but no marker of {what} "
-                              f"({' / '.join(markers)}); refusing to overwrite it (--overwrite only replaces "
-                              f"{what}): give another --out")
-    if not resume and not overwrite and any((out / m).exists() for m in markers):
-        raise ConfigError(f"--out {out} already holds {what} ({' / '.join(markers)}); pass --resume to continue "
-                          "it or --overwrite to replace it")
+    held = check_owner(out, own, resume=resume, overwrite=overwrite)
+    if not resume and not overwrite and held is not None:
+        markers = [m for m in OWN_MARKERS[own] if (out / m).exists()] or ["checkpoints"]
+        raise ConfigError(f"--out {out} already holds {OWN[own]} ({' / '.join(markers)}); pass --resume to "
+                          "continue it or --overwrite to replace it")
     ckpt = out / "checkpoints"
     if resume and not (ckpt.is_dir() and any(ckpt.iterdir())):
         raise ConfigError(f"--resume: no checkpoint in {ckpt}")
+    check_writable(out)
     return ckpt
 
 
@@ -111,6 +117,9 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = eos
     model.save_pretrained(str(out), safe_serialization=True)
+    from megaloop.post.runs import plain_mode
+
+    plain_mode(*out.glob("model*.safetensors"), out / "model.safetensors.index.json")
     for name in CODE_FILES:
         shutil.copyfile(HF_DIR / name, out / name)
     tok_path = getattr(tokenizer, "path", None)

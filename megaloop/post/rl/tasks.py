@@ -132,11 +132,13 @@ class JsonlTask:
     """Prompt/answer records from a JSONL file (``{"prompt": ..., "answer": ...}``; other keys
     kept in ``meta``), e.g. GSM8K with ``answer`` the final number. ``template`` formats the
     prompt (``"Question: {prompt}\\nAnswer:"``); ``prompt_key`` may list alternatives (the first
-    present is used) and ``answer_fn`` maps the stored answer to the reference string."""
+    present is used), ``answer_fn`` maps the stored answer to the reference string and
+    ``answer_check`` (optional) says what is wrong with one (``ValueError`` naming ``file:line``)."""
 
     def __init__(self, path: str | Path, reward: RewardFn | None = None, template: str = "{prompt}",
                  prompt_key: str | Sequence[str] = "prompt", answer_key: str = "answer", name: str | None = None,
-                 answer_fn: Callable[[str], str] = str, prompt_key_note: str = ""):
+                 answer_fn: Callable[[str], str] = str, prompt_key_note: str = "",
+                 answer_check: Callable[[str], str | None] | None = None):
         self.path = Path(path)
         self.name = name or self.path.stem
         keys = (prompt_key,) if isinstance(prompt_key, str) else tuple(prompt_key)
@@ -147,6 +149,9 @@ class JsonlTask:
                 raise ValueError(f"{self.path}:{lineno}: missing key {keys[0]!r}{prompt_key_note}")
             meta = {k: v for k, v in rec.items() if k not in (key, answer_key)}
             answer = answer_fn(str(rec[answer_key]))
+            problem = answer_check(answer) if answer_check else None
+            if problem:
+                raise ValueError(f"{self.path}:{lineno}: {problem}")
             self.examples.append(Example(template.format(prompt=rec[key]), answer, meta))
         if not self.examples:
             raise ValueError(f"{self.path}: no records")
@@ -165,13 +170,24 @@ def gsm8k_answer(answer: str) -> str:
     return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer
 
 
+def gsm8k_answer_problem(answer: str) -> str | None:
+    """Why a GSM8K reference answer can never earn reward 1 (None when it can): the reward compares
+    the completion's final number with it, so it must be one number (``72``, ``-3``, ``1,000``, ``2.5``)."""
+    if _NUM.fullmatch(answer.strip()):
+        return None
+    return (f"answer {answer[:60]!r} is not a number (the reward compares the completion's final number with "
+            "it, so it could never be 1): give the final number, or GSM8K's solution ending '#### 72'")
+
+
 class Gsm8kTask(JsonlTask):
     """GSM8K records as megaloop writes them (``prompt``, ``answer`` = the final number) or as the
-    dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``)."""
+    dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``). A record
+    whose answer is not one number is refused naming ``file:line``."""
 
     def __init__(self, path: str | Path, template: str = "Question: {prompt}\nAnswer:"):
         super().__init__(path, FinalNumberReward(), template, prompt_key=("prompt", "question"), name="gsm8k",
-                         answer_fn=gsm8k_answer, prompt_key_note=" (or GSM8K's 'question')")
+                         answer_fn=gsm8k_answer, prompt_key_note=" (or GSM8K's 'question')",
+                         answer_check=gsm8k_answer_problem)
 
 
 class CallableRewardTask:

@@ -87,7 +87,8 @@ def test_rerun_into_existing_out_is_refused_and_keeps_metrics(tmp_path, capsys, 
     model = _fake_hf(tmp_path / "m")
     out = tmp_path / "out"
     out.mkdir()
-    old = '{"step": 0, "reward_mean": 0.5}\n'
+    old = ('{"step": 0, "reward_mean": 0.5}\n' if which == "rl"  # a run of the command's own
+           else '{"step": 0, "loss": 1.0, "hidden": 0.5, "kl": 0.5}\n')
     (out / "metrics.jsonl").write_text(old)
     if which == "rl":
         rc = rl_main(["--model", str(model), "--out", str(out), "--device", "cpu"])
