@@ -23,21 +23,24 @@ from tests.data_prep.conftest import write_text_file
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
-# the CLI, with workers that announce themselves and then take long over their file
-SLOW_CLI = r"""
+# a data_prep CLI whose workers announce themselves, then take long over their file: {module}.{attr} is
+# the worker function, {script} the tool
+SLOW_TEMPLATE = r"""
 import importlib.util, os, sys, time
-import megaloop.data.mds_convert as mc
+import {module} as mod
 
 def slow(task):
-    os.write(1, f"worker {os.getpid()}\n".encode())  # one write: the two workers' lines never interleave
+    os.write(1, f"worker {{os.getpid()}}\n".encode())  # one write: the two workers' lines never interleave
     time.sleep(120)
 
-mc._process_part = slow
-spec = importlib.util.spec_from_file_location("txt360_to_mds_slow", "data_prep/txt360_to_mds.py")
+mod.{attr} = slow
+spec = importlib.util.spec_from_file_location("slow_tool", "data_prep/{script}")
 cli = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(cli)
 sys.exit(cli.main(sys.argv[1:]))
 """
+SLOW_CLI = SLOW_TEMPLATE.format(module="megaloop.data.mds_convert", attr="_process_part", script="txt360_to_mds.py")
+SLOW_EVAL_CLI = SLOW_TEMPLATE.format(module="megaloop.data.eval_sets", attr="_scan", script="build_eval_sets.py")
 
 
 def _tree(root: Path) -> Path:
@@ -71,12 +74,9 @@ def _worker_pids(proc: subprocess.Popen, n: int, timeout: float = 120.0) -> list
     return pids
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_workers_end_with_the_converter(tmp_path, fixture_tokenizer, sig):
-    tree, out = _tree(tmp_path / "tree"), tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, "--input", str(tree), "--out", str(out),
-                             "--tokenizer", str(fixture_tokenizer), "--seq-len", "16", "--workers", "2",
-                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def _kill_main_process(proc: subprocess.Popen, sig: int, out: Path, tool: str) -> bytes:
+    """Signal ``proc`` (a tool with 2 announced workers) alone; its workers must end and ``out/.lock``
+    be free. Returns its stderr; nothing is left running, also when an assertion fails."""
     pids: list[int] = []
     try:
         pids = _worker_pids(proc, 2)
@@ -85,21 +85,31 @@ def test_workers_end_with_the_converter(tmp_path, fixture_tokenizer, sig):
         deadline = time.monotonic() + 15
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "workers outlived the converter"
+        assert not [p for p in pids if _alive(p)], f"workers outlived {tool}"
         fd = try_lock_fd(out / ".lock")
         assert fd is not None, "OUT/.lock is still held"
         os.close(fd)
-        if sig == signal.SIGTERM:
-            assert proc.returncode == 143
-            assert err.decode().strip() == "terminated: finished parts are kept; rerun the same command to resume"
-            assert not (out / ".tmp").exists()
-        else:
-            assert proc.returncode == -signal.SIGKILL and b"Traceback" not in err
+        return err
     finally:
-        for p in [proc.pid, *pids]:  # leave nothing running when the test fails
+        for p in [proc.pid, *pids]:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_workers_end_with_the_converter(tmp_path, fixture_tokenizer, sig):
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLI, "--input", str(tree), "--out", str(out),
+                             "--tokenizer", str(fixture_tokenizer), "--seq-len", "16", "--workers", "2",
+                             "--no-progress"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    err = _kill_main_process(proc, sig, out, "the converter")
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143
+        assert err.decode().strip() == "terminated: finished parts are kept; rerun the same command to resume"
+        assert not (out / ".tmp").exists()
+    else:
+        assert proc.returncode == -signal.SIGKILL and b"Traceback" not in err
 
 
 def test_a_second_conversion_into_the_same_out_names_the_holder(tmp_path, fixture_tokenizer, capsys):
@@ -131,42 +141,9 @@ def test_a_second_conversion_into_the_same_out_names_the_holder(tmp_path, fixtur
     assert (out / ".lock").read_text() == ""  # no stale holder left for the next one to name
 
 
-# build_eval_sets.py, with scanning workers that announce themselves and then take long over their file
-SLOW_EVAL_CLI = r"""
-import importlib.util, os, sys, time
-import megaloop.data.eval_sets as es
-
-def slow(task):
-    os.write(1, f"worker {os.getpid()}\n".encode())
-    time.sleep(120)
-
-es._scan = slow
-spec = importlib.util.spec_from_file_location("build_eval_sets_slow", "data_prep/build_eval_sets.py")
-cli = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(cli)
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
-
 def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer):
     tree, out = _tree(tmp_path / "tree"), tmp_path / "eval"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL_CLI, "--input", str(tree), "--out", str(out),
                              "--tokenizer", str(fixture_tokenizer), "--workers", "2", "--no-progress"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    pids: list[int] = []
-    try:
-        pids = _worker_pids(proc, 2)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not [p for p in pids if _alive(p)], "workers outlived build_eval_sets"
-        fd = try_lock_fd(out / ".lock")
-        assert fd is not None, "OUT/.lock is still held"
-        os.close(fd)
-    finally:
-        for p in [proc.pid, *pids]:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        proc.wait()
+    _kill_main_process(proc, signal.SIGKILL, out, "build_eval_sets")

@@ -56,29 +56,33 @@ def _pretraining_run(root: Path) -> Path:
     return run
 
 
-def _rl_run(root: Path, finished: bool) -> Path:
-    out = root / ("rl" if finished else "rl_interrupted")
-    (out / "checkpoints" / "step000001").mkdir(parents=True)
-    (out / "metrics.jsonl").write_text('{"step": 0, "arm": "reuse", "reward_mean": 0.5}\n')
-    (out / "checkpoints" / "latest").write_text("step000001")
-    (out / "checkpoints" / "step000001" / "rl_run.json").write_text('{"step": 1, "tool": "megaloop rl"}')
-    if finished:
-        (out / "megaloop_rl.json").write_text("{}")
-        (out / "config.json").write_text('{"model_type": "megaloop"}')
-        (out / "model.safetensors").write_bytes(b"w")
+def _post_run(out: Path, step: str, metrics: str, record: tuple[str, str], finished: dict[str, str | bytes]) -> Path:
+    """A post-training --out as its tool leaves it: ``checkpoints/<step>/<record>`` + ``latest`` +
+    ``metrics.jsonl``, and once ``finished``, its final files (name -> text or bytes)."""
+    (out / "checkpoints" / step).mkdir(parents=True)
+    (out / "metrics.jsonl").write_text(metrics)
+    (out / "checkpoints" / "latest").write_text(step)
+    (out / "checkpoints" / step / record[0]).write_text(record[1])
+    for name, body in finished.items():
+        if isinstance(body, bytes):
+            (out / name).write_bytes(body)
+        else:
+            (out / name).write_text(body)
     return out
+
+
+def _rl_run(root: Path, finished: bool) -> Path:
+    return _post_run(root / ("rl" if finished else "rl_interrupted"), "step000001",
+                     '{"step": 0, "arm": "reuse", "reward_mean": 0.5}\n',
+                     ("rl_run.json", '{"step": 1, "tool": "megaloop rl"}'),
+                     {"megaloop_rl.json": "{}", "config.json": '{"model_type": "megaloop"}',
+                      "model.safetensors": b"w"} if finished else {})
 
 
 def _student(root: Path, finished: bool) -> Path:
-    out = root / ("student" if finished else "student_interrupted")
-    (out / "checkpoints" / "step000002").mkdir(parents=True)
-    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0, "hidden": 0.5, "kl": 0.5}\n')
-    (out / "checkpoints" / "latest").write_text("step000002")
-    (out / "checkpoints" / "step000002" / "distill_run.json").write_text('{"step": 2, "run": {}}')
-    if finished:
-        (out / "student.json").write_text("{}")
-        (out / "student.safetensors").write_bytes(b"s")
-    return out
+    return _post_run(root / ("student" if finished else "student_interrupted"), "step000002",
+                     '{"step": 0, "loss": 1.0, "hidden": 0.5, "kl": 0.5}\n', ("distill_run.json", '{"step": 2, "run": {}}'),
+                     {"student.json": "{}", "student.safetensors": b"s"} if finished else {})
 
 
 def _others(root: Path, which: str) -> list[tuple[Path, str]]:
