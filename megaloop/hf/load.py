@@ -230,10 +230,15 @@ def _join_launched_world(path) -> None:
 
 
 def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool, tokenizer: Optional[Path] = None):
+    from megaloop.runtime.cpu_compat import redirect_active, release_redirect
+
+    megatron_in_use = redirect_active()  # e.g. a trainer in this process: leave its CPU layer as it is
     _join_launched_world(path)
     native, mcfg, run_cfg, ckpt, common = load_native(path)
     model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
     check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
+    if not megatron_in_use:  # megatron was needed to read the checkpoint only: plain PyTorch from here on
+        release_redirect()
     return model, {"kind": "checkpoint", "path": str(ckpt), "step": common.get("step"),
                    "tokenizer": str(tok) if tok else None,
                    "validation": check and {k: check[k] for k in ("error", "max_abs", "depth", "seq_len", "num_seqs")}}

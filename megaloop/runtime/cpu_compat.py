@@ -78,12 +78,35 @@ def without_redirect():
     return _pop_mode_temporarily()
 
 
+def redirect_active() -> bool:
+    """Whether the TorchFunctionMode is the innermost mode of this thread."""
+    from torch.overrides import _get_current_function_mode
+
+    return _MODE is not None and _get_current_function_mode() is _MODE
+
+
+def release_redirect() -> None:
+    """Exit the TorchFunctionMode (the function redirects stay; the next :func:`apply_cpu_compat`,
+    i.e. the next ``init_distributed``, enters the mode again). For a process that used megatron
+    only to read a checkpoint and computes with plain PyTorch from then on (eval, generate, rl,
+    distill-prefill): under the mode every later torch call pays a Python dispatch (token-by-token
+    decoding 1.4x slower on CPU)."""
+    global _MODE
+    with _LOCK:
+        if redirect_active():
+            _MODE.__exit__(None, None, None)
+            _MODE = None
+
+
 def apply_cpu_compat(force: bool = False) -> bool:
     """Install the redirects if CUDA is unavailable (or ``force``). Idempotent; returns whether
     the layer is active. Call before building megatron modules."""
     global _APPLIED, _MODE
     with _LOCK:
         if _APPLIED:
+            if _MODE is None:  # released by release_redirect: megatron is about to be used again
+                _MODE = CudaToCpuMode()
+                _MODE.__enter__()
             return True
         if torch.cuda.is_available() and not force:
             return False

@@ -137,3 +137,40 @@ def test_an_hf_folder_with_a_broken_config_json_is_named(tmp_path):
         load_model(hf)
     with pytest.raises(ConfigError, match=f"^--checkpoint {re.escape(str(hf))}: {cfg} is not valid JSON"):
         check_model_path(hf, "--checkpoint")
+
+
+def test_a_process_that_only_reads_a_checkpoint_computes_without_the_cpu_layer(checkpoint):
+    """eval/generate/rl load a native checkpoint through megatron, then compute with plain PyTorch: the
+    CPU layer's TorchFunctionMode (a Python dispatch on every torch call; decoding 1.4x slower) is left
+    only when this process used megatron before; the next init_distributed enters it again."""
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU layer is installed only without CUDA")
+    run, _, ids, logits = checkpoint
+    code = f"""
+import torch
+from megaloop.hf.load import load_model
+from megaloop.runtime.cpu_compat import redirect_active
+model, _ = load_model({str(run)!r})
+ids = torch.tensor({ids.tolist()!r})
+with torch.no_grad():
+    out = model(input_ids=ids, num_recurrences=3).logits
+torch.save(out, {str(run / 'hf_logits.pt')!r})
+print("ACTIVE_AFTER_LOAD", redirect_active())
+from megaloop.runtime.parallel import ParallelDims, init_distributed
+init_distributed(ParallelDims(world=1), 1234)
+print("ACTIVE_AFTER_INIT", redirect_active())
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert "ACTIVE_AFTER_LOAD False" in proc.stdout and "ACTIVE_AFTER_INIT True" in proc.stdout, proc.stderr[-3000:]
+    out = torch.load(run / "hf_logits.pt")
+    assert torch.allclose(out[..., :logits.shape[-1]], logits, atol=1e-5)
+    # in this process megatron was in use (the module's world): loading leaves its layer on
+    from megaloop.hf.load import load_model
+    from megaloop.runtime.cpu_compat import redirect_active
+
+    assert redirect_active()
+    load_model(run)
+    assert redirect_active()
