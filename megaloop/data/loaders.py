@@ -133,15 +133,20 @@ class TrainLoader:
                 "dataset_content_sha256": self.content_sha256(),
                 "num_samples": self.num_samples}
 
-    def content_sha256(self) -> str | None:
-        """The shards' content fingerprint (``megaloop.data.fingerprint``; None for a remote dataset or
-        one too large to hash without recorded shard hashes). Computed once."""
-        if not hasattr(self, "_content_sha"):
+    def content(self) -> dict | None:
+        """The dataset's :func:`~megaloop.data.fingerprint.content_fingerprint` (None for a remote
+        dataset), computed once: the checkpoints' resume check and the run's ``data.json`` share it."""
+        if not hasattr(self, "_content"):
             from megaloop.data.fingerprint import content_fingerprint
 
-            fp = content_fingerprint(self.path)
-            self._content_sha = fp["sha256"] if fp and fp.get("hashed") else None
-        return self._content_sha
+            self._content = content_fingerprint(self.path)
+        return self._content
+
+    def content_sha256(self) -> str | None:
+        """The shards' content hash; None for a remote dataset or one too large to hash without
+        recorded shard hashes."""
+        fp = self.content()
+        return fp["sha256"] if fp and fp.get("hashed") else None
 
     def load_state_dict(self, sd: dict[str, Any], recorded_content: str | None = None) -> None:
         """Resume: the next ``iter(self)`` continues exactly after the saved position. A dataset rebuilt

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 from megaloop.config_utils import ConfigError
@@ -295,25 +294,14 @@ def _emit(args, rep: dict, text, stream=None) -> None:
 
 
 def write_json(path: str, rep: dict) -> None:
-    """``rep`` as JSON at ``path``: written to a temporary file beside it, then renamed over it, so
-    a reader never sees half a report (ConfigError naming --json-out if the folder refuses it)."""
-    target = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as err:
-        raise ConfigError(f"--json-out: cannot write in {target.parent}: {err.strerror or err}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(rep, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, target)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        raise ConfigError(f"--json-out: cannot write {path}: {err.strerror or err}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """``rep`` as JSON at ``path``, atomically (:func:`megaloop.runtime.files.atomic_write_text`: a
+    reader never sees half a report); ConfigError naming --json-out if the folder refuses it."""
+    from megaloop.runtime.files import atomic_write_text
 
+    try:
+        atomic_write_text(path, json.dumps(rep, indent=1) + "\n")
+    except OSError as err:
+        raise ConfigError(f"--json-out: cannot write {path}: {err.strerror or err}") from None
 
 if __name__ == "__main__":
     sys.exit(main())

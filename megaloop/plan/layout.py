@@ -80,12 +80,7 @@ def make_layout(cfg: RunConfig, world: int) -> Layout:
 
 def depth_support(cfg: RunConfig) -> list[int]:
     """Depths the run can draw (probability > 0 under its depth law; the learned prior's initial one)."""
-    if cfg.depth.kind == "fixed":
-        return [cfg.depth.depth]
-    from megaloop.depth.sampler import DepthSampler
-
-    p = DepthSampler(cfg.depth, cfg.train.seed).probs()
-    return [i + 1 for i in range(p.numel()) if p[i] > 0]
+    return [d for d, _ in depth_law(cfg)]
 
 
 def depth_law(cfg: RunConfig) -> list[tuple[int, float]]:

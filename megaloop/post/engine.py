@@ -138,17 +138,12 @@ class PostEngine(Protocol):
 
 def _latest(directory: Path, tag: str | None) -> str | None:
     """``tag``, else the tag ``directory/latest`` names (None without one); ConfigError when the
-    named checkpoint folder is missing (deleted or moved by hand)."""
-    if tag is None:
-        f = directory / "latest"
-        if not f.is_file():
-            return None
-        tag = f.read_text().strip()
-        if not tag or not (directory / tag).is_dir():
-            raise ConfigError(f"--resume: {f} names checkpoint {tag!r}, but {directory / tag} does not exist "
-                              f"(deleted or moved?); restore it, or write the tag of a checkpoint that exists "
-                              f"into {f}")
-    return tag
+    named checkpoint folder is missing (deleted or moved by hand): :func:`megaloop.post.runs.resume_tag`."""
+    if tag is not None or not (directory / "latest").is_file():
+        return tag
+    from megaloop.post.runs import resume_tag
+
+    return resume_tag(directory)
 
 
 class PlainEngine:

@@ -9,18 +9,18 @@ import sys
 from pathlib import Path
 
 
-def record_data(run_dir: Path, data_path: str | Path, manifest: dict) -> None:
+def record_data(run_dir: Path, data_path: str | Path, manifest: dict, content: dict | None) -> None:
     """``RUN/data.json``: the training data's resolved path, its build fingerprint (manifest) and
-    its content fingerprint (``megaloop.data.fingerprint``), so that runs can be compared and
-    merged knowing whether they saw the same samples."""
-    from megaloop.data.fingerprint import content_fingerprint
+    its content fingerprint (``content``: ``megaloop.data.fingerprint.content_fingerprint``, as the
+    train loader computed it), so that runs can be compared and merged knowing whether they saw the
+    same samples."""
     from megaloop.runtime.files import atomic_write_json
 
     where = Path(str(data_path))
     atomic_write_json(Path(run_dir) / "data.json", {  # absolute: tools run from another directory read it
         "path": str(where.resolve()) if where.exists() else str(data_path),
         "manifest_fingerprint": manifest.get("fingerprint"),
-        "content": content_fingerprint(data_path)})
+        "content": content})
 
 
 def recorded_content(run_dir: Path, build_fingerprint: str | None) -> str | None:
@@ -32,11 +32,10 @@ def recorded_content(run_dir: Path, build_fingerprint: str | None) -> str | None
         rec = json.loads((Path(run_dir) / "data.json").read_text())
     except (OSError, ValueError):
         return None
-    content = rec.get("content") if isinstance(rec, dict) else None
-    if rec.get("manifest_fingerprint") != build_fingerprint or not isinstance(content, dict) or \
-            not content.get("hashed"):
+    if not isinstance(rec, dict) or rec.get("manifest_fingerprint") != build_fingerprint:
         return None
-    return content.get("sha256")
+    content = rec.get("content")
+    return content.get("sha256") if isinstance(content, dict) and content.get("hashed") else None
 
 
 def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configured: str) -> Path | None:

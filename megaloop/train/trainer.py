@@ -180,7 +180,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
             keep_tokenizer(self.run_dir, manifest, self.loader.path, cfg.data.path)
-            record_data(self.run_dir, self.loader.path, manifest)
+            record_data(self.run_dir, self.loader.path, manifest, self.loader.content())
         self.peak = device_peak_tflops(cfg.train.peak_tflops)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                      total_steps=self._end_step(), start_step=self.step,

@@ -22,6 +22,7 @@ FLOPs per step come from ``megaloop.train.flops.microbatch_flops`` of the matche
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -133,8 +134,6 @@ def main() -> None:
         print(f"megaloop / {n} step time: {r:.3f}x (median of per-round ratios "
               f"{res['ratio_paired_median'][n]:.3f}x)")
     cfg_rec = {k2: v for k2, v in vars(args).items() if k2 not in ("huginn", "parcae")}
-    import os
-
     cfg_rec.update(device=dev, references=sorted(refs), load_avg_1min_at_end=round(os.getloadavg()[0], 2))
     cmd_args = argparse.Namespace(**{k2: ("PATH" if k2 in refs and v else v) for k2, v in vars(args).items()})
     write_result(args.name + ("_gpu" if dev == "cuda" else ""), cfg_rec, res, command("bench_vs_refs.py", cmd_args))

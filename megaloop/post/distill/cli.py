@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from megaloop.post.runs import DISTILL_SIDECAR as RUN_FILE  # next to each checkpoint: its step, σ_T², the flags
+
 
 def build_parser() -> argparse.ArgumentParser:
     from megaloop.post.rl.io import add_run_folder_args
@@ -209,7 +211,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-RUN_FILE = "distill_run.json"  # next to each checkpoint: its step, σ_T² and the run's flags
 
 # the flags a resumed run must keep (name in the run record -> the option); --steps may grow
 RESUME_FIELDS = {"teacher": "--teacher", "tokenizer": "--tokenizer", "data": "--data", "max_chars": "--max-chars",
