@@ -199,9 +199,45 @@ megaloop_post_main() {
     cmd+=(--resume)
   fi
   read -r -a extra <<<"${EXTRA_ARGS:-}"
-  cmd+=("${extra[@]}")
+  megaloop_post_extra "${extra[@]}"
+  cmd+=("${POST_EXTRA[@]}")
   megaloop_launch "${cmd[@]}" || rc=$?
   exit "$rc"
+}
+
+# megaloop_post_extra ARGS...: EXTRA_ARGS of a post-training command into the array POST_EXTRA, with the
+# path a --tokenizer names made absolute (`default` and `bytes` stay; `--tokenizer=PATH` too), and the
+# file of a --task gsm8k:/exact:/mbpp:FILE (mbpp:tiny stays), as the TASK knob's is.
+megaloop_post_extra() {
+  local prev="" arg
+  POST_EXTRA=()
+  for arg in "$@"; do
+    case "$prev" in
+      --tokenizer) arg="$(megaloop_post_tokenizer "$arg")" ;;
+      --task) arg="$(megaloop_post_task "$arg")" ;;
+    esac
+    case "$arg" in
+      --tokenizer=*) arg="--tokenizer=$(megaloop_post_tokenizer "${arg#--tokenizer=}")" ;;
+      --task=*) arg="--task=$(megaloop_post_task "${arg#--task=}")" ;;
+    esac
+    POST_EXTRA+=("$arg")
+    prev="$arg"
+  done
+}
+
+megaloop_post_tokenizer() {
+  case "$1" in
+    default | bytes | "") printf '%s\n' "$1" ;;
+    *) megaloop_abspath "$1" ;;
+  esac
+}
+
+megaloop_post_task() {
+  case "$1" in
+    mbpp:tiny) printf '%s\n' "$1" ;;
+    gsm8k:?* | exact:?* | mbpp:?*) printf '%s\n' "${1%%:*}:$(megaloop_abspath "${1#*:}")" ;;
+    *) printf '%s\n' "$1" ;;
+  esac
 }
 
 megaloop_launch() {

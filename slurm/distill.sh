@@ -8,7 +8,8 @@
 # DATA (default = embedded corpus; FILE.txt | FILE.jsonl) DS_CONFIG (zero3; zero1 | zero2 | zero3 | a JSON
 # file) SAVE_EVERY (200) EXTRA_ARGS (more `megaloop distill-prefill` options, word-split);
 # NODES, GPUS_PER_NODE, RDZV, ...: slurm/common.sh.
-# Relative paths (TEACHER, OUT, DATA, a DS_CONFIG file) are relative to the directory you submit from.
+# Relative paths (TEACHER, OUT, DATA, a DS_CONFIG file, EXTRA_ARGS' --tokenizer) are relative to the
+# directory you submit from.
 # Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
 #SBATCH --job-name=megaloop-distill
 #SBATCH --nodes=1

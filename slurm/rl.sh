@@ -7,8 +7,8 @@
 # Knobs (environment): MODEL (required: HF folder or megaloop checkpoint) OUT (runs/rl) TASK (arithmetic)
 # DS_CONFIG (zero2; zero1 | zero2 | a JSON file; ZeRO-3 is refused by `megaloop rl`) SAVE_EVERY (50)
 # EXTRA_ARGS (more `megaloop rl` options, word-split); NODES, GPUS_PER_NODE, RDZV, ...: slurm/common.sh.
-# Relative paths (MODEL, OUT, TASK's file, a DS_CONFIG file) are relative to the directory you submit
-# from. Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
+# Relative paths (MODEL, OUT, TASK's file, a DS_CONFIG file, the files EXTRA_ARGS' --tokenizer and --task
+# name) are relative to the directory you submit from. Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
 #SBATCH --job-name=megaloop-rl
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
@@ -28,8 +28,5 @@ source "$ROOT/slurm/common.sh"
 [ -n "${MODEL:-}" ] || megaloop_die "MODEL is not set (an HF folder or a megaloop checkpoint)"
 OUT="${OUT:-runs/rl}"
 TASK="${TASK:-arithmetic}"
-case "$TASK" in  # the file of gsm8k:/exact:/mbpp:PATH is relative to where the job started (mbpp:tiny is shipped)
-  mbpp:tiny) ;;
-  gsm8k:?* | exact:?* | mbpp:?*) TASK="${TASK%%:*}:$(megaloop_abspath "${TASK#*:}")" ;;
-esac
+TASK="$(megaloop_post_task "$TASK")"  # the file of gsm8k:/exact:/mbpp:PATH: relative to where the job started
 megaloop_post_main rl "${DS_CONFIG:-zero2}" "${SAVE_EVERY:-50}" --model "$(megaloop_abspath "$MODEL")" --task "$TASK"

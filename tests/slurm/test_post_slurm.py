@@ -95,7 +95,8 @@ def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path)
     base = dict(STUB_HOSTS=HOSTS, SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-a[01-02]", SLURM_NNODES="2",
                 SLURM_NODEID="0", SLURM_SUBMIT_DIR=str(work), VENV="none", MEGALOOP_ROOT=str(repo),
                 GPUS_PER_NODE="4")
-    env = stub_env(tmp_path, **base, MODEL="hf/S", OUT="out", TASK="gsm8k:data/gsm8k.jsonl", DS_CONFIG="ds/z1.json")
+    env = stub_env(tmp_path, **base, MODEL="hf/S", OUT="out", TASK="gsm8k:data/gsm8k.jsonl", DS_CONFIG="ds/z1.json",
+                   EXTRA_ARGS="--tokenizer tok/tokenizer.json --arm bptt --task=exact:p.jsonl")
     proc = subprocess.run(["bash", str(repo / "slurm" / "rl.sh")], env=env, cwd=work, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -105,12 +106,15 @@ def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path)
         assert _flag(cmd, "--model") == str(work / "hf" / "S") and _flag(cmd, "--out") == str(work / "out")
         assert _flag(cmd, "--task") == f"gsm8k:{work}/data/gsm8k.jsonl"
         assert _flag(cmd, "--deepspeed") == str(work / "ds" / "z1.json")
+        assert _flag(cmd, "--tokenizer") == str(work / "tok" / "tokenizer.json") and _flag(cmd, "--arm") == "bptt"
+        assert cmd[-1] == f"--task=exact:{work}/p.jsonl"  # EXTRA_ARGS come last, so this --task wins
         assert "--resume" in cmd  # work/out/checkpoints/latest, not the repository's
     assert (work / "logs" / "4242" / "exit_code").read_text().strip() == "0"
     assert not (repo / "logs").exists()
 
     (tmp_path / "d").mkdir()
-    env = stub_env(tmp_path / "d", **base, TEACHER="ckpt/L", DATA="val.jsonl")
+    env = stub_env(tmp_path / "d", **base, TEACHER="ckpt/L", DATA="val.jsonl",
+                   EXTRA_ARGS="--tokenizer=tok --depth 5 --tokenizer bytes")
     proc = subprocess.run(["bash", str(repo / "slurm" / "distill.sh")], env=env, cwd=work, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -118,3 +122,4 @@ def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path)
         cmd = rec["argv"][rec["argv"].index("-m"):]
         assert _flag(cmd, "--teacher") == str(work / "ckpt" / "L") and _flag(cmd, "--data") == str(work / "val.jsonl")
         assert _flag(cmd, "--out") == str(work / "students" / "distill") and _flag(cmd, "--deepspeed") == "zero3"
+        assert f"--tokenizer={work}/tok" in cmd and _flag(cmd, "--depth") == "5" and cmd[-2:] == ["--tokenizer", "bytes"]
