@@ -180,10 +180,19 @@ def check_outputs_not_inputs(args: argparse.Namespace, outputs: dict) -> None:
 
 
 def check_plot_path(plot: Optional[str], json_path: Optional[str], default: str, flag: str = "--plot") -> Path:
-    """The figure path of ``--plot`` (default: next to ``--json``, else ``default``), checked before
-    any compute: a format matplotlib writes (no extension: PNG, ``.png`` appended and said), not a
-    directory, its parent creatable. Returns the path the figure will be written to."""
-    path = Path(plot) if plot else (Path(json_path).with_suffix(".png") if json_path else Path(default))
+    """The figure path of ``--plot`` (default: next to ``--json``, else ``default`` in the working
+    directory, or ``<stem>-2<ext>``, ``-3``, ... when that exists: a figure nobody named never replaces an
+    earlier one), checked before any compute: a format matplotlib writes (no extension: PNG, ``.png``
+    appended and said), not a directory, its parent creatable. Returns the path it will be written to."""
+    if plot:
+        path = Path(plot)
+    elif json_path:
+        path = Path(json_path).with_suffix(".png")
+    else:
+        path, n = Path(default), 1
+        while path.exists() or path.is_symlink():
+            n += 1
+            path = Path(default).with_name(f"{Path(default).stem}-{n}{Path(default).suffix}")
     if path.is_dir():
         raise ConfigError(f"{flag} {path}: is a directory, not a file path")
     ext = path.suffix[1:].lower()

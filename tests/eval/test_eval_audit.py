@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -146,6 +147,18 @@ def test_plot_without_extension_is_a_png_and_named():
 
     assert str(check_plot_path("/tmp/sw", None, "x.png")) == "/tmp/sw.png"
     assert str(check_plot_path(None, "/tmp/a.json", "x.png")) == "/tmp/a.png"
+
+
+def test_default_plot_never_replaces_an_earlier_one(tmp_path, monkeypatch):
+    """No --plot and no --json: depth_sweep.png in the working directory, or the next free -N name."""
+    from megaloop.inference.generate_cli import check_plot_path
+
+    monkeypatch.chdir(tmp_path)
+    assert check_plot_path(None, None, "depth_sweep.png") == Path("depth_sweep.png")
+    (tmp_path / "depth_sweep.png").write_bytes(b"earlier")
+    (tmp_path / "depth_sweep-2.png").write_bytes(b"earlier")
+    assert check_plot_path(None, None, "depth_sweep.png") == Path("depth_sweep-3.png")
+    assert check_plot_path("depth_sweep.png", None, "x.png") == Path("depth_sweep.png")  # named: the user's call
 
 
 @pytest.mark.parametrize("argv, msg", [
