@@ -111,8 +111,9 @@ def _check_json_out(path: str) -> None:
 
 
 def _cluster(args, cluster_ov: list[str]):
-    """The cluster description; ``auto`` = this machine's GPU (None when there is none: the
-    overrides are still checked, against the shipped h100)."""
+    """The cluster description and whether ``auto`` found no GPU here (``auto`` = this machine's
+    GPU; without one, the shipped h100 with the overrides: there is nothing to plan on, but the
+    overrides and flags are still checked against it)."""
     from megaloop.plan.cluster import load_cluster, shipped_clusters
 
     name = args.cluster
@@ -120,13 +121,12 @@ def _cluster(args, cluster_ov: list[str]):
         import torch
 
         if not torch.cuda.is_available():
-            load_cluster("h100", cluster_ov)  # cluster.KEY=VALUE errors even when there is nothing to plan on
-            return None
+            return load_cluster("h100", cluster_ov), True
         gpu = torch.cuda.get_device_name(0)
         mem = torch.cuda.get_device_properties(0).total_memory / 2**30
         base = next((c for c in shipped_clusters() if c.upper() in gpu.upper()), "h100")
-        return load_cluster(base, [f"gpu={gpu.replace(' ', '_')}", f"gpu_memory_gib={mem:.1f}", *cluster_ov])
-    return load_cluster(name, cluster_ov)
+        return load_cluster(base, [f"gpu={gpu.replace(' ', '_')}", f"gpu_memory_gib={mem:.1f}", *cluster_ov]), False
+    return load_cluster(name, cluster_ov), False
 
 
 def resolve_vocab(cfg, flag: int | None) -> tuple[int, str]:
@@ -171,13 +171,13 @@ def _inputs(args):
     overrides = [o for o in args.overrides if not o.startswith("cluster.")]
     overrides += layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt,
                                   args.fp8, args.sp)
-    cluster = _cluster(args, cluster_ov)
+    cluster, no_gpu = _cluster(args, cluster_ov)
     cfg = load_config(args.config, overrides, arm=args.arm)
     cfg.check_trainable()
     vocab, source = resolve_vocab(cfg, args.vocab)
-    if cluster is not None:
+    if not no_gpu:
         cluster.peak_tflops(bool(cfg.model.fp8))  # an FP8 layout on a GPU without an FP8 peak
-    return cfg, overrides, cluster, vocab, source
+    return cfg, overrides, cluster, no_gpu, vocab, source
 
 
 def _world(args, cfg, cluster) -> int:
@@ -236,13 +236,11 @@ def _run(args) -> int:
     from megaloop.plan.search import evaluate, memory_plan, search
 
     _check_flags(args)
-    cfg, overrides, cluster, vocab, vocab_source = _inputs(args)
-    if cluster is None and not args.preflight:
+    cfg, overrides, cluster, no_gpu, vocab, vocab_source = _inputs(args)
+    if no_gpu and not args.preflight:
         raise ConfigError("--cluster: auto found no GPU on this machine")
-    if cluster is None:  # still refuse what is wrong whatever the GPU: --gpus/--nodes/--dp, the layout
-        from megaloop.plan.cluster import load_cluster
-
-        make_layout(cfg, _world(args, cfg, load_cluster("h100", [o for o in args.overrides if o.startswith("cluster.")])))
+    if no_gpu:  # still refuse what is wrong whatever the GPU (against the h100): --gpus/--nodes/--dp, the layout
+        make_layout(cfg, _world(args, cfg, cluster))
         print("megaloop preflight: skipped (no GPU visible here; set PLAN_CLUSTER=h100|h200|b200|PATH to check)")
         return 0
     world = _world(args, cfg, cluster)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from megaloop.config import RunConfig
 from megaloop.plan.cluster import ClusterSpec
 from megaloop.plan.layout import Layout
-from megaloop.plan.memory import MemoryModel, injection_params, layer_params
+from megaloop.plan.memory import MemoryModel, WorkMemo, injection_params, layer_params
 from megaloop.plan.pipeline_sim import SimResult, simulate
 from megaloop.train.flops import forward_flops_per_token, injection_flops_per_token, microbatch_flops
 
@@ -68,8 +68,8 @@ class CostModel:
         self.inj = injection_flops_per_token(m) if m.looped else 0.0
         self.prepare = once - (m.n_prelude + m.n_coda) * layer if m.looped else 0.0
         self.head = head
-        self._op: dict = {}  # (kind, stage, depth) -> seconds
-        self._op_work: dict = {}  # (kind, recurrences, backpropagated, first, last) -> seconds
+        # (kind, stage, depth) -> seconds, shared by what the stage runs, not which stage or depth
+        self._op = WorkMemo(self.mem.work_key, self._op_time)
 
     # ------------------------------------------------------------------ links
     def _bw(self, intra: bool) -> float:
@@ -132,15 +132,7 @@ class CostModel:
 
     def op_s(self, kind: str, v: int, depth: int) -> float:
         """Duration of F or B of one microbatch of ``depth`` on virtual stage ``v`` (seconds)."""
-        key = (kind, v, depth)
-        if key in self._op:
-            return self._op[key]
-        wkey = self.mem.work_key(kind, v, depth)  # what the stage runs, not which stage or depth: shared
-        t = self._op_work.get(wkey)
-        if t is None:
-            t = self._op_work[wkey] = self._op_time(kind, v, depth)
-        self._op[key] = t
-        return t
+        return self._op(kind, v, depth)
 
     def _op_time(self, kind: str, v: int, depth: int) -> float:
         c, L = self.cluster, self.layout
@@ -181,7 +173,7 @@ class CostModel:
 
     def step(self, depths: list[int]) -> StepEstimate:
         L, m = self.layout, self.cfg.model
-        op, op_s = self._op, self.op_s
+        op, op_s = self._op.by_key, self.op_s
 
         def dur(kind: str, mb: int, v: int) -> float:
             t = op.get((kind, v, depths[mb]))

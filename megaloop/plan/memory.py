@@ -37,6 +37,7 @@ forward working set, the logits, backward gradient buffers and the largest weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from megaloop.config import RunConfig
 from megaloop.plan.cluster import ClusterSpec
@@ -45,6 +46,28 @@ from megaloop.plan.pipeline_sim import inflight_order
 from megaloop.plan.stages import StageTable
 
 GiB = float(2**30)
+
+
+class WorkMemo:
+    """Two-level memo of ``compute(*key)``, ``key`` = ``(stage, depth)`` or ``(kind, stage, depth)``:
+    per key, and shared by the keys whose stage runs the same work (``work_key(*key)``, as
+    :meth:`MemoryModel.work_key`), so each distinct work is computed once (a search asks for few
+    works at many stages and depths). ``by_key`` is the first level, for a hot loop to read directly."""
+
+    def __init__(self, work_key, compute):
+        self.work_key, self.compute = work_key, compute
+        self.by_key: dict = {}
+        self.by_work: dict = {}
+
+    def __call__(self, *key):
+        got = self.by_key.get(key)
+        if got is None:
+            wkey = self.work_key(*key)
+            got = self.by_work.get(wkey)
+            if got is None:
+                got = self.by_work[wkey] = self.compute(*key)
+            self.by_key[key] = got
+        return got
 
 
 @dataclass(frozen=True)
@@ -130,11 +153,9 @@ class MemoryModel:
         self.profile = "local" if cfg.model.transformer_impl == "local" else cluster.activation_profile
         self.stage_params = stage_params(cfg, layout, vocab)
         self.work = StageTable(cfg.model, layout.stages, self.dims.V)  # depth -> per-stage work
-        self._held: dict = {}  # (stage, depth) -> bytes
-        self._transient: dict = {}
-        # what a stage holds depends on its work (recurrences run / backpropagated, first, last stage)
-        self._held_work: dict = {}
-        self._transient_work: dict = {}
+        # what a stage holds or needs depends on its work (recurrences run / backpropagated, first, last stage)
+        self._held = WorkMemo(partial(self.work_key, "held"), self._held_bytes)
+        self._transient = WorkMemo(self.work_key, self._transient_bytes)
 
     # ------------------------------------------------------------------ static
     def rank_params(self, rank: int) -> float:
@@ -181,16 +202,7 @@ class MemoryModel:
 
     def held(self, v: int, depth: int) -> float:
         """Bytes kept from F to B by one microbatch of ``depth`` on virtual stage ``v``."""
-        key = (v, depth)
-        got = self._held.get(key)
-        if got is None:  # shared by the (stage, depth) pairs that run the same work
-            w = self.work(depth)[v]
-            wkey = (w.recurrences, w.grad_recurrences, w.first, w.last)
-            got = self._held_work.get(wkey)
-            if got is None:
-                got = self._held_work[wkey] = self._held_bytes(v, depth)
-            self._held[key] = got
-        return got
+        return self._held(v, depth)
 
     def _held_bytes(self, v: int, depth: int) -> float:
         return sum(self.held_parts(v, depth).values())
@@ -232,15 +244,7 @@ class MemoryModel:
 
     def transient(self, kind: str, v: int, depth: int) -> float:
         """Extra bytes live during an F or B op beyond what is held (working set, logits, grads)."""
-        key = (kind, v, depth)
-        got = self._transient.get(key)
-        if got is None:
-            wkey = self.work_key(kind, v, depth)
-            got = self._transient_work.get(wkey)
-            if got is None:
-                got = self._transient_work[wkey] = self._transient_bytes(kind, v, depth)
-            self._transient[key] = got
-        return got
+        return self._transient(kind, v, depth)
 
     def _transient_bytes(self, kind: str, v: int, depth: int) -> float:
         m, D, S = self.cfg.model, self.dims, self.layout.stages

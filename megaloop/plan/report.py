@@ -150,12 +150,17 @@ def format_preflight(plan: Plan, config: str) -> str:
             f"or launch with --no-preflight")
 
 
+def _layout_json(plan: Plan) -> dict:
+    """The layout and cluster keys :func:`plan_json` and :func:`preflight_json` share."""
+    L, c = plan.layout, plan.cluster
+    return {"layout": {k: getattr(L, k) for k in L.__dataclass_fields__}, "layout_text": L.short(),
+            "cluster": c.name, "gpu": c.gpu, "gpu_memory_gib": c.gpu_memory_gib}
+
+
 def preflight_json(plan: Plan, config: str, line: str) -> dict:
     big = plan.largest
     return {"preflight": "ok" if plan.fits else "refusing", "fits": plan.fits, "config": config,
-            "layout": {k: getattr(plan.layout, k) for k in plan.layout.__dataclass_fields__},
-            "layout_text": plan.layout.short(), "cluster": plan.cluster.name, "gpu": plan.cluster.gpu,
-            "gpu_memory_gib": plan.cluster.gpu_memory_gib, "largest_rank": big["rank"], "largest_stages": big["stages"],
+            **_layout_json(plan), "largest_rank": big["rank"], "largest_stages": big["stages"],
             "largest_total_gib": big["total"] / GiB, "vocab": plan.vocab, "vocab_source": plan.vocab_source,
             "line": line, "predictions": True}
 
@@ -203,8 +208,12 @@ def format_search(plans: list[Plan], excluded: dict, cfg: RunConfig, cluster: Cl
     return "\n".join(lines)
 
 
-def _rules_text(rules: dict) -> str:
-    return ", ".join(f"{k}: {v}" for k, v in sorted(rules.items(), key=lambda kv: -kv[1]))
+def _rules_text(rules: dict, examples: dict | None = None) -> str:
+    """Candidates excluded per config rule, most first (with ``examples``: one message of each)."""
+    counts = sorted(rules.items(), key=lambda kv: -kv[1])
+    if examples is None:
+        return ", ".join(f"{k}: {v}" for k, v in counts)
+    return "; ".join(f"{k}: {v} (e.g. {examples[k]})" for k, v in counts)
 
 
 def search_failure(excluded: dict, cluster: ClusterSpec, world: int, held: dict, min_pp: int) -> str:
@@ -213,8 +222,7 @@ def search_failure(excluded: dict, cluster: ClusterSpec, world: int, held: dict,
     n = excluded["config"] + excluded["memory"]
     parts = []
     if excluded["config"]:
-        rules = "; ".join(f"{k}: {v} (e.g. {excluded['examples'][k]})"
-                          for k, v in sorted(excluded["rules"].items(), key=lambda kv: -kv[1]))
+        rules = _rules_text(excluded["rules"], excluded["examples"])
         parts.append(f"{excluded['config']} by the config's rules [{rules}]")
     if excluded["memory"]:
         parts.append(f"{excluded['memory']} predicted not to fit in {cluster.gpu_memory_gib:g} GiB (the smallest "
@@ -228,10 +236,7 @@ def search_failure(excluded: dict, cluster: ClusterSpec, world: int, held: dict,
 
 
 def plan_json(plan: Plan) -> dict:
-    L = plan.layout
-    return {"layout": {k: getattr(L, k) for k in L.__dataclass_fields__}, "layout_text": L.short(),
-            "cluster": plan.cluster.name, "gpu": plan.cluster.gpu, "gpu_memory_gib": plan.cluster.gpu_memory_gib,
-            "cluster_defaults_used": list(plan.cluster.defaulted),
+    return {**_layout_json(plan), "cluster_defaults_used": list(plan.cluster.defaulted),
             "vocab": plan.vocab, "vocab_source": plan.vocab_source, "mean_depth": plan.mean_depth, "fits": plan.fits,
             "memory_gib": [_gib(r) for r in plan.memory],
             "largest_rank": plan.largest["rank"], "sampled_peak_gib": _gib(plan.sampled_peak),

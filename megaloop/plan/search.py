@@ -91,8 +91,6 @@ def memory_plan(cfg: RunConfig, layout: Layout, cluster: ClusterSpec, vocab: int
 def evaluate(cfg: RunConfig, layout: Layout, cluster: ClusterSpec, vocab: int, steps: int = 32,
              plan: Plan | None = None, sampled_memory: bool = True, cost: CostModel | None = None) -> Plan:
     """Memory (worst case and, with ``sampled_memory``, over the sampled steps) and step statistics."""
-    if steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {steps}")
     plan = plan or memory_plan(cfg, layout, cluster, vocab)
     cost = cost or CostModel(cfg, layout, cluster, vocab, memory=plan.mm)
     mm = cost.mem
@@ -205,10 +203,6 @@ def search(config: str, overrides: list[str], cluster: ClusterSpec, world: int, 
     drain at expected op times; exact without pipelining); layouts are simulated over ``steps``
     sampled steps in the order of that bound until the next bound is below the ``top``-th best
     estimate: a layout left out cannot be expected to reach the listed ones."""
-    if steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {steps}")
-    if top < 1:
-        raise ConfigError(f"--top: must be >= 1, got {top}")
     fitting: list[Plan] = []
     excluded: dict = {"config": 0, "memory": 0, "rules": {}, "examples": {}}
     seen = set()

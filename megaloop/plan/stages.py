@@ -36,11 +36,7 @@ def stage_work(cfg: ModelConfig, depth: int, stages: int, vocab: int,
     """Per-virtual-stage work of a depth-``depth`` microbatch at padded vocabulary ``vocab``
     (``bptt_window`` default ``cfg.bptt_window``). An untied model splits its ``num_layers``
     evenly (counted as "recurrences" of one layer)."""
-    b = min(depth, cfg.bptt_window if bptt_window is None else bptt_window)
-    if not cfg.looped:
-        per = cfg.num_layers // stages
-        return tuple(StageWork(v, per, per, v == 0, v == stages - 1) for v in range(stages))
-    return _stage_work(split_costs(cfg, vocab), depth, stages, b)
+    return StageTable(cfg, stages, vocab, bptt_window)(depth)
 
 
 class StageTable:
@@ -59,12 +55,14 @@ class StageTable:
     def __call__(self, depth: int) -> tuple[StageWork, ...]:
         w = self._memo.get(depth)
         if w is None:
-            if self.costs is None:
-                w = stage_work(self.cfg, depth, self.stages, self.vocab, self.window)
-            else:
-                w = _stage_work(self.costs, depth, self.stages, min(depth, self.window))
-            self._memo[depth] = w
+            w = self._memo[depth] = self._work(depth)
         return w
+
+    def _work(self, depth: int) -> tuple[StageWork, ...]:
+        if self.costs is None:
+            per = self.cfg.num_layers // self.stages
+            return tuple(StageWork(v, per, per, v == 0, v == self.stages - 1) for v in range(self.stages))
+        return _stage_work(self.costs, depth, self.stages, min(depth, self.window))
 
 
 @lru_cache(maxsize=8192)
