@@ -1,4 +1,5 @@
-"""Small filesystem helpers: advisory locks, stable hashes (atomic writes: megaloop.runtime.files)."""
+"""Small filesystem and process helpers: advisory locks, stable hashes, the setup of data-prep pool
+workers (atomic writes: megaloop.runtime.files)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
 from megaloop.runtime.files import atomic_write_json, atomic_write_text  # noqa: F401  (used by megaloop.data)
+
+__all__ = ["atomic_write_json", "atomic_write_text", "die_with_parent", "file_lock", "first_missing",
+           "init_pool_worker", "json_sha", "lock_holder", "rmtree_quiet", "try_lock_fd"]
 
 
 _HELD_LOCK_FDS: set[int] = set()  # fds of the file_lock()s this process holds (or waits for)
@@ -33,6 +39,41 @@ def _drop_held_locks_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_drop_held_locks_in_child)
+
+
+def init_pool_worker(parent: int) -> None:
+    """Initializer of a data-prep ``multiprocessing`` pool worker forked by process ``parent``.
+
+    A signal handler the parent installed (a CLI's SIGTERM) is not the worker's: SIGTERM is reset to
+    its default (``Pool.terminate`` ends the worker). Ctrl-C reaches the whole process group and the
+    parent then stops the pool, so workers ignore SIGINT (no traceback per worker). The worker ends
+    when ``parent`` dies, however it dies (:func:`die_with_parent`)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent(parent)
+
+
+def die_with_parent(parent: int) -> None:
+    """End this worker when its parent process ``parent`` dies (killed, even with SIGKILL), instead
+    of working on as an orphan that cannot report back. Linux: the kernel sends SIGTERM
+    (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent id."""
+    try:
+        import ctypes
+
+        armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        armed = False
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+    if not armed:
+        import threading
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, name="megaloop-parent-watch", daemon=True).start()
 
 
 def lock_holder() -> str:

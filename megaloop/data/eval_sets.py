@@ -29,7 +29,7 @@ from typing import Iterator
 
 import numpy as np
 
-from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
+from megaloop.data._fsutil import atomic_write_json, file_lock, init_pool_worker, json_sha, rmtree_quiet
 from megaloop.data.errors import DataError
 from megaloop.data.mds_convert import FORMAT, check_compression, check_out_dir, mds_columns, token_dtype, \
     write_sequences_mds
@@ -195,10 +195,9 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
     tasks = [(f, cfg.holdout) for f in files]
     results: Iterator[list[tuple[str, str, str]]]
     if cfg.workers > 1 and len(tasks) > 1:
-        from megaloop.data.mds_convert import _die_with_parent
-
-        # workers end with this process (killed, even with SIGKILL) instead of scanning on as orphans
-        pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)), _die_with_parent, (os.getpid(),))
+        # as the converter's workers: Ctrl-C is left to this process, and they end with it (killed,
+        # even with SIGKILL) instead of scanning on as orphans
+        pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)), init_pool_worker, (os.getpid(),))
         results = pool.imap(_scan, tasks)
     else:
         pool, results = None, map(_scan, tasks)

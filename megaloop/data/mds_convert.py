@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import sys
 import time
 import uuid
@@ -43,7 +42,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
+from megaloop.data._fsutil import atomic_write_json, file_lock, init_pool_worker, json_sha, rmtree_quiet
 from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, copies_per_doc, discover, \
@@ -191,36 +190,9 @@ _WORKER_TOK: Tokenizer | None = None
 
 def _init_worker(tok_path: str, eos_token: str | None, parent: int) -> None:
     global _WORKER_TOK
-    # a signal handler the parent installed (the CLI's SIGTERM) is not the worker's; Ctrl-C reaches the
-    # whole process group, and the parent then stops the pool, so workers ignore it (no tracebacks)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent)
+    init_pool_worker(parent)  # SIGTERM default, SIGINT ignored, ends when the converter dies
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _WORKER_TOK = Tokenizer(tok_path, eos_token=eos_token)
-
-
-def _die_with_parent(parent: int) -> None:
-    """End this worker when the converter process ``parent`` dies (killed, even with SIGKILL),
-    instead of finishing its file as an orphan that cannot report back. Linux: the kernel sends
-    SIGTERM (``PR_SET_PDEATHSIG``); elsewhere a thread polls the parent id."""
-    try:
-        import ctypes
-
-        armed = ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        armed = False
-    if os.getppid() != parent:  # it died before the request took effect
-        os._exit(1)
-    if not armed:
-        import threading
-
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, name="megaloop-parent-watch", daemon=True).start()
 
 
 def _process_part(task: _Task) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -76,9 +75,11 @@ class RunDirLock:
                 print(f"warning: {self.path}: could not lock the run directory ({err.strerror}); "
                       "make sure no other run uses it", flush=True)
             else:
+                from megaloop.data._fsutil import lock_holder  # "pid N on HOST", as data-prep locks say
+
                 self.fd = fd
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                os.pwrite(fd, f"{lock_holder()}\n".encode(), 0)
         if not _agree(not taken):
             who = f" ({holder})" if holder else ""
             raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "

@@ -1,6 +1,7 @@
 """The converter's worker processes end with it (SIGTERM or SIGKILL of the main process alone), without
 tracebacks and without keeping ``OUT/.lock``; a second conversion into the same ``--out`` says which
-process it waits for."""
+process it waits for. Ctrl-C (SIGINT to the whole process group) stops either tool with its one line:
+the workers of both share one initializer (``megaloop.data._fsutil.init_pool_worker``)."""
 
 from __future__ import annotations
 
@@ -74,21 +75,27 @@ def _worker_pids(proc: subprocess.Popen, n: int, timeout: float = 120.0) -> list
     return pids
 
 
-def _kill_main_process(proc: subprocess.Popen, sig: int, out: Path, tool: str) -> bytes:
-    """Signal ``proc`` (a tool with 2 announced workers) alone; its workers must end and ``out/.lock``
-    be free. Returns its stderr; nothing is left running, also when an assertion fails."""
+def _kill_main_process(proc: subprocess.Popen, sig: int, out: Path, tool: str, group: bool = False) -> bytes:
+    """Signal ``proc`` (a tool with 2 announced workers) alone, or with ``group`` its whole process
+    group as Ctrl-C in a terminal does (``proc`` must lead its own session); its workers must end and
+    ``out/.lock`` (where ``out`` is left) be free. Returns its stderr; nothing is left running, also
+    when an assertion fails."""
     pids: list[int] = []
     try:
         pids = _worker_pids(proc, 2)
-        os.kill(proc.pid, sig)
+        if group:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
         _, err = proc.communicate(timeout=60)
         deadline = time.monotonic() + 15
         while any(_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in pids if _alive(p)], f"workers outlived {tool}"
-        fd = try_lock_fd(out / ".lock")
-        assert fd is not None, "OUT/.lock is still held"
-        os.close(fd)
+        if out.is_dir():
+            fd = try_lock_fd(out / ".lock")
+            assert fd is not None, "OUT/.lock is still held"
+            os.close(fd)
         return err
     finally:
         for p in [proc.pid, *pids]:
@@ -147,3 +154,22 @@ def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer):
                              "--tokenizer", str(fixture_tokenizer), "--workers", "2", "--no-progress"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _kill_main_process(proc, signal.SIGKILL, out, "build_eval_sets")
+
+
+@pytest.mark.parametrize("tool", ["txt360_to_mds", "build_eval_sets"])
+def test_ctrl_c_stops_the_workers_with_one_line(tmp_path, fixture_tokenizer, tool):
+    """SIGINT reaches the tool and its pool workers (one process group): the workers ignore it and
+    end when the tool stops the pool, so stderr holds the tool's one line, no worker traceback."""
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "out"
+    script, extra, line = {
+        "txt360_to_mds": (SLOW_CLI, ["--seq-len", "16"],
+                          "interrupted: finished parts are kept; rerun the same command to resume"),
+        "build_eval_sets": (SLOW_EVAL_CLI, [],
+                            "interrupted: nothing half-written is published; rerun the same command"),
+    }[tool]
+    proc = subprocess.Popen([sys.executable, "-c", script, "--input", str(tree), "--out", str(out),
+                             "--tokenizer", str(fixture_tokenizer), *extra, "--workers", "2", "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    err = _kill_main_process(proc, signal.SIGINT, out, tool, group=True)
+    assert err.decode().strip() == line
+    assert proc.returncode == 130
