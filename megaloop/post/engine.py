@@ -17,12 +17,14 @@ Both engines expose the same operations, so ``GRPOTrainer`` and ``train_student`
 * ``backward(loss)`` / ``step()`` — the ordinary path (distillation; ZeRO-3 included), and
   ``forward`` — the callable for the ordinary path's forward (the DeepSpeed engine itself);
 * ``set_lr``, ``grad_norm`` (pre-clip global norm of the last step), ``save`` / ``load``
-  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag) and
+  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag; a checkpoint
+  of another model shape is refused in one line, :class:`CheckpointMismatch`) and
   ``full_state_dict()`` (ZeRO-3 parameters gathered; every rank must call it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass
@@ -146,6 +148,30 @@ def _latest(directory: Path, tag: str | None) -> str | None:
     return resume_tag(directory)
 
 
+class CheckpointMismatch(ConfigError):
+    """A checkpoint in ``where`` whose weights do not fit the model being trained (another shape);
+    ``detail``: the first mismatch torch names (``size mismatch for ...``), without its final dot."""
+
+    def __init__(self, where: Path, detail: str):
+        self.where, self.detail = where, detail
+        super().__init__(f"--resume: the checkpoint in {where} does not fit the model being trained (another "
+                         f"model shape: {detail}); resume with the model it was trained from")
+
+
+@contextlib.contextmanager
+def _weights_fit(where: Path):
+    """Turn ``load_state_dict``'s error for weights of another shape (or other names) into one line:
+    :class:`CheckpointMismatch`, not a traceback of one line per tensor."""
+    try:
+        yield
+    except RuntimeError as err:
+        text = str(err)
+        if not any(w in text for w in ("size mismatch", "Missing key", "Unexpected key")):
+            raise
+        first = next((line.strip() for line in text.splitlines() if "size mismatch" in line), text.splitlines()[0])
+        raise CheckpointMismatch(where, first.rstrip(".")) from None
+
+
 class PlainEngine:
     """One process: ``torch.optim.AdamW`` with global-norm clipping (the pre-DeepSpeed behaviour)."""
 
@@ -195,15 +221,13 @@ class PlainEngine:
             g["lr"] = lr
 
     def save(self, directory: str | Path, tag: str, client_state: dict) -> None:
+        from megaloop.runtime.files import atomic_write_file, atomic_write_text
+
         d = Path(directory)
         (d / tag).mkdir(parents=True, exist_ok=True)
-        tmp = d / tag / "plain.pt.tmp"  # written whole, then renamed: an interrupted save leaves no torn file
-        torch.save({"module": self.module.state_dict(), "optimizer": self.opt.state_dict(),
-                    "client_state": client_state}, tmp)
-        os.replace(tmp, d / tag / "plain.pt")
-        tmp_latest = d / "latest.tmp"
-        tmp_latest.write_text(tag)
-        os.replace(tmp_latest, d / "latest")
+        state = {"module": self.module.state_dict(), "optimizer": self.opt.state_dict(), "client_state": client_state}
+        atomic_write_file(d / tag / "plain.pt", lambda tmp: torch.save(state, tmp))  # no torn file on a kill
+        atomic_write_text(d / "latest", tag)
 
     def load(self, directory: str | Path, tag: str | None = None) -> dict | None:
         d = Path(directory)
@@ -215,7 +239,8 @@ class PlainEngine:
             raise ConfigError(f"--resume: {path} is not a single-process checkpoint (saved under DeepSpeed? "
                               "resume with the same --deepspeed)")
         state = torch.load(path, map_location="cpu", weights_only=False)
-        self.module.load_state_dict(state["module"])
+        with _weights_fit(d):
+            self.module.load_state_dict(state["module"])
         self.opt.load_state_dict(state["optimizer"])
         return state["client_state"]
 
@@ -298,7 +323,8 @@ class DeepSpeedEngine:
             return None
         if not (d / tag).is_dir() or (d / tag / "plain.pt").is_file():
             raise ConfigError(f"--resume: {d / tag} is not a DeepSpeed checkpoint")
-        path, client = self.engine.load_checkpoint(str(d), tag=tag)
+        with _weights_fit(d):
+            path, client = self.engine.load_checkpoint(str(d), tag=tag)
         if path is None:
             raise ConfigError(f"--resume: DeepSpeed could not load {d / tag}")
         self._shadow = None  # loading may rebind parameter storage

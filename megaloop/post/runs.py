@@ -118,6 +118,14 @@ def check_owner(out: Path, own: str, *, resume: bool, overwrite: bool) -> str | 
                       f"{mine}); give another --out")
 
 
+def sidecar_fields(state: dict, tool: str, engine, **more) -> dict:
+    """A checkpoint's sidecar (:func:`write_sidecar`): the client ``state`` saved with it, the command
+    (``tool``: ``megaloop rl`` / ``megaloop distill-prefill``), the ``engine``'s process count, kind
+    (``plain`` / ``deepspeed``) and ZeRO stage, then ``more`` (``megaloop rl``: its ``--deepspeed``)."""
+    return {**state, "tool": tool, "world_size": engine.world,
+            "engine": "plain" if engine.stage is None else "deepspeed", "zero_stage": engine.stage, **more}
+
+
 def write_sidecar(ckpt: str | Path, tag: str, name: str, payload: dict) -> None:
     """``ckpt/tag/name``: the checkpoint's facts as JSON, written whole (rank 0, after the save)."""
     from megaloop.runtime.files import atomic_write_text
@@ -181,10 +189,12 @@ def checkpoint_facts(ckpt: Path, tag: str, sidecar: str) -> dict:
             f = d / name
             if not f.is_file():
                 continue
+            import zipfile
+
             import torch
 
-            try:
-                state = torch.load(f, map_location="cpu", weights_only=False)
+            try:  # a zip (torch.save's format): mapped, so the weights and optimizer state are not read in
+                state = torch.load(f, map_location="cpu", weights_only=False, mmap=zipfile.is_zipfile(f))
             except Exception as err:  # noqa: BLE001 - a damaged file
                 first = str(err).splitlines()[0] if str(err) else repr(err)
                 raise ConfigError(f"--resume: {f}: unreadable ({first})") from None
@@ -288,3 +298,30 @@ def plain_mode(*paths: str | Path) -> None:
             os.chmod(p, 0o666 & ~_umask())
         except FileNotFoundError:
             pass
+
+
+def cut_metrics(path: Path, step: int) -> int:
+    """Keep the records of ``path`` (a run's ``metrics.jsonl``) before ``step``: those of later steps,
+    which the resume from the checkpoint of ``step`` redoes, and a torn last line go. The file is
+    replaced whole (atomically), never left half-written; returns how many records went."""
+    from megaloop.runtime.files import atomic_write_text
+
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            keep = isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step
+        except ValueError:
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_text(path, "".join(k + "\n" for k in kept))
+    return dropped

@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename); figures."""
+"""Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename): text, JSON,
+or whatever a writer that takes a file name writes (``torch.save``, safetensors); figures."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -22,6 +23,29 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_file(path: str | Path, write: Callable[[str], Any]) -> None:
+    """Write ``path`` whole or not at all with ``write(tmp)``, a writer that takes a file name
+    (``torch.save``, safetensors' ``save_file``): ``tmp`` is a temp file in the same directory, then
+    fsync, rename. The file gets the mode a plain ``open`` would give it (0666 less the umask), set
+    after the writer ran (one that creates the file anew would otherwise keep mkstemp's 0600)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -74,11 +74,12 @@ def test_a_zero_section_deepspeed_rejects_is_refused_up_front(tmp_path):
 
 
 def test_metrics_flushed_before_each_checkpoint_and_cut_on_resume(tmp_path):
-    from megaloop.post.distill.prefill_student import cut_metrics
+    from megaloop.post.runs import cut_metrics
 
     m = tmp_path / "metrics.jsonl"
     m.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "lo')
-    assert cut_metrics(m, 4) == 4
+    assert cut_metrics(m, 4) == 3  # steps 4, 5 and the torn line
+    assert not list(tmp_path.glob("*.tmp"))
     assert [json.loads(line)["step"] for line in m.read_text().splitlines()] == [0, 1, 2, 3]
 
 
@@ -133,3 +134,27 @@ def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_pa
     mode = (out / "student.safetensors").stat().st_mode & 0o777  # was 0600 (safetensors' temp file)
     assert mode == (out / "student.json").stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(mode)
     assert not list(out.glob(".*tmp"))
+
+
+def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path, capsys):
+    """The --teacher at the checkpoint's path replaced by a model of another shape: the student
+    checkpoint no longer fits; one line from the engine's load, not load_state_dict's traceback."""
+    import shutil
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from tests.post.rl.helpers import tiny_config
+
+    _, hf_dir = tiny_teacher
+    teacher = tmp_path / "t"
+    shutil.copytree(hf_dir, teacher)
+    text = tmp_path / "data.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "stud"
+    assert _main(_args(teacher, text, out, "--steps", "1", "--save-every", "1")) == 0
+    shutil.rmtree(teacher)
+    MegaloopForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).save_pretrained(str(teacher))
+    (teacher / "megaloop_tokenizer.json").write_text('{"spec": "bytes"}')
+    capsys.readouterr()
+    assert _main(_args(teacher, text, out, "--steps", "2", "--resume")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "does not fit the model being trained" in err[0] and "size mismatch" in err[0], err

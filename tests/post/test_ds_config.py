@@ -87,6 +87,22 @@ def test_plain_engine_checkpoint_round_trip(tmp_path):
         PlainEngine(net2, lr=0.1).load(tmp_path)
 
 
+def test_plain_engine_load_of_another_shape_is_one_line(tmp_path):
+    """Weights of another shape: one ConfigError line naming the first mismatch (both commands load
+    through the engine), not load_state_dict's error of one line per tensor."""
+    import torch
+
+    from megaloop.post.engine import CheckpointMismatch
+
+    PlainEngine(torch.nn.Linear(3, 2), lr=0.1).save(tmp_path, "step000001", {"step": 1})
+    with pytest.raises(CheckpointMismatch) as err:
+        PlainEngine(torch.nn.Linear(4, 2), lr=0.1).load(tmp_path)
+    msg = str(err.value)
+    assert isinstance(err.value, ConfigError) and "\n" not in msg, msg
+    assert msg.startswith(f"--resume: the checkpoint in {tmp_path} does not fit the model being trained"), msg
+    assert "size mismatch for weight" in err.value.detail and not err.value.detail.endswith("."), err.value.detail
+
+
 @pytest.mark.parametrize("cmd", [
     ["rl", "--model", "M", "--out", "O", "--deepspeed", "BADCFG", "--prompts", "2", "--group-size", "4"],
     ["distill-prefill", "--teacher", "M", "--out", "O", "--deepspeed", "BADCFG", "--batch-size", "8"],

@@ -34,3 +34,34 @@ def test_a_failed_write_keeps_the_old_file(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         atomic_write_text(path, Boom())  # type: ignore[arg-type]  (fails inside the write, after mkstemp)
     assert path.read_text() == "old\n" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_atomic_write_file_whole_with_the_umask_mode_or_the_old_file(tmp_path: Path) -> None:
+    from megaloop.runtime.files import _umask, atomic_write_file
+
+    path = tmp_path / "weights.bin"
+
+    def fresh_0600(data: bytes):  # a writer that creates its file anew, 0600 (as safetensors' save_file)
+        def write(name: str) -> None:
+            os.unlink(name)
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        return write
+
+    atomic_write_file(path, fresh_0600(b"new"))
+    assert path.read_bytes() == b"new" and stat.S_IMODE(path.stat().st_mode) == 0o666 & ~_umask()
+    assert [p.name for p in tmp_path.iterdir()] == ["weights.bin"]
+
+    def torn(name: str) -> None:
+        Path(name).write_bytes(b"ha")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write_file(path, torn)
+    assert path.read_bytes() == b"new" and [p.name for p in tmp_path.iterdir()] == ["weights.bin"]
+
+    import torch
+
+    atomic_write_file(tmp_path / "state.pt", lambda name: torch.save({"step": 3}, name))
+    assert torch.load(tmp_path / "state.pt", weights_only=True) == {"step": 3}

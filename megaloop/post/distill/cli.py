@@ -167,8 +167,13 @@ def _run(args: argparse.Namespace) -> int:
         client = engine.load(ckpt)
         if client is None:
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
-        if isinstance(client.get("run"), dict) and not stored.get("run"):  # no sidecar file: check now
-            _compare_runs(client["run"], record, f"{ckpt}/{_latest_tag(ckpt)}")
+        # flags not checked before the load: a ZeRO-3 checkpoint without its sidecar (written before the
+        # sidecars, or killed between the save and the sidecar's write), whose client state is in
+        # zero_pp_rank_0_mp_rank_00_model_states.pt, a file checkpoint_facts does not read
+        if isinstance(client.get("run"), dict) and not stored.get("run"):
+            from megaloop.post.runs import latest_tag
+
+            _compare_runs(client["run"], record, f"{ckpt}/{latest_tag(ckpt)}")
         start = int(client["step"])
         if client.get("sigma2") is not None:
             sigma2 = float(client["sigma2"])
@@ -178,15 +183,13 @@ def _run(args: argparse.Namespace) -> int:
     before = float((client.get("seconds") if args.resume else 0.0) or 0.0)
 
     def save(step: int) -> None:
-        from megaloop.post.runs import write_sidecar
+        from megaloop.post.runs import sidecar_fields, write_sidecar
 
         tag = f"step{step:06d}"
         state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0}
         engine.save(ckpt, tag, state)
         if lead:  # readable before anything is loaded, so --resume checks its flags first
-            write_sidecar(ckpt, tag, RUN_FILE, {**state, "tool": "megaloop distill-prefill", "world_size": info.world,
-                                                "engine": "plain" if engine.stage is None else "deepspeed",
-                                                "zero_stage": engine.stage})
+            write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
 
     t0 = time.time()
     res = train_student(teacher, student, batches, cfg, sigma2=sigma2, metrics_path=args_out / "metrics.jsonl"
@@ -257,11 +260,6 @@ def _run_record(args: argparse.Namespace, cfg) -> dict:
                num_layers=args.num_layers, init_state=args.init_state, student_init=args.student_init,
                deepspeed=args.deepspeed, steps=cfg.steps)
     return rec
-
-
-def _latest_tag(ckpt: Path) -> str | None:
-    f = ckpt / "latest"
-    return f.read_text().strip() if f.is_file() else None
 
 
 def _compare_runs(old: dict, new: dict, where: str) -> None:

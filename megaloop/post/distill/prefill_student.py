@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from megaloop.post.rl.parts import HFLoopedParts
+from megaloop.post.runs import cut_metrics
 
 FORMAT = "megaloop-prefill-student"
 
@@ -314,24 +315,6 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
     return {"sigma2": sigma2, "history": history}
 
 
-def cut_metrics(path, step: int) -> int:
-    """Keep only the records of ``metrics.jsonl`` before ``step`` (a resume from the checkpoint of
-    ``step`` re-runs the later ones); returns how many are kept. A torn last line is dropped."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step:
-            keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
-    return len(keep)
-
-
 # ----------------------------------------------------------------------------- prefill and decode
 @torch.no_grad()
 def student_prefill(model, student, input_ids: torch.Tensor, cache=None, logits_to_keep: int = 1,
@@ -385,16 +368,12 @@ def generate(model, student, input_ids: torch.Tensor, max_new_tokens: int, *,
 def save_student(student: PrefillStudent, out: str | Path, meta: Optional[dict] = None) -> Path:
     from safetensors.torch import save_file
 
-    from megaloop.post.runs import plain_mode
-    from megaloop.runtime.files import atomic_write_text
+    from megaloop.runtime.files import atomic_write_file, atomic_write_text
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / ".student.safetensors.tmp"  # written whole, then renamed (with the umask's mode, not 0600)
-    save_file({k: v.detach().contiguous().cpu() for k, v in student.state_dict().items()},
-              str(tmp), metadata={"format": FORMAT})
-    plain_mode(tmp)
-    tmp.replace(out / "student.safetensors")
+    weights = {k: v.detach().contiguous().cpu() for k, v in student.state_dict().items()}
+    atomic_write_file(out / "student.safetensors", lambda tmp: save_file(weights, tmp, metadata={"format": FORMAT}))
     info = {"format": FORMAT, "version": 1, "num_layers": student.num_layers, "init_state": student.init_state,
             "teacher_config": student.config.to_dict(), **(meta or {})}
     atomic_write_text(out / "student.json", json.dumps(info, indent=1, default=str))

@@ -116,10 +116,11 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.errors import report
     from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
-    from megaloop.post.engine import init_post_distributed, launched_world, make_engine
+    from megaloop.post.engine import CheckpointMismatch, init_post_distributed, launched_world, make_engine
     from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
     from megaloop.post.rl.io import check_out, model_tokenizer, save_hf, warn_rope_extrapolation
     from megaloop.post.rl.tasks import make_task
+    from megaloop.post.runs import cut_metrics
 
     try:
         if args.reward_workers < 1:
@@ -173,21 +174,17 @@ def _run(args: argparse.Namespace) -> int:
     if args.resume:
         try:
             loaded = trainer.load(ckpt)
-        except RuntimeError as err:  # load_state_dict: a checkpoint of another model shape
-            if not any(w in str(err) for w in ("size mismatch", "Missing key", "Unexpected key")):
-                raise
-            first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line),
-                         str(err).splitlines()[0])
+        except CheckpointMismatch as err:  # another model shape: named with --model and where it was
             was = (stored.get("meta") or {}).get("model")
             hint = (f" ({was})" if was and was != meta["model"] else
                     " (the model at that path was replaced since?)" if was else "")
             raise ConfigError(f"--resume: the checkpoint in {ckpt} does not fit --model {args.model} (another "
-                              f"model shape: {first.rstrip('.')}); resume with the model it was trained "
+                              f"model shape: {err.detail}); resume with the model it was trained "
                               f"from{hint}") from None
         if not loaded:
             raise ConfigError(f"--resume: no checkpoint in {ckpt}")
         if lead:
-            cut = truncate_metrics(metrics, trainer.step_no)
+            cut = cut_metrics(metrics, trainer.step_no)
             print(f"resumed at step {trainer.step_no} from {ckpt}"
                   + (f" (dropped {cut} record(s) of later steps from {metrics.name})" if cut else ""))
     history = trainer.train(metrics_path=metrics if lead else None,
@@ -223,7 +220,7 @@ def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:
     ``--steps`` below the checkpoint's step."""
     from megaloop.config_utils import ConfigError
     from megaloop.post.engine import launched_world
-    from megaloop.post.rl.grpo import config_dict, resume_changes
+    from megaloop.post.rl.grpo import config_dict, refuse_changes
     from megaloop.post.runs import RL_SIDECAR, check_layout, check_tool, checkpoint_facts, resume_tag
 
     tag = resume_tag(ckpt)
@@ -232,41 +229,12 @@ def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:
     check_tool(facts, where, "rl")
     check_layout(facts, where, world=launched_world(), deepspeed=deepspeed)
     old = {**(facts.get("config") or {}), **(facts.get("meta") or {})}
-    changes = resume_changes(old, {**config_dict(cfg), **meta})
-    if changes:
-        raise ConfigError(f"--resume: the checkpoint {where} was trained with other settings: " + "; ".join(changes)
-                          + " (only --steps may change on --resume; use a new --out or --overwrite to train "
-                          "with these)")
+    refuse_changes(old, {**config_dict(cfg), **meta}, f"the checkpoint {where}")
     step = facts.get("step")
     if isinstance(step, int) and cfg.steps < step:
         raise ConfigError(f"--steps {cfg.steps}: below the checkpoint's step {step} ({where}); --steps is the "
                           f"run's total, so give at least {step}")
     return facts
-
-
-def truncate_metrics(path: Path, step: int) -> int:
-    """Keep the records of ``path`` (``metrics.jsonl``) before ``step`` (those of steps after the
-    checkpoint being resumed, which will be redone, and any torn last line go); returns how many went."""
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            keep = isinstance(rec, dict) and int(rec["step"]) < step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(k + "\n" for k in kept))
-        tmp.replace(path)
-    return dropped
 
 
 if __name__ == "__main__":  # pragma: no cover

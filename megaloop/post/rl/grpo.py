@@ -396,33 +396,24 @@ class GRPOTrainer:
     def save(self, directory: str | Path) -> None:
         """Checkpoint (engine state + step + training seconds) under ``directory/step{N:06d}``; rank 0
         then writes its sidecar ``rl_run.json`` (:mod:`megaloop.post.runs`: readable before a model loads)."""
-        from megaloop.post.runs import RL_SIDECAR, write_sidecar
+        from megaloop.post.runs import RL_SIDECAR, sidecar_fields, write_sidecar
 
         tag = f"step{self.step_no:06d}"
         state = {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta,
                  "seconds": self.seconds}
         self.engine.save(directory, tag, state)
         if self.engine.rank == 0:
-            write_sidecar(directory, tag, RL_SIDECAR, {
-                **state, "tool": "megaloop rl", "world_size": self.engine.world,
-                "engine": "plain" if self.engine.stage is None else "deepspeed", "zero_stage": self.engine.stage,
-                **self.record})
+            write_sidecar(directory, tag, RL_SIDECAR, sidecar_fields(state, "megaloop rl", self.engine, **self.record))
 
     def load(self, directory: str | Path, tag: str | None = None) -> bool:
         """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none.
         :class:`~megaloop.config_utils.ConfigError` when the checkpoint was trained with another
-        setting that changes the training (:func:`resume_changes`; ``steps`` may grow)."""
-        from megaloop.config_utils import ConfigError
-
+        setting that changes the training (:func:`refuse_changes`; ``steps`` may grow)."""
         client = self.engine.load(directory, tag)
         if client is None:
             return False
-        changes = resume_changes({**(client.get("config") or {}), **(client.get("meta") or {})},
-                                 {**config_dict(self.cfg), **self.meta})
-        if changes:
-            raise ConfigError(f"--resume: the checkpoint in {directory} was trained with other settings: "
-                              + "; ".join(changes) + " (only --steps may change on --resume; "
-                              "use a new --out or --overwrite to train with these)")
+        refuse_changes({**(client.get("config") or {}), **(client.get("meta") or {})},
+                       {**config_dict(self.cfg), **self.meta}, f"the checkpoint in {directory}")
         self.step_no = int(client["step"])
         self.seconds = float(client.get("seconds") or 0.0)
         self._bind()
@@ -494,5 +485,18 @@ def resume_changes(old: dict, new: dict) -> list[str]:
     return out
 
 
-__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutBatch", "completion_logprobs", "config_dict", "resume_changes",
-           "generate_with_endpoints", "group_advantages", "rollout", "surrogate_loss", "train"]
+def refuse_changes(old: dict, new: dict, checkpoint: str) -> None:
+    """Refuse (:class:`~megaloop.config_utils.ConfigError`, one line) a ``--resume`` whose settings
+    ``new`` change the training of ``checkpoint`` (its stored ``old``; :func:`resume_changes`);
+    ``checkpoint`` names it in the message (``"the checkpoint RUN/checkpoints/step000004"``)."""
+    from megaloop.config_utils import ConfigError
+
+    changes = resume_changes(old, new)
+    if changes:
+        raise ConfigError(f"--resume: {checkpoint} was trained with other settings: " + "; ".join(changes)
+                          + " (only --steps may change on --resume; use a new --out or --overwrite to train "
+                          "with these)")
+
+
+__all__ = ["GRPOConfig", "GRPOTrainer", "RolloutBatch", "completion_logprobs", "config_dict", "refuse_changes",
+           "resume_changes", "generate_with_endpoints", "group_advantages", "rollout", "surrogate_loss", "train"]
