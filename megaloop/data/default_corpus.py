@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 from megaloop.data._fsutil import atomic_write_json, json_sha
-from megaloop.data.default_tokenizer import build_once, cache_root, ensure_default_tokenizer
+from megaloop.data.default_tokenizer import DEFAULT_VOCAB_SIZE, build_once, cache_root, ensure_default_tokenizer
 from megaloop.data.stdlib_corpus import SOURCES, corpus_fingerprint, extract, platform_summary, \
     select
 from megaloop.data.txt360 import HoldoutSpec
@@ -102,7 +102,7 @@ def _link_tree(src: Path, dst: Path) -> None:
 
 
 def ensure_default_dataset(cache_dir: str | Path | None = None, seq_len: int = 256, *,
-                           vocab_size: int = 4096, val_fraction: float = VAL_FRACTION,
+                           vocab_size: int = DEFAULT_VOCAB_SIZE, val_fraction: float = VAL_FRACTION,
                            screen_fraction: float = SCREEN_FRACTION,
                            val_sequences_per_source: int | None = None,
                            screen_seq_len: int | None = None, screen_sequences: int | None = None,

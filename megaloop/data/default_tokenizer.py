@@ -15,6 +15,8 @@ from typing import Callable
 
 from megaloop.data._fsutil import atomic_write_json, file_lock, json_sha, rmtree_quiet
 
+DEFAULT_VOCAB_SIZE = 4096  # the embedded corpus's byte-level BPE (the `tiny` preset's vocabulary)
+
 TOKENIZER_VERSION = 2
 # Share of each source's documents the BPE is trained on (by content hash): ~9 MB of text in all,
 # a few seconds of training; the vocabulary sees prose, library code and test code.
@@ -58,7 +60,7 @@ def _in_sample(source: str, text: str) -> bool:
     return int.from_bytes(digest, "big") / 2.0**64 < share
 
 
-def ensure_default_tokenizer(cache_dir: str | Path | None = None, vocab_size: int = 4096) -> Path:
+def ensure_default_tokenizer(cache_dir: str | Path | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """Train (once, cached) the default byte-level BPE; returns its ``tokenizer.json`` path."""
     import tokenizers
 

@@ -143,12 +143,9 @@ def resolve_vocab(cfg, flag: int | None) -> tuple[int, str]:
         return flag, "--vocab"
     path = cfg.data.path
     if path == "default" or path.startswith("default:"):
-        import inspect
+        from megaloop.data.default_tokenizer import DEFAULT_VOCAB_SIZE
 
-        from megaloop.data.default_corpus import ensure_default_dataset
-
-        v = inspect.signature(ensure_default_dataset).parameters["vocab_size"].default
-        return int(v), "data.path=default: the embedded corpus's tokenizer"
+        return DEFAULT_VOCAB_SIZE, "data.path=default: the embedded corpus's tokenizer"
     if "://" in path:
         return DEFAULT_VOCAB, f"default; data.path={path} is remote and not read here (--vocab N to set it)"
     manifest = Path(path) / "manifest.json"
