@@ -46,7 +46,7 @@ def add_eval_parser(sub) -> None:
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
-    _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default="both")
+    _common(p, cache_choices=("terminal", "per_visit", "both"), cache_default=None)  # both; terminal with --student
     add_student_option(p)
     p.add_argument("--prefix-len", type=int, default=None,
                    help="tokens prefilled per sequence, the rest is scored (paper: 4096 of 8192; default half)")
@@ -264,6 +264,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from megaloop.eval.ppl import evaluate_ppl, protocols_for
 
+    if args.cache is None:  # both protocols; with --student the one its prefill serves
+        args.cache = "terminal" if args.student else "both"
     if args.decode_depth is not None and args.exit is None:
         raise ConfigError("--decode-depth: eval ppl scores the second half in one parallel pass at --depth "
                           "(SPEC §7), not token by token; drop it (with --exit it is the default --max-depth)")

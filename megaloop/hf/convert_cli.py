@@ -54,6 +54,13 @@ def _check_args(args) -> None:
     or empty (convert_from_hf also refuses a folder holding checkpoints)."""
     from megaloop.config_utils import ConfigError
 
+    if args.from_hf:  # the export's options mean nothing going back: refused, not ignored
+        given = [flag for flag, on in (("--dtype", args.dtype != "fp32"), ("--no-validate", args.no_validate),
+                                       ("--tokenizer", args.tokenizer is not None), ("--depth", args.depth is not None),
+                                       ("--max-shard-size", args.max_shard_size != "2GB")) if on]
+        if given:
+            raise ConfigError(f"{given[0]}: applies to the export (megaloop -> HF); --from-hf takes only "
+                              "--checkpoint (the HF folder) and --out")
     if args.depth is not None and args.depth < 1:
         raise ConfigError(f"--depth: must be >= 1, got {args.depth}")
     args.max_shard_size = shard_size(args.max_shard_size)

@@ -33,7 +33,9 @@ def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal",
         p.add_argument("--prefill-depth", type=int, default=None, help="prefill budget P (default R)")
         p.add_argument("--decode-depth", type=int, default=None, help="per-token decode budget D (default R)")
         if cache_choices:
-            p.add_argument("--cache", choices=cache_choices, default=cache_default, help="KV-cache mode")
+            p.add_argument("--cache", choices=cache_choices, default=cache_default,
+                           help="KV-cache mode" + (f" (default {cache_default})" if cache_default else
+                                                   " (default both; terminal with --student)"))
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, auto (default)")
     p.add_argument("--dtype", default="fp32", help="fp32 (default), bf16, fp16")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json overriding the run's")
@@ -84,6 +86,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from megaloop.hf.load import resolve_device
 
     resolve_device(args.device)  # ConfigError naming --device
+    if getattr(args, "student", None) and getattr(args, "cache", "terminal") == "both":
+        raise ConfigError("--student: the student's prefill fills a terminal cache; --cache both would also score "
+                          "per_visit, which never runs it (use --cache terminal, the default with --student)")
     if getattr(args, "student", None) and getattr(args, "cache", "terminal") != "terminal":
         raise ConfigError(f"--student: the student's prefill fills a terminal cache; with --cache {args.cache} it "
                           "would never run (use --cache terminal, or drop --student)")

@@ -315,10 +315,14 @@ def test_adaptive_exit_options_reach_ppl_harness_and_generate(cli, trained_run, 
 
 
 def test_student_option_is_wired_and_checked(cli, trained_run, tmp_path):
-    """--student DIR reaches ppl / harness / generate (issue 14); a folder that is not a student exits 2."""
+    """--student DIR reaches ppl / harness / generate (issue 14); a folder that is not a student exits 2.
+    eval ppl's --cache defaults to the terminal protocol with --student (both protocols without)."""
     for argv in (["eval", "ppl", "--max-seqs", "1"], ["generate", "--prompt", "x"]):
         code, _, err = cli(*argv, "--checkpoint", str(trained_run), "--student", str(tmp_path / "none"))
-        assert code == 2 and "--student" in err
+        assert code == 2 and "--student" in err and "has no student.json" in err, err
+    code, _, err = cli("eval", "ppl", "--max-seqs", "1", "--cache", "both", "--checkpoint", str(trained_run),
+                       "--student", str(tmp_path / "none"))
+    assert code == 2 and "--cache both would also score per_visit" in err, err
 
 
 @pytest.mark.parametrize("argv", [

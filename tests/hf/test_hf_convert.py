@@ -397,3 +397,15 @@ def test_out_folders_that_would_mix_or_lose_outputs_are_refused(megatron_world, 
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, (argv, err)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("flags", [["--dtype", "bf16"], ["--no-validate"], ["--tokenizer", "t.json"], ["--depth", "3"],
+                                   ["--max-shard-size", "1GB"]])
+def test_from_hf_refuses_the_exports_options(tmp_path, capsys, flags):
+    """Options of the export (megaloop -> HF) are refused with --from-hf, not silently ignored."""
+    from megaloop.hf.convert_cli import main
+
+    out = tmp_path / "back"
+    assert main(["--from-hf", "--checkpoint", str(tmp_path / "hf"), "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{flags[0]}: applies to the export (megaloop -> HF); --from-hf takes only" in err and not out.exists()
