@@ -8,7 +8,8 @@ Three TxT360 sources; one document is one JSONL record ``{text, meta}``:
   imported) and laid out as pydoc's text view does (signature line, indented docstring).
 * ``python-code``: the standard library's ``.py`` files outside test directories, cut at top-level
   statement boundaries into chunks of at least ``CODE_CHARS`` characters.
-* ``python-tests``: the same for the test suites (directories ``test``, ``tests``, ``idle_test``).
+* ``python-tests``: the test suites (directories ``test``, ``tests``, ``idle_test``), cut before a column-0 line
+  after a blank line, into chunks of at least ``CODE_CHARS`` characters.
 
 Walked: ``sysconfig.get_paths()["stdlib"]`` in sorted path order, without following symlinks;
 skipped: ``site-packages`` / ``dist-packages``, ``__pycache__``, ``pydoc_data`` (the topics again)

@@ -87,4 +87,4 @@ class DepthConfig:
     @property
     def max_depth(self) -> int:
         """Largest depth this distribution can draw."""
-        return {"fixed": self.depth, "pln": self.cap, "learned": self.r_max}[self.kind]
+        return {"fixed": self.depth, "pln": self.cap, "poisson": self.cap, "learned": self.r_max}[self.kind]

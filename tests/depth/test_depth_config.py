@@ -40,6 +40,7 @@ def test_from_dict_unknown_and_typed_fields() -> None:
         from_dict(DepthConfig, {"r_max": "lots"}, prefix="depth")
     cfg = from_dict(DepthConfig, {"kind": "learned", "init": "uniform_1_10", "reward": "raw_ce"}, prefix="depth")
     assert cfg.max_depth == 64
+    assert DepthConfig(kind="poisson", cap=12).max_depth == 12 and DepthConfig(kind="fixed", depth=3).max_depth == 3
 
 
 def test_defaults_valid() -> None:
