@@ -9,12 +9,19 @@
 # EXTRA_ARGS (more `megaloop rl` options, word-split); NODES, GPUS_PER_NODE, RDZV, ...: slurm/common.sh.
 # Relative paths (MODEL, OUT, TASK's file, a DS_CONFIG file, the files EXTRA_ARGS' --tokenizer and --task
 # name) are relative to the directory you submit from. Re-submitting continues from OUT/checkpoints (--resume when a checkpoint exists).
+# Pre-emption / time limit (--signal=B:USR1@120 --requeue below): the batch shell forwards the USR1
+# to every rank of `megaloop rl` (srun, torchrun); each checkpoints into OUT/checkpoints at the
+# next step boundary (whatever SAVE_EVERY) and exits 75, rank 0's status reaches the batch shell
+# (MEGALOOP_EXIT_STATUS_FILE), the job requeues itself and the next start continues with --resume
+# (slurm/common.sh, megaloop_launch).
 #SBATCH --job-name=megaloop-rl
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
+#SBATCH --signal=B:USR1@120
+#SBATCH --requeue
 #SBATCH --open-mode=append
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail

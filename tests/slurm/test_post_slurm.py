@@ -1,10 +1,13 @@
 """slurm/rl.sh and slurm/distill.sh under simulated SLURM (stub srun/scontrol/torchrun, tests/slurm/stubs.py):
-one torchrun per node running the post-training command under DeepSpeed, resume when a checkpoint exists."""
+one torchrun per node running the post-training command under DeepSpeed, resume when a checkpoint exists,
+requeue on the command's exit 75 (a checkpoint after slurm's USR1 warning)."""
 
 from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 from tests.slurm.stubs import calls, repo_copy, stub_env
@@ -123,3 +126,19 @@ def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path)
         assert _flag(cmd, "--teacher") == str(work / "ckpt" / "L") and _flag(cmd, "--data") == str(work / "val.jsonl")
         assert _flag(cmd, "--out") == str(work / "students" / "distill") and _flag(cmd, "--deepspeed") == "zero3"
         assert f"--tokenizer={work}/tok" in cmd and _flag(cmd, "--depth") == "5" and cmd[-2:] == ["--tokenizer", "bytes"]
+
+
+@pytest.mark.parametrize("script", ["rl.sh", "distill.sh"])
+def test_preemption_signal_and_requeue(tmp_path: Path, script: str) -> None:
+    """Both scripts ask for slurm's USR1 warning and are requeue-able; the command's own 75 (rank 0's
+    status file: torchrun reports any failed worker as 1) requeues the job, as for slurm/train_*.sh."""
+    head = [line.strip() for line in (ROOT / "slurm" / script).read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --signal=B:USR1@120" in head and "#SBATCH --requeue" in head
+    knob = {"MODEL": "/ckpt/hf/S"} if script == "rl.sh" else {"TEACHER": "/ckpt/hf/L"}
+    _run(script, _env(tmp_path, **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:75"), expect=75)
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+    assert (tmp_path / "logs" / "4242" / "exit_code").read_text().strip() == "75"
+    (tmp_path / "int").mkdir()
+    env = _env(tmp_path / "int", **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:130")  # Ctrl-C: no requeue
+    _run(script, env, expect=130)
+    assert not [c for c in calls(tmp_path / "int", "scontrol") if c["argv"][:1] == ["requeue"]]

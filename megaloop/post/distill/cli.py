@@ -14,7 +14,10 @@ copy), ``--no-hidden-loss`` / ``--no-kl-loss`` (drop one loss term). Several pro
 (``torchrun --nproc_per_node N -m megaloop.cli distill-prefill --deepspeed zero3 ...``) train the
 student under DeepSpeed ZeRO-1/2/3, each rank on its share of ``--batch-size`` rows (the teacher is
 replicated, frozen); rank 0 writes the folder. ``--save-every N`` checkpoints into
-``OUT/checkpoints``; ``--resume`` continues from the latest exactly. An ``--out`` that already holds a
+``OUT/checkpoints``; ``--resume`` continues from the latest exactly. SIGTERM / SIGUSR1 (slurm's
+pre-emption warning) / Ctrl-C during training checkpoint there at the next step boundary (whatever
+``--save-every``; every rank agrees on it) and exit 75 / 130 (:mod:`megaloop.post.stop`); a second Ctrl-C
+stops at once without saving. An ``--out`` that already holds a
 student is refused unless ``--resume`` or ``--overwrite`` is given; one that holds another tool's
 folder (a pretraining run, an RL run, an HF model) is refused whatever the flags. ``--resume`` needs the
 same flags, engine and number of processes (checked before the teacher loads). The deepspeed launcher
@@ -97,6 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.post.rl.io import check_out, model_tokenizer, warn_rope_extrapolation
+    from megaloop.post.stop import SignalStop, exit_code, stop_line
 
     _check_flags(args)
     if args.threads:
@@ -191,27 +195,40 @@ def _run(args: argparse.Namespace) -> int:
         if lead:  # readable before anything is loaded, so --resume checks its flags first
             write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
 
-    t0 = time.time()
-    res = train_student(teacher, student, batches, cfg, sigma2=sigma2, metrics_path=args_out / "metrics.jsonl"
-                        if lead else None, log=say, engine=engine, start_step=start, save_every=args.save_every,
-                        save=save if saving else None)
-    state = engine.full_state_dict()
-    final = PrefillStudent(teacher.config, student.num_layers, student.init_state).to(device)
-    final.load_state_dict(state)
-    after = evaluate_student(teacher, final.eval(), eval_set, cfg, sigma2)
-    say("held-out after:  " + json.dumps({k: round(v, 5) for k, v in after.items()}))
-    if lead:
-        save_student(final.cpu(), args_out, meta={
-            "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
-            "student_init": args.student_init, "teacher": source, "teacher_digest": weights_digest(teacher),
-            "data": args.data, "config": config_dict(cfg),
-            "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
-            {"config": args.deepspeed, "zero_stage": engine.stage},
-            "train_seconds": round(before + time.time() - t0, 2), "launch_train_seconds": round(time.time() - t0, 2),
-            "eval_before": before_eval, "eval_after": after,
-            "final_train": res["history"][-1] if res["history"] else None})
-        print(f"wrote {args_out}")
-    return 0
+    # SIGTERM/SIGUSR1/Ctrl-C from here on: checkpoint at the next step boundary and exit 75/130
+    # (megaloop.post.stop); one during the last step or the final writes lets the run complete
+    with SignalStop(lead=lead) as stop:
+        t0 = time.time()
+        res = train_student(teacher, student, batches, cfg, sigma2=sigma2,
+                            metrics_path=args_out / "metrics.jsonl" if lead else None, log=say, engine=engine,
+                            start_step=start, save_every=args.save_every, save=save if saving else None, stop=stop,
+                            stop_save=save)
+        if res["stop_signal"]:  # the same decision on every rank: no final gather, evaluation or output
+            if lead:
+                where = ckpt / f"step{res['step']:06d}" if res["stop_saved"] else None
+                print(stop_line("megaloop distill-prefill", res["stop_signal"], res["step"], where), flush=True)
+            return exit_code(res["stop_signal"])
+        state = engine.full_state_dict()
+        final = PrefillStudent(teacher.config, student.num_layers, student.init_state).to(device)
+        final.load_state_dict(state)
+        after = evaluate_student(teacher, final.eval(), eval_set, cfg, sigma2)
+        say("held-out after:  " + json.dumps({k: round(v, 5) for k, v in after.items()}))
+        if lead:
+            save_student(final.cpu(), args_out, meta={
+                "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
+                "student_init": args.student_init, "teacher": source, "teacher_digest": weights_digest(teacher),
+                "data": args.data, "config": config_dict(cfg),
+                "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
+                {"config": args.deepspeed, "zero_stage": engine.stage},
+                "train_seconds": round(before + time.time() - t0, 2),
+                "launch_train_seconds": round(time.time() - t0, 2),
+                "eval_before": before_eval, "eval_after": after,
+                "final_train": res["history"][-1] if res["history"] else None})
+            print(f"wrote {args_out}")
+            if stop.received:
+                print(f"megaloop distill-prefill: signal received during the last step or the final writes: the "
+                      f"run is complete at step {res['step']}", flush=True)
+        return 0
 
 
 

@@ -251,7 +251,7 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
                   sigma2: Optional[float] = None, calib: Optional[list[torch.Tensor]] = None,
                   log: Optional[Callable[[str], None]] = print, metrics_path=None, engine=None,
                   start_step: int = 0, save: Optional[Callable[[int], None]] = None,
-                  save_every: int = 0) -> dict:
+                  save_every: int = 0, stop=None, stop_save: Optional[Callable[[int], None]] = None) -> dict:
     """Train ``student`` in place against the frozen ``teacher`` (kept in eval mode, weights untouched).
 
     ``batches`` yields the *global* batch of token ids [b, s]; under a data-parallel ``engine``
@@ -259,7 +259,14 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
     averages the gradients, so the update equals one process on the whole batch. ``start_step``
     (resume) skips that many batches of a fresh stream; ``save(step)`` runs every ``save_every``
     steps and at the end. σ_T² is calibrated on ``calib`` (default: the first
-    ``cfg.calib_batches`` batches of the stream) unless given. Returns ``{"sigma2", "history"}``."""
+    ``cfg.calib_batches`` batches of the stream) unless given.
+
+    ``stop``: a :class:`megaloop.post.stop.SignalStop`, asked after every step but the last (a
+    collective: every rank asks at the same steps); when some rank received a signal, ``stop_save``
+    (default ``save``; neither: no checkpoint) checkpoints the steps done unless ``save`` just did,
+    and training ends there. Returns ``{"sigma2", "history", "step", "stop_signal", "stop_saved"}``
+    (``step``: the steps done; ``stop_signal`` 0 unless a signal stopped it; ``stop_saved``: a
+    checkpoint of ``step`` exists)."""
     from megaloop.post.engine import PlainEngine
 
     teacher.eval()
@@ -281,6 +288,7 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
         cut_metrics(metrics_path, start_step)
     f = open(metrics_path, "a") if metrics_path else None
     t0 = time.perf_counter()
+    done, saved_at, stop_signal = start_step, None, 0
     try:
         with _frozen(teacher):
             student.train()
@@ -306,13 +314,24 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
                     f.flush()
                 if log and (step % cfg.log_every == 0 or step == cfg.steps - 1):
                     log(f"step {step:5d} loss={rec['loss']:.4f} hidden={terms['hidden']:.4f} kl={terms['kl']:.4f}")
-                if save is not None and (step + 1 == cfg.steps or (save_every and (step + 1) % save_every == 0)):
-                    save(step + 1)
+                done = step + 1
+                if save is not None and (done == cfg.steps or (save_every and done % save_every == 0)):
+                    save(done)
+                    saved_at = done
+                # after the step's record and save, so a signal during them costs no further step
+                stop_signal = stop.agreed() if stop is not None and done < cfg.steps else 0
+                if stop_signal:
+                    target = stop_save if stop_save is not None else save
+                    if target is not None and saved_at != done:
+                        target(done)
+                        saved_at = done
+                    break
     finally:
         student.eval()
         if f:
             f.close()
-    return {"sigma2": sigma2, "history": history}
+    return {"sigma2": sigma2, "history": history, "step": done, "stop_signal": stop_signal,
+            "stop_saved": saved_at == done}
 
 
 # ----------------------------------------------------------------------------- prefill and decode

@@ -24,8 +24,11 @@ rolls out its share of the ``--prompts x --group-size`` rows, the advantages are
 whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoints in
 ``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``, with an ``rl_run.json`` beside each);
 ``--resume`` continues from the latest one exactly, on the same ``--model``, settings, engine and
-number of processes (checked before the model loads; ``--steps`` may grow). ``megaloop rl grad-check
---model M`` prints the reuse/recompute gradient cosine.
+number of processes (checked before the model loads; ``--steps`` may grow). SIGTERM / SIGUSR1 (slurm's
+pre-emption warning) / Ctrl-C during training checkpoint into ``OUT/checkpoints`` at the next step
+boundary (whatever ``--save-every``; every rank agrees on it) and exit 75 / 130: ``--resume`` continues
+exactly (:mod:`megaloop.post.stop`); a second Ctrl-C stops at once without saving. ``megaloop rl
+grad-check --model M`` prints the reuse/recompute gradient cosine.
 """
 
 from __future__ import annotations
@@ -121,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.rl.io import check_out, model_tokenizer, save_hf, warn_rope_extrapolation
     from megaloop.post.rl.tasks import make_task
     from megaloop.post.runs import cut_metrics
+    from megaloop.post.stop import SignalStop, exit_code, stop_line
 
     try:
         if args.reward_workers < 1:
@@ -187,30 +191,42 @@ def _run(args: argparse.Namespace) -> int:
             cut = cut_metrics(metrics, trainer.step_no)
             print(f"resumed at step {trainer.step_no} from {ckpt}"
                   + (f" (dropped {cut} record(s) of later steps from {metrics.name})" if cut else ""))
-    history = trainer.train(metrics_path=metrics if lead else None,
-                            save_dir=ckpt if (args.save_every or args.resume) else None, save_every=args.save_every)
-    policy = engine.full_state_dict()
-    if not lead:
+    # SIGTERM/SIGUSR1/Ctrl-C from here on: checkpoint at the next step boundary and exit 75/130
+    # (megaloop.post.stop); one during the last step or the final writes lets the run complete
+    with SignalStop(lead=lead) as stop:
+        history = trainer.train(metrics_path=metrics if lead else None,
+                                save_dir=ckpt if (args.save_every or args.resume) else None,
+                                save_every=args.save_every, stop=stop, stop_dir=ckpt)
+        if trainer.stop_signal:  # the same decision on every rank: no final gather or output
+            if lead:
+                where = ckpt / f"step{trainer.step_no:06d}" if trainer.stop_saved else None
+                print(stop_line("megaloop rl", trainer.stop_signal, trainer.step_no, where), flush=True)
+            return exit_code(trainer.stop_signal)
+        policy = engine.full_state_dict()
+        if not lead:
+            return 0
+        model.load_state_dict(policy)
+        model.config.num_recurrences = cfg.depth
+        # the whole run's records (a resumed run's history holds only the steps it ran; metrics.jsonl was
+        # cut back to the checkpoint, so it holds every step once) and its training time over every launch
+        # (the checkpoint resumed from carries the seconds of the steps before it)
+        if args.resume and metrics.is_file():
+            history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        summary = {"source": source, "task": args.task, "config": config_dict(cfg),
+                   "seconds": round(trainer.seconds, 2), "launch_seconds": round(time.time() - t0, 2),
+                   "world_size": info.world, "deepspeed": None if ds_config is None else
+                   {"config": args.deepspeed, "zero_stage": engine.stage},
+                   "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,
+                   "final": history[-1] if history else None,
+                   "reward_mean_first": history[0]["reward_mean"] if history else None,
+                   "reward_mean_last": history[-1]["reward_mean"] if history else None}
+        save_hf(model.cpu(), out, tok, extra=summary)
+        print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
+        print(f"wrote {out}")
+        if stop.received:
+            print(f"megaloop rl: signal received during the last step or the final writes: the run is "
+                  f"complete at step {trainer.step_no}", flush=True)
         return 0
-    model.load_state_dict(policy)
-    model.config.num_recurrences = cfg.depth
-    # the whole run's records (a resumed run's history holds only the steps it ran; metrics.jsonl was
-    # cut back to the checkpoint, so it holds every step once) and its training time over every launch
-    # (the checkpoint resumed from carries the seconds of the steps before it)
-    if args.resume and metrics.is_file():
-        history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    summary = {"source": source, "task": args.task, "config": config_dict(cfg),
-               "seconds": round(trainer.seconds, 2), "launch_seconds": round(time.time() - t0, 2),
-               "world_size": info.world, "deepspeed": None if ds_config is None else
-               {"config": args.deepspeed, "zero_stage": engine.stage},
-               "reward_sandbox": task.sandbox_info() if hasattr(task, "sandbox_info") else None,
-               "final": history[-1] if history else None,
-               "reward_mean_first": history[0]["reward_mean"] if history else None,
-               "reward_mean_last": history[-1]["reward_mean"] if history else None}
-    save_hf(model.cpu(), out, tok, extra=summary)
-    print(json.dumps({k: summary[k] for k in ("reward_mean_first", "reward_mean_last", "seconds")}))
-    print(f"wrote {out}")
-    return 0
 
 
 def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:

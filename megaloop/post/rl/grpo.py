@@ -310,6 +310,7 @@ class GRPOTrainer:
         self.record = dict(record or {})
         self.step_no = 0
         self.seconds = 0.0  # training time of the steps done, over every launch (restored by load)
+        self.stop_signal, self.stop_saved = 0, False  # how the last train() ended (a signal stop or not)
         self._bind()
 
     def _bind(self) -> None:
@@ -420,11 +421,20 @@ class GRPOTrainer:
         return True
 
     def train(self, steps: int | None = None, metrics_path: str | Path | None = None,
-              save_dir: str | Path | None = None, save_every: int = 0) -> list[dict]:
+              save_dir: str | Path | None = None, save_every: int = 0, stop=None,
+              stop_dir: str | Path | None = None) -> list[dict]:
         """Run until ``steps`` (default ``cfg.steps``) steps are done in total; checkpoint every
-        ``save_every`` steps and at the end when ``save_dir`` is given."""
+        ``save_every`` steps and at the end when ``save_dir`` is given.
+
+        ``stop``: a :class:`megaloop.post.stop.SignalStop`, asked after every step but the last (a
+        collective: every rank asks at the same steps); when some rank received a signal the run
+        checkpoints into ``stop_dir`` (default ``save_dir``; neither: no checkpoint) unless this
+        step was just saved, and returns early with :attr:`stop_signal` set (0 otherwise) and
+        :attr:`stop_saved` telling whether a checkpoint of this step exists."""
         history = []
         total = steps if steps is not None else self.cfg.steps
+        self.stop_signal, self.stop_saved = 0, False
+        saved_at = None
         f = open(metrics_path, "a") if metrics_path else None
         base, t0 = self.seconds, time.perf_counter()
         try:
@@ -434,6 +444,7 @@ class GRPOTrainer:
                 self.seconds = base + time.perf_counter() - t0
                 if save_dir is not None and (self.step_no == total or (save_every and self.step_no % save_every == 0)):
                     self.save(save_dir)
+                    saved_at = self.step_no
                 if f:
                     f.write(json.dumps(rec, default=str) + "\n")
                     f.flush()
@@ -443,6 +454,15 @@ class GRPOTrainer:
                              f"len={rec['completion_len']:.1f} loss={rec['loss']:+.4f} "
                              f"grad_norm={'-' if gn is None else f'{gn:.3g}'} rollout={rec['rollout_s']:.2f}s "
                              f"update={rec['update_s']:.2f}s")
+                # after the step's save and record, so a signal during them costs no further step
+                sig = stop.agreed() if stop is not None and self.step_no < total else 0
+                if sig:
+                    target = stop_dir if stop_dir is not None else save_dir
+                    if target is not None and saved_at != self.step_no:
+                        self.save(target)
+                        saved_at = self.step_no
+                    self.stop_signal, self.stop_saved = sig, saved_at == self.step_no
+                    break
         finally:
             if f:
                 f.close()

@@ -48,7 +48,9 @@ def add_run_folder_args(p, stages: str, what: str) -> None:
     ``--resume``, ``--overwrite``: the run-folder options of ``megaloop rl`` / ``distill-prefill``."""
     p.add_argument("--deepspeed", default=None, metavar="CONFIG",
                    help=f"DeepSpeed JSON config (or {stages}, the shipped ones): train under a ZeRO engine")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (and at the end) in OUT/checkpoints")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="checkpoint every N steps (and at the end) in OUT/checkpoints; a stop on SIGTERM/SIGUSR1/"
+                        "Ctrl-C checkpoints there whatever N (exit 75/130; continue with --resume)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/checkpoints")
     p.add_argument("--overwrite", action="store_true",
                    help=f"replace the {what} already in --out (only this command's own runs); without it such "

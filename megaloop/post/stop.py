@@ -1,0 +1,101 @@
+"""Graceful stop on signals for the post-training loops (``megaloop rl``, ``megaloop distill-prefill``),
+as ``megaloop train`` does (:meth:`megaloop.train.trainer.Trainer.run`).
+
+While a :class:`SignalStop` is entered, SIGTERM, SIGUSR1 (slurm's ``--signal=B:USR1@120`` warning,
+forwarded by torchrun) and SIGINT only set a flag; the loop calls :meth:`SignalStop.agreed` at each
+step boundary but the last, where every rank learns whether *some* rank received one (an all-reduce
+over torch.distributed's default group when it is initialised: all ranks take the same decision,
+as they must around ZeRO's collectives). On a signal the loop writes a checkpoint through its
+ordinary save path (checkpoint + sidecar; metrics.jsonl is flushed each step) and stops; the
+command prints one line (:func:`stop_line`) and exits :func:`exit_code`: 75 (``EXIT_REQUEUE``,
+SIGTERM/SIGUSR1: resume me; slurm/common.sh requeues on it) or 130 (``EXIT_INTERRUPTED``, Ctrl-C).
+A second Ctrl-C raises :class:`KeyboardInterrupt` at once (no checkpoint). A signal during the last
+step (or the final writes) lets the run complete: it exits 0. The previous handlers come back on exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+from megaloop.runtime.exits import EXIT_INTERRUPTED, EXIT_REQUEUE
+
+HANDLED = ("SIGTERM", "SIGUSR1", "SIGINT")
+# the value each signal has in the all-reduce (MAX wins: Ctrl-C over SIGUSR1 over SIGTERM)
+_RANK = {"SIGTERM": 1, "SIGUSR1": 2, "SIGINT": 3}
+
+
+def _signals() -> list[int]:
+    return [int(getattr(signal, n)) for n in HANDLED if hasattr(signal, n)]
+
+
+class SignalStop:
+    """Context manager: SIGTERM/SIGUSR1/SIGINT set :attr:`received` instead of stopping the process.
+
+    ``lead``: this process prints the notice of a first Ctrl-C (rank 0). Outside the main thread
+    (where Python cannot install handlers) nothing is installed; :meth:`agreed` still takes part in
+    the all-reduce, so the ranks stay in step."""
+
+    def __init__(self, lead: bool = True):
+        self.lead = lead
+        self.received: int | None = None  # the first signal this process received (Ctrl-C overrides)
+        self._old: dict[int, object] = {}
+
+    def __enter__(self) -> "SignalStop":
+        if threading.current_thread() is threading.main_thread():
+            for s in _signals():
+                self._old[s] = signal.signal(s, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        if signum == signal.SIGINT:
+            if self.received == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            if self.lead:  # os.write: no buffered-writer re-entry if the signal lands inside a print
+                os.write(2, b"\ninterrupted: checkpointing after the current step, then exiting "
+                            b"(Ctrl-C again to stop at once without saving)\n")
+            self.received = signum
+        elif self.received is None:
+            self.received = signum
+
+    def agreed(self) -> int:
+        """The signal some rank received (0 if none; SIGINT over SIGUSR1 over SIGTERM); collective
+        when torch.distributed is initialised: every rank must call it at the same step."""
+        name = signal.Signals(self.received).name if self.received else None
+        mine = _RANK.get(name, 0)
+        import torch
+
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized():
+            device = "cpu"
+            if dist.get_backend() == "nccl":
+                device = f"cuda:{torch.cuda.current_device()}"
+            flag = torch.tensor([mine], dtype=torch.int32, device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            mine = int(flag.item())
+        if not mine:
+            return 0
+        return int(getattr(signal, next(n for n, v in _RANK.items() if v == mine)))
+
+
+def exit_code(sig: int) -> int:
+    """130 (``EXIT_INTERRUPTED``) after Ctrl-C, else 75 (``EXIT_REQUEUE``: resume / requeue me)."""
+    return EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_REQUEUE
+
+
+def stop_line(prog: str, sig: int, step: int, checkpoint: str | Path | None) -> str:
+    """The one line of a signal stop: what stopped the run, at which step, the checkpoint written
+    (``None``: none was) and how to continue."""
+    what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else f"stopped by {signal.Signals(sig).name}"
+    code = exit_code(sig)
+    if checkpoint is None:
+        return f"{prog}: {what} at step {step}; no checkpoint was written (exit {code})"
+    return f"{prog}: {what} at step {step}: checkpoint {checkpoint} written; continue with --resume (exit {code})"
