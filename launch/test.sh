@@ -31,4 +31,9 @@ TARGETS=(tests)
 for a in "$@"; do
   if [[ "$a" != -* && -e "${a%%::*}" ]]; then TARGETS=(); break; fi
 done
-python -m pytest "${TARGETS[@]}" -q --timeout 900 --durations=25 "$@"
+# test files run in parallel (pytest-xdist), each file on one worker (its module fixtures built once):
+# one worker per CPU core, at most 4 (a distributed test starts up to 4 processes of its own);
+# MEGALOOP_TEST_WORKERS=N sets the count, 0 runs everything in this process
+CORES="$(nproc 2>/dev/null || echo 1)"
+WORKERS="${MEGALOOP_TEST_WORKERS:-$((CORES < 4 ? CORES : 4))}"
+python -m pytest "${TARGETS[@]}" -q --timeout 900 --durations=25 -n "$WORKERS" --dist loadfile "$@"
