@@ -75,7 +75,8 @@ def test_the_deepspeed_launchers_local_rank_before_the_subcommand_is_dropped(mon
     """`deepspeed --module megaloop.cli rl ...` runs `python -m megaloop.cli --local_rank=0 rl ...`."""
     from megaloop.cli import _strip_local_rank
 
-    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # recorded, so the teardown removes what the call sets below
+    monkeypatch.delenv("LOCAL_RANK")
     assert _strip_local_rank(["--local_rank=1", "rl", "--steps", "3"]) == ["rl", "--steps", "3"]
     import os
 

@@ -391,6 +391,10 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
         raise ConfigError(f"--tasks {','.join(tasks)}: the dataset of a task could not be loaded "
                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); offline? "
                           f"(HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, or no network)") from None
+    if out is None:  # lm-eval reports only where lm.rank == 0 and LOCAL_RANK == 0 (its TP-launcher rule)
+        raise ConfigError(f"eval harness: lm-eval returned no results in this process (LOCAL_RANK="
+                          f"{os.environ.get('LOCAL_RANK')}): it runs as one process; unset LOCAL_RANK (left by a "
+                          "launcher) or run it without torchrun")
     results = {}
     for task, metrics in (out or {}).get("results", {}).items():
         results[task] = {k.split(",")[0]: v for k, v in metrics.items()

@@ -314,6 +314,18 @@ def test_adaptive_exit_options_reach_ppl_harness_and_generate(cli, trained_run, 
     assert code == 2 and "--exit" in err
 
 
+def test_harness_under_a_nonzero_local_rank_is_an_error_not_empty_results(cli, trained_run, tmp_path, monkeypatch):
+    """lm-eval returns nothing where LOCAL_RANK != 0 (its TP-launcher rule); eval harness used to write
+    a harness.json with empty results then (a leaked LOCAL_RANK emptied `megaloop reproduce`'s
+    downstream column). Now one line, exit 2, nothing written."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    out = tmp_path / "h.json"
+    code, _, err = cli("eval", "harness", "--checkpoint", str(trained_run), "--tasks", "megaloop_toy_mc",
+                       "--limit", "2", "--json", str(out))
+    assert code == 2 and "lm-eval returned no results in this process (LOCAL_RANK=1)" in err, err
+    assert not out.exists()
+
+
 def test_student_option_is_wired_and_checked(cli, trained_run, tmp_path):
     """--student DIR reaches ppl / harness / generate (issue 14); a folder that is not a student exits 2.
     eval ppl's --cache defaults to the terminal protocol with --student (both protocols without)."""
