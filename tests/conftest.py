@@ -16,6 +16,21 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it (the session's and module's fixtures' settings
+    included): the suite runs files in parallel, each worker taking files in its own order, so a
+    variable one test leaves (e.g. LOCAL_RANK, which makes lm-eval report nothing) must not reach
+    the next."""
+    before = dict(os.environ)
+    yield
+    for k in set(os.environ) - set(before):
+        del os.environ[k]
+    for k, v in before.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
 @pytest.fixture(scope="session")
 def megatron_world():
     """torch.distributed (gloo, 1 rank) + megatron model-parallel state at TP=PP=1."""
