@@ -16,7 +16,8 @@ several ``num_recurrences``; greedy ``generate`` with ``terminal`` and ``per_vis
 manual loop of forwards through the model's cache (logits and tokens), per-visit (and
 ``use_cache=False``) equal to the no-cache greedy loop; prefill/decode budgets given at load time;
 a caller-supplied cache filled by ``generate``; ``inputs_embeds``; sampling, beams,
-``num_return_sequences``; left-padded batches (explicit and tokenizer-made masks); ``save_pretrained``
+``num_return_sequences``; left-padded batches (explicit and tokenizer-made masks); the
+``text-generation`` pipeline from the folder (its tokens equal ``generate``'s); ``save_pretrained``
 and reload; bf16. The checks run as a script (``python -I this_file.py OUT.pt FOLDER ...``) in a
 fresh process whose cwd is outside the repo and where ``import megaloop`` fails; they import only
 torch, transformers and the standard library.
@@ -178,6 +179,17 @@ def run_checks(folder: str) -> dict:
         check(torch.equal(out[1, -alone.shape[1]:], alone[0]), "tokenizer-padded batch row != alone")
         res["tok_batch"] = out
         res["decoded"] = tok.batch_decode(out, skip_special_tokens=True)
+        # the text-generation pipeline from the folder alone, as a transformers user runs it
+        from transformers import pipeline
+
+        pipe = pipeline("text-generation", model=folder, trust_remote_code=True, device="cpu")
+        check(type(pipe.model).__module__.startswith("transformers_modules."), "pipeline: not the export's model")
+        prompt = tok(["think"], return_tensors="pt").input_ids
+        ref = pipe.model.generate(prompt, max_new_tokens=4, do_sample=False)[0].tolist()
+        got = pipe("think", max_new_tokens=4, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+        check(list(got) == ref, f"pipeline tokens {list(got)} != generate's {ref}")
+        text = pipe("think", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+        check(text.startswith("think"), f"pipeline text {text!r}")  # how it joins prompt and new text varies
 
     def t_save():
         with tempfile.TemporaryDirectory() as d:
