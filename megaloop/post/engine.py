@@ -17,7 +17,9 @@ Both engines expose the same operations, so ``GRPOTrainer`` and ``train_student`
 * ``backward(loss)`` / ``step()`` — the ordinary path (distillation; ZeRO-3 included), and
   ``forward`` — the callable for the ordinary path's forward (the DeepSpeed engine itself);
 * ``set_lr``, ``grad_norm`` (pre-clip global norm of the last step), ``save`` / ``load``
-  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag; a checkpoint
+  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag; a ZeRO-1/2
+  checkpoint of another process count loads through DeepSpeed's universal checkpoint,
+  :mod:`megaloop.post.universal`; a checkpoint
   of another model shape is refused in one line, :class:`CheckpointMismatch`) and
   ``full_state_dict()`` (ZeRO-3 parameters gathered; every rank must call it).
 """
@@ -323,8 +325,30 @@ class DeepSpeedEngine:
             return None
         if not (d / tag).is_dir() or (d / tag / "plain.pt").is_file():
             raise ConfigError(f"--resume: {d / tag} is not a DeepSpeed checkpoint")
-        with _weights_fit(d):
-            path, client = self.engine.load_checkpoint(str(d), tag=tag)
+        from megaloop.post.runs import saved_world
+
+        saved = (saved_world(d / tag) or ("deepspeed", 0))[1]
+        load_dir, universal = d, saved > 0 and saved != self.world
+        if universal:  # another process count: through DeepSpeed's universal checkpoint (ZeRO-1/2)
+            if self.stage >= 3 or any(d.joinpath(tag).glob("zero_pp_rank_*_model_states.pt")):
+                raise ConfigError(f"--resume: {d / tag} was saved with {saved} process{'es' if saved != 1 else ''}, "
+                                  f"now {self.world}: only ZeRO-1/2 (saved and resumed) converts to another "
+                                  f"process count; resume with {saved} (torchrun --nproc_per_node {saved})")
+            from megaloop.post.universal import universal_checkpoint
+
+            load_dir = universal_checkpoint(d, tag, rank=self.rank, world=self.world)
+            if self.rank == 0:
+                print(f"--resume: {d / tag} (saved with {saved} process{'es' if saved != 1 else ''}) converted "
+                      f"for {self.world} process{'es' if self.world != 1 else ''} through DeepSpeed's universal "
+                      f"checkpoint ({load_dir})", flush=True)
+        cfg = self.engine._config
+        before = cfg.load_universal_checkpoint
+        cfg.load_universal_checkpoint = universal or before
+        try:
+            with _weights_fit(d):
+                path, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
+        finally:
+            cfg.load_universal_checkpoint = before
         if path is None:
             raise ConfigError(f"--resume: DeepSpeed could not load {d / tag}")
         self._shadow = None  # loading may rebind parameter storage

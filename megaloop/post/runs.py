@@ -8,8 +8,9 @@
   (``rl_run.json`` / ``distill_run.json``): the step, the run's settings, the process count, the
   engine and the training seconds so far, readable before the model loads.
   :func:`checkpoint_facts` reads it (or, for checkpoints written before the sidecar, what the
-  checkpoint files themselves tell) and :func:`check_layout` refuses a resume on another process
-  count or engine in one line.
+  checkpoint files themselves tell) and :func:`check_layout` refuses a resume on another engine, or
+  on another process count unless the checkpoint is ZeRO-1/2 (converted to DeepSpeed's universal
+  checkpoint then), in one line.
 """
 
 from __future__ import annotations
@@ -233,7 +234,8 @@ def check_tool(facts: dict, where: str, own: str) -> None:
 
 
 def check_layout(facts: dict, where: str, *, world: int, deepspeed: str | None) -> None:
-    """Refuse a resume on another engine or process count than the checkpoint's (one line)."""
+    """Refuse a resume on another engine than the checkpoint's, or on another process count unless it
+    is a ZeRO-1/2 checkpoint (which loads through DeepSpeed's universal checkpoint) (one line)."""
     engine = facts.get("engine")
     if engine == "plain" and deepspeed is not None:
         raise ConfigError(f"--resume: {where} was saved without --deepspeed (one process, plain AdamW); resume "
@@ -242,6 +244,8 @@ def check_layout(facts: dict, where: str, *, world: int, deepspeed: str | None) 
         raise ConfigError(f"--resume: {where} is a DeepSpeed checkpoint; resume with the --deepspeed it was "
                           "saved with")
     old = facts.get("world_size")
+    if engine == "deepspeed" and facts.get("zero_stage") in (1, 2):
+        return  # another process count: converted to DeepSpeed's universal checkpoint (megaloop.post.universal)
     if isinstance(old, int) and old > 0 and old != world:
         raise ConfigError(f"--resume: {where} was saved with {old} process{'es' if old != 1 else ''}, now {world}: "
                           f"resume with {old} (torchrun --nproc_per_node {old}); a ZeRO checkpoint's optimizer "

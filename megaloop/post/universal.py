@@ -1,0 +1,66 @@
+"""Resume a ZeRO-1/2 DeepSpeed checkpoint on another process count through DeepSpeed's universal
+checkpoint.
+
+:func:`universal_checkpoint` converts ``ckpt/tag`` with DeepSpeed's own converter
+(``deepspeed.checkpoint.ds_to_universal``) into ``ckpt/<tag>.universal/<tag>``: written whole in a
+hidden staging folder beside it, then renamed into place (the original checkpoint is untouched; an
+existing conversion, complete by construction, is reused). The engine then loads it with
+``checkpoint.load_universal`` set, which restores the fp32 parameters and the Adam moments at the new
+data-parallel size; the client state comes back from the copied ``mp_rank_00_model_states.pt``."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+SUFFIX = ".universal"
+
+
+def universal_root(ckpt: Path, tag: str) -> Path:
+    """The folder ``load_checkpoint`` is given for the conversion of ``ckpt/tag`` (it holds ``tag``)."""
+    return Path(ckpt) / f"{tag}{SUFFIX}"
+
+
+def _convert(src: Path, root: Path, tag: str) -> None:
+    from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+    staging = root.parent / f".{root.name}.tmp{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    args = SimpleNamespace(input_folder=str(src), output_folder=str(staging / tag), num_extract_workers=1,
+                           num_merge_workers=1, keep_temp_folder=False, strict=True,
+                           inject_missing_state=True)  # a plain module stores no universal-checkpoint info
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):  # the converter's progress chatter
+            ds_to_universal(args)
+        os.replace(staging, root)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def universal_checkpoint(ckpt: str | Path, tag: str, *, rank: int = 0, world: int = 1) -> Path:
+    """The universal conversion of ``ckpt/tag`` (made by rank 0 if missing; every rank calls this)."""
+    import torch
+
+    root = universal_root(Path(ckpt), tag)
+    err: BaseException | None = None
+    if rank == 0 and not (root / tag).is_dir():
+        try:
+            _convert(Path(ckpt) / tag, root, tag)
+        except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank waits forever
+            err = e
+    if world > 1:
+        flag = torch.tensor([1 if err is not None else 0])
+        torch.distributed.broadcast(flag, 0)
+        if flag.item() and err is None:
+            from megaloop.config_utils import ConfigError
+
+            raise ConfigError(f"--resume: converting {Path(ckpt) / tag} to a universal checkpoint failed on rank 0")
+    if err is not None:
+        raise err
+    return root

@@ -1,0 +1,89 @@
+"""A ZeRO-2 ``megaloop rl`` checkpoint of 2 processes resumed on 1 process through DeepSpeed's
+universal checkpoint (:mod:`megaloop.post.universal`).
+
+One torchrun launch (2 gloo processes) runs 3 uninterrupted steps (A) and 2 steps with
+``--save-every 1`` (B); one 1-process launch resumes B to 3 steps, and resumes a copy of B (C) whose
+universal conversion was made beforehand with the Adam moments zeroed (the resume reuses an existing
+conversion), i.e. a resume with fresh optimizer state.
+
+Tolerance: the final weights of B match A to a relative error of the update (max |B − A| / max |A − init|)
+below 1e-4: the 1-process run sums the same gradients in another order than the 2-process reduction
+(the same-batch ZeRO vs single-process equivalence of test_deepspeed_runs measures ~1e-6; float32
+Adam over 3 steps amplifies it little). C's error is far above it (> 1e-2): the step-3 update depends
+on the step-2 Adam moments, so B's match shows they were loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from tests.conftest import ROOT, run_torchrun
+
+CLI_WORKER = ROOT / "tests" / "post" / "cli_worker.py"
+ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _rel_err(x: dict, ref: dict, init: dict) -> float:
+    num = max(float((x[k].float() - ref[k].float()).abs().max()) for k in ref)
+    den = max(float((ref[k].float() - init[k].float()).abs().max()) for k in ref)
+    return num / den
+
+
+def test_zero2_two_process_checkpoint_resumes_on_one_process(tiny_teacher, tmp_path):
+    from megaloop.post.universal import universal_checkpoint, universal_root
+
+    _, hf_dir = tiny_teacher
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    # exact-match task whose answer is the empty line: the tiny model ends a completion at once now and
+    # then, so rewards differ within a group and steps update (arithmetic's rewards are all 0)
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps({"prompt": f"{i}+{j}=", "answer": ""}) + "\n"
+                            for i in range(10) for j in range(10)))
+
+    def rl(out, steps, *more):
+        return ["rl", "--model", str(hf_dir), "--out", str(out), "--deepspeed", "zero2", "--depth", "2",
+                "--neumann-b", "2", "--group-size", "4", "--prompts", "2", "--max-new-tokens", "3",
+                "--task", f"exact:{task}", "--lr", "1e-3",
+                "--save-every", "1", "--steps", str(steps), *more]
+
+    log = run_torchrun(CLI_WORKER, 2, json.dumps([rl(a, 3), rl(b, 2)]), env=ENV)
+    assert "RESULT" in log, log[-3000:]
+    ckpt = b / "checkpoints"
+    grad_norms = [json.loads(line)["grad_norm"] for line in (a / "metrics.jsonl").read_text().splitlines()]
+    # steps 1 and 2 update (step 0's rewards happen to be equal): the step-2 checkpoint holds Adam state
+    assert len(grad_norms) == 3 and None not in grad_norms[1:], grad_norms
+    assert (ckpt / "latest").read_text().strip() == "step000002"
+    original = sorted(p.name for p in (ckpt / "step000002").iterdir())
+
+    # C: a copy of B whose conversion carries zeroed Adam moments (reused by the resume as it is)
+    shutil.copytree(b, c)
+    root = universal_checkpoint(c / "checkpoints", "step000002")
+    moments = list(root.glob("step000002/zero/*/exp_avg*.pt"))
+    assert moments
+    for f in moments:
+        state = torch.load(f, weights_only=False)
+        torch.save({k: torch.zeros_like(v) if torch.is_tensor(v) else v for k, v in state.items()}, f)
+
+    log = run_torchrun(CLI_WORKER, 1, json.dumps([rl(b, 3, "--resume"), rl(c, 3, "--resume")]), env=ENV)
+    assert log.count("converted for 1 process") == 2, log[-3000:]
+    assert "resumed at step 2" in log, log[-3000:]
+    assert sorted(p.name for p in (ckpt / "step000002").iterdir()) == original  # untouched
+    assert (universal_root(ckpt, "step000002") / "step000002" / "zero").is_dir()
+    assert not list(ckpt.glob(".*tmp*"))  # no staging folder left
+    steps = [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+    assert json.loads((b / "megaloop_rl.json").read_text())["world_size"] == 1
+
+    init, wa, wb, wc = (_weights(f) for f in (hf_dir, a, b, c))
+    err_b, err_c = _rel_err(wb, wa, init), _rel_err(wc, wa, init)
+    print(f"update rel err vs uninterrupted 2-process run: resumed {err_b:.2e}, fresh Adam {err_c:.2e}")
+    assert err_b < 1e-4, err_b
+    assert err_c > 1e-2, err_c
