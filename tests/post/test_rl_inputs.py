@@ -9,20 +9,7 @@ import json
 import pytest
 
 from megaloop.post.rl.cli import main as rl_main
-
-
-def _fake_hf(path):
-    """An HF-looking folder (config.json + weights file) that is never loaded by these tests."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "megaloop"}))
-    (path / "model.safetensors").write_bytes(b"weights")
-    return path
-
-
-def _one_error_line(capsys) -> str:
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert len(err) == 1, err
-    return err[0]
+from tests.post.cli_helpers import fake_hf, one_error_line
 
 
 def _argv(model, out, *extra):
@@ -32,10 +19,10 @@ def _argv(model, out, *extra):
 
 @pytest.mark.parametrize("extra", [(), ("--overwrite",)])
 def test_out_equal_to_model_is_refused_untouched(tmp_path, capsys, extra):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     for out in (model, tmp_path / "m" / ".", tmp_path / "x" / ".." / "m"):
         assert rl_main(_argv(model, out, *extra)) == 2
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
         assert "is --model" in line and "overwrite the input model" in line, line
     assert (model / "model.safetensors").read_bytes() == b"weights"
     assert sorted(p.name for p in model.iterdir()) == ["config.json", "model.safetensors"]
@@ -43,22 +30,22 @@ def test_out_equal_to_model_is_refused_untouched(tmp_path, capsys, extra):
 
 @pytest.mark.parametrize("extra", [(), ("--overwrite",)])
 def test_out_holding_another_model_is_refused(tmp_path, capsys, extra):
-    model = _fake_hf(tmp_path / "m")
-    other = _fake_hf(tmp_path / "other")
+    model = fake_hf(tmp_path / "m")
+    other = fake_hf(tmp_path / "other")
     assert rl_main(_argv(model, other, *extra)) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert f"--out {other} holds a model" in line and "metrics.jsonl" in line, line
     assert (other / "model.safetensors").read_bytes() == b"weights"
 
 
 def test_out_that_is_or_lies_under_a_file(tmp_path, capsys):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert rl_main(_argv(model, afile)) == 2
-    assert f"--out {afile} is a file" in _one_error_line(capsys)
+    assert f"--out {afile} is a file" in one_error_line(capsys)
     assert rl_main(_argv(model, afile / "sub" / "deeper")) == 2
-    assert f"lies under {afile}, which is a file" in _one_error_line(capsys)
+    assert f"lies under {afile}, which is a file" in one_error_line(capsys)
     assert afile.read_text() == "x"
 
 
@@ -80,10 +67,10 @@ BAD_FLAGS = [
 
 @pytest.mark.parametrize("extra,flag", BAD_FLAGS)
 def test_bad_numeric_flag_exits_2_naming_it_before_loading(tmp_path, capsys, extra, flag):
-    model = _fake_hf(tmp_path / "m")  # not loadable: reaching the load would fail differently
+    model = fake_hf(tmp_path / "m")  # not loadable: reaching the load would fail differently
     out = tmp_path / "out"
     assert rl_main(_argv(model, out, *extra)) == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert line.startswith(f"megaloop rl: error: {flag}"), line
     if flag in ("--group-size", "--depth", "--neumann-b", "--max-new-tokens"):  # were named by field only
         assert line.endswith(f"got {extra[-1]}"), line
@@ -99,9 +86,9 @@ def test_in_range_edges_are_accepted_by_the_config():
 
 @pytest.mark.parametrize("extra,flag", [(("--prompts", "0"), "--prompts"), (("--temperature", "nan"), "--temperature")])
 def test_grad_check_bad_flags(tmp_path, capsys, extra, flag):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     assert rl_main(["grad-check", "--model", str(model), "--device", "cpu", *extra]) == 2
-    assert _one_error_line(capsys).startswith(f"megaloop rl: error: {flag}")
+    assert one_error_line(capsys).startswith(f"megaloop rl: error: {flag}")
 
 
 def test_resume_changes_lists_training_fields_only():
@@ -131,7 +118,7 @@ def test_resume_refuses_changed_flags_and_cuts_metrics(tiny_teacher, tmp_path, c
     before = metrics.read_text()
     capsys.readouterr()
     assert run(3, "--resume", "--lr", "1e-3", "--group-size", "4", "--task", "arithmetic-pm") == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "--lr 1e-05 → 0.001" in line and "--group-size 2 → 4" in line and "--task 'arithmetic' → 'arithmetic-pm'" \
         in line, line
     assert metrics.read_text() == before

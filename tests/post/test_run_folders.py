@@ -18,22 +18,9 @@ import torch
 from megaloop.config_utils import ConfigError
 from megaloop.post.distill.cli import main as distill_main
 from megaloop.post.rl.cli import main as rl_main
+from tests.post.cli_helpers import fake_hf, one_error_line
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-def _fake_hf(path: Path) -> Path:
-    """Passes the model-path check without being loadable."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "megaloop"}))
-    (path / "model.safetensors").write_bytes(b"weights")
-    return path
-
-
-def _one_error_line(capsys) -> str:
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1, err
-    return err[0]
 
 
 def _snapshot(folder: Path) -> dict:
@@ -107,7 +94,7 @@ def test_another_tools_folder_is_refused_untouched(tmp_path, capsys, monkeypatch
     config.yaml and repoint checkpoints/latest (and the same into a student / an RL run); ``--resume``
     on the other command's checkpoints gave a state_dict traceback after loading."""
     _no_load(monkeypatch)
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     for folder, named in _others(tmp_path / "others", which):
         before = _snapshot(folder)
         extra = [flag] if flag else []
@@ -117,7 +104,7 @@ def test_another_tools_folder_is_refused_untouched(tmp_path, capsys, monkeypatch
         else:
             rc = distill_main(["--teacher", str(model), "--out", str(folder), "--device", "cpu", *extra])
             mine = "not a prefill student"
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
         assert rc == 2 and f"--out {folder} {named}" in line and mine in line, line
         assert _snapshot(folder) == before
 
@@ -144,19 +131,19 @@ def _plain_checkpoint(out: Path, client: dict) -> None:
 
 def test_resume_on_the_other_commands_checkpoint_without_sidecar(tmp_path, capsys, monkeypatch):
     _no_load(monkeypatch)
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     st, rl = tmp_path / "st", tmp_path / "rl"
     _plain_checkpoint(st, {"step": 2, "sigma2": 1.0, "run": {"depth": 2}})
     _plain_checkpoint(rl, {"step": 2, "config": {"arm": "reuse", "steps": 2}, "meta": {"task": "arithmetic"}})
     assert rl_main(["--model", str(model), "--out", str(st), "--steps", "3", "--resume", "--device", "cpu"]) == 2
-    assert "step000002 is a checkpoint of a prefill student (megaloop distill-prefill)" in _one_error_line(capsys)
+    assert "step000002 is a checkpoint of a prefill student (megaloop distill-prefill)" in one_error_line(capsys)
     assert distill_main(["--teacher", str(model), "--out", str(rl), "--steps", "3", "--resume", "--device",
                          "cpu"]) == 2
-    assert "step000002 is a checkpoint of an RL run (megaloop rl)" in _one_error_line(capsys)
+    assert "step000002 is a checkpoint of an RL run (megaloop rl)" in one_error_line(capsys)
     # a single-process checkpoint resumed under DeepSpeed: named before anything loads
     assert rl_main(["--model", str(model), "--out", str(rl), "--steps", "3", "--resume", "--deepspeed", "zero1",
                     "--prompts", "4", "--group-size", "8"]) == 2
-    assert "was saved without --deepspeed" in _one_error_line(capsys)
+    assert "was saved without --deepspeed" in one_error_line(capsys)
 
 
 def _rl(model, out, steps, *extra):
@@ -180,11 +167,11 @@ def test_rl_resume_checks_model_and_steps_first_and_counts_earlier_seconds(tiny_
         _no_load(m)
         # another model (same shape: it used to resume silently; another shape: a 63-line traceback)
         assert _rl(hf_dir, out, 3, "--resume") == 2
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
         assert f"--model '{model.resolve()}' → '{Path(hf_dir).resolve()}'" in line, line
         # fewer --steps than the checkpoint's step (wrote an inconsistent megaloop_rl.json)
         assert _rl(model, out, 1, "--resume") == 2
-        assert "--steps 1: below the checkpoint's step 2" in _one_error_line(capsys)
+        assert "--steps 1: below the checkpoint's step 2" in one_error_line(capsys)
 
     # interrupted after step 1's checkpoint (no megaloop_rl.json yet): the seconds before count
     (out / "megaloop_rl.json").unlink()
@@ -207,7 +194,7 @@ def test_rl_resume_checks_model_and_steps_first_and_counts_earlier_seconds(tiny_
     (model / "megaloop_tokenizer.json").write_text('{"spec": "bytes"}')
     capsys.readouterr()
     assert _rl(model, out, 3, "--resume") == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert "does not fit --model" in line and "size mismatch" in line, line
 
 
@@ -223,7 +210,7 @@ def test_damaged_hf_weights_named_in_one_line(tiny_teacher, tmp_path, capsys, wh
         rc = rl_main(["--model", str(model), "--out", str(tmp_path / "o"), "--device", "cpu"])
     else:
         rc = distill_main(["--teacher", str(model), "--out", str(tmp_path / "o"), "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"{weights}: cannot read the HF folder's weights" in line, line
 
 
@@ -244,13 +231,13 @@ def _unwritable_root(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("which", ["rl", "distill"])
 def test_unwritable_out_refused_before_loading(tmp_path, capsys, monkeypatch, which):
     _no_load(monkeypatch)
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m")
     out = _unwritable_root(tmp_path) / "megaloop-out" / "x"
     if which == "rl":
         rc = rl_main(["--model", str(model), "--out", str(out), "--device", "cpu"])
     else:
         rc = distill_main(["--teacher", str(model), "--out", str(out), "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"--out {out}: not writable" in line, line
 
 
@@ -268,7 +255,7 @@ def test_gsm8k_answer_without_a_number_is_refused(tmp_path, capsys):
     path.write_text(json.dumps({"question": "2+2?", "answer": "so #### 4"}) + "\n"
                     + json.dumps({"question": "How many?", "answer": "Some of them"}) + "\n")
     rc = rl_main(["--model", str(tmp_path / "unused"), "--out", str(tmp_path / "o"), "--task", f"gsm8k:{path}"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"{path}:2: answer 'Some of them' is not a number" in line, line
 
 
@@ -282,9 +269,9 @@ def test_distill_bad_jsonl_record_named_before_the_teacher_loads(tmp_path, capsy
     _no_load(monkeypatch)
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "a good first document"}\n' + record + "\n")
-    rc = distill_main(["--teacher", str(_fake_hf(tmp_path / "m")), "--out", str(tmp_path / "o"), "--data", str(data),
+    rc = distill_main(["--teacher", str(fake_hf(tmp_path / "m")), "--out", str(tmp_path / "o"), "--data", str(data),
                        "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"--data {data}{msg}" in line, line
 
 
@@ -302,12 +289,12 @@ def test_ctrl_c_names_resume_only_with_a_checkpoint(tmp_path, capsys, monkeypatc
     out = tmp_path / "o"
     try:
         assert main([flag, "m", "--out", str(out)]) == 130
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
         assert "interrupted" in line and "no checkpoint was written" in line, line
         (out / "checkpoints" / "step000001").mkdir(parents=True)
         (out / "checkpoints" / "latest").write_text("step000001")
         assert main([flag, "m", "--out", str(out)]) == 130
-        assert "continue from its last checkpoint" in _one_error_line(capsys)
+        assert "continue from its last checkpoint" in one_error_line(capsys)
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C was not handled by the command")
 

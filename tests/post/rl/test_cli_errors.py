@@ -10,19 +10,7 @@ import pytest
 
 from megaloop.post.distill.cli import main as distill_main
 from megaloop.post.rl.cli import main as rl_main
-
-
-def _fake_hf(path):
-    """Passes the model-path check (config.json of model_type megaloop) without being loadable."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"model_type": "megaloop"}))
-    return path
-
-
-def _one_error_line(capsys) -> str:
-    err = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    assert len(err) == 1, err
-    return err[0]
+from tests.post.cli_helpers import fake_hf, one_error_line
 
 
 def _bad_models(tmp_path):
@@ -47,29 +35,29 @@ def test_bad_model_path_exits_2_with_one_line(tmp_path, capsys, which):
         else:
             rc = distill_main(["--teacher", str(path), "--out", str(out), "--device", "cpu"])
             flag = "--teacher"
-        line = _one_error_line(capsys)
+        line = one_error_line(capsys)
         assert rc == 2 and f"{flag} {path}" in line and msg in line, line
         assert not out.exists()
 
 
 def test_resume_without_checkpoint_exits_2(tmp_path, capsys):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m", weights=False)
     rc = rl_main(["--model", str(model), "--out", str(tmp_path / "o"), "--resume", "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and "--resume: no checkpoint in" in line and "NameError" not in line
     rc = distill_main(["--teacher", str(model), "--out", str(tmp_path / "d"), "--resume", "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and "--resume: no checkpoint in" in line and "NameError" not in line
 
 
 @pytest.mark.parametrize("content,msg", [(b"", "the file is empty"), (b"  \n\n", "the file is empty"),
                                          (b"ok\n\xff\xfe\n", ":2: not UTF-8 text")])
 def test_distill_bad_data_file_exits_2(tmp_path, capsys, content, msg):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m", weights=False)
     data = tmp_path / "data.txt"
     data.write_bytes(content)
     rc = distill_main(["--teacher", str(model), "--out", str(tmp_path / "d"), "--data", str(data), "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"--data {data}" in line and msg in line, line
 
 
@@ -78,13 +66,13 @@ def test_non_utf8_task_file_exits_2_naming_it(tmp_path, capsys, kind):
     path = tmp_path / "tasks.jsonl"
     path.write_bytes(b'{"prompt": "def f():\\n", "tests": ["assert f() == 1"], "answer": "1"}\n\xff\n')
     rc = rl_main(["--model", str(tmp_path / "unused"), "--out", str(tmp_path / "o"), "--task", f"{kind}:{path}"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"{path}:2: not UTF-8 text" in line, line
 
 
 @pytest.mark.parametrize("which", ["rl", "distill"])
 def test_rerun_into_existing_out_is_refused_and_keeps_metrics(tmp_path, capsys, which):
-    model = _fake_hf(tmp_path / "m")
+    model = fake_hf(tmp_path / "m", weights=False)
     out = tmp_path / "out"
     out.mkdir()
     old = ('{"step": 0, "reward_mean": 0.5}\n' if which == "rl"  # a run of the command's own
@@ -94,7 +82,7 @@ def test_rerun_into_existing_out_is_refused_and_keeps_metrics(tmp_path, capsys, 
         rc = rl_main(["--model", str(model), "--out", str(out), "--device", "cpu"])
     else:
         rc = distill_main(["--teacher", str(model), "--out", str(out), "--device", "cpu"])
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys)
     assert rc == 2 and f"--out {out} already holds" in line and "--overwrite" in line, line
     assert (out / "metrics.jsonl").read_text() == old
 
@@ -122,7 +110,7 @@ def test_rl_on_code_task_records_isolation_and_overwrite(tiny_teacher, tmp_path,
     assert sandbox["isolation"].startswith("bwrap") and sandbox["unsafe_code_exec"] is False
     assert sandbox["workers"] == 2
     capsys.readouterr()
-    assert rl_main(argv(2)) == 2 and "already holds" in _one_error_line(capsys)
+    assert rl_main(argv(2)) == 2 and "already holds" in one_error_line(capsys)
     assert rl_main(argv(1, "--overwrite")) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
@@ -132,7 +120,7 @@ def test_rl_without_sandbox_refuses_in_one_line(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setenv("MEGALOOP_BWRAP", str(tmp_path / "no-bwrap"))
     monkeypatch.setattr(sb, "_BACKEND", {})
-    rc = rl_main(["--model", str(_fake_hf(tmp_path / "m")), "--out", str(tmp_path / "o"), "--task", "mbpp:tiny"])
-    line = _one_error_line(capsys)
+    rc = rl_main(["--model", str(fake_hf(tmp_path / "m", weights=False)), "--out", str(tmp_path / "o"), "--task", "mbpp:tiny"])
+    line = one_error_line(capsys)
     assert rc == 2 and "no working sandbox" in line and "--unsafe-code-exec" in line, line
     assert not (tmp_path / "o").exists()
