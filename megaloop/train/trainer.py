@@ -29,9 +29,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
-from megaloop.runtime.exits import EXIT_INTERRUPTED, EXIT_OK, EXIT_REQUEUE, shield_resource_tracker
+from megaloop.runtime.exits import EXIT_OK, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
+from megaloop.runtime.stop import SignalStop, exit_code
 from megaloop.train.checkpoint import CheckpointManager
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
@@ -64,7 +65,6 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self._stop_signal: int | None = None
 
     # ================================================================ setup
     def setup(self) -> None:
@@ -501,23 +501,6 @@ class Trainer:
                 "val_ce_per_source": per_source, "val_sequences": len(order)}
 
     # ================================================================ loop
-    def _on_signal(self, signum, _frame) -> None:
-        if signum == signal.SIGINT:
-            if self._stop_signal == signal.SIGINT:  # a second Ctrl-C: stop now, without saving
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                raise KeyboardInterrupt
-            if self.rank == 0:
-                print("\ninterrupted: checkpointing after the current step, then exiting "
-                      "(Ctrl-C again to stop at once without saving)", flush=True)
-        self._stop_signal = self._stop_signal or signum
-
-    def _should_stop_for_signal(self) -> int:
-        """The signal some rank received (SIGINT counts over SIGTERM/SIGUSR1), 0 if none; collective."""
-        mine = 2 if self._stop_signal == signal.SIGINT else 1 if self._stop_signal else 0
-        flag = torch.tensor([mine], dtype=torch.int32, device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return {0: 0, 1: int(signal.SIGTERM), 2: int(signal.SIGINT)}[int(flag.item())]
-
     def close(self, refused: bool = False) -> None:
         """Release the run directory (also done by ``run``); ``refused`` (set-up failed): a run
         directory this run created and left empty is removed."""
@@ -534,8 +517,7 @@ class Trainer:
         except BaseException:
             self.close(refused=True)
             raise
-        handled = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-        old = {s: signal.signal(s, self._on_signal) for s in handled}
+        stop = SignalStop(lead=self.rank == 0).__enter__()  # left in the finally below
         code = EXIT_OK
         try:
             t = self.cfg.train
@@ -563,19 +545,18 @@ class Trainer:
                 if t.save_interval and self.step % t.save_interval == 0 and self.step != end:
                     self.save()
                 # checked after the save, so a signal that arrived during it costs no further step
-                sig = self._should_stop_for_signal() if self.step < end else 0
+                sig = stop.agreed() if self.step < end else 0
                 if sig:
                     how = "interrupted" if sig == signal.SIGINT else "signal received"
                     self.metrics.message(f"{how}: checkpointing at step {self.step} and exiting")
-                    code = EXIT_INTERRUPTED if sig == signal.SIGINT else EXIT_REQUEUE
+                    code = exit_code(sig)
                     break
             if self.last_saved != self.step:
                 self.save()
-            if code == EXIT_OK and self._stop_signal:
+            if code == EXIT_OK and stop.received:
                 self.metrics.message(f"signal received during the last step: the run is complete at step {self.step}")
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
+            stop.__exit__(None, None, None)
             self.metrics.close()
             self.close()
         return code

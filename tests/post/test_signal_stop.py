@@ -1,4 +1,4 @@
-"""Graceful stop on signals of ``megaloop rl`` / ``megaloop distill-prefill`` (megaloop/post/stop.py), as
+"""Graceful stop on signals of ``megaloop rl`` / ``megaloop distill-prefill`` (megaloop/runtime/stop.py), as
 ``megaloop train`` does: SIGTERM / SIGUSR1 / Ctrl-C during training checkpoint at the next step boundary
 (whatever ``--save-every``: these runs use none), print one line and exit 75 / 130 (the status reaches
 ``MEGALOOP_EXIT_STATUS_FILE``); ``--resume`` then finishes exactly as the uninterrupted run. A second
@@ -207,7 +207,7 @@ def test_rl_zero2_a_signal_on_one_rank_stops_every_rank_and_resumes_exactly(tiny
 def test_signal_stop_ranks_signals_and_restores_the_handlers():
     import os
 
-    from megaloop.post.stop import SignalStop, exit_code
+    from megaloop.runtime.stop import SignalStop, exit_code
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     with SignalStop(lead=False) as stop:

@@ -16,7 +16,7 @@ student under DeepSpeed ZeRO-1/2/3, each rank on its share of ``--batch-size`` r
 replicated, frozen); rank 0 writes the folder. ``--save-every N`` checkpoints into
 ``OUT/checkpoints``; ``--resume`` continues from the latest exactly. SIGTERM / SIGUSR1 (slurm's
 pre-emption warning) / Ctrl-C during training checkpoint there at the next step boundary (whatever
-``--save-every``; every rank agrees on it) and exit 75 / 130 (:mod:`megaloop.post.stop`); a second Ctrl-C
+``--save-every``; every rank agrees on it) and exit 75 / 130 (:mod:`megaloop.runtime.stop`); a second Ctrl-C
 stops at once without saving. An ``--out`` that already holds a
 student is refused unless ``--resume`` or ``--overwrite`` is given; one that holds another tool's
 folder (a pretraining run, an RL run, an HF model) is refused whatever the flags. ``--resume`` needs the
@@ -100,7 +100,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
     from megaloop.post.rl.io import check_out, model_tokenizer, warn_rope_extrapolation
-    from megaloop.post.stop import SignalStop, exit_code, stop_line
+    from megaloop.runtime.stop import SignalStop, exit_code, stop_line
 
     _check_flags(args)
     if args.threads:
@@ -196,7 +196,7 @@ def _run(args: argparse.Namespace) -> int:
             write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
 
     # SIGTERM/SIGUSR1/Ctrl-C from here on: checkpoint at the next step boundary and exit 75/130
-    # (megaloop.post.stop); one during the last step or the final writes lets the run complete
+    # (megaloop.runtime.stop); one during the last step or the final writes lets the run complete
     with SignalStop(lead=lead) as stop:
         t0 = time.time()
         res = train_student(teacher, student, batches, cfg, sigma2=sigma2,

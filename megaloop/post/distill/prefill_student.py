@@ -261,7 +261,7 @@ def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tens
     steps and at the end. σ_T² is calibrated on ``calib`` (default: the first
     ``cfg.calib_batches`` batches of the stream) unless given.
 
-    ``stop``: a :class:`megaloop.post.stop.SignalStop`, asked after every step but the last (a
+    ``stop``: a :class:`megaloop.runtime.stop.SignalStop`, asked after every step but the last (a
     collective: every rank asks at the same steps); when some rank received a signal, ``stop_save``
     (default ``save``; neither: no checkpoint) checkpoints the steps done unless ``save`` just did,
     and training ends there. Returns ``{"sigma2", "history", "step", "stop_signal", "stop_saved"}``

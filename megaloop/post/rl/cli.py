@@ -27,7 +27,7 @@ whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoint
 number of processes (checked before the model loads; ``--steps`` may grow). SIGTERM / SIGUSR1 (slurm's
 pre-emption warning) / Ctrl-C during training checkpoint into ``OUT/checkpoints`` at the next step
 boundary (whatever ``--save-every``; every rank agrees on it) and exit 75 / 130: ``--resume`` continues
-exactly (:mod:`megaloop.post.stop`); a second Ctrl-C stops at once without saving. ``megaloop rl
+exactly (:mod:`megaloop.runtime.stop`); a second Ctrl-C stops at once without saving. ``megaloop rl
 grad-check --model M`` prints the reuse/recompute gradient cosine.
 """
 
@@ -124,7 +124,7 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.post.rl.io import check_out, model_tokenizer, save_hf, warn_rope_extrapolation
     from megaloop.post.rl.tasks import make_task
     from megaloop.post.runs import cut_metrics
-    from megaloop.post.stop import SignalStop, exit_code, stop_line
+    from megaloop.runtime.stop import SignalStop, exit_code, stop_line
 
     try:
         if args.reward_workers < 1:
@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
             print(f"resumed at step {trainer.step_no} from {ckpt}"
                   + (f" (dropped {cut} record(s) of later steps from {metrics.name})" if cut else ""))
     # SIGTERM/SIGUSR1/Ctrl-C from here on: checkpoint at the next step boundary and exit 75/130
-    # (megaloop.post.stop); one during the last step or the final writes lets the run complete
+    # (megaloop.runtime.stop); one during the last step or the final writes lets the run complete
     with SignalStop(lead=lead) as stop:
         history = trainer.train(metrics_path=metrics if lead else None,
                                 save_dir=ckpt if (args.save_every or args.resume) else None,

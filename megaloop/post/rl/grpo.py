@@ -426,7 +426,7 @@ class GRPOTrainer:
         """Run until ``steps`` (default ``cfg.steps``) steps are done in total; checkpoint every
         ``save_every`` steps and at the end when ``save_dir`` is given.
 
-        ``stop``: a :class:`megaloop.post.stop.SignalStop`, asked after every step but the last (a
+        ``stop``: a :class:`megaloop.runtime.stop.SignalStop`, asked after every step but the last (a
         collective: every rank asks at the same steps); when some rank received a signal the run
         checkpoints into ``stop_dir`` (default ``save_dir``; neither: no checkpoint) unless this
         step was just saved, and returns early with :attr:`stop_signal` set (0 otherwise) and

@@ -1,5 +1,5 @@
-"""Graceful stop on signals for the post-training loops (``megaloop rl``, ``megaloop distill-prefill``),
-as ``megaloop train`` does (:meth:`megaloop.train.trainer.Trainer.run`).
+"""Graceful stop on signals for the training loops: ``megaloop train``
+(:meth:`megaloop.train.trainer.Trainer.run`), ``megaloop rl`` and ``megaloop distill-prefill``.
 
 While a :class:`SignalStop` is entered, SIGTERM, SIGUSR1 (slurm's ``--signal=B:USR1@120`` warning,
 forwarded by torchrun) and SIGINT only set a flag; the loop calls :meth:`SignalStop.agreed` at each
