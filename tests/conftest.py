@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,6 +73,21 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: int = 600,
         tail = "\n".join(l for l in out.splitlines() if "warn" not in l.lower())[-6000:]
         pytest.fail(f"torchrun {Path(script).name} x{nproc} failed (exit {proc.returncode}):\n{tail}")
     return out
+
+
+def tagged_json(out: str, tag: str = "RESULT") -> list[dict]:
+    """Every ``TAG {json}`` record in ``out``, wherever it starts: the processes of a torchrun launch share
+    one pipe, so another rank's unfinished line can precede a record on the same line."""
+    dec, found, key = json.JSONDecoder(), [], tag + " "
+    at = out.find(key)
+    while at >= 0:
+        try:
+            obj, _ = dec.raw_decode(out, at + len(key))
+            found.append(obj)
+        except json.JSONDecodeError:
+            pass
+        at = out.find(key, at + len(key))
+    return found
 
 
 def isolated_cache(tmp_path_factory):

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, run_torchrun
+from tests.conftest import ROOT, clean_env, run_torchrun, tagged_json
 
 WORKER = ROOT / "tests" / "post" / "ds_worker.py"
 CLI_WORKER = ROOT / "tests" / "post" / "cli_worker.py"
@@ -23,7 +23,7 @@ ENV = {"DS_ACCELERATOR": "cpu"}
 
 
 def results_list(out: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return tagged_json(out)
 
 
 def results(out: str) -> dict[str, dict]:

@@ -21,7 +21,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, clean_env, run_torchrun
+from tests.conftest import ROOT, clean_env, run_torchrun, tagged_json
 
 WORKER = ROOT / "tests" / "post" / "signal_worker.py"
 TIMING = ("rollout_s", "update_s", "seconds")  # wall-clock fields of the per-step records
@@ -41,7 +41,7 @@ def _worker(cmds: list[dict]) -> tuple[dict[int, int], str]:
 
 
 def _results(out: str) -> list[dict]:
-    return [json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if line.startswith("RESULT ")]
+    return tagged_json(out)
 
 
 def _records(path) -> list[dict]:
