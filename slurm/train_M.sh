@@ -7,7 +7,7 @@
 # PP (1) VPP (unset) DATA_PATH (default = embedded corpus) VAL_PATH (unset; default:val with the
 # embedded corpus) RUN_DIR (runs/M) WANDB_MODE (offline) WANDB_PROJECT (megaloop) WANDB_NAME
 # EXTRA_ARGS (more dotlist overrides, word-split) CONFIG (M); rendezvous, logs, venv: slurm/common.sh.
-# Submit from the repository root, or from anywhere with MEGALOOP_ROOT=/path/to/repo: relative paths
+# Submit from anywhere (sbatch /path/to/repo/slurm/THIS.sh; MEGALOOP_ROOT=/path/to/repo overrides): relative paths
 # (DATA_PATH, VAL_PATH, RUN_DIR, LOG_DIR, CONFIG/PLAN_CLUSTER files, the data.path, data.val_path,
 # data.cache_dir, train.init_weights overrides in EXTRA_ARGS) are relative to the directory you submit
 # from, as is slurm-*.out. Re-submitting resumes (--resume auto).
@@ -26,8 +26,15 @@
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail
 
-for ROOT in "${MEGALOOP_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." "${SLURM_SUBMIT_DIR:-}" ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
-[ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found: sbatch from its root or set MEGALOOP_ROOT" >&2; exit 2; }
+# The repository: MEGALOOP_ROOT, else this file's (run in place), else the script sbatch was given (slurm runs
+# a copy in its spool; `scontrol show job` names the original), else the submission directory.
+for ROOT in "${MEGALOOP_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
+if [ -z "$ROOT" ]; then
+  JOB_SCRIPT="$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')" || true
+  [[ -z "$JOB_SCRIPT" || "$JOB_SCRIPT" == /* ]] || JOB_SCRIPT="${SLURM_SUBMIT_DIR:-.}/$JOB_SCRIPT"
+  for ROOT in "${JOB_SCRIPT:+$(dirname "$JOB_SCRIPT")/..}" "${SLURM_SUBMIT_DIR:-}" ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
+fi
+[ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found (no slurm/common.sh beside the submitted script or in the submission directory): set MEGALOOP_ROOT" >&2; exit 2; }
 ROOT="$(cd "$ROOT" && pwd)"
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"

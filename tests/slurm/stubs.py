@@ -9,8 +9,9 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
   status; with ``worker:N`` node 0 writes N to ``$MEGALOOP_EXIT_STATUS_FILE`` (as the trainer's rank 0
   does) and every node exits 1 (as torchrun does when a worker exits non-zero); or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
   records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal).
-* ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); anything else is
-  only recorded (``requeue`` included).
+* ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); ``show job ID`` prints a
+  job record whose ``Command=`` is ``$STUB_JOB_COMMAND`` (the script sbatch was given), nothing when unset;
+  anything else is only recorded (``requeue`` included).
 * ``sbatch``: prints ``$STUB_JOB_ID`` (default 777). ``squeue``: prints ``$STUB_DIR/squeue.out``.
 
 ``repo_copy`` copies slurm/ into a temporary "repository" for tests of where a job writes.
@@ -99,6 +100,9 @@ _SCONTROL = _COMMON + r'''
 record("scontrol")
 if sys.argv[1:3] == ["show", "hostnames"]:
     print("\n".join(os.environ.get("STUB_HOSTS", "node1").split()))
+elif sys.argv[1:3] == ["show", "job"] and os.environ.get("STUB_JOB_COMMAND"):
+    print(f"JobId={sys.argv[3]} JobName=megaloop\n   UserId=me(1000) GroupId=me(1000)\n"
+          f"   Command={os.environ['STUB_JOB_COMMAND']}\n   WorkDir={os.getcwd()}")
 '''
 
 _SBATCH = _COMMON + r'''

@@ -231,6 +231,49 @@ def _submit_from_elsewhere(tmp: Path, script: str, expect: int, **extra: str) ->
     return repo, work
 
 
+def _run_spooled(tmp: Path, script: str, command: str | None) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """`cd tmp/work; sbatch COMMAND` without MEGALOOP_ROOT, as slurm runs it: a copy of REPO/slurm/SCRIPT in a
+    spool directory (so the copy's own location says nothing), `scontrol show job` naming COMMAND."""
+    repo, work, spool = repo_copy(tmp), tmp / "work", tmp / "spool" / "job4242"
+    work.mkdir(exist_ok=True)
+    spool.mkdir(parents=True)
+    shutil.copy(repo / "slurm" / script, spool / "slurm_script")
+    extra = {"STUB_JOB_COMMAND": command} if command else {}
+    env = stub_env(tmp, **{"STUB_HOSTS": HOSTS, "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+                           "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_SUBMIT_DIR": str(work), "VENV": "none",
+                           "PREFLIGHT": "0", "MODEL": "hf", "OUT": "out", **extra})
+    proc = subprocess.run(["bash", str(spool / "slurm_script")], env=env, cwd=work, capture_output=True, text=True,
+                          timeout=60)
+    return proc, repo, work
+
+
+@pytest.mark.parametrize("script", ["train_S.sh", "rl.sh"])
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_submitted_from_elsewhere_the_job_finds_its_repository_without_megaloop_root(tmp_path: Path, script: str,
+                                                                                     relative: bool) -> None:
+    """`cd work; sbatch /path/to/repo/slurm/SCRIPT` (or a relative path to it): slurm runs a spooled copy, so the
+    repository is found through `scontrol show job`'s Command= (found: exit 2 "repository not found" unless
+    MEGALOOP_ROOT was set); the job runs in that repository, paths stay the submission directory's."""
+    command = f"../repo/slurm/{script}" if relative else str(tmp_path / "repo" / "slurm" / script)
+    proc, repo, work = _run_spooled(tmp_path, script, command)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    tr = calls(tmp_path, "torchrun")
+    assert len(tr) == 2 and {rec["cwd"] for rec in tr} == {str(repo)}
+    assert (work / "logs" / "4242" / "exit_code").read_text().strip() == "0"
+    assert not (repo / "logs").exists()
+
+
+def test_a_repository_that_cannot_be_found_is_one_line(tmp_path: Path) -> None:
+    """No MEGALOOP_ROOT, no Command= from scontrol, a submission directory that is not the repository: exit 2
+    naming MEGALOOP_ROOT before anything is launched."""
+    proc, _, _ = _run_spooled(tmp_path, "train_S.sh", None)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "megaloop-slurm: error: repository not found (no slurm/common.sh beside the submitted script or in the "
+        "submission directory): set MEGALOOP_ROOT"]
+    assert not calls(tmp_path, "srun") and not calls(tmp_path, "torchrun")
+
+
 def test_relative_paths_are_relative_to_the_submission_directory(tmp_path: Path) -> None:
     """The job cds to the repository, but DATA_PATH, VAL_PATH (and path overrides in EXTRA_ARGS), RUN_DIR, a
     CONFIG file and logs/ are the submission directory's (found: `data.path=mds: dataset directory mds
