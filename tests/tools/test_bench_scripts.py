@@ -30,3 +30,26 @@ def test_tbptt_memory_refuses_a_summary_depth_it_would_not_measure():
     """--depths 4,8 used to run every case and then die with KeyError (32, 'b=4'), writing nothing."""
     proc = _run("bench_tbptt_memory.py", "--depths", "4,8")
     assert proc.returncode == 2 and "--compare 8,32: two different depths of --depths 4,8" in proc.stderr, proc.stderr
+
+
+def test_rewards_before_row_loads_the_unsandboxed_reward_of_its_revision():
+    """The `before` row's reward lives at megaloop/rl/sandbox.py in --before-rev (before the move to
+    megaloop/post/rl); the script looked at the new path, silently dropped the row and report.py then
+    failed on the rewards row. It loads the old module again and scores right and wrong solutions."""
+    rev_there = subprocess.run(["git", "cat-file", "-e", "65b0666500831c2c639c2d25246bbec2180e10e8"], cwd=ROOT,
+                               capture_output=True).returncode == 0
+    if not rev_there:
+        pytest.skip("the benchmark's --before-rev is not in this clone's history (shallow clone)")
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_rewards
+    finally:
+        sys.path.remove(str(BENCH))
+    from megaloop.post.rl.sandbox import DATA_DIR
+
+    old = bench_rewards._old_module(bench_rewards.BEFORE_REV)
+    assert old is not None
+    task = old.CodeTask(DATA_DIR / "mbpp_tiny.jsonl")
+    pairs, want = bench_rewards._pairs(task, 1)
+    assert [task.reward(e, c) for e, c in pairs[:4]] == want[:4] == [1.0, 0.0, 1.0, 0.0]
+    assert bench_rewards._old_module("0" * 40) is None

@@ -9,7 +9,7 @@ Each of the ``mbpp:tiny`` tasks is scored with its reference solution (reward 1)
 median of ``--rounds`` rounds that interleave the variants, and CPU ms per reward (this process +
 the sandboxes it reaped: independent of other load on the machine). Rows:
 
-* ``before`` — the previous reward (``megaloop/post/rl/sandbox.py`` at ``--before-rev``: one
+* ``before`` — the previous reward (``megaloop/rl/sandbox.py`` at ``--before-rev``: one
   subprocess per completion with an in-interpreter audit hook, exit status as the verdict; no
   namespaces), sequential, loaded from git (skipped when git or the revision is missing);
 * ``after, workers=N`` — the sandboxed reward (bwrap namespaces, per-run uid, trusted verdict),
@@ -50,11 +50,20 @@ def _pairs(task, repeats: int) -> tuple[list, list]:
 
 
 def _old_module(rev: str):
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:megaloop/post/rl/sandbox.py"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
+    """The sandbox module of ``rev`` (``megaloop/rl/sandbox.py`` before the move to ``megaloop/post/rl``,
+    else the new path), its ``megaloop.rl.tasks`` import pointed at today's ``megaloop.post.rl.examples``
+    (the same ``Example`` and ``read_jsonl``); None when git or the revision is missing."""
+    src = None
+    for path in ("megaloop/rl/sandbox.py", "megaloop/post/rl/sandbox.py"):
+        try:
+            src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True,
+                                 check=True).stdout
+            break
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    if src is None:
         return None
+    src = src.replace("from megaloop.rl.tasks import", "from megaloop.post.rl.examples import")
     with tempfile.TemporaryDirectory(prefix="megaloop-bench-") as tmp:
         path = Path(tmp) / "old_sandbox.py"
         path.write_text(src)

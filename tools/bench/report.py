@@ -43,7 +43,7 @@ def _row(d: dict) -> tuple[str, str] | None:
                 f"backprop through {c['bptt_window']})", "; ".join(parts))
     if name == "rewards":
         rows = r["rows"]
-        before = next(x for x in rows if x["variant"] == "before")
+        before = next((x for x in rows if x["variant"] == "before"), None)  # absent: --before-rev not in git
 
         def rate(x: dict) -> str:  # best round (median round)
             med = x.get("rewards_per_s_median")
@@ -53,7 +53,8 @@ def _row(d: dict) -> tuple[str, str] | None:
                           for x in rows if x["variant"] != "before")
         return (f"Code-execution rewards/s on mbpp:tiny (bwrap sandbox + trusted verdict vs the old unsandboxed "
                 f"subprocess), best of {c.get('rounds', '?')} interleaved rounds (median); CPU ms per reward",
-                f"before {rate(before)}, {before['cpu_ms_per_reward']} ms; after: {after}; "
+                (f"before {rate(before)}, {before['cpu_ms_per_reward']} ms; " if before else "before: not measured; ")
+                + f"after: {after}; "
                 f"({min(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')}–"
                 f"{max(x['cpu_ms_per_reward'] for x in rows if x['variant'] != 'before')} ms)")
     if name == "eval_memory_speed":
