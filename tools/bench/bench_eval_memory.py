@@ -7,10 +7,10 @@ read before and after one ``evaluate_ppl`` batch (``eval ppl`` / ``sweep``), one
 estimate: ``estimate_decode_memory``), one ``eval copying`` probe at one depth
 (``estimate_copy_memory``) or one ``eval fixed-point`` span (``estimate_fixed_point_memory``); the increase is the measured peak of what the batch added
 (on CUDA: ``torch.cuda.max_memory_allocated`` increase). Ratio = measured / estimate:
-≤ 1 means the check never refuses a batch that fits by more than its margin; the further below 1,
-the more it over-estimates. Writes tools/bench/results/eval_memory.json (eval_memory_mmap.json with
+≤ 1 means a batch the check admits (estimate ≤ 0.90 of free memory) fits; the further below 1, the
+more it over-estimates and the more batches that would fit it refuses; above 1 it under-estimates. Writes tools/bench/results/eval_memory.json (eval_memory_mmap.json with
 ``--mmap-threshold``). Usage:
-    python tools/bench/bench_eval_memory.py [--cases tiny,wide] [--mmap-threshold 65536]
+    python tools/bench/bench_eval_memory.py [--cases tiny_native_L2048_b4,wide_native_L2048_b2] [--mmap-threshold 65536]
     python tools/bench/bench_eval_memory.py --speed tiny_native_L2048_b4 [--mmap-threshold 65536]   # its speed cost
 """
 

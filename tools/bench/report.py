@@ -157,7 +157,9 @@ def render() -> str:
         if row is None:
             continue
         m = d.get("machine", {})
-        where = m.get("gpu") or f"{m.get('cpus', '?')} CPU cores"
+        threads = m.get("threads")
+        where = m.get("gpu") or (f"{m.get('cpus', '?')} CPU cores"
+                                 + (f", {threads} thread{'s' if threads != 1 else ''}" if threads else ""))
         lines.append(f"| {row[0]} | {row[1]} | {where}, {d.get('date', '')} | `{d.get('command', '')}` |")
     return "\n".join(lines)
 
