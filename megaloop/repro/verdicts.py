@@ -154,6 +154,7 @@ def check_verdict(check: Check, by_seed: dict[str, dict[Any, dict]]) -> dict:
     out.update(mean=mean, sd=sd, margin=margin)
     if check.op == "within":
         d = abs(mean - check.center)
+        out["distance"] = d  # |mean − center|, what the check bounds
         verdict = HOLDS if d + margin < check.value else OPPOSITE if d - margin > check.value else NOISE
     else:
         sign = 1.0 if check.op == ">" else -1.0
@@ -191,11 +192,14 @@ def verdict_text(v: dict) -> str:
 
 
 def check_text(r: dict) -> str:
-    """One check's figure, e.g. ``x < 2: x = +0.42 ± 0.3 sd (n=3, margin 0.75) holds``."""
+    """One check's figure, e.g. ``x < 2: mean +0.42 ± 0.3 sd (n=3, margin 0.75) holds``; a ``within``
+    check also gives the distance it bounds: ``|x − 5| < 1: mean +4.99, distance 0.01 (n=1, ...)``."""
     if r["mean"] is None:
         return f"{r['check']}: {MISSING}"
     spread = f" ± {r['sd']:.3g} sd" if r["sd"] is not None else ""
-    return f"{r['check']}: mean {r['mean']:+.3g}{spread} (n={r['n']}, margin {r['margin']:.3g}) {r['verdict']}"
+    dist = f", distance {r['distance']:.3g}" if r.get("distance") is not None else ""
+    return (f"{r['check']}: mean {r['mean']:+.3g}{spread}{dist} (n={r['n']}, margin {r['margin']:.3g}) "
+            f"{r['verdict']}")
 
 
 __all__ = ["Check", "HOLDS", "MISSING", "NOISE", "OPPOSITE", "check_text", "check_verdict", "claim_verdict",

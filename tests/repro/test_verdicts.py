@@ -10,7 +10,7 @@ import pytest
 
 from megaloop.config_utils import ConfigError
 from megaloop.repro.verdicts import (HOLDS, MISSING, NOISE, OPPOSITE, Check, check_verdict, claim_verdict,
-                                     parse_checks, t975, verdict_text)
+                                     check_text, parse_checks, t975, verdict_text)
 
 ARMS = {"a", "b"}
 METRICS = {"native_ppl", "extrapolation_pct", "prior_mean"}
@@ -61,6 +61,12 @@ def test_within_tolerance_and_absolute_differences() -> None:
     assert check_verdict(Check(arm="a", metric="prior_mean", op="within", value=1, center=5), far)["verdict"] == OPPOSITE
     diff = check_verdict(Check(arm="a", metric="prior_mean", vs="b", diff="absolute", op=">"), runs)
     assert diff["mean"] == pytest.approx(0.3)
+    # the report line names the distance the check bounds, not only the metric's mean (which read as
+    # "|prior_mean − 5| < 1: mean +4.99" for a prior mean of 4.99)
+    one = check_verdict(Check(arm="a", metric="prior_mean", op="within", value=1, center=5),
+                        _runs({"a": [4.99]}, "prior_mean"))
+    assert check_text(one) == "|prior_mean(a) − 5| < 1: mean +4.99, distance 0.01 (n=1, margin 0) holds"
+    assert "distance" not in check_text(diff)
 
 
 def test_claim_aggregation_and_missing_metrics() -> None:
