@@ -17,7 +17,7 @@ Both engines expose the same operations, so ``GRPOTrainer`` and ``train_student`
 * ``backward(loss)`` / ``step()`` — the ordinary path (distillation; ZeRO-3 included), and
   ``forward`` — the callable for the ordinary path's forward (the DeepSpeed engine itself);
 * ``set_lr``, ``grad_norm`` (pre-clip global norm of the last step), ``save`` / ``load``
-  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag; a ZeRO-1/2
+  (DeepSpeed checkpoints, or ``plain.pt`` for one process; ``latest`` names the last tag; a ZeRO-1/2/3
   checkpoint of another process count loads through DeepSpeed's universal checkpoint,
   :mod:`megaloop.post.universal`; a checkpoint
   of another model shape is refused in one line, :class:`CheckpointMismatch`) and
@@ -329,11 +329,7 @@ class DeepSpeedEngine:
 
         saved = (saved_world(d / tag) or ("deepspeed", 0))[1]
         load_dir, universal = d, saved > 0 and saved != self.world
-        if universal:  # another process count: through DeepSpeed's universal checkpoint (ZeRO-1/2)
-            if self.stage >= 3 or any(d.joinpath(tag).glob("zero_pp_rank_*_model_states.pt")):
-                raise ConfigError(f"--resume: {d / tag} was saved with {saved} process{'es' if saved != 1 else ''}, "
-                                  f"now {self.world}: only ZeRO-1/2 (saved and resumed) converts to another "
-                                  f"process count; resume with {saved} (torchrun --nproc_per_node {saved})")
+        if universal:  # another process count: through DeepSpeed's universal checkpoint (ZeRO-1/2/3)
             from megaloop.post.universal import universal_checkpoint
 
             load_dir = universal_checkpoint(d, tag, rank=self.rank, world=self.world)

@@ -9,8 +9,8 @@
   engine and the training seconds so far, readable before the model loads.
   :func:`checkpoint_facts` reads it (or, for checkpoints written before the sidecar, what the
   checkpoint files themselves tell) and :func:`check_layout` refuses a resume on another engine, or
-  on another process count unless the checkpoint is ZeRO-1/2 (converted to DeepSpeed's universal
-  checkpoint then), in one line.
+  on another process count unless the checkpoint is a DeepSpeed ZeRO-1/2/3 one (converted to
+  DeepSpeed's universal checkpoint then), in one line.
 """
 
 from __future__ import annotations
@@ -235,7 +235,7 @@ def check_tool(facts: dict, where: str, own: str) -> None:
 
 def check_layout(facts: dict, where: str, *, world: int, deepspeed: str | None) -> None:
     """Refuse a resume on another engine than the checkpoint's, or on another process count unless it
-    is a ZeRO-1/2 checkpoint (which loads through DeepSpeed's universal checkpoint) (one line)."""
+    is a ZeRO-1/2/3 checkpoint (which loads through DeepSpeed's universal checkpoint) (one line)."""
     engine = facts.get("engine")
     if engine == "plain" and deepspeed is not None:
         raise ConfigError(f"--resume: {where} was saved without --deepspeed (one process, plain AdamW); resume "
@@ -244,7 +244,7 @@ def check_layout(facts: dict, where: str, *, world: int, deepspeed: str | None) 
         raise ConfigError(f"--resume: {where} is a DeepSpeed checkpoint; resume with the --deepspeed it was "
                           "saved with")
     old = facts.get("world_size")
-    if engine == "deepspeed" and facts.get("zero_stage") in (1, 2):
+    if engine == "deepspeed" and facts.get("zero_stage") in (1, 2, 3):
         return  # another process count: converted to DeepSpeed's universal checkpoint (megaloop.post.universal)
     if isinstance(old, int) and old > 0 and old != world:
         raise ConfigError(f"--resume: {where} was saved with {old} process{'es' if old != 1 else ''}, now {world}: "

@@ -1,4 +1,4 @@
-"""Resume a ZeRO-1/2 DeepSpeed checkpoint on another process count through DeepSpeed's universal
+"""Resume a ZeRO-1/2/3 DeepSpeed checkpoint on another process count through DeepSpeed's universal
 checkpoint.
 
 :func:`universal_checkpoint` converts ``ckpt/tag`` with DeepSpeed's own converter
@@ -6,7 +6,9 @@ checkpoint.
 hidden staging folder beside it, then renamed into place (the original checkpoint is untouched; an
 existing conversion, complete by construction, is reused). The engine then loads it with
 ``checkpoint.load_universal`` set, which restores the fp32 parameters and the Adam moments at the new
-data-parallel size; the client state comes back from the copied ``mp_rank_00_model_states.pt``."""
+data-parallel size; the client state comes back from the copied ``mp_rank_00_model_states.pt`` (ZeRO-3:
+``zero_pp_rank_0_mp_rank_00_model_states.pt``). ZeRO-3 needs DeepSpeed ≥ 0.17 (its stage-3 universal
+load); the pinned 0.19.8 has it."""
 
 from __future__ import annotations
 

@@ -62,20 +62,17 @@ def _cli(nproc: int, *args: str, expect: int = 0) -> subprocess.CompletedProcess
     return proc
 
 
-def test_two_process_cli_runs_from_a_checkpoint_load_and_refuse_a_one_process_resume(tiny_checkpoint, tmp_path,
-                                                                                     capsys, monkeypatch):
+def test_two_process_cli_runs_from_a_checkpoint_load(tiny_checkpoint, tmp_path):
     """One torchrun launch (2 processes) runs ``megaloop rl --model RUN/checkpoints --deepspeed zero2`` and
     ``distill-prefill --teacher RUN --deepspeed zero3`` (each rank reads the native checkpoint; this
     failed with "launched with 2 processes but config expects 1"), and ``distill-prefill`` from the HF
-    conversion of the same model, which trains the same student bit for bit. The outputs load, the
-    weights files have the umask's mode, and resuming the ZeRO-3 run with 1 process is refused in one
-    line before anything loads."""
+    conversion of the same model, which trains the same student bit for bit. The outputs load and the
+    weights files have the umask's mode."""
     import os
 
     from safetensors.torch import load_file
 
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-    from megaloop.post.distill.cli import main as distill_main
     from megaloop.post.distill.prefill_student import load_student
     from megaloop.runtime.files import _umask
 
@@ -108,14 +105,7 @@ def test_two_process_cli_runs_from_a_checkpoint_load_and_refuse_a_one_process_re
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for f in (out / "model.safetensors", st / "student.safetensors"):  # was 0600 (safetensors' temp file)
         assert os.stat(f).st_mode & 0o777 == 0o666 & ~_umask(), f
-
-    # a 2-process ZeRO-3 checkpoint resumed by 1 process: one line, before the model loads
-    monkeypatch.setattr("megaloop.hf.load.load_model", lambda *a, **k: pytest.fail("model loaded"))
-    capsys.readouterr()
-    # (the ZeRO-2 rl checkpoint resumes on 1 process: tests/post/test_universal_resume.py)
-    assert distill_main([*distill(run, st)[1:], "--steps", "3", "--resume"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "step000002 was saved with 2 processes, now 1" in err[0], err
+    # (these checkpoints resume on another process count: tests/post/test_universal_resume.py)
 
 
 def test_one_process_deepspeed_run_and_cli_resume(tiny_teacher, tmp_path):

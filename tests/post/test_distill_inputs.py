@@ -125,6 +125,7 @@ def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_pa
     (out / "checkpoints" / "latest").write_text("step000002")
     monkeypatch.setattr(ps, "calibrate_sigma2", lambda *a, **k: pytest.fail("recalibrated on resume"))
     assert _main(_args(hf_dir, text, out, "--steps", "4", "--resume")) == 0
+    assert "note: --steps" not in capsys.readouterr().err  # same horizon: nothing to say
     again = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in again] == [0, 1, 2, 3]
     assert [r["loss"] for r in again] == pytest.approx([r["loss"] for r in full], rel=1e-5)
@@ -133,6 +134,18 @@ def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_pa
 
     mode = (out / "student.safetensors").stat().st_mode & 0o777  # was 0600 (safetensors' temp file)
     assert mode == (out / "student.json").stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(mode)
+
+    # a longer horizon: the cosine schedule now spans it, and the LR jump at the resumed step is named
+    from dataclasses import replace
+
+    cfg = ps.DistillConfig(**{k: v for k, v in json.loads((out / "student.json").read_text())["config"].items()
+                              if k in ps.DistillConfig.__dataclass_fields__})
+    assert _main(_args(hf_dir, text, out, "--steps", "6", "--resume")) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note: --steps")]
+    new, old = ps.lr_at(replace(cfg, steps=6), 4), ps.lr_at(replace(cfg, steps=4), 3)
+    assert new > old and notes == [f"note: --steps 4 -> 6: the learning-rate schedule (warm-up, cosine decay) now "
+                                   f"spans 6 steps, so step 4 trains at lr {new:.3g} (the last step trained, 3, was "
+                                   f"at {old:.3g})"], notes
     assert not list(out.glob(".*tmp"))
 
 

@@ -182,6 +182,16 @@ def _run(args: argparse.Namespace) -> int:
         if client.get("sigma2") is not None:
             sigma2 = float(client["sigma2"])
         say(f"resumed at step {start} from {ckpt}")
+        old_steps = (client.get("run") or stored.get("run") or {}).get("steps")
+        if lead and isinstance(old_steps, int) and old_steps != cfg.steps and 0 < start < cfg.steps:
+            from dataclasses import replace
+
+            from megaloop.post.distill.prefill_student import lr_at
+
+            print(f"note: --steps {old_steps} -> {cfg.steps}: the learning-rate schedule (warm-up, cosine decay) "
+                  f"now spans {cfg.steps} steps, so step {start} trains at lr {lr_at(cfg, start):.3g} (the last "
+                  f"step trained, {start - 1}, was at {lr_at(replace(cfg, steps=old_steps), start - 1):.3g})",
+                  file=sys.stderr, flush=True)
     saving = args.save_every or args.resume
     # training seconds over every launch: the checkpoint resumed from carries those of the steps before it
     before = float((client.get("seconds") if args.resume else 0.0) or 0.0)
