@@ -358,6 +358,7 @@ megaloop_preflight() {
   if [ "$rc" -eq 2 ]; then
     local line
     line="$(printf '%s\n' "$out" | grep -E '^megaloop plan: error' | tail -n 1)"
+    line="${line/error: --cluster/error: PLAN_CLUSTER (--cluster)}"  # the knob the user set, not the flag
     echo "megaloop preflight: refusing: ${line:-$(printf '%s\n' "$out" | tail -n 1)}; nothing launched" >&2
     exit 2
   fi

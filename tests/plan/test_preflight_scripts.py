@@ -66,7 +66,7 @@ def test_slurm_refuses_a_configuration_megaloop_refuses(tmp_path: Path) -> None:
     for sub, extra, field in (("typo", {"EXTRA_ARGS": "train.max_stpes=3"}, "train.max_stpes: unknown field"),
                               ("tp", {"TP": "3"}, "model.num_heads"),
                               ("vpp", {"PP": "2", "VPP": "2"}, "parallel.vpp"),
-                              ("cluster", {"PLAN_CLUSTER": "nosuch.yaml"}, "--cluster: file")):
+                              ("cluster", {"PLAN_CLUSTER": "nosuch.yaml"}, "PLAN_CLUSTER (--cluster): file")):
         proc = _slurm(tmp_path / sub, expect=2, **extra)
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"megaloop preflight: refusing: megaloop plan: error: {field}"), line
