@@ -73,6 +73,8 @@ def add_eval_parser(sub) -> None:
     p = esub.add_parser("copying", help="in-context copying: loss on random tokens at their first occurrence "
                                         "and when repeated, per depth (megaloop.eval.copying)")
     _common(p, decode=False, data=False)
+    next(a for a in p._actions if a.dest == "depth").help = ("the second of the default depths {1, R} (default: the "
+                                                              "run's eval depth); refused with --depths")
     p.add_argument("--depths", default=None, help="comma-separated depths (default: 1 and the run's eval depth)")
     p.add_argument("--num-seqs", type=int, default=16, help="probe sequences")
     p.add_argument("--half-len", type=int, default=None,
@@ -308,6 +310,9 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     if args.max_depth is not None:
         raise ConfigError("--max-depth: eval sweep caps each row's adaptive depth at its own depth (--depths); "
                           "drop it")
+    if args.exit and args.sharing:  # each row's cap is its own R (row_policy): the engine's policy admits the deepest
+        args.max_depth = max(max(parse_depths(args.depths)), args.depth or 0,
+                             args.min_depth if args.min_depth is not None else 2)
     _check_args(args)
     if not args.sharing:
         for flag, value in (("--prefill-depth", args.prefill_depth), ("--exit", args.exit),
@@ -320,7 +325,8 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     from megaloop.inference.generate_cli import is_untied
 
     if is_untied(args):
-        raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
+        raise ConfigError(f"eval sweep: {args.checkpoint} is an untied (non-looped) model, it has no depth to sweep "
+                          "(use eval ppl)")
     plot = check_plot_path(args.plot, args.json, "depth_sweep.png")
     check_outputs_not_inputs(args, {"--json": args.json, "--plot": str(plot)})
     _check_prefix_len(args)
@@ -387,6 +393,9 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
     if args.half_len is not None and args.half_len < 2:
         raise ConfigError(f"--half-len: must be >= 2, got {args.half_len}")
     depths = parse_depths(args.depths) if args.depths is not None else None  # "" is refused, not the default
+    if depths is not None and args.depth is not None:
+        raise ConfigError(f"--depth: eval copying runs the depths of --depths only ({args.depths}); --depth sets the "
+                          "second of the default depths {1, R}: drop one of them")
     _check_args(args)
     engine = build_engine(args)
     half = args.half_len or int(engine.config.max_position_embeddings) // 2
@@ -397,6 +406,10 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
     if not looped and depths:
         raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
     depths = depths or (sorted({1, engine.depth}) if looped else [None])
+    trained = int(engine.config.max_position_embeddings)
+    if 2 * half > trained:
+        print(f"warning: {2 * half}-token sequences exceed the training seq_len {trained}: RoPE positions "
+              f"{trained}..{2 * half - 1} were never trained and are extrapolated", file=sys.stderr)
     if not args.no_memory_check:
         from megaloop.eval.memory import check_copy_memory
 
@@ -417,6 +430,7 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
            ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
     write_json(args.json, {"command": "eval copying", "engine": engine.describe(), "half_len": half,
                            "num_seqs": args.num_seqs, "seed": args.seed, "excluded_ids": sorted(special),
+                           "seq_len": 2 * half, "training_seq_len": trained, "rope_extrapolated": 2 * half > trained,
                            "depths": res})
     return 0
 
@@ -502,7 +516,8 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size: must be >= 1, got {args.batch_size}")
     _check_args(args)
-    check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
+    scoring = check_scoring(args.scoring or ("parallel" if args.cache == "none" else "decode"), args.cache)
+    _warn_generate_only_options(args, scoring)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
@@ -519,11 +534,40 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
             if isinstance(v, (int, float)) and k != "sample_len":
                 rows.append([task, k, v, metrics.get("sample_len")])
     c = res["config"]
-    how = f"D={c['decode_depth']} token by token" if c["scoring"] == "decode" else f"R={c['depth']} parallel"
+    policy = lm.policy
+    if c["scoring"] != "decode":
+        how = f"R={c['depth']} parallel"
+    elif policy is not None:
+        how = f"adaptive depth token by token ({policy.spec}, depth {policy.min_depth}..{policy.max_depth})"
+    else:
+        how = f"D={c['decode_depth']} token by token"
     _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
            ["task", "metric", "value", "n"], rows)
-    write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res})
+    extra = {}
+    if policy is not None:  # every adaptive decode step of the run (scoring and generate_until)
+        extra["adaptive_depths"] = {"criterion": policy.spec, "min_depth": policy.min_depth,
+                                    "max_depth": policy.max_depth, **engine.depth_log.to_dict()}
+        print(f"adaptive decode ({policy.spec}, max depth {policy.max_depth}): {engine.depth_log.summary()}")
+    write_json(args.json, {"command": "eval harness", "engine": engine.describe(), **res, **extra})
     return 0
+
+
+def _warn_generate_only_options(args: argparse.Namespace, scoring: str) -> None:
+    """With parallel scoring, loglikelihood requests decode nothing token by token: the decode and
+    adaptive-depth options (and, with ``--cache none``, the prefill depth) reach only the tasks'
+    generate_until requests, which cannot be known before the tasks load; say so in one line."""
+    if scoring != "parallel":
+        return
+    given = [flag for flag, on in (("--exit", args.exit is not None), ("--min-depth", args.min_depth is not None),
+                                   ("--max-depth", args.max_depth is not None),
+                                   ("--finished-rows", args.finished_rows != "mask"),
+                                   ("--decode-depth", args.decode_depth is not None),
+                                   ("--prefill-depth", args.cache == "none" and args.prefill_depth is not None))
+             if on]
+    if given:
+        how = "--cache none" if args.cache == "none" else "--scoring parallel"
+        print(f"warning: {', '.join(given)}: with {how} loglikelihood requests are scored in one parallel pass at R, "
+              "so these apply only to generate_until requests", file=sys.stderr)
 
 
 __all__ = ["add_eval_parser", "cmd_eval_copying", "cmd_eval_fixed_point", "cmd_eval_harness", "cmd_eval_ppl", "cmd_eval_states",

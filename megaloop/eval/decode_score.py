@@ -51,10 +51,14 @@ def _step_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Ten
 
 @torch.no_grad()
 def decode_loglikelihood(engine, pairs: Sequence[Pair], *, prefill_depth: int, decode_depth: int,
-                         cache_mode: str = "terminal", batch_size: int = 16) -> list[tuple[float, bool]]:
+                         cache_mode: str = "terminal", batch_size: int = 16,
+                         policy=None) -> list[tuple[float, bool]]:
     """Token-by-token scores of ``pairs`` through a ``cache_mode`` cache: prefill each context at
-    ``prefill_depth``, feed continuation tokens one per step at ``decode_depth``. ``batch_size``
-    rows (pairs) are decoded together; a context is prefilled once per batch."""
+    ``prefill_depth``, feed continuation tokens one per step at ``decode_depth``, or, with an
+    adaptive-exit ``policy`` (:class:`~megaloop.inference.adaptive.ExitPolicy`; ``--exit``), at
+    per-token depth up to ``policy.max_depth`` (the decode depth is then unused: the caller caps the
+    policy, e.g. :func:`megaloop.eval.depth_sweep.row_policy`; depths go to ``engine.depth_log``).
+    ``batch_size`` rows (pairs) are decoded together; a context is prefilled once per batch."""
     pdepth = check_depth(prefill_depth, "--prefill-depth")
     ddepth = check_depth(decode_depth, "--decode-depth")
     mode = check_mode(cache_mode, "--cache")
@@ -92,7 +96,7 @@ def decode_loglikelihood(engine, pairs: Sequence[Pair], *, prefill_depth: int, d
                 state = state.select(keep)
                 rows = [rows[j] for j in keep]
                 targets = targets[torch.tensor(keep, dtype=torch.long, device=dev)]
-            logits = engine.decode(state, targets, depth=ddepth, policy=engine.exit)  # --exit: adaptive depth
+            logits = engine.decode(state, targets, depth=ddepth, policy=policy)
         for j, i in enumerate(chunk):
             results[i] = (float(total[j]), bool(greedy[j]))
     return results  # type: ignore[return-value]

@@ -65,6 +65,10 @@ class MegaloopLM(LM):
         memory_check: before scoring (or generating) a set of requests, estimate the largest batch's
             memory (megaloop.eval.memory) and refuse, naming ``--batch-size``, one that does not fit.
         max_gen_toks: default generation length.
+        policy: adaptive per-token exit of ``decode`` scoring and ``generate_until`` (an
+            :class:`~megaloop.inference.adaptive.ExitPolicy`, whose ``max_depth`` caps the depth in
+            place of ``decode_depth``); ``"engine"`` (default): the engine's ``exit`` (``--exit``);
+            None: fixed depth ``decode_depth``. ``parallel`` scoring never uses it.
     """
 
     def __init__(self, engine=None, *, checkpoint: Optional[str] = None, hf: Optional[str] = None,
@@ -72,12 +76,12 @@ class MegaloopLM(LM):
                  decode_depth: Optional[int] = None, cache_mode: str = "terminal",
                  scoring: Optional[str] = None, batch_size: int = 16,
                  max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", memory_check: bool = True,
-                 max_batch_size: Optional[int] = None, **unknown):
+                 max_batch_size: Optional[int] = None, policy: Any = "engine", **unknown):
         super().__init__()
         del max_batch_size  # lm-eval passes it with batch_size and device; batches here are fixed-size
         if unknown:  # a misspelled model_args key (e.g. `cache=`) would otherwise be dropped silently
             known = ("checkpoint", "hf", "depth", "prefill_depth", "decode_depth", "cache_mode", "scoring",
-                     "batch_size", "max_gen_toks", "device", "dtype", "memory_check")
+                     "batch_size", "max_gen_toks", "device", "dtype", "memory_check", "policy")
             raise ConfigError(f"megaloop lm-eval model: unknown model_args {', '.join(sorted(unknown))} "
                               f"(known: {', '.join(known)})")
         if engine is None:
@@ -100,6 +104,11 @@ class MegaloopLM(LM):
         self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 16
         self.max_gen_toks = int(max_gen_toks)
         self.memory_check = memory_check not in (False, "false", "False", 0, "0")
+        if isinstance(policy, str):  # "engine", or a criterion such as latent:1e-3 (model_args) capped at D
+            from megaloop.inference.adaptive import exit_policy
+
+            policy = engine.exit if policy == "engine" else exit_policy(policy, default_max_depth=self.decode_depth)
+        self.policy = policy
         self._device = engine.device
 
     @classmethod
@@ -160,7 +169,7 @@ class MegaloopLM(LM):
         if self.scoring == "decode":
             return decode_loglikelihood(self.engine, pairs, prefill_depth=self.prefill_depth,
                                         decode_depth=self.decode_depth, cache_mode=self.cache_mode,
-                                        batch_size=self.batch_size)
+                                        batch_size=self.batch_size, policy=self.policy)
         return parallel_loglikelihood(self.engine, pairs, depth=self.depth, prefill_depth=self.prefill_depth,
                                       cache_mode=self.cache_mode, batch_size=self.batch_size)
 
@@ -182,7 +191,7 @@ class MegaloopLM(LM):
         what = f"--batch-size {b}, contexts of up to {ctx} tokens, continuations of up to {cont}"
         if max_new or self.scoring == "decode":
             mode = "per_visit" if self.cache_mode == "per_visit" else "terminal"
-            depth = eng.exit.max_depth if eng.exit is not None else self.decode_depth
+            depth = self.policy.max_depth if self.policy is not None else self.decode_depth
             check_decode_memory(eng, batch_size=b, prompt_len=ctx, total_len=total, prefill_depth=self.prefill_depth,
                                 decode_depth=depth, mode=mode, what=what, fits=fits, shrink=shrink)
             return
@@ -247,6 +256,7 @@ class MegaloopLM(LM):
                                        top_k=int(kwargs.pop("top_k", 0) or 0), seed=kwargs.pop("seed", 1234),
                                        stop=until, prefill_depth=self.prefill_depth,
                                        decode_depth=self.decode_depth,
+                                       exit_criterion=self.policy if self.policy is not None else "none",
                                        cache_mode="per_visit" if self.cache_mode == "per_visit" else "terminal")
             text = res.results[0].text
             out.append(text)
@@ -401,7 +411,17 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
                          if k not in ("alias", "name") and "stderr" not in k}
     return {"results": results, "n_samples": (out or {}).get("n-samples", {}),
             "config": {"depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
-                       "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot}}
+                       "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot,
+                       "exit": describe_policy(getattr(lm, "policy", None))}}
 
 
-__all__ = ["MegaloopLM", "SHIPPED_TASKS", "TASKS_DIR", "resolve_tasks", "run_harness", "task_specs"]
+def describe_policy(policy) -> Optional[dict]:
+    """JSON of an adaptive-exit policy (``criterion``, ``min_depth``, ``max_depth`` = the cap,
+    ``finished_rows``); None for fixed depth."""
+    if policy is None:
+        return None
+    return {"criterion": policy.spec, "min_depth": policy.min_depth, "max_depth": policy.max_depth,
+            "finished_rows": "compact" if policy.compaction else "mask"}
+
+
+__all__ = ["MegaloopLM", "SHIPPED_TASKS", "TASKS_DIR", "describe_policy", "resolve_tasks", "run_harness", "task_specs"]

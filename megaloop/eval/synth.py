@@ -9,7 +9,10 @@ same pair encoding, same :mod:`megaloop.eval.decode_score` scorers over the
 :class:`~megaloop.inference.engine.InferenceEngine` and its KV caches), so the table equals what
 ``megaloop eval harness --tasks megaloop_synth`` reports at each depth. Default protocol: the
 prompt is prefilled at R into a terminal-KV cache, the answer is fed token by token at R
-(``scoring="decode"``); ``cache_mode="none"`` scores one plain parallel forward at R.
+(``scoring="decode"``); ``cache_mode="none"`` scores one plain parallel forward at R. With an
+engine exit policy (``--exit``) the answer tokens of column R decode at adaptive depth capped at R
+(:func:`megaloop.eval.depth_sweep.row_policy`, as ``eval sweep --sharing`` rows: ``latent:0``
+equals fixed token-by-token decoding at R; fixed depth R where R is below ``min_depth``).
 
 Per problem: ``ce`` = −Σ log p(continuation) in nats, the continuation being the target plus the
 prompt's trailing newline (the adapter moves trailing whitespace of a context onto its
@@ -26,7 +29,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from megaloop.config_utils import ConfigError
-from megaloop.eval.depth_sweep import parse_depths
+from megaloop.eval.depth_sweep import parse_depths, row_policy
 from megaloop.runtime.files import save_figure
 
 SHIPPED = Path(__file__).resolve().parent / "tasks" / "megaloop_synth.jsonl"
@@ -78,18 +81,27 @@ def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: 
     """Per problem ``(ce nats, correct)`` at recurrence depth ``depth`` (prefill at
     ``prefill_depth``, default ``depth``), through :class:`MegaloopLM`'s scorers (whose memory
     check refuses a batch that would not fit, unless ``memory_check`` is False). ``pairs``: the
-    problems already encoded (:func:`synth_table` encodes them once for every depth)."""
+    problems already encoded (:func:`synth_table` encodes them once for every depth). The engine's
+    exit policy, if any, decodes capped at ``depth`` (:func:`row_policy`)."""
+    lm = _lm(engine, depth, cache_mode=cache_mode, scoring=scoring, prefill_depth=prefill_depth,
+             batch_size=batch_size, memory_check=memory_check)
+    return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs or _encode(lm, problems))]
+
+
+def _lm(engine, depth: int, **kw):
+    """The adapter scoring column ``depth``: decode budget ``depth``, the engine's exit policy capped at it."""
     from megaloop.eval.harness import MegaloopLM
 
-    lm = MegaloopLM(engine, depth=depth, prefill_depth=prefill_depth, cache_mode=cache_mode, scoring=scoring,
-                    batch_size=batch_size, memory_check=memory_check)
-    return [(-lp, bool(greedy)) for lp, greedy in lm._loglikelihood_tokens(pairs or _encode(lm, problems))]
+    return MegaloopLM(engine, depth=depth, policy=row_policy(getattr(engine, "exit", None), depth), **kw)
 
 
 @dataclass
 class SynthTable:
     """``acc[i][j]`` / ``ce[i][j]``: mean exact match / answer CE (nats) of the problems with
-    ``ks[i]`` at depth ``depths[j]``; ``n[i]`` problems per k; ``chance`` = 1/modulus if known."""
+    ``ks[i]`` at depth ``depths[j]``; ``n[i]`` problems per k; ``chance`` = 1/modulus if known;
+    ``adaptive_depths[j]`` (with an exit policy): the depths the answer tokens of column j stopped
+    at (criterion, min/max depth and :meth:`DepthLog.to_dict`), None where ``depths[j]`` is below
+    ``min_depth`` (fixed depth)."""
 
     ks: list[int]
     depths: list[int]
@@ -98,10 +110,11 @@ class SynthTable:
     ce: list[list[float]]
     protocol: dict = field(default_factory=dict)
     chance: Optional[float] = None
+    adaptive_depths: Optional[list] = None
 
     def to_dict(self) -> dict:
         return {"ks": self.ks, "depths": self.depths, "n": self.n, "acc": self.acc, "ce": self.ce,
-                "protocol": self.protocol, "chance": self.chance}
+                "protocol": self.protocol, "chance": self.chance, "adaptive_depths": self.adaptive_depths}
 
     def format(self) -> str:
         """Plain-text k × R table of ``acc / CE``."""
@@ -122,25 +135,43 @@ def synth_table(engine, problems: Sequence[dict], depths: Sequence[int] = DEFAUL
                 memory_check: bool = True) -> SynthTable:
     """The k × R table of ``problems`` (see :func:`score_problems`); ``log(depth, seconds)``
     after each depth. ``memory_check``: refuse, before the first depth runs, a batch that would
-    not fit at the deepest of ``depths``."""
+    not fit at the deepest of ``depths``. With an engine exit policy each column decodes
+    adaptively capped at its R; its depths are logged per column (``adaptive_depths``) and also
+    added to ``engine.depth_log``."""
     import time
+
+    from megaloop.inference.adaptive import DepthLog
 
     depths = parse_depths(depths)
     if not problems:
         raise ConfigError("synth: no problem to score")
-    from megaloop.eval.harness import MegaloopLM
-
+    how = scoring or ("parallel" if cache_mode == "none" else "decode")
+    base = getattr(engine, "exit", None) if how == "decode" else None  # parallel scoring never decodes
     kw = dict(cache_mode=cache_mode, scoring=scoring, prefill_depth=prefill_depth, batch_size=batch_size)
-    deepest = MegaloopLM(engine, depth=max(depths), memory_check=memory_check, **kw)
+    deepest = _lm(engine, max(depths), memory_check=memory_check, **kw)
     pairs = _encode(deepest, problems)
     deepest._check_memory(pairs)  # the deepest depth holds the most (per-visit banks, decode depth)
     ks = sorted({int(p["k"]) for p in problems})
     rows = {k: [i for i, p in enumerate(problems) if p["k"] == k] for k in ks}
     acc = [[0.0] * len(depths) for _ in ks]
     ce = [[0.0] * len(depths) for _ in ks]
+    adaptive: list = []
     for j, r in enumerate(depths):
         t0 = time.time()
-        scores = score_problems(engine, problems, r, memory_check=False, pairs=pairs, **kw)
+        policy = row_policy(base, r)
+        if policy is None:  # fixed depth R
+            scores = score_problems(engine, problems, r, memory_check=False, pairs=pairs, **kw)
+            adaptive.append(None)
+        else:  # this column's depths in a log of their own, then added to the engine's
+            outer, engine.depth_log = engine.depth_log, DepthLog()
+            try:
+                scores = score_problems(engine, problems, r, memory_check=False, pairs=pairs, **kw)
+            finally:
+                log_r, engine.depth_log = engine.depth_log, outer
+            outer.counts.update(log_r.counts)
+            outer.row_recurrences += log_r.row_recurrences
+            adaptive.append({"criterion": policy.spec, "min_depth": policy.min_depth, "max_depth": policy.max_depth,
+                             **log_r.to_dict()})
         for i, k in enumerate(ks):
             mine = [scores[q] for q in rows[k]]
             acc[i][j] = sum(ok for _, ok in mine) / len(mine)
@@ -149,10 +180,16 @@ def synth_table(engine, problems: Sequence[dict], depths: Sequence[int] = DEFAUL
             log(r, time.time() - t0)
     mods = {p.get("modulus") for p in problems}
     chance = 1.0 / mods.pop() if len(mods) == 1 and None not in mods else None
-    how = scoring or ("parallel" if cache_mode == "none" else "decode")
+    from megaloop.eval.harness import describe_policy
+
+    exit_ = describe_policy(base)
+    if exit_ is not None:
+        exit_["max_depth"] = "R"  # each column's cap is its own depth
     return SynthTable(ks=ks, depths=list(depths), n=[len(rows[k]) for k in ks], acc=acc, ce=ce,
                       chance=chance, protocol={"cache_mode": cache_mode, "scoring": how,
-                                               "prefill_depth": prefill_depth or "R"})
+                                               "prefill_depth": prefill_depth or "R",
+                                               "decode_depth": "R" if how == "decode" else None, "exit": exit_},
+                      adaptive_depths=adaptive if base is not None else None)
 
 
 def plot_synth(table: SynthTable, path: str | Path, title: str = "synthetic programs: answer vs chain length") -> Path:

@@ -507,8 +507,11 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
     def exit_policy(self, exit_criterion=None, min_depth=None, max_depth=None) -> Optional[ExitPolicy]:
         """Adaptive-depth policy of these arguments, else of the config; None = fixed depth."""
         cfg, spec = self.config, exit_criterion if exit_criterion is not None else self.config.exit_criterion
-        return ExitPolicy.parse(spec, min_depth=min_depth or cfg.min_depth,
-                                max_depth=max_depth or cfg.max_depth or cfg.decode_depth) if spec else None
+        if not spec:
+            return None
+        if max_depth is None:  # an explicit 0 is refused by ExitPolicy, not taken as "default"
+            max_depth = cfg.max_depth if cfg.max_depth is not None else cfg.decode_depth
+        return ExitPolicy.parse(spec, min_depth=cfg.min_depth if min_depth is None else min_depth, max_depth=max_depth)
 
     # ------------------------------------------------------------ forward
     def forward(

@@ -34,7 +34,9 @@ def exit_policy(spec: Union[str, ExitPolicy, None], *, min_depth: Optional[int] 
     """CLI / API options → :class:`ExitPolicy` (None for ``spec`` None / ``""`` / ``"none"``).
 
     ``spec``: ``latent:1e-3`` | ``kl:1e-4`` | ``argmax:3``; ``max_depth`` defaults to
-    ``default_max_depth`` (the decode depth); ``finished_rows``: ``mask`` or ``compact``.
+    ``default_max_depth`` (the decode depth) when None (0 is refused, not the default; a
+    ``min_depth`` above the default cap is refused naming ``--min-depth``); ``finished_rows``:
+    ``mask`` or ``compact``.
     Raises ConfigError naming ``--exit`` / ``--min-depth`` / ``--max-depth`` / ``--finished-rows``:
     the depths and rows are checked here; what :meth:`ExitPolicy.parse` (export code, which raises
     ``ValueError`` because it cannot import megaloop) still refuses is the criterion, ``--exit``."""
@@ -45,9 +47,12 @@ def exit_policy(spec: Union[str, ExitPolicy, None], *, min_depth: Optional[int] 
     if finished_rows not in ROW_MODES:
         raise ConfigError(f"--finished-rows: one of {ROW_MODES}, got {finished_rows!r}")
     low = 2 if min_depth is None else min_depth
-    high = max_depth or default_max_depth
+    high = default_max_depth if max_depth is None else max_depth  # an explicit 0 is refused below, not a default
     if int(low) != low or low < 2:
         raise ConfigError(f"--min-depth: must be an integer >= 2 (criteria compare successive recurrences), got {low}")
+    if max_depth is None and int(high) == high and high < low:
+        raise ConfigError(f"--min-depth {low}: above the default --max-depth (the decode depth, {high}); pass "
+                          f"--max-depth >= {low}")
     if int(high) != high or high < low:
         raise ConfigError(f"--max-depth: must be an integer >= min_depth ({low}), got {high}")
     try:

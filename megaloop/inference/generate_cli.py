@@ -98,11 +98,13 @@ def check_engine_args(args: argparse.Namespace) -> None:
                             ("--finished-rows", getattr(args, "finished_rows", "mask") != "mask")):
             if given:
                 raise ConfigError(f"{flag}: applies to adaptive depth; add --exit latent:EPS|kl:EPS|argmax:K")
-    if getattr(args, "exit", None):  # the criterion and depths (the decode depth is known after loading)
+    if getattr(args, "exit", None):  # the criterion and depths (the default cap, the decode depth, where known)
         from megaloop.inference.adaptive import exit_policy
 
+        known = _known_decode_depth(args)
         exit_policy(args.exit, min_depth=args.min_depth, max_depth=args.max_depth,
-                    default_max_depth=max(args.min_depth or 2, 2), finished_rows=args.finished_rows)
+                    default_max_depth=known if known is not None else max(args.min_depth or 2, 2),
+                    finished_rows=args.finished_rows)
         dd = getattr(args, "decode_depth", None)
         if dd is not None and args.max_depth is not None and args.max_depth < dd:
             raise ConfigError(f"--max-depth: {args.max_depth} is below --decode-depth {dd}; with --exit the decode "
@@ -117,6 +119,16 @@ def check_engine_args(args: argparse.Namespace) -> None:
 
         raise CheckpointError(f"checkpoint {args.checkpoint} does not exist")
     check_untied_args(args)
+
+
+def _known_decode_depth(args: argparse.Namespace) -> Optional[int]:
+    """The engine's decode depth when the options fix it before loading (``--decode-depth``, else
+    ``--depth``, its default); None when it comes from the checkpoint."""
+    for name in ("decode_depth", "depth"):
+        value = getattr(args, name, None)
+        if value is not None:
+            return int(value)
+    return None
 
 
 DEPTH_FLAGS = (("exit", "--exit"), ("depth", "--depth"), ("prefill_depth", "--prefill-depth"),
@@ -210,15 +222,23 @@ def check_plot_path(plot: Optional[str], json_path: Optional[str], default: str,
         formats = sorted(FigureCanvasBase.get_supported_filetypes())
         if ext not in formats:
             raise ConfigError(f"{flag} {path}: unsupported figure format {ext!r}; use one of {', '.join(formats)}")
+    if json_path and path.expanduser().resolve() == Path(json_path).expanduser().resolve():
+        where = f"{flag} {plot}" if plot else f"{flag} (default {path}, next to --json)"
+        raise ConfigError(f"{where}: is also the --json path, so the figure would overwrite the JSON result; "
+                          f"give {flag} another path")
     check_out_file(str(path), flag)
     return path
 
 
 def check_out_file(path: Optional[str], flag: str) -> None:
     """An output file path that can be written: not a directory, and its nearest existing ancestor
-    a writable directory (so a long evaluation does not fail at its very end)."""
+    a directory in which a file can be created (so a long evaluation does not fail at its very end).
+    The ancestor is probed with a temporary file, created and removed at once: permission bits alone
+    do not tell for root, a read-only mount or a pseudo file system such as ``/proc``."""
     if not path:
         return
+    import tempfile
+
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory, not a file path")
@@ -227,8 +247,15 @@ def check_out_file(path: Optional[str], flag: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{flag} {p}: {parent} is a file, so the path cannot be created")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag} {p}: {parent} is not writable")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        raise ConfigError(f"{flag} {p}: {parent} is not writable (cannot create a file in it: "
+                          f"{err.strerror or err})") from None
+    if p.exists() and not os.access(p, os.W_OK):
+        raise ConfigError(f"{flag} {p}: the file exists and is not writable")
 
 
 def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtype: Optional[str] = None):

@@ -5,7 +5,9 @@ Runs the ``megaloop eval`` commands as subprocesses on the arm's final checkpoin
 * ``RUN/eval/sweep.json`` + ``sweep.png``: ``megaloop eval sweep --depth R --depths ... --sharing``
   (native PPL at every depth, terminal / per-visit PPL and the sharing penalty
   100·(PPL_terminal/PPL_per_visit − 1) at every depth, extrapolation 100·(PPL@max/PPL@R − 1));
-  untied arms (no recurrence) are scored at R only;
+  untied arms (no recurrence, so no depth flags: the eval commands refuse them) run ``megaloop eval
+  ppl --cache both`` instead (``RUN/eval/ppl.json``: the same native / terminal / per-visit PPL and
+  sharing penalty, recorded as the one row at R);
 * ``RUN/eval/harness.json``: ``megaloop eval harness --tasks ...`` (terminal cache, depth R);
 * ``RUN/eval/summary.json``: the checkpoint step, the plan's digest, each stage's status and the
   extracted metrics (see ``summarize``), and the machine that evaluated.
@@ -83,22 +85,22 @@ def _run_plain(argv: list[str], log: Path, env: dict) -> int:
 def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | None, device: str,
                    python: str = sys.executable) -> dict[str, list[str]]:
     """``{stage: argv}`` of the arm's evaluation: ``synth`` (with ``eval.synth``), ``sweep`` (unless
-    ``eval.sweep`` is false) and, with harness tasks, ``harness``."""
+    ``eval.sweep`` is false; an untied arm: ``ppl``, one depth) and, with harness tasks, ``harness``.
+    An untied arm's commands carry no depth flag (``--depth``, ``--depths``: refused on such a model)."""
     out = run_dir / "eval"
     head = [python, "-m", "megaloop.cli", "eval"]
-    common = ["--checkpoint", str(run_dir), "--depth", str(plan.depth), "--device", device]
+    common = ["--checkpoint", str(run_dir), *(["--depth", str(plan.depth)] if arm.looped else []), "--device", device]
     if threads:
         common += ["--threads", str(threads)]
-    depths = plan.depths if arm.looped else [plan.depth]
     cmds: dict[str, list[str]] = {}
     if plan.synth:
         cmds["synth"] = [*head, "synth", "--checkpoint", str(run_dir), "--device", device,
-                         "--depths", ",".join(map(str, depths)), "--json", str(out / "synth.json"),
-                         "--plot", str(out / "synth.png")]
+                         *(["--depths", ",".join(map(str, plan.depths))] if arm.looped else []),
+                         "--json", str(out / "synth.json"), "--plot", str(out / "synth.png")]
         cmds["synth"] += ["--threads", str(threads)] if threads else []
         cmds["synth"] += ["--problems", plan.synth] if plan.synth != "shipped" else []
-    if plan.sweep:
-        sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, depths)), "--data", plan.data,
+    if plan.sweep and arm.looped:
+        sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, plan.depths)), "--data", plan.data,
                  "--batch-size", str(plan.batch_size), "--json", str(out / "sweep.json"),
                  "--plot", str(out / "sweep.png")]
         if plan.sharing:
@@ -106,6 +108,10 @@ def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | No
         if plan.max_seqs:
             sweep += ["--max-seqs", str(plan.max_seqs)]
         cmds["sweep"] = sweep
+    elif plan.sweep:  # untied: native PPL and the cache protocols at its one depth
+        ppl = [*head, "ppl", *common, "--cache", "both", "--data", plan.data, "--batch-size", str(plan.batch_size),
+               "--json", str(out / "ppl.json")]
+        cmds["ppl"] = ppl + (["--max-seqs", str(plan.max_seqs)] if plan.max_seqs else [])
     if plan.harness:
         h = [*head, "harness", *common, "--tasks", ",".join(plan.harness), "--json", str(out / "harness.json")]
         if plan.harness_limit:
@@ -119,8 +125,14 @@ def summarize(run_dir: Path, plan: EvalPlan, looped: bool) -> dict:
     sharing_penalty_pct`` at R, ``extrapolation_pct`` (looped only), ``sweep`` rows,
     ``downstream`` (mean ``acc`` over the harness tasks) and ``harness`` (task -> metrics)."""
     out: dict = {}
-    sweep_path = run_dir / "eval" / "sweep.json"
-    if sweep_path.is_file():
+    sweep_path, ppl_path = run_dir / "eval" / "sweep.json", run_dir / "eval" / "ppl.json"
+    if not looped and ppl_path.is_file():  # an untied arm: one row, at R
+        p = json.loads(ppl_path.read_text())
+        row = {"depth": plan.depth, **{k: p.get(k) for k in ("native_ppl", "terminal_ppl", "per_visit_ppl",
+                                                             "sharing_penalty_pct")}}
+        out.update({k: v for k, v in row.items() if k != "depth"}, sweep=[row], extrapolation_pct=None,
+                   extrapolation_depth=plan.depth, eval_seqs=p.get("num_seqs"), eval_seq_len=p.get("seq_len"))
+    elif sweep_path.is_file():
         sw = json.loads(sweep_path.read_text())
         rows = [{k: r.get(k) for k in ("depth", "native_ppl", "terminal_ppl", "per_visit_ppl",
                                        "sharing_penalty_pct")} for r in sw["rows"]]
@@ -139,7 +151,10 @@ def summarize(run_dir: Path, plan: EvalPlan, looped: bool) -> dict:
         out["downstream"] = sum(accs) / len(accs) if accs else None
     synth_path = run_dir / "eval" / "synth.json"
     if plan.synth and synth_path.is_file():
-        out.update(synth_metrics(json.loads(synth_path.read_text()), plan.depth, plan.synth_min_k))
+        table = json.loads(synth_path.read_text())
+        if not looped and len(table.get("depths") or []) == 1:  # an untied model's one column: at R
+            table = {**table, "depths": [plan.depth]}
+        out.update(synth_metrics(table, plan.depth, plan.synth_min_k))
     return out
 
 

@@ -184,7 +184,7 @@ def test_bad_flags_are_one_line_before_loading(cli, trained_run, monkeypatch, ar
     (["eval", "ppl", "--exit", "kl:1e-3"], "--exit"),
     (["eval", "harness", "--tasks", "megaloop_toy_mc", "--exit", "kl:1e-3"], "--exit"),
     (["eval", "ppl", "--depth", "7"], "--depth"),
-    (["eval", "sweep"], "--depths"),
+    (["eval", "sweep"], "eval sweep"),  # no depth flag given: the command is named
 ])
 def test_untied_models_refuse_depth_flags_before_loading(cli, trained_run, monkeypatch, argv, flag):
     import megaloop.hf.load as load

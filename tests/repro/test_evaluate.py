@@ -65,3 +65,46 @@ def test_evaluate_arm_summarises_the_synth_stage(tmp_path: Path) -> None:
     again = evaluate_arm(run_dir, Arm(name="a", label="a", overrides=[]), plan, max_steps=100, run=run,
                          log=lambda _: None)
     assert calls == ["synth"] and again["metrics"]["synth_acc"] == pytest.approx(0.84)  # not redone
+
+
+def test_untied_arm_runs_its_eval_commands_without_depth_flags(tmp_path: Path) -> None:
+    """An untied arm's stage commands, run for real on a small untied model: no --depth/--depths (which
+    every eval command refuses on an untied model, so `reproduce --experiment untied` failed at its
+    untied arms' evaluation), `eval ppl --cache both` in place of the sweep, and the summary reads it as
+    the one row at R (native, terminal and per-visit PPL), the synth column as R."""
+    import math
+    import subprocess
+    import sys
+
+    import shutil
+
+    from megaloop.data.default_tokenizer import DEFAULT_VOCAB_SIZE, ensure_default_tokenizer
+    from megaloop.repro.evaluate import summarize
+    from tests.conftest import ROOT, clean_env
+    from tests.inference.helpers import make_model
+
+    model = tmp_path / "untied"  # the embedded corpus's tokenizer: eval.data "default" checks it
+    make_model(seed=3, vocab=DEFAULT_VOCAB_SIZE, real_vocab=DEFAULT_VOCAB_SIZE, max_position_embeddings=128,
+               arch="untied", num_hidden_layers=2).save_pretrained(model)
+    shutil.copytree(ensure_default_tokenizer().parent, model, dirs_exist_ok=True)
+    plan = EvalPlan(depth=5, depths=[1, 5], max_seqs=4, batch_size=4, harness=["megaloop_toy_mc"], harness_limit=2,
+                    synth="shipped")
+    cmds = stage_commands(model, Arm(name="u", label="u", overrides=[], looped=False), plan, threads=1, device="cpu")
+    assert list(cmds) == ["synth", "ppl", "harness"]
+    for argv in cmds.values():
+        assert "--depth" not in argv and "--depths" not in argv, argv
+    (model / "eval").mkdir()
+    env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    for stage, argv in cmds.items():
+        if stage == "synth":
+            argv = [*argv, "--ks", "1-2", "--limit", "2"]
+        proc = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"{stage}: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    m = summarize(model, plan, looped=False)
+    assert [r["depth"] for r in m["sweep"]] == [5] and m["extrapolation_pct"] is None
+    for key in ("native_ppl", "terminal_ppl", "per_visit_ppl"):
+        assert math.isfinite(m[key]) and m[key] > 1, (key, m[key])
+    assert m["sharing_penalty_pct"] == pytest.approx(0.0, abs=1e-6)  # no recurrence: nothing to share
+    assert m["eval_seqs"] == 4 and m["synth_acc"] is None and m["synth_table"]["depths"] == [5]
+    assert m["downstream"] is not None
