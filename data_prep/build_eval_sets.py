@@ -5,7 +5,13 @@
         [--val-seq-len 2048 --val-sequences-per-source 256] \
         [--screen-seq-len 1536 --screen-sequences 304] [--train-manifest TRAIN/manifest.json]
 
-Writes ``DIR/val/`` and ``DIR/screen/`` (MDS + manifest.json with provenance).
+Writes ``DIR/val/`` and ``DIR/screen/`` (MDS + manifest.json with provenance). Both are checked before
+anything is written (a screen set that cannot be filled fails before val/ is touched), written into
+temporary folders and renamed into place at the end, so sets already in ``DIR`` stay as they were until
+the new ones are complete. Sets in ``DIR`` built with other settings (input, tokenizer, seq lengths,
+sizes, seed, holdout, compression, --sources) are refused, naming each difference, unless
+``--overwrite``; the same command again reuses them (input files changed since: rebuilt). A ``DIR``
+holding an MDS dataset (the converter's --out) or inside the input tree is refused.
 
 Provenance: documents are assigned by a salted content hash to the validation band
 (``u < val_fraction``), the LR-screen band (``val_fraction <= u < val_fraction +
@@ -43,12 +49,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--screen-seq-len", type=int, default=1536)
     p.add_argument("--screen-sequences", type=int, default=304)
     p.add_argument("--seed", type=int, default=1234, help="seed of the document order")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="scan processes (>= 1)")
     p.add_argument("--sources", help="comma-separated subset of sources")
     p.add_argument("--max-files-per-source", type=int, help="scan only the first N files per source")
     p.add_argument("--train-manifest", help="training manifest.json to check the holdout spec against")
     p.add_argument("--eos-token", help="EOS token string, if the tokenizer does not declare one")
     p.add_argument("--compression", default="zstd", help="shard compression: zstd (default), zstd:1-22, gz, bz2, br, snappy or none")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace val/ and screen/ in --out built with other settings (refused otherwise; "
+                        "the old sets stay until the new ones are complete)")
     p.add_argument("--no-progress", action="store_true")
     add_holdout_args(p)
     return p.parse_args(argv)
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
             val_seq_len=args.val_seq_len, val_sequences_per_source=args.val_sequences_per_source,
             screen_seq_len=args.screen_seq_len, screen_sequences=args.screen_sequences,
-            seed=args.seed, workers=max(1, args.workers),
+            seed=args.seed, workers=args.workers, overwrite=args.overwrite,
             sources=args.sources.split(",") if args.sources else None,
             max_files_per_source=args.max_files_per_source, eos_token=args.eos_token,
             compression=None if args.compression == "none" else args.compression,

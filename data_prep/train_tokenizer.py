@@ -10,7 +10,9 @@ read in sorted file order (deterministic); ``--max-docs`` caps how many are used
 
 Refused before training (exit 2, one line naming the flag): ``--vocab-size`` not above the 256 byte
 symbols + 3 special tokens (no merge would be learned), ``--max-docs`` < 1, an ``--out`` that is a
-file. A ``tokenizer.json`` already in ``--out`` that differs from the new one is refused (nothing
+file, that cannot be created or written (probed with a temporary file) or that lies inside the input
+tree's ``data/``. A tokenizer smaller than ``--vocab-size`` (too little text for more merges) is
+named in a note on stderr. A ``tokenizer.json`` already in ``--out`` that differs from the new one is refused (nothing
 written) unless ``--overwrite``: data converted with it, and runs trained on that data, name it by
 its sha256. The files are trained into a folder beside ``--out`` and renamed into place, the
 tokenizer.json last, so an interrupted run leaves ``--out`` as it was.
@@ -53,9 +55,12 @@ def check_args(args: argparse.Namespace) -> None:
                         f"{len(SPECIAL_TOKENS)} special tokens leave no room for a merge), got {args.vocab_size}")
     if args.max_docs < 1:
         raise DataError(f"--max-docs must be >= 1, got {args.max_docs}")
+    from megaloop.data._fsutil import check_out_writable
+
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} is a file, not a directory")
+    check_out_writable(out)  # --out, or the folder above it where it and the training folder are made
     if (out / "tokenizer.json").exists() and not (out / "tokenizer.json").is_file():
         raise DataError(f"--out {out}: {out / 'tokenizer.json'} is not a file")
 
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.tokenizer import Tokenizer, train_bytelevel_bpe
-    from megaloop.data.txt360 import discover, read_jsonl
+    from megaloop.data.txt360 import check_out_outside_input, discover, read_jsonl
 
     out = Path(os.path.abspath(args.out))
     tmp = out.parent / f".{out.name}.train_tokenizer-tmp-{os.getpid()}"
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_args(args)
         files = discover(args.input)
+        check_out_outside_input(args.input, args.out)
         texts = itertools.islice((t for f in files for _, t in read_jsonl(f.path)), args.max_docs)
         read = [0]
 
@@ -120,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         if created is not None and not ok:
             shutil.rmtree(created, ignore_errors=True)
+    if tok.vocab_size < args.vocab_size:
+        print(f"note: --vocab-size {args.vocab_size}: the tokenizer has {tok.vocab_size} tokens (no other pair of "
+              f"tokens occurs twice in the {read[0]:,} document(s) read; more text gives more)", file=sys.stderr)
     print(f"wrote {Path(args.out) / 'tokenizer.json'} (vocab {tok.vocab_size}, eos {tok.eos_id}, "
           f"sha256 {tok.sha256[:12]})")
     return 0

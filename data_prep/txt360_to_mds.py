@@ -23,12 +23,14 @@ Held-out documents (``--val-fraction`` 0.002, ``--screen-fraction`` 0.001 of doc
 content hash) are excluded here and collected by ``build_eval_sets.py`` with the same flags.
 
 Deterministic for a given ``--seed``; resumable (finished input files are skipped on rerun; changed
-or added input files are converted and parts of removed ones dropped); crash-safe (files are
-published by rename, the manifest last). An ``--out`` holding a dataset from another input or with
-other settings is refused unless ``--overwrite``; a non-empty ``--out`` that holds no dataset is
-refused. One conversion per ``--out`` at a time: a second one names the holder of ``OUT/.lock`` (pid,
-host) and waits. SIGTERM (exit 143) or Ctrl-C (130) stops the workers and keeps finished parts; the
-workers also end if the main process is killed outright.
+or added input files are converted and parts of removed ones dropped; the earlier dataset stays
+published until the update is complete); crash-safe (files are published by rename, the manifest
+last). An ``--out`` holding a dataset from another input or with other settings is refused unless
+``--overwrite``; a non-empty ``--out`` that holds no dataset is refused, and so are an ``--out`` that
+cannot be created or written and one inside the input tree's ``data/`` folder. One conversion per
+``--out`` at a time: a second one names the holder of ``OUT/.lock`` (pid, host) and waits. SIGTERM
+(exit 143) or Ctrl-C (130) stops the workers and keeps finished parts; the workers also end if the
+main process is killed outright.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(the embedded corpus' 4,096-token BPE)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per packed sequence")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="parallel worker processes (one input file at a time each)")
+                   help="parallel worker processes (one input file at a time each; >= 1)")
     p.add_argument("--seed", type=int, default=1234, help="seed of upsampling and doc order")
     p.add_argument("--packing", choices=("concat", "whole"), default="concat",
                    help="concat: rows cut across documents (default); whole: no document crosses a row, "
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer = str(ensure_default_tokenizer())
         cfg = ConvertConfig(
             input=Path(args.input), out=Path(args.out), tokenizer=tokenizer, packing=args.packing,
-            seq_len=args.seq_len, workers=max(1, args.workers), seed=args.seed,
+            seq_len=args.seq_len, workers=args.workers, seed=args.seed,
             mix=MixSpec.from_args(args.weights, args.source_weights, args.bucket_upsample),
             holdout=HoldoutSpec(args.val_fraction, args.screen_fraction, args.holdout_salt),
             sources=args.sources.split(",") if args.sources else None, eos_token=args.eos_token,

@@ -14,12 +14,12 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from megaloop.runtime.files import atomic_write_json, atomic_write_text  # noqa: F401  (used by megaloop.data)
 
-__all__ = ["atomic_write_json", "atomic_write_text", "die_with_parent", "file_lock", "first_missing",
-           "init_pool_worker", "json_sha", "lock_holder", "rmtree_quiet", "try_lock_fd"]
+__all__ = ["atomic_write_json", "atomic_write_text", "check_out_writable", "die_with_parent", "file_lock",
+           "first_missing", "init_pool_worker", "json_sha", "lock_holder", "rmtree_quiet", "try_lock_fd"]
 
 
 _HELD_LOCK_FDS: set[int] = set()  # fds of the file_lock()s this process holds (or waits for)
@@ -81,8 +81,18 @@ def lock_holder() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
+def _removed(fd: int) -> bool:
+    """Whether the file open as ``fd`` has been removed (a lock file its holder removed while this
+    process waited for it is not the lock any more: the next process creates a new one)."""
+    try:
+        return os.fstat(fd).st_nlink == 0
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
-def file_lock(path: str | Path, busy: str | None = None) -> Iterator[None]:
+def file_lock(path: str | Path, busy: str | None = None,
+              drop_if: Callable[[], bool] | None = None) -> Iterator[None]:
     """Exclusive ``flock`` on ``path`` (created if needed); blocks until acquired.
 
     Works across processes and across threads of one process (each call opens its own
@@ -91,26 +101,45 @@ def file_lock(path: str | Path, busy: str | None = None) -> Iterator[None]:
     ``busy``: what to say when another process holds the lock; then one line ``note: {busy}
     (pid N on HOST); waiting for it to finish (lock PATH)`` goes to stderr before waiting, and
     the holder is recorded in the lock file while this process holds it.
+
+    ``drop_if``: called on release while the lock is still held; when it returns true the lock file
+    is removed (e.g. a failed run leaves its ``--out`` as empty as it found it). A process that was
+    waiting for a removed lock file notices (after each acquisition it checks that the file it locked
+    still has a name) and locks the new one, so two processes never both hold ``path``.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    owner, held = os.getpid(), False
-    _HELD_LOCK_FDS.add(fd)  # before the flock: a fork from another thread must not copy it locked
-    try:
-        if busy is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        else:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
-                except OSError:
-                    holder = ""
-                who = f" ({holder})" if holder else ""
-                print(f"note: {busy}{who}; waiting for it to finish (lock {path})", file=sys.stderr, flush=True)
+    owner, held, told = os.getpid(), False, False
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        _HELD_LOCK_FDS.add(fd)  # before the flock: a fork from another thread must not copy it locked
+        try:
+            if busy is None:
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    if not told:
+                        try:
+                            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+                        except OSError:
+                            holder = ""
+                        who = f" ({holder})" if holder else ""
+                        print(f"note: {busy}{who}; waiting for it to finish (lock {path})", file=sys.stderr,
+                              flush=True)
+                        told = True
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            _HELD_LOCK_FDS.discard(fd)
+            os.close(fd)
+            raise
+        if not _removed(fd):
+            break
+        _HELD_LOCK_FDS.discard(fd)  # the holder removed the file it locked: lock the current one
+        os.close(fd)
+    try:
+        if busy is not None:
             held = True
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{lock_holder()}\n".encode(), 0)
@@ -122,6 +151,10 @@ def file_lock(path: str | Path, busy: str | None = None) -> Iterator[None]:
                 if held:
                     with contextlib.suppress(OSError):
                         os.ftruncate(fd, 0)  # no stale holder for the next waiter to name
+                if drop_if is not None:
+                    with contextlib.suppress(OSError):
+                        if drop_if():
+                            os.unlink(path)
                 fcntl.flock(fd, fcntl.LOCK_UN)
             finally:
                 os.close(fd)
@@ -157,3 +190,32 @@ def first_missing(path: Path) -> Path | None:
             break
         missing = p
     return missing
+
+
+def check_out_writable(out: str | Path, flag: str = "--out") -> None:
+    """Refuse, in one line naming ``flag``, an output folder this process cannot create or write
+    into, before any work: ``out`` itself when it exists, else the nearest folder above it that
+    exists, probed with a temporary file (created and removed at once) — permission bits alone do
+    not tell for root, a read-only mount or a pseudo file system such as ``/proc``."""
+    import tempfile
+
+    from megaloop.data.errors import DataError
+
+    out = Path(out)
+    probe = out
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    if probe.is_symlink() and not probe.exists():
+        raise DataError(f"{flag} {out}: {probe} is a link to {os.readlink(probe)}, which does not exist")
+    if not probe.is_dir():
+        if probe == out:
+            raise DataError(f"{flag} {out} exists and is not a directory")
+        raise DataError(f"{flag} {out}: {probe} is a file, not a folder, so {out} cannot be created")
+    try:
+        fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=probe)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as err:
+        why = err.strerror or str(err)
+        where = f"({why})" if probe == out else f"(no file can be created in {probe}: {why})"
+        raise DataError(f"{flag} {out}: not writable {where}; give a folder you can write to") from None

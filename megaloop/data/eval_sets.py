@@ -12,12 +12,17 @@ neither set overlaps training (exact duplicates included) and the two sets are d
   exactly ``screen_sequences`` x ``screen_seq_len`` tokens (default 304 x 1,536); too little
   text is an error that says how much is missing.
 
-Each set is an MDS directory with ``manifest.json``, built in a temp directory and renamed.
+Each set is an MDS directory with ``manifest.json`` (recording the ``settings`` it was built with).
+Both are packed and checked before anything is written, then written into temp directories and
+renamed into place together; a set already there stays until its replacement is complete, and one
+built with other settings is replaced only with ``overwrite`` (see :func:`build_eval_sets`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -34,7 +39,7 @@ from megaloop.data.errors import DataError
 from megaloop.data.mds_convert import FORMAT, check_compression, check_out_dir, mds_columns, token_dtype, \
     write_sequences_mds
 from megaloop.data.tokenizer import Tokenizer
-from megaloop.data.txt360 import HoldoutSpec, InputFile, discover, read_jsonl
+from megaloop.data.txt360 import HoldoutSpec, InputFile, check_out_outside_input, discover, read_jsonl
 
 
 @dataclass
@@ -58,6 +63,7 @@ class EvalSetsConfig:
     train_manifest: Path | None = None
     progress: bool = True
     command: str | None = None
+    overwrite: bool = False  # replace sets in ``out`` built with other settings (refused otherwise)
 
 
 def _scan(args: tuple[InputFile, HoldoutSpec]) -> list[tuple[str, str, str]]:
@@ -96,50 +102,30 @@ def _pack(tok: Tokenizer, texts: list[str], seq_len: int, limit: int | None) -> 
     return arr.astype(token_dtype(tok.vocab_size)), used
 
 
-def _publish(out: Path, name: str, rows: np.ndarray, sources: list[str], manifest: dict,
-             compression: str | None) -> None:
-    """Write one set into a temp dir, then atomically replace ``out/name``."""
-    tmp = out / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
-    try:
-        write_sequences_mds(tmp, rows, sources, compression=compression)
-        atomic_write_json(tmp / "manifest.json", manifest)
-        final = out / name
-        if final.exists():
-            old = out / f".old-{name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            rmtree_quiet(old)
-        os.rename(tmp, final)
-    finally:
-        rmtree_quiet(tmp)
-
-
 def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
-    """Build (or reuse, if up to date) ``out/val`` and ``out/screen``; returns their manifests."""
+    """Build (or reuse, if up to date) ``out/val`` and ``out/screen``; returns their manifests.
+
+    Everything is checked before anything is written: flags, ``--train-manifest``, an ``--out`` that
+    holds an MDS dataset (training shards) or lies inside the input tree, sets in ``--out`` built with
+    other settings (refused, naming each difference, unless ``overwrite``), and that both sets can be
+    filled. Both sets are then written into temporary folders and renamed into place together: an
+    existing set stays as it was until the new ones are complete (or if the build fails)."""
     t0 = time.time()
     for name, low in (("val_seq_len", 2), ("screen_seq_len", 2), ("val_sequences_per_source", 1),
-                      ("screen_sequences", 1), ("seed", 0)):
+                      ("screen_sequences", 1), ("seed", 0), ("workers", 1)):
         if getattr(cfg, name) < low:
             raise DataError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(cfg, name)}")
     if cfg.max_files_per_source is not None and cfg.max_files_per_source < 1:
         raise DataError(f"--max-files-per-source must be >= 1 (omit it to scan every file), "
                         f"got {cfg.max_files_per_source}")
     check_compression(cfg.compression)
-    check_out_dir(Path(cfg.out))
+    out = Path(cfg.out)
+    check_out_dir(out)
+    _refuse_dataset_out(out)
     if cfg.train_manifest is not None:
-        import json
-
-        try:
-            tm = json.loads(Path(cfg.train_manifest).read_text())
-        except (OSError, ValueError) as err:
-            raise DataError(f"--train-manifest {cfg.train_manifest}: cannot read "
-                            f"({getattr(err, 'strerror', None) or err})") from None
-        if not isinstance(tm, dict):
-            raise DataError(f"--train-manifest {cfg.train_manifest}: not a megaloop manifest (a JSON object)")
-        if tm.get("holdout") != cfg.holdout.to_dict():
-            raise DataError(f"holdout spec {cfg.holdout.to_dict()} differs from the one used for "
-                            f"the training shards ({cfg.train_manifest}: {tm.get('holdout')}); "
-                            "the eval sets would overlap training")
+        _check_train_manifest(Path(cfg.train_manifest), cfg.holdout)
     files = discover(cfg.input, cfg.sources)
+    check_out_outside_input(cfg.input, out)
     if cfg.max_files_per_source:
         kept: list[InputFile] = []
         for f in files:  # the first N files of each source, in sorted order
@@ -154,22 +140,15 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
                                      "per_source": cfg.val_sequences_per_source}),
            "screen": json_sha(common | {"seq_len": cfg.screen_seq_len,
                                         "n": cfg.screen_sequences})}
-    out = Path(cfg.out)
+    settings = _settings(cfg, tok)
+    if out.is_dir():  # before the lock file: refuse a folder without touching it
+        _existing_sets(out, fps, settings, cfg.overwrite)
     out.mkdir(parents=True, exist_ok=True)
-    with file_lock(out / ".lock", busy=f"--out {out} is in use by another build_eval_sets run"):
-        result: dict[str, dict] = {}
-        todo = []
-        for name in ("val", "screen"):
-            try:
-                import json
-
-                m = json.loads((out / name / "manifest.json").read_text())
-            except (FileNotFoundError, ValueError):
-                m = {}
-            if m.get("fingerprint") == fps[name]:
-                result[name] = m
-            else:
-                todo.append(name)
+    with file_lock(out / ".lock", busy=f"--out {out} is in use by another build_eval_sets run",
+                   drop_if=lambda: os.listdir(out) == [".lock"]):  # a failed build into an empty --out
+        _recover(out)
+        result = _existing_sets(out, fps, settings, cfg.overwrite, say=True)
+        todo = [name for name in ("val", "screen") if name not in result]
         if not todo:
             return result
         docs = _scan_all(files, cfg)
@@ -178,14 +157,162 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
                 "pad_id": tok.pad_id, "holdout": cfg.holdout.to_dict(), "seed": cfg.seed,
                 "files_scanned": len(files), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "command": cfg.command or " ".join(sys.argv)}
+        built = {}
         if "val" in todo:
-            result["val"] = _build_val(out, tok, docs, cfg, base | {"fingerprint": fps["val"]})
+            built["val"] = _build_val(tok, docs, cfg, base | {"fingerprint": fps["val"], "settings": settings["val"]})
         if "screen" in todo:
-            result["screen"] = _build_screen(out, tok, docs, cfg,
-                                             base | {"fingerprint": fps["screen"]})
+            built["screen"] = _build_screen(tok, docs, cfg, base | {"fingerprint": fps["screen"],
+                                                                    "settings": settings["screen"]})
+        _publish(out, built, cfg.compression)  # both sets could be built: write them, then rename both
+        result |= {name: manifest for name, (_, _, manifest) in built.items()}
     for m in result.values():
         m.setdefault("_seconds", time.time() - t0)
     return result
+
+
+def _check_train_manifest(path: Path, holdout: HoldoutSpec) -> None:
+    """``--train-manifest`` must be the converter's manifest, with ``holdout``'s bands."""
+    if path.is_dir():
+        hint = f"; pass {path / 'manifest.json'}" if (path / "manifest.json").is_file() else ""
+        raise DataError(f"--train-manifest {path}: is a folder, not a manifest.json{hint}")
+    try:
+        tm = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"--train-manifest {path}: cannot read ({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(tm, dict) or "shards" in tm or "holdout" not in tm or tm.get("format", FORMAT) != FORMAT:
+        what = ("an MDS index.json" if isinstance(tm, dict) and "shards" in tm
+                else "no holdout spec in it" if isinstance(tm, dict) and "holdout" not in tm
+                else f"format {tm.get('format')!r}, not {FORMAT!r}" if isinstance(tm, dict) else "not a JSON object")
+        raise DataError(f"--train-manifest {path}: not a megaloop manifest ({what}); pass the manifest.json "
+                        "that data_prep/txt360_to_mds.py wrote in its --out")
+    if tm.get("kind", "train") != "train":
+        raise DataError(f"--train-manifest {path}: the manifest of a {tm['kind']!r} set, not of training shards; "
+                        "pass the manifest.json that data_prep/txt360_to_mds.py wrote in its --out")
+    if tm.get("holdout") != holdout.to_dict():
+        raise DataError(f"holdout spec {holdout.to_dict()} differs from the one used for "
+                        f"the training shards ({path}: {tm.get('holdout')}); "
+                        "the eval sets would overlap training")
+
+
+def _refuse_dataset_out(out: Path) -> None:
+    """An ``--out`` holding an MDS dataset (training shards, or an eval set itself) is not an eval-sets
+    folder: val/ and screen/ would be written inside the dataset."""
+    marks = [n for n in ("index.json", "manifest.json", "parts") if os.path.lexists(out / n)]
+    if marks:
+        kind = (_load_json(out / "manifest.json") or {}).get("kind")
+        what = f"a {kind!r} dataset" if isinstance(kind, str) else "an MDS dataset"
+        raise DataError(f"--out {out} holds {what} ({', '.join(marks)}); the eval sets go into val/ and screen/ "
+                        "of a folder of their own: choose another --out")
+
+
+def _settings(cfg: EvalSetsConfig, tok: Tokenizer) -> dict[str, dict]:
+    """What each set is built from and with (recorded in its manifest, compared on a rebuild)."""
+    common = {"input": str(Path(cfg.input).resolve()), "tokenizer_sha256": tok.sha256, "eos_id": tok.eos_id,
+              "holdout": cfg.holdout.to_dict(), "seed": cfg.seed, "compression": cfg.compression,
+              "sources": sorted(cfg.sources) if cfg.sources else None,
+              "max_files_per_source": cfg.max_files_per_source}
+    return {"val": common | {"seq_len": cfg.val_seq_len, "sequences_per_source": cfg.val_sequences_per_source},
+            "screen": common | {"seq_len": cfg.screen_seq_len, "sequences": cfg.screen_sequences}}
+
+
+def _recorded_settings(m: dict, name: str) -> dict:
+    """The settings of an existing set: its ``settings``, or (built before they were recorded) what
+    its manifest tells."""
+    if isinstance(m.get("settings"), dict):
+        return m["settings"]
+    old = {"input": str(Path(str(m["input"])).resolve()) if "input" in m else None,
+           "tokenizer_sha256": (m.get("tokenizer") or {}).get("sha256"), "eos_id": m.get("eos_id"),
+           "holdout": m.get("holdout"), "seed": m.get("seed"), "seq_len": m.get("seq_len"),
+           "sequences_per_source" if name == "val" else "sequences":
+               m.get("sequences_per_source_cap" if name == "val" else "num_sequences")}
+    return {k: v for k, v in old.items() if v is not None}
+
+
+def _existing_sets(out: Path, fps: dict[str, str], settings: dict[str, dict], overwrite: bool,
+                   say: bool = False) -> dict[str, dict]:
+    """The sets in ``out`` that are up to date (their manifests). A set built with other settings is
+    refused unless ``overwrite``; one whose input files changed since is rebuilt (``say``: a note).
+    A ``val``/``screen`` folder this tool did not write is never replaced."""
+    current: dict[str, dict] = {}
+    diffs: list[str] = []
+    for name in ("val", "screen"):
+        folder = out / name
+        if not os.path.lexists(folder):
+            continue
+        m = _load_json(folder / "manifest.json")
+        if m is None or m.get("kind", name) != name:
+            raise DataError(f"--out {out}: {folder} is not a {name} set written by this tool (no readable "
+                            "manifest.json); move it away or choose another --out")
+        if m.get("fingerprint") == fps[name]:
+            current[name] = m
+            continue
+        old = _recorded_settings(m, name)
+        diff = [f"{k}: {old[k]!r} -> {v!r}" for k, v in settings[name].items() if k in old and old[k] != v]
+        if diff and not overwrite:
+            diffs.append(f"{name}/ ({'; '.join(diff)})")
+        elif say:
+            why = "--overwrite" if diff else "its input files changed since it was built"
+            print(f"note: rebuilding {folder} ({why}); the old set stays until the new one is complete",
+                  file=sys.stderr)
+    if diffs:
+        raise DataError(f"--out {out} holds eval sets built with other settings: {', '.join(diffs)}; pass "
+                        "--overwrite to replace them, or choose another --out")
+    return current
+
+
+def _load_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _recover(out: Path) -> None:
+    """Under the lock: put back a set whose replacement was cut short between its two renames (only
+    ``.old-NAME-*`` is left), and remove the other temporary folders of earlier runs."""
+    for name in ("val", "screen"):
+        olds = sorted(out.glob(f".old-{name}-*"), key=lambda p: p.stat().st_mtime_ns)
+        if not (out / name).exists() and olds and (olds[-1] / "manifest.json").is_file():
+            os.rename(olds[-1], out / name)
+            print(f"note: {out / name} restored (a replacement of it was interrupted)", file=sys.stderr)
+    for p in (*out.glob(".tmp-val-*"), *out.glob(".tmp-screen-*"), *out.glob(".old-val-*"),
+              *out.glob(".old-screen-*")):
+        rmtree_quiet(p)
+
+
+def _publish(out: Path, built: dict[str, tuple[np.ndarray, list[str], dict]], compression: str | None) -> None:
+    """Write every built set into a temporary folder of ``out``, then rename each into place; an old
+    set is moved aside first and removed only once all are in place (put back if a rename fails)."""
+    staged: dict[str, Path] = {}
+    try:
+        for name, (rows, sources, manifest) in built.items():
+            staged[name] = out / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+            write_sequences_mds(staged[name], rows, sources, compression=compression)
+            atomic_write_json(staged[name] / "manifest.json", manifest)
+        olds: dict[str, Path] = {}
+        swapped: list[str] = []
+        try:
+            for name, tmp in staged.items():
+                final = out / name
+                if os.path.lexists(final):
+                    olds[name] = out / f".old-{name}-{uuid.uuid4().hex[:8]}"
+                    os.rename(final, olds[name])
+                os.rename(tmp, final)
+                swapped.append(name)
+        except BaseException:
+            for name in reversed(list(staged)):
+                with contextlib.suppress(OSError):
+                    if name in swapped:
+                        os.rename(out / name, staged[name])
+                    if name in olds:
+                        os.rename(olds[name], out / name)
+            raise
+        for old in olds.values():
+            rmtree_quiet(old)
+    finally:
+        for tmp in staged.values():
+            rmtree_quiet(tmp)
 
 
 def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str, list[str]]]:
@@ -216,7 +343,7 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
             for band, by_src in found.items()}
 
 
-def _build_val(out: Path, tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base: dict) -> dict:
+def _build_val(tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base: dict) -> tuple[np.ndarray, list[str], dict]:
     rows, srcs, stats = [], [], {}
     for source, texts in docs["val"].items():
         arr, used = _pack(tok, texts, cfg.val_seq_len, cfg.val_sequences_per_source)
@@ -238,11 +365,11 @@ def _build_val(out: Path, tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base:
         "provenance": "validation band of the content-hash holdout; excluded from training "
                       "shards built with the same holdout spec; distinct docs, no upsampling",
     }
-    _publish(out, "val", arr, srcs, manifest, cfg.compression)
-    return manifest
+    return arr, srcs, manifest
 
 
-def _build_screen(out: Path, tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base: dict) -> dict:
+def _build_screen(tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base: dict) -> tuple[np.ndarray, list[str],
+                                                                                        dict]:
     pooled = sorted(((_order_key(t, cfg.seed), s, t) for s, ts in docs["screen"].items() for t in ts))
     texts = [t for _, _, t in pooled]
     arr, used = _pack(tok, texts, cfg.screen_seq_len, cfg.screen_sequences)
@@ -268,5 +395,4 @@ def _build_screen(out: Path, tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, ba
         "provenance": "LR-screen band of the content-hash holdout (disjoint from the validation "
                       "band); excluded from training; pooled over sources in seeded-hash order",
     }
-    _publish(out, "screen", arr, srcs, manifest, cfg.compression)
-    return manifest
+    return arr, srcs, manifest

@@ -21,7 +21,12 @@ Packing (``ConvertConfig.packing`` / ``--packing``):
 Crash safety: a partition is written under ``OUT/.tmp/`` and renamed to ``OUT/parts/<name>/``
 only after its ``_done.json`` is in place; ``OUT/index.json`` (all shards) and then
 ``OUT/manifest.json`` are written last, atomically. A rerun with the same settings skips finished
-partitions; a dataset without ``manifest.json`` is incomplete and the loader refuses it.
+partitions; a dataset without ``manifest.json`` is incomplete and the loader refuses it. An update of
+a dataset already published (changed or added input files, or ``--overwrite``) renames its new
+partitions into ``OUT/.staged/`` instead: the published ``index.json``, ``manifest.json`` and the parts
+they list stay untouched until every partition is done, then the staged parts replace their old ones
+and the new index and manifest are written (unpublished only for those renames). An interrupted
+update leaves the earlier dataset published; a rerun reuses the staged partitions.
 
 One conversion per ``OUT`` at a time: ``OUT/.lock`` (holding ``pid N on HOST``); a second one prints
 one line naming the holder and waits for it (then resumes or reuses its result). Worker processes
@@ -42,14 +47,16 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from megaloop.data._fsutil import atomic_write_json, file_lock, init_pool_worker, json_sha, rmtree_quiet
+from megaloop.data._fsutil import atomic_write_json, check_out_writable, file_lock, init_pool_worker, json_sha, \
+    rmtree_quiet
 from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.data.tokenizer import Tokenizer
-from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, copies_per_doc, discover, \
-    doc_rank_key, read_jsonl
+from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, check_out_outside_input, copies_per_doc, \
+    discover, doc_rank_key, read_jsonl
 
 FORMAT = "megaloop-mds-v1"
 DONE = "_done.json"
+STAGED = ".staged"  # parts of an in-place update, moved into parts/ once all are converted
 _STAT_KEYS = ("files", "docs", "docs_val", "docs_screen", "docs_empty", "raw_tokens",
               "doc_tokens", "packed_tokens", "dropped_tokens", "pad_tokens", "num_sequences")
 PACKINGS = ("concat", "whole")
@@ -101,9 +108,8 @@ def check_compression(compression: str | None, flag: str = "--compression") -> N
 
 
 def check_out_dir(out: Path, flag: str = "--out") -> None:
-    """``out`` is a directory or does not exist yet."""
-    if out.exists() and not out.is_dir():
-        raise DataError(f"{flag} {out} exists and is not a directory")
+    """``out`` is a directory or does not exist yet, and this process can create it or write into it."""
+    check_out_writable(out, flag)
 
 
 def write_sequences_mds(out_dir: str | Path, tokens: np.ndarray, sources: Sequence[str] | str,
@@ -297,9 +303,12 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         raise DataError(f"--seed must be >= 0, got {cfg.seed}")
     if cfg.shard_size_limit < 1:
         raise DataError(f"--shard-size must be >= 1 byte, got {cfg.shard_size_limit}")
+    if cfg.workers < 1:
+        raise DataError(f"--workers must be >= 1, got {cfg.workers}")
     check_compression(cfg.compression)
     check_out_dir(Path(cfg.out))
     files = discover(cfg.input, cfg.sources)
+    check_out_outside_input(cfg.input, cfg.out)
     cfg.mix.check_sources(sorted({f.source for f in files}))
     # absolute: the manifest's tokenizer path is how evaluation finds a run's tokenizer
     tok = Tokenizer(Path(cfg.tokenizer).resolve(), eos_token=cfg.eos_token)
@@ -330,56 +339,62 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
         manifest_path = out / "manifest.json"
         old = _load_json(manifest_path)
         if old and old.get("fingerprint") == fingerprint:
+            rmtree_quiet(out / STAGED)  # parts of an update given up since
             return old | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks),
                                    "seconds": time.time() - t0}}
         if not cfg.overwrite:
             _refuse_foreign(out, old, common | {"input": str(cfg.input)})
-        # Unmark completeness before touching anything else.
-        for name in ("manifest.json", "index.json"):
-            (out / name).unlink(missing_ok=True)
+        # A dataset already published here stays published (index.json, manifest.json and the parts they
+        # list untouched) until every new part is converted: those wait in OUT/.staged/ and replace their
+        # old parts in the publish step below. Without one, parts go straight to parts/.
+        published = old is not None and (out / "index.json").is_file()
+        if not published:
+            for name in ("manifest.json", "index.json"):
+                (out / name).unlink(missing_ok=True)
         rmtree_quiet(out / ".tmp")
         (out / ".tmp").mkdir()
         (out / "parts").mkdir(exist_ok=True)
-        dones: dict[str, dict] = {}
-        todo: list[_Task] = []
-        for t in tasks:
-            d = _load_done(t.final_dir)
-            if d and d.get("fingerprint") == t.fingerprint:
-                dones[t.file.part] = d
-            else:
-                todo.append(t)
+        dones, todo = _finished_parts(out, tasks, published)
         keep = {t.final_dir.name for t in tasks}
         stale = [p for p in (out / "parts").iterdir() if p.name not in keep and (p / DONE).is_file()]
         if stale:  # parts of input files that are gone; anything this tool did not write stays
             print(f"note: removing {len(stale)} part(s) of {out} whose input file is no longer in "
                   f"{cfg.input}: {sorted(p.name for p in stale)[:5]}", file=sys.stderr)
-        for p in stale:
-            rmtree_quiet(p)
         try:
             _run_tasks(todo, cfg, tok, dones, total=len(tasks))
+            ordered = [dones[t.file.part] for t in tasks]
+            sources = _aggregate(ordered)
+            if sum(v["num_sequences"] for v in sources.values()) == 0:  # before index.json: no empty dataset
+                raise _nothing_packed(cfg, sources, kept=out if published else None)
+            # publish: the dataset is unmarked only while the staged parts are renamed into parts/
+            for name in ("manifest.json", "index.json"):
+                (out / name).unlink(missing_ok=True)
+            for t in tasks:
+                if t.final_dir.parent.name == STAGED and (_load_done(t.final_dir) or {}).get(
+                        "fingerprint") == t.fingerprint:
+                    _replace_dir(t.final_dir, out / "parts" / t.final_dir.name, out / ".tmp")
+            for p in stale:
+                os.rename(p, out / ".tmp" / f"stale-{p.name}")
+            write_root_index(out, [(f"parts/{t.final_dir.name}", d["shards"])
+                                   for t, d in zip(tasks, ordered)])
+            manifest = {
+                **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
+                "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
+                "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype, cfg.packing),
+                "packing": cfg.packing, "pad_fill_id": pad_id,
+                "mix": cfg.mix.to_dict(), "sources": sources,
+                "source_tokens": {k: v["packed_tokens"] for k, v in sources.items()},
+                "total_tokens": sum(v["packed_tokens"] for v in sources.values()),
+                "num_sequences": sum(v["num_sequences"] for v in sources.values()),
+                "dropped_tokens": sum(v["dropped_tokens"] for v in sources.values()),
+                "pad_tokens": sum(v["pad_tokens"] for v in sources.values()),
+                "num_parts": len(tasks), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": cfg.command or " ".join(sys.argv),
+            }
+            atomic_write_json(manifest_path, manifest)
+            rmtree_quiet(out / STAGED)
         finally:
             rmtree_quiet(out / ".tmp")
-        ordered = [dones[t.file.part] for t in tasks]
-        sources = _aggregate(ordered)
-        if sum(v["num_sequences"] for v in sources.values()) == 0:  # before index.json: no empty dataset
-            raise _nothing_packed(cfg, sources)
-        write_root_index(out, [(f"parts/{t.final_dir.name}", d["shards"])
-                               for t, d in zip(tasks, ordered)])
-        manifest = {
-            **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
-            "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
-            "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype, cfg.packing),
-            "packing": cfg.packing, "pad_fill_id": pad_id,
-            "mix": cfg.mix.to_dict(), "sources": sources,
-            "source_tokens": {k: v["packed_tokens"] for k, v in sources.items()},
-            "total_tokens": sum(v["packed_tokens"] for v in sources.values()),
-            "num_sequences": sum(v["num_sequences"] for v in sources.values()),
-            "dropped_tokens": sum(v["dropped_tokens"] for v in sources.values()),
-            "pad_tokens": sum(v["pad_tokens"] for v in sources.values()),
-            "num_parts": len(tasks), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "command": cfg.command or " ".join(sys.argv),
-        }
-        atomic_write_json(manifest_path, manifest)
     return manifest | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks) - len(todo),
                                 "seconds": time.time() - t0}}
 
@@ -392,7 +407,7 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
     """Without ``--overwrite``, refuse an ``out`` whose dataset was converted from another input or
     with other settings (only changed input *files* update a dataset in place), and a non-empty
     ``out`` that holds no dataset of this tool."""
-    ours = {"parts", ".tmp", ".lock", "index.json", "manifest.json"}
+    ours = {"parts", ".tmp", STAGED, ".lock", "index.json", "manifest.json"}
     if old is None:
         foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
         if foreign:
@@ -408,7 +423,45 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
                         "pass --overwrite to replace it, or choose another --out")
 
 
-def _nothing_packed(cfg: ConvertConfig, sources: dict) -> NothingPackedError:
+def _finished_parts(out: Path, tasks: list[_Task], published: bool) -> tuple[dict[str, dict], list[_Task]]:
+    """The tasks' parts already converted with their fingerprint (in ``OUT/.staged/`` from an
+    interrupted update, else in ``parts/``), and the tasks left to do. ``published``: a dataset is
+    published in ``out``, so new parts go to ``.staged/`` (each task's ``final_dir`` is set so);
+    otherwise a staged part found is moved into ``parts/`` at once (an update cut short while it
+    published) and new parts go straight there."""
+    dones: dict[str, dict] = {}
+    todo: list[_Task] = []
+    for t in tasks:
+        name = t.final_dir.name
+        staged, final = out / STAGED / name, out / "parts" / name
+        hit = None
+        for where in (staged, final):
+            d = _load_done(where)
+            if d and d.get("fingerprint") == t.fingerprint:
+                hit = where, d
+                break
+        if hit and hit[0] == staged and not published:
+            _replace_dir(staged, final, out / ".tmp")
+        t.final_dir = staged if published else final
+        if hit:
+            dones[t.file.part] = hit[1]
+        else:
+            todo.append(t)
+    if published:
+        (out / STAGED).mkdir(exist_ok=True)
+    else:
+        rmtree_quiet(out / STAGED)
+    return dones, todo
+
+
+def _replace_dir(new: Path, final: Path, trash: Path) -> None:
+    """Rename ``new`` to ``final``, an old ``final`` first moved into the folder ``trash``."""
+    if final.exists():
+        os.rename(final, trash / f"old-{uuid.uuid4().hex[:8]}-{final.name}")
+    os.rename(new, final)
+
+
+def _nothing_packed(cfg: ConvertConfig, sources: dict, kept: Path | None = None) -> NothingPackedError:
     """The error when no sequence was packed, with the counts that explain it."""
     tot = {k: sum(v[k] for v in sources.values()) for k in ("docs", "docs_empty", "docs_val", "docs_screen",
                                                             "doc_tokens")}
@@ -421,9 +474,9 @@ def _nothing_packed(cfg: ConvertConfig, sources: dict) -> NothingPackedError:
     if zero:
         why.append(f"source weight 0 for {zero}")
     counts = "; ".join(why)
+    what = (f"{kept} keeps the dataset it held" if kept is not None else "no index.json or manifest.json")
     return NothingPackedError(f"no sequence of {cfg.seq_len} tokens could be packed from {cfg.input} ({counts}); "
-                              "nothing was published (no index.json or manifest.json)", seq_len=cfg.seq_len,
-                              counts=counts)
+                              f"nothing was published ({what})", seq_len=cfg.seq_len, counts=counts)
 
 
 def _load_json(path: Path) -> dict | None:

@@ -76,21 +76,36 @@ def _note(msg: str) -> None:
 def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFile]:
     """All ``*.jsonl`` / ``*.jsonl.gz`` files per source, sorted; errors if there are none.
 
-    Errors: a source folder passed as the root (its subfolders are bucket names), two files that
-    map to one partition (``x.jsonl`` beside ``x.jsonl.gz``). Notes on stderr: files that are not
+    Errors: a source folder passed as the root (its subfolders are bucket names, or it sits in a
+    ``data/`` folder whose other sources hold buckets: its dump folders would become sources), a
+    source folder that is a link to nothing (an unmounted disk; unless ``sources`` leaves it out),
+    two files that map to one partition (``x.jsonl`` beside ``x.jsonl.gz``). Notes on stderr: files that are not
     read (other suffixes, files directly under ``data/``), sources without any JSONL file, and
     folders named like a bucket that is not one of :data:`BUCKETS` (read as bucket ``none``).
     Links to folders (a source folder or any folder below one) are followed, each real folder read
     once; links that would loop or reach a folder a second time are noted (:func:`_walk_sources`)."""
     data = data_root(root)
     found: list[InputFile] = []
-    src_dirs = sorted(p for p in data.iterdir() if p.is_dir() and not p.name.startswith("."))
+    entries = sorted(p for p in data.iterdir() if not p.name.startswith("."))
+    src_dirs = [p for p in entries if p.is_dir()]
     known = [p.name for p in src_dirs]
     as_buckets = [n for n in known if n in BUCKETS]
     if as_buckets:
         raise DataError(f"--input {root}: {data} holds duplicate-count bucket folders {as_buckets}, so it is "
                         "one source's folder; pass the TxT360 root (holding data/) or its data/ folder, "
                         "and --sources NAME to convert one source")
+    outer = _data_folder_around(data)
+    if outer is not None:
+        raise DataError(f"--input {root} is the source folder {data.name!r} of {outer} (whose other sources hold "
+                        f"duplicate-bucket folders): its subfolders {known[:5]} would be read as sources; pass "
+                        f"{outer.parent} (or {outer}) and --sources {data.name} to convert one source")
+    # a source folder that is a link to nothing (an unmounted disk): reading on would drop the source
+    broken = [p for p in entries if p.is_symlink() and not p.exists() and (not sources or p.name in sources)]
+    if broken:
+        links = ", ".join(f"{p} -> {os.readlink(p)}" for p in broken[:5])
+        raise DataError(f"{len(broken)} source folder(s) under {data} are links to folders that do not exist "
+                        f"(an unmounted disk?): {links}; mount them, or remove the link(s) to go on without "
+                        "those sources")
     loose = sorted(p.name for p in data.iterdir() if p.is_file() and not p.name.startswith("."))
     if loose:
         _note(f"{len(loose)} file(s) directly under {data} are not read (files live in data/<source>/...): "
@@ -128,6 +143,50 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
         raise DataError(f"no .jsonl or .jsonl.gz files under {data} "
                         f"(expected data/<source>/<bucket>/<i>_<n>.jsonl[.gz])")
     return found
+
+
+def _holds_bucket(folder: Path, depth: int) -> bool:
+    """Whether a duplicate-bucket folder lies at most ``depth`` levels below ``folder``."""
+    try:
+        subs = sorted((e for e in os.scandir(folder) if e.is_dir()), key=lambda e: e.name)
+    except OSError:
+        return False
+    if any(e.name in BUCKETS for e in subs):
+        return True
+    return depth > 1 and any(_holds_bucket(Path(e.path), depth - 1) for e in subs[:50])
+
+
+def _data_folder_around(data: Path) -> Path | None:
+    """The TxT360 ``data/`` folder that ``data`` (an ``--input`` without a ``data/`` of its own) is
+    one source folder of: its parent is named ``data`` and another folder there holds duplicate
+    buckets (directly or below one dump level). Such an input would turn the source's dump folders
+    into sources. None when ``data`` is not such a folder."""
+    if data.name == "data":
+        return None
+    for here in dict.fromkeys((Path(os.path.abspath(data)), data.resolve())):
+        parent = here.parent
+        if here.name == "data" or parent.name != "data":
+            continue
+        try:
+            siblings = sorted(p for p in parent.iterdir() if p.name != here.name and not p.name.startswith("."))
+        except OSError:
+            continue
+        if any(p.is_dir() and _holds_bucket(p, 2) for p in siblings[:50]):
+            return parent
+    return None
+
+
+def check_out_outside_input(root: str | Path, out: str | Path, flag: str = "--out") -> None:
+    """Refuse an output folder inside the input tree's ``data/`` folder (or one of its linked source
+    folders): what a tool writes there would be read as a source of its own by the next run."""
+    data = data_root(root)
+    target = Path(os.path.abspath(out)).resolve()
+    inside = [data] + [p for p in sorted(data.iterdir()) if p.is_symlink() and p.is_dir()]
+    for d in inside:
+        real = d.resolve()
+        if target == real or real in target.parents:
+            raise DataError(f"{flag} {out} is inside the input tree ({d}): what it writes there would be read as "
+                            f"input by the next run; choose a folder outside {data}")
 
 
 def _dir_key(path: Path) -> tuple[int, int] | None:
@@ -230,7 +289,10 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                 except json.JSONDecodeError as err:
                     what = err.msg[:-3] if err.msg.endswith(" at") else err.msg  # "Invalid control character at"
                     raise DataError(f"{path}:{lineno}: invalid JSON ({what} at column {err.colno})") from None
-                if not isinstance(rec, dict) or "text" not in rec:
+                if not isinstance(rec, dict):
+                    raise DataError(f"{path}:{lineno}: record is a JSON {_json_kind(rec)}, not an object "
+                                    "with a 'text' field")
+                if "text" not in rec:
                     raise DataError(f"{path}:{lineno}: record has no 'text' field")
                 if not isinstance(rec["text"], str):
                     raise DataError(f"{path}:{lineno}: 'text' is {type(rec['text']).__name__}, "
@@ -243,9 +305,38 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                                         f"character {err.start})") from None
                 yield lineno, rec["text"]
     except UnicodeDecodeError as err:
+        if _head(path) == GZIP_MAGIC:
+            raise DataError(f"{path}: looks gzip-compressed (it starts with the gzip bytes 1f 8b) but is named "
+                            f"{path.suffix}; rename it to {path.name}.gz") from None
         raise DataError(_not_utf8(path, err)) from None
+    except gzip.BadGzipFile as err:
+        head = _head(path)
+        if head != GZIP_MAGIC and head is not None:
+            raise DataError(f"{path}: named .gz but not gzip-compressed (it starts with {head!r}); rename it to "
+                            f"{path.name[:-3]}") from None
+        raise DataError(f"{path}: cannot read ({err})") from None
     except (OSError, EOFError, zlib.error) as err:
         raise DataError(f"{path}: cannot read ({err})") from None
+
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+
+def _head(path: Path) -> bytes | None:
+    """The first two bytes of ``path`` (None: unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2)
+    except OSError:
+        return None
+
+
+def _json_kind(value: Any) -> str:
+    """JSON's name for the type of a decoded value (``array``, ``string``, ...)."""
+    if value is None:
+        return "null"
+    return {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(
+        type(value), type(value).__name__)
 
 
 def _not_utf8(path: Path, err: UnicodeDecodeError) -> str:
@@ -382,8 +473,13 @@ class MixSpec:
 
             try:
                 data = yaml.safe_load(path.read_text()) or {}
-            except yaml.YAMLError as err:
-                raise DataError(f"weights file {path}: cannot parse ({err})") from None
+            except yaml.YAMLError as err:  # one line with the place, as --config says it
+                mark = getattr(err, "problem_mark", None)
+                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+                what = getattr(err, "problem", None) or str(err).splitlines()[0]
+                raise DataError(f"weights file {path}: not valid YAML{where}: {what}") from None
+            except UnicodeDecodeError as err:
+                raise DataError(f"weights file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
             if not isinstance(data, dict) or set(data) - {"source_weights", "bucket_upsample"}:
                 raise DataError(f"weights file {path}: expected a mapping with keys "
                                 "source_weights and/or bucket_upsample")
