@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from megaloop.runtime.files import atomic_write_json, atomic_write_text  # noqa: F401  (used by megaloop.data)
+from megaloop.runtime.files import atomic_write_json, atomic_write_text, cannot_create_in  # noqa: F401  (re-exported)
 
 __all__ = ["atomic_write_json", "atomic_write_text", "check_out_writable", "die_with_parent", "file_lock",
            "first_missing", "init_pool_worker", "json_sha", "lock_holder", "rmtree_quiet", "try_lock_fd"]
@@ -197,8 +197,6 @@ def check_out_writable(out: str | Path, flag: str = "--out") -> None:
     into, before any work: ``out`` itself when it exists, else the nearest folder above it that
     exists, probed with a temporary file (created and removed at once) — permission bits alone do
     not tell for root, a read-only mount or a pseudo file system such as ``/proc``."""
-    import tempfile
-
     from megaloop.data.errors import DataError
 
     out = Path(out)
@@ -211,11 +209,7 @@ def check_out_writable(out: str | Path, flag: str = "--out") -> None:
         if probe == out:
             raise DataError(f"{flag} {out} exists and is not a directory")
         raise DataError(f"{flag} {out}: {probe} is a file, not a folder, so {out} cannot be created")
-    try:
-        fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=probe)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as err:
-        why = err.strerror or str(err)
+    why = cannot_create_in(probe)
+    if why is not None:
         where = f"({why})" if probe == out else f"(no file can be created in {probe}: {why})"
-        raise DataError(f"{flag} {out}: not writable {where}; give a folder you can write to") from None
+        raise DataError(f"{flag} {out}: not writable {where}; give a folder you can write to")

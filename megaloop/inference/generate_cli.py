@@ -237,7 +237,7 @@ def check_out_file(path: Optional[str], flag: str) -> None:
     do not tell for root, a read-only mount or a pseudo file system such as ``/proc``."""
     if not path:
         return
-    import tempfile
+    from megaloop.runtime.files import cannot_create_in
 
     p = Path(path)
     if p.is_dir():
@@ -247,13 +247,9 @@ def check_out_file(path: Optional[str], flag: str) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{flag} {p}: {parent} is a file, so the path cannot be created")
-    try:
-        fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as err:
-        raise ConfigError(f"{flag} {p}: {parent} is not writable (cannot create a file in it: "
-                          f"{err.strerror or err})") from None
+    why = cannot_create_in(parent)
+    if why is not None:
+        raise ConfigError(f"{flag} {p}: {parent} is not writable (cannot create a file in it: {why})")
     if p.exists() and not os.access(p, os.W_OK):
         raise ConfigError(f"{flag} {p}: the file exists and is not writable")
 

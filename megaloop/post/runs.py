@@ -257,7 +257,7 @@ def check_writable(out: Path) -> None:
     the folder itself when it exists (and its ``checkpoints``), else the nearest folder above it that
     exists. Each is probed with a temporary file (created and removed at once): permission bits alone
     do not tell for root, a read-only mount or a pseudo file system such as ``/sys``."""
-    import tempfile
+    from megaloop.runtime.files import cannot_create_in
 
     out = Path(out)
     probe = out
@@ -270,15 +270,10 @@ def check_writable(out: Path) -> None:
     for t in targets:
         if not t.is_dir():
             continue
-        try:
-            fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=t)
-            os.close(fd)
-            os.unlink(name)
-        except OSError as err:
-            why = err.strerror or str(err)
+        why = cannot_create_in(t)
+        if why is not None:
             where = "" if t == out else f" (cannot create it in {t}: {why})" if t == probe else f" ({t}: {why})"
-            raise ConfigError(f"--out {out}: not writable{where or f' ({why})'}; give a folder you can write to") \
-                from None
+            raise ConfigError(f"--out {out}: not writable{where or f' ({why})'}; give a folder you can write to")
 
 
 def interrupted_line(prog: str, out: str | Path | None) -> str:

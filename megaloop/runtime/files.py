@@ -54,6 +54,19 @@ def atomic_write_file(path: str | Path, write: Callable[[str], Any]) -> None:
 
 
 @functools.cache
+def cannot_create_in(folder: str | Path) -> str | None:
+    """Why no file can be created in ``folder`` (the OS's reason), or None when one can: a temporary
+    file is created and removed at once, since permission bits alone do not tell for root, a
+    read-only mount or a pseudo file system such as ``/proc``."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".megaloop-write-probe-", dir=folder)
+    except OSError as err:
+        return err.strerror or str(err)
+    os.close(fd)
+    os.unlink(name)
+    return None
+
+
 def _umask() -> int:
     """The process umask (read once: reading it means setting it, which is process-wide)."""
     mask = os.umask(0o022)
