@@ -507,11 +507,9 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
     def exit_policy(self, exit_criterion=None, min_depth=None, max_depth=None) -> Optional[ExitPolicy]:
         """Adaptive-depth policy of these arguments, else of the config; None = fixed depth."""
         cfg, spec = self.config, exit_criterion if exit_criterion is not None else self.config.exit_criterion
-        if not spec:
-            return None
-        if max_depth is None:  # an explicit 0 is refused by ExitPolicy, not taken as "default"
-            max_depth = cfg.max_depth if cfg.max_depth is not None else cfg.decode_depth
-        return ExitPolicy.parse(spec, min_depth=cfg.min_depth if min_depth is None else min_depth, max_depth=max_depth)
+        pick = lambda *vals: next((v for v in vals if v is not None), None)  # noqa: E731  (0 is kept: parse refuses it)
+        return ExitPolicy.parse(spec, min_depth=pick(min_depth, cfg.min_depth),
+                                max_depth=pick(max_depth, cfg.max_depth, cfg.decode_depth)) if spec else None
 
     # ------------------------------------------------------------ forward
     def forward(
