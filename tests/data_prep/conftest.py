@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import random
 from pathlib import Path
@@ -75,3 +76,13 @@ def fixture_tokenizer(tmp_path_factory: pytest.TempPathFactory, txt360_tree) -> 
     _, texts = txt360_tree
     out = tmp_path_factory.mktemp("tok")
     return train_bytelevel_bpe((t for ts in texts.values() for t in ts), out, vocab_size=400)
+
+
+def load_tool(name: str, tag: str):
+    """``data_prep/NAME.py`` imported as a module (its ``main``/``check_args`` called in-process);
+    ``tag`` keeps each test file's copy apart in ``sys.modules``."""
+    path = Path(__file__).resolve().parents[2] / "data_prep" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_{tag}_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import importlib.util
 import json
 import os
 import shutil
@@ -19,22 +18,14 @@ from megaloop.data import DataError
 from megaloop.data import mds_convert
 from megaloop.data.mds_convert import ConvertConfig, convert_txt360
 from megaloop.data.txt360 import MixSpec, discover
-from tests.data_prep.conftest import write_text_file
+from tests.data_prep.conftest import load_tool, write_text_file
 
-ROOT = Path(__file__).resolve().parents[2]
 DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
-
-
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_bad_trees_under_test", ROOT / "data_prep" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
 def tools():
-    return {name: _script(name) for name in ("txt360_to_mds", "build_eval_sets", "train_tokenizer")}
+    return {name: load_tool(name, "bad_trees") for name in ("txt360_to_mds", "build_eval_sets", "train_tokenizer")}
 
 
 def _error_line(capsys) -> str:

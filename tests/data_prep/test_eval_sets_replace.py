@@ -6,7 +6,6 @@ them; a failed build into an empty --out left val/ and .lock there."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import threading
 import time
@@ -19,18 +18,14 @@ from megaloop.data._fsutil import file_lock, try_lock_fd
 from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
 from megaloop.data.mds_convert import ConvertConfig, convert_txt360
 from megaloop.data.txt360 import HoldoutSpec
+from tests.data_prep.conftest import load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
 HOLD = ["--val-fraction", "0.1", "--screen-fraction", "0.1"]
 
 
 @pytest.fixture(scope="module")
 def cli():
-    spec = importlib.util.spec_from_file_location("build_eval_sets_replace_under_test",
-                                                  ROOT / "data_prep" / "build_eval_sets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("build_eval_sets", "replace")
 
 
 def _error_line(capsys) -> str:

@@ -4,19 +4,16 @@ it created (and keeps what was there)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.data_prep.conftest import load_tool
+
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"{name}_cli_under_test", ROOT / "data_prep" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool(name, "cli")
 
 
 @pytest.fixture(scope="module")
