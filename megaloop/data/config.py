@@ -30,7 +30,9 @@ class DataConfig:
     shuffle_block_size: int | None = None  # None = streaming's default
     cache_limit: str | None = None  # e.g. "50gb": bound on each process' shard cache slot
     predownload: int | None = None  # samples downloaded ahead; None = 8 x micro-batch size
-    validate_hash: bool = True  # verify xxh64 of shards as they are copied into the cache
+    # xxh64 of shards against index.json: local shards once per file (size, mtime) before a run, copies as
+    # they are cached (megaloop.data.integrity)
+    validate_hash: bool = True
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path", "must not be empty")

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from megaloop.config_utils import ConfigError, require
 from megaloop.data.config import DataConfig
 from megaloop.data.errors import DataError
-from megaloop.data.streaming import World, _Collate, _release, _Source, samples_per_rank
+from megaloop.data.streaming import EVAL_SEQ_LEN, World, _Collate, _release, _Source, samples_per_rank
 
 STATE_VERSION = 1
 
@@ -53,7 +53,11 @@ def _stop_streaming(ds: Any, release: Any) -> None:
     """Stop streaming's download threads of ``ds`` (workers=0), then ``release`` its resources.
 
     Those threads hold the dataset, so without this a dropped loader's dataset (its shared
-    memory and file descriptors) would live to the end of the process."""
+    memory and file descriptors) would live to the end of the process. The stop event first: the
+    ready thread waits for a shard that is not yet local without looking at ``exit()``."""
+    event = ds.__dict__.get("_event")
+    if event is not None:
+        event.set()
     it = ds.__dict__.get("_iterator")
     if it is not None:
         it.exit()
@@ -61,6 +65,23 @@ def _stop_streaming(ds: Any, release: Any) -> None:
     if pool is not None:
         pool.shutdown(wait=True)
     release()
+
+
+def _batches(it: Iterator[dict]) -> Iterator[dict]:
+    """``it``'s batches; a :class:`DataError` raised in a DataLoader worker (torch re-raises it as
+    "Caught DataError in DataLoader worker process N" plus the worker's traceback) as its own line."""
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except DataError as err:
+            text = str(err)
+            if "Original Traceback" not in text:
+                raise
+            last = [ln for ln in text.splitlines() if ln.strip()][-1]
+            raise DataError(last.split("Error: ", 1)[-1]) from None
+        yield batch
 
 
 def _shutdown(it: Any) -> None:
@@ -87,7 +108,7 @@ class TrainLoader:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shuffle_seed = (cfg.shuffle_seed + seed) % (1 << 31)
-        src = _Source(self.path, seq_len, cfg.cache_dir)
+        src = _Source(self.path, seq_len, cfg.cache_dir, validate_hash=cfg.validate_hash)
         self.manifest: dict = src.manifest
         self.num_samples = src.num_samples
         ncn = cfg.num_canonical_nodes or dp_size
@@ -215,13 +236,34 @@ class TrainLoader:
         if shm is not None:
             shm.cleanup()
 
+    def warm(self) -> None:
+        """Read the next batch now, so that a shard that cannot be read fails here (a one-line
+        :class:`DataError`), e.g. before a trainer writes its run directory; the next ``iter(self)``
+        hands it out first. The state (``state_dict``) does not count it until then."""
+        it = self._iterate()
+        batch = next(it)
+        self._batches -= 1  # fetched, not handed out
+        self._warm = (self._generation, it, batch)
+
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        warm = self.__dict__.pop("_warm", None)
+        if warm is not None and warm[0] == self._generation:  # no load_state_dict since warm()
+            _, it, batch = warm
+            self._batches += 1
+            yield batch
+            yield from it
+            return
+        if warm is not None:
+            warm[1].close()
+        yield from self._iterate()
+
+    def _iterate(self) -> Iterator[dict[str, torch.Tensor]]:
         self._generation += 1
         gen = self._generation
         while True:
             it = self._active = iter(self._dataloader())
             try:
-                for batch in it:
+                for batch in _batches(it):
                     # Every streaming worker has read the resume record before any batch exists.
                     self._drop_resume()
                     if gen != self._generation:
@@ -275,7 +317,7 @@ class EvalLoader:
                  indices: Sequence[int] | None = None) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
         self.path = _resolve_path(path, seq_len, cache_dir, "val")
-        src = _Source(self.path, seq_len, cache_dir)
+        src = _Source(self.path, seq_len, cache_dir, seq_len_field=EVAL_SEQ_LEN)
         self.manifest: dict = src.manifest
         self.num_samples = src.num_samples
         plan = list(range(src.num_samples)) if indices is None else [int(i) for i in indices]
@@ -311,7 +353,7 @@ class EvalLoader:
         return [self._rows[k * b:(k + 1) * b] for k in range(self.num_batches)]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return iter(self._loader)
+        return _batches(iter(self._loader))
 
     def close(self) -> None:
         """Release the cache slot and streaming's file locks."""

@@ -10,7 +10,10 @@ is taken from a ``World`` of ``dp_size`` nodes at position ``dp_rank``. streamin
 Data locations: a local directory of uncompressed shards is read in place; compressed (zstd)
 local shards and remote URLs (s3://, gs://, ...) are copied/decompressed by streaming into a
 per-process cache slot ``<cache>/streaming/<key>/slot<i>`` (reused across runs; ``cache_limit``
-bounds it).
+bounds it). A local dataset's shards are checked against ``index.json`` before anything is built
+(size always; xxh64 with ``data.validate_hash``, each shard file once per size and mtime); a cached
+copy that no longer matches its shard is dropped when a slot is taken; and a shard that fails while
+being streamed ends the iteration with one :class:`DataError` naming it (never a hang).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from megaloop.data._fsutil import file_lock, try_lock_fd
 from megaloop.data._streaming_compat import ensure_streaming_importable
 from megaloop.data.config import DataConfig
 from megaloop.data.errors import DataError
+from megaloop.data.integrity import refresh_cache_slot, stored_file, verify_shard_hashes
 
 ensure_streaming_importable()
 
@@ -40,6 +44,7 @@ import streaming.base.dataset as _sd  # noqa: E402
 import streaming.base.shared.prefix as _sp  # noqa: E402
 import streaming.base.shared as _sh  # noqa: E402
 import streaming.base.world as _sw  # noqa: E402
+from streaming.base.dataset import _ShardState  # noqa: E402
 from streaming.base.shared import SharedMemory as _SharedMemory  # noqa: E402
 from streaming.base.world import World  # noqa: E402,F401  (re-exported to loaders)
 
@@ -178,7 +183,12 @@ def validate_local_shards(path: str | Path) -> dict:
     return index
 
 
-def _check_index_seq_len(index: dict, seq_len: int, root: Path) -> None:
+# what a sequence-length mismatch names: the config field (training) or the caller's length (eval sets)
+TRAIN_SEQ_LEN = ("model.seq_len", "the model uses seq_len=")
+EVAL_SEQ_LEN = ("seq_len", "the evaluation reads sequences of seq_len=")
+
+
+def _check_index_seq_len(index: dict, seq_len: int, root: Path, field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
     """Raise ConfigError naming the shard if its ``tokens`` column is not ``seq_len`` long."""
     for shard in index.get("shards", []):
         names, encs = shard.get("column_names", []), shard.get("column_encodings", [])
@@ -186,35 +196,52 @@ def _check_index_seq_len(index: dict, seq_len: int, root: Path) -> None:
         parts = enc.split(":")
         if len(parts) == 3 and parts[0] == "ndarray" and parts[2] != str(seq_len):
             f = root / (shard.get("zip_data") or shard["raw_data"])["basename"]
-            raise ConfigError(f"data.seq_len: the model uses seq_len={seq_len} but shard {f} "
-                              f"stores tokens as {enc}")
+            raise ConfigError(f"{field[0]}: {field[1]}{seq_len} but shard {f} stores tokens as {enc}")
 
 
-def check_seq_len(manifest: dict, seq_len: int, where: str) -> None:
-    """Raise ConfigError naming the manifest if its sequence length differs from ``seq_len``."""
+def check_seq_len(manifest: dict, seq_len: int, where: str, field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
+    """Raise ConfigError naming the manifest if its sequence length differs from ``seq_len``;
+    ``field``: the option that set ``seq_len`` and how to say it (:data:`TRAIN_SEQ_LEN`)."""
     have = manifest.get("seq_len")
     if have != seq_len:
-        raise ConfigError(f"data.seq_len: the model uses seq_len={seq_len} but {where} holds "
-                          f"sequences of {have} tokens; rebuild the data or change seq_len")
+        fix = f"set {field[0]}={have}" if field is TRAIN_SEQ_LEN and isinstance(have, int) else f"change {field[0]}"
+        raise ConfigError(f"{field[0]}: {field[1]}{seq_len} but {where} holds sequences of {have} tokens; "
+                          f"rebuild the data at that length or {fix}")
+
+
+def verify_dataset(path: str, cache_dir: str | Path | None = None, validate_hash: bool = True) -> None:
+    """The checks a loader makes of a local dataset's shards before it is built (:func:`validate_local_shards`,
+    then :func:`verify_shard_hashes`), for a caller that reads the dataset only later (a trainer's
+    validation set); nothing for a remote URL. :class:`DataError` naming the shard."""
+    if is_remote(path):
+        return
+    index = validate_local_shards(path)
+    if validate_hash:
+        verify_shard_hashes(Path(path), index, Path(cache_dir) if cache_dir else default_cache_dir())
 
 
 class _Source:
     """A resolved dataset: manifest plus how streaming should read it."""
 
-    def __init__(self, path: str, seq_len: int, cache_dir: str | Path | None) -> None:
+    def __init__(self, path: str, seq_len: int, cache_dir: str | Path | None, *, validate_hash: bool = True,
+                 seq_len_field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
         self.path = path
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.manifest = load_manifest(path, self.cache_root)
+        self.validate_hash = validate_hash
+        self.index: dict | None = None  # index.json of a local dataset
         where = f"{path.rstrip('/')}/manifest.json"
-        check_seq_len(self.manifest, seq_len, where)
+        check_seq_len(self.manifest, seq_len, where, seq_len_field)
         if "tokens" not in self.manifest.get("columns", {"tokens": 1}):
             raise DataError(f"{where}: dataset has no 'tokens' column")
         if is_remote(path):
             self.remote: str | None = path
             key_src = path + str(self.manifest.get("fingerprint"))
         else:
-            index = validate_local_shards(path)
-            _check_index_seq_len(index, seq_len, Path(path))
+            self.index = index = validate_local_shards(path)
+            _check_index_seq_len(index, seq_len, Path(path), seq_len_field)
+            if validate_hash:
+                verify_shard_hashes(Path(path), index, self.cache_root)
             compressed = any(s.get("compression") for s in index["shards"])
             self.remote = str(Path(path).resolve()) if compressed else None
             key_src = str(Path(path).resolve()) + json.dumps(index, sort_keys=True)
@@ -242,14 +269,22 @@ class _Source:
             kwargs = {"cache_limit": cfg.cache_limit, "predownload": cfg.predownload,
                       "shuffle_algo": cfg.shuffle_algo,
                       "shuffle_block_size": cfg.shuffle_block_size}
-            if cfg.validate_hash and self.remote is not None:
-                kwargs["validate_hash"] = "xxh64"
+        hashed = self.index is None or all((stored_file(s).get("hashes") or {}).get("xxh64")
+                                           for s in self.index.get("shards", []))
+        if self.validate_hash and self.remote is not None and hashed:
+            kwargs["validate_hash"] = "xxh64"  # checked as each shard is copied into the cache
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         try:
+            if fd is not None:  # a slot we hold: copies that no longer match their shard go first
+                index = self.index
+                if index is None:  # remote: the index streaming copied into the slot, if any
+                    with contextlib.suppress(OSError, ValueError):
+                        index = json.loads((Path(local) / "index.json").read_text())
+                refresh_cache_slot(Path(local), index or {}, None if is_remote(self.path) else Path(self.remote))
             with _solo_construction():
                 if fd is not None:
                     _scrub_stale_registrations(local)
-                ds = streaming.StreamingDataset(
+                ds = _Dataset(
                     remote=self.remote, local=local, shuffle=shuffle, shuffle_seed=shuffle_seed,
                     batch_size=batch_size, num_canonical_nodes=num_canonical_nodes, **kwargs)
         except BaseException:
@@ -260,6 +295,112 @@ class _Source:
             raise DataError(f"{self.path}: index.json holds {ds.num_samples} samples but "
                             f"manifest.json says {self.num_samples}")
         return ds, fd
+
+
+def _damaged_copy(err: BaseException) -> str | None:
+    """The cache file named by streaming's ``ValueError("Checksum failure: PATH")``, else None."""
+    text = str(err) if isinstance(err, ValueError) else ""
+    return text.split("Checksum failure: ", 1)[1] if text.startswith("Checksum failure: ") else None
+
+
+def _copy_failure(ds: Any, shard_id: int, err: BaseException) -> BaseException:
+    """A :class:`DataError` naming the dataset's shard file (and the cache copy) for a failure to
+    copy, check or unpack shard ``shard_id``; ``err`` itself when it is not a data failure (a bug)."""
+    data_failure = isinstance(err, (OSError, ValueError, EOFError)) or "zstd" in type(err).__module__.lower()
+    if not data_failure or isinstance(err, DataError):
+        return err
+    stream = ds.streams[ds.stream_per_shard[shard_id]]
+    raw, zipped = ds.shards[shard_id].file_pairs[0]
+    name = (zipped or raw).basename
+    origin = f"{stream.remote.rstrip('/')}/{name}" if stream.remote else str(Path(stream.local) / name)
+    if _damaged_copy(err):
+        return DataError(f"MDS shard {origin} is corrupt: it failed its xxh64 check against index.json twice "
+                         f"while being copied into the cache ({_damaged_copy(err)}; the copies were removed); "
+                         "restore the file from a good copy or rebuild the dataset")
+    first = str(err).splitlines()[0] if str(err) else ""
+    return DataError(f"MDS shard {origin} could not be copied into the cache {stream.local}: "
+                     f"{type(err).__name__}: {first}")
+
+
+class _Dataset(streaming.StreamingDataset):
+    """streaming's dataset, with shard failures that end the iteration as one :class:`DataError`.
+
+    In streaming, a shard whose copy failed stays PREPARING, so a reader waiting for it (the main
+    thread in ``get_item``) waits for ever; a download thread that raises is never counted as exited,
+    so the end of the epoch (``_Iterator.exit``, also run when the loader is closed at exit) waits for
+    ever; and a failure in that thread surfaces as "Background thread failed" after a logged
+    traceback. Here a cached copy that fails its checksum is deleted and the shard copied once more;
+    a second failure (the shard itself is bad) or any other is recorded, the shard is set back to
+    REMOTE (waiters wake up), the threads are told to stop and count as exited, and every later read
+    raises the recorded error."""
+
+    def _failed(self) -> BaseException | None:
+        return self.__dict__.get("_megaloop_failure")
+
+    def _fail(self, shard_id: int | None, failure: BaseException) -> BaseException:
+        self.__dict__.setdefault("_megaloop_failure", failure)
+        if shard_id is not None:
+            self._unlock(shard_id)
+        event = self.__dict__.get("_event")
+        if event is not None:
+            event.set()
+        return self._failed()
+
+    def _unlock(self, shard_id: int) -> None:
+        if self._shard_states[shard_id] == _ShardState.PREPARING:
+            self._shard_states[shard_id] = _ShardState.REMOTE
+
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        for again in (False, True):
+            if self._failed() is not None:
+                raise self._failed()
+            try:
+                return super().prepare_shard(shard_id, blocking)
+            except Exception as err:  # noqa: BLE001 - named in _copy_failure, re-raised otherwise
+                damaged = _damaged_copy(err)
+                if damaged:  # a copy that failed its check is never kept
+                    with contextlib.suppress(OSError):
+                        os.unlink(damaged)
+                    if not again:  # copy the shard once more
+                        self._unlock(shard_id)
+                        continue
+                failure = _copy_failure(self, shard_id, err)
+                if failure is err:  # not a data failure: the error itself, with its traceback
+                    self._fail(shard_id, err)
+                    raise
+                raise self._fail(shard_id, failure) from None
+
+    def get_item(self, sample_id: int, retry: int = 7) -> Any:
+        if self._failed() is not None:
+            raise self._failed()
+        return super().get_item(sample_id, retry)
+
+    def _prepare_thread(self, it: Any) -> None:
+        try:
+            super()._prepare_thread(it)
+        except BaseException:
+            it.on_exit()  # streaming counts only threads that return: exit() would wait for ever
+            raise
+
+    def _ready_thread(self, it: Any) -> None:
+        try:
+            super()._ready_thread(it)
+        except BaseException:
+            it.on_exit()
+            raise
+
+    def on_exception(self, future: Any) -> None:
+        """A download thread's failure: recorded for the reader (no logged traceback)."""
+        exc = future.exception()
+        if exc is not None:
+            self._fail(None, exc)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._failed() is not None:
+            raise self._failed()
+        yield from super().__iter__()
+        if self._failed() is not None:  # streaming ends the epoch early when a thread failed
+            raise self._failed()
 
 
 def _scrub_stale_registrations(local: str) -> None:

@@ -561,7 +561,11 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
     staging = out.with_name(f".{out.name}.megaloop-tmp-{os.getpid()}")
     tmp = staging / out.name  # out's base name: the reload check imports the code as `out` will
     try:
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as err:  # the CLI probes --out's folder first; an API caller learns it here
+            raise ConversionError(f"--out {out}: the export cannot be staged beside it ({staging}: "
+                                  f"{err.strerror or err}); nothing was written") from None
         hf_model.to(DTYPES[dtype])
         hf_model.config.dtype = DTYPES[dtype]  # `torch_dtype` is deprecated since transformers 4.56
         hf_model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)

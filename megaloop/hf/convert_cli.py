@@ -46,12 +46,49 @@ def shard_size(value: str) -> int:
     return size
 
 
+def _checkpoint_folder(p: Path) -> bool:
+    """``p`` is a megaloop checkpoint (``step_*`` with its files) or a folder of them (``latest``,
+    ``step_*`` checkpoints)."""
+    if p.name.startswith(("step_", ".tmp_step_")) and ((p / "megaloop.json").is_file() or (p / ".metadata").is_file()):
+        return True
+    try:
+        return (p / "latest").is_file() or any(
+            (c / "megaloop.json").is_file() or (c / ".metadata").is_file() for c in p.glob("step_*"))
+    except OSError:
+        return False
+
+
+def _check_out_location(out: Path) -> None:
+    """An export must not lie inside a checkpoints folder (it would mix with the checkpoints, and go
+    with them when they are pruned or set aside), and must be creatable: the nearest existing folder
+    above it (where it is staged and renamed into place) is probed with a temporary file, created and
+    removed at once (:func:`megaloop.runtime.files.cannot_create_in`)."""
+    import os
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.runtime.files import cannot_create_in
+
+    absolute = Path(os.path.abspath(out))
+    for p in absolute.parents:
+        if p.is_dir() and _checkpoint_folder(p):
+            raise ConfigError(f"--out {out} lies inside the checkpoint folder {p}: the export would mix with its "
+                              "checkpoints; choose a folder outside it; nothing was written")
+    probe = absolute.parent
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    why = cannot_create_in(probe)
+    if why:
+        raise ConfigError(f"--out {out}: {probe} is not writable (cannot create a file in it: {why}); "
+                          "nothing was loaded or written")
+
+
 def _check_args(args) -> None:
     """Before any loading: a sane --depth and --max-shard-size (made bytes), and an --out that
     nothing else lives in (an HF export written into a run or checkpoint directory would shadow its
-    checkpoints for every later ``--checkpoint RUN``). An earlier export (it holds
-    megaloop_conversion.json, and no checkpoints) may be replaced. With --from-hf, --out must be new
-    or empty (convert_from_hf also refuses a folder holding checkpoints)."""
+    checkpoints for every later ``--checkpoint RUN``), that lies in no checkpoints folder and that can
+    be created (:func:`_check_out_location`). An earlier export (it holds megaloop_conversion.json,
+    and no checkpoints) may be replaced. With --from-hf, --out must be new or empty (convert_from_hf
+    also refuses a folder holding checkpoints)."""
     from megaloop.config_utils import ConfigError
 
     if args.from_hf:  # the export's options mean nothing going back: refused, not ignored
@@ -74,6 +111,7 @@ def _check_args(args) -> None:
         raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
     if out.resolve() == Path(args.checkpoint).resolve():
         raise ConfigError(f"--out {out} is the --checkpoint folder itself: choose a new or empty folder")
+    _check_out_location(out)
     if not out.exists() or not any(out.iterdir()):
         return
     if args.from_hf:  # checkpoints go into a folder of their own (a run's checkpoints/, or a new one)

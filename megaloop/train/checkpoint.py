@@ -256,18 +256,59 @@ def verify_model_tensors(path: Path, model_chunks: list) -> dict:
     return stored
 
 
-def _load_failure(err: BaseException) -> str:
-    """One line for a failed ``dist_checkpointing.load``: torch's ``CheckpointException`` holds the
-    per-rank exceptions (a missing or truncated ``*.distcp`` file shows up there), so name the first."""
+def _first_sentence(err: BaseException) -> str:
+    """``err``'s first line, cut after its first sentence when long (torch's zip reader explains at length)."""
+    text = str(err).splitlines()[0] if str(err) else ""
+    return text.split(". ", 1)[0] if len(text) > 160 else text
+
+
+def damaged_files(path: Path) -> list[str]:
+    """What is wrong with the files of checkpoint ``path``, one phrase each naming the file: a
+    ``common.pt`` that does not load, and each ``*.distcp`` file that ``.metadata`` places tensor
+    data in and that is missing or shorter than that data. Empty when none is found (or
+    ``.metadata`` itself is unreadable: :func:`verify_model_tensors` names it)."""
+    bad = []
+    try:
+        dist_checkpointing.load_common_state_dict(str(path))
+    except Exception as err:  # noqa: BLE001 - any failure to load it is what we report
+        bad.append(f"{path / 'common.pt'} is damaged or truncated ({type(err).__name__}: {_first_sentence(err)})")
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path)).read_metadata().storage_data or {}
+    except Exception:  # noqa: BLE001
+        storage = {}
+    need: dict[str, int] = {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if rel:
+            need[rel] = max(need.get(rel, 0), int(info.offset) + int(info.length))
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            bad.append(f"{f} is missing")
+        elif f.stat().st_size < size:
+            bad.append(f"{f} is truncated ({f.stat().st_size} bytes; .metadata places data up to byte {size})")
+    return bad
+
+
+def _load_failure(err: BaseException, path: Path | None = None) -> str:
+    """One line for a failed ``dist_checkpointing.load``: the damaged files of checkpoint ``path``
+    when they can be found (:func:`damaged_files`), else the first per-rank exception of torch's
+    ``CheckpointException`` (a missing or truncated ``*.distcp`` file shows up there)."""
+    bad = damaged_files(path) if path is not None else []
+    if bad:
+        more = f" (and {len(bad) - 1} more: {'; '.join(bad[1:3])}{' ...' if len(bad) > 3 else ''})" if len(bad) > 1 else ""
+        return f"{bad[0]}{more}"
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, inner = next(iter(failures.items()))
         inner = getattr(inner, "exc", inner)  # torch wraps each in a _WrappedException
         if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
             inner = inner[0]  # or keeps (exception, traceback frames)
-        text = f": {str(inner).splitlines()[0]}" if str(inner) else ""
+        text = f": {_first_sentence(inner)}" if str(inner) else ""
         return f"{type(inner).__name__} on rank {rank}{text} (a missing or damaged *.distcp / .metadata file?)"
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    return f"{type(err).__name__}: {_first_sentence(err)}"
 
 
 def refuse_incomplete(ckpt: "CheckpointManager", what: str) -> None:
@@ -452,7 +493,7 @@ class CheckpointManager:
         except BaseException as err:  # torch's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err)}") from err
+            raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err, path)}") from err
         for i, chunk in enumerate(model_chunks):
             load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:

@@ -176,6 +176,10 @@ class Trainer:
         self.last_saved = -1
         if resume_path is not None:
             self._load(resume_path)
+        try:  # the first batch now: a shard that cannot be read fails before the run directory is written
+            self.loader.warm()
+        except DataError as err:
+            raise DataError(f"data.path={cfg.data.path}: {err}") from None
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
@@ -195,13 +199,13 @@ class Trainer:
         if str(path).startswith("default"):
             return str(path), self.seq
         from megaloop.config_utils import ConfigError
-        from megaloop.data.streaming import load_manifest
-        from megaloop.data.tokenizer import manifest_tokenizer_sha256
-
         from megaloop.data.errors import DataError
+        from megaloop.data.streaming import load_manifest, verify_dataset
+        from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
         try:
             manifest = load_manifest(str(path), self.cfg.data.cache_dir)
+            verify_dataset(str(path), self.cfg.data.cache_dir, self.cfg.data.validate_hash)  # read only later
         except DataError as err:
             raise DataError(f"data.val_path={path}: {err}") from None
         seq = int(manifest.get("seq_len") or self.seq)

@@ -1,0 +1,117 @@
+"""Shard integrity: MDS shard files checked against the xxh64 hashes their ``index.json`` records,
+and cached copies that no longer match their shard dropped (so streaming copies them again).
+
+Pure file checks (no streaming import): :mod:`megaloop.data.streaming` calls them before it builds
+a dataset."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from megaloop.data._fsutil import atomic_write_json, file_lock
+from megaloop.data.errors import DataError
+
+NOTE_HASH_BYTES = 1 << 30  # say so on stderr before hashing more than this at start-up
+
+
+def xxh64_file(path: Path) -> str:
+    """The xxh64 hex digest of a file (what streaming's writer records in ``index.json``)."""
+    h = xxhash.xxh64()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def stored_file(shard: dict) -> dict:
+    """The file info of what a dataset directory stores for ``shard`` (the zip, else the raw file)."""
+    return shard.get("zip_data") or shard.get("raw_data") or {}
+
+
+def verify_shard_hashes(root: Path, index: dict, cache_root: Path) -> None:
+    """Check each shard file under ``root`` against the xxh64 that ``index.json`` records for it
+    (shards without one are skipped): :class:`DataError` naming the first that differs. A shard
+    verified before with the same size and mtime is not read again (the verified ones are listed in
+    ``<cache>/verified/<key>.json``; ranks on one machine take turns, so one of them reads)."""
+    todo = []
+    for shard in index.get("shards", []):
+        on_disk = [i for i in (shard.get("zip_data"), shard.get("raw_data")) if i and (root / i["basename"]).is_file()]
+        if on_disk and (on_disk[0].get("hashes") or {}).get("xxh64"):
+            todo.append((on_disk[0]["basename"], on_disk[0]["hashes"]["xxh64"]))
+    if not todo:
+        return
+    stamp = cache_root / "verified" / f"{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
+    try:
+        stamp.parent.mkdir(parents=True, exist_ok=True)
+        lock: Any = file_lock(stamp.with_suffix(".lock"))
+    except OSError:  # a read-only cache: verify without remembering
+        stamp, lock = None, contextlib.nullcontext()
+    with lock:
+        try:
+            seen = json.loads(stamp.read_text()) if stamp else {}
+        except (OSError, ValueError):
+            seen = {}
+        ok: dict[str, list] = {}
+        pending = []
+        for name, want in todo:
+            st = (root / name).stat()
+            key = [st.st_size, st.st_mtime_ns, want]
+            if isinstance(seen, dict) and seen.get(name) == key:
+                ok[name] = key
+            else:
+                pending.append((name, want, key))
+        total = sum(k[0] for _, _, k in pending)
+        if total > NOTE_HASH_BYTES:
+            print(f"note: verifying {len(pending)} shards ({total / 2**30:.1f} GiB) of {root} against the xxh64 "
+                  "hashes in its index.json (once per shard file; data.validate_hash=false skips it)",
+                  file=sys.stderr, flush=True)
+        try:
+            for name, want, key in pending:
+                got = xxh64_file(root / name)
+                if got != want:
+                    raise DataError(f"MDS shard {root / name} is corrupt: its content does not match "
+                                    f"{root / 'index.json'} (xxh64 {got}, recorded {want}); restore the file "
+                                    "from a good copy or rebuild the dataset")
+                ok[name] = key
+        finally:
+            if stamp is not None and pending:
+                with contextlib.suppress(OSError):
+                    atomic_write_json(stamp, ok)
+
+
+def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Path]:
+    """Drop the copies in cache slot ``slot`` that no longer match their shard, so streaming copies
+    them again instead of reusing them: a compressed copy (streaming deletes one once unpacked, so a
+    left one was cut short or failed its check) whose size or xxh64 differs from ``index.json``, an
+    unpacked one of another size, and (``source``: the local dataset directory) any copy older than
+    its shard file there (the file was replaced since). Returns what was removed."""
+    dropped = []
+    for shard in index.get("shards", []):
+        zinfo, rinfo = shard.get("zip_data"), shard.get("raw_data")
+        origin = source / stored_file(shard)["basename"] if source is not None and stored_file(shard) else None
+        try:
+            newer = origin.stat().st_mtime_ns if origin is not None else None
+        except OSError:
+            newer = None
+        for info, check_hash in ((zinfo, True), (rinfo, False)):
+            f = slot / info["basename"] if info else None
+            try:
+                st = f.stat() if f is not None else None
+            except OSError:
+                continue
+            if st is None:
+                continue
+            want = (info.get("hashes") or {}).get("xxh64") if check_hash else None
+            if (st.st_size != info.get("bytes") or (newer is not None and newer > st.st_mtime_ns)
+                    or (want and xxh64_file(f) != want)):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                    dropped.append(f)
+    return dropped

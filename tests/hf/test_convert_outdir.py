@@ -1,0 +1,81 @@
+"""``megaloop convert --out``: refused before anything loads when it cannot be created or lies inside
+a checkpoints folder; the staging folder failing to appear is one line.
+
+Before: ``--out /proc/self/hf`` loaded the checkpoint and built the model, then failed with a
+``[rank0]`` traceback (FileNotFoundError on '/proc/self/.hf.megaloop-tmp-NNN'), and an ``--out``
+inside the run's ``checkpoints/`` folder (or inside a ``step_*`` checkpoint) was accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def run(megatron_world, tmp_path_factory):
+    """A run directory with one small checkpoint (no tokenizer: the export warns and goes on)."""
+    from megaloop.config import RunConfig
+    from megaloop.data.config import DataConfig
+    from megaloop.model.build import build_model
+    from megaloop.model.config import ModelConfig
+    from megaloop.train.checkpoint import CheckpointManager
+
+    root = tmp_path_factory.mktemp("outdir") / "run"
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=250)
+    chunks, _ = build_model(cfg, vocab_size=250, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=5, ddp=False)
+    conf = RunConfig(model=cfg, data=DataConfig(path=str(root / "no-data"))).to_dict()
+    CheckpointManager(root / "checkpoints").save(3, chunks, None, common={"step": 3, "tokens": 0, "config": conf})
+    return root
+
+
+def _not_loaded(*_a, **_k):
+    raise AssertionError("the checkpoint was loaded before --out was refused")
+
+
+def _one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("out", ["/proc/self/hf", "/proc/self/a/b/hf"])
+def test_an_out_that_cannot_be_created_is_refused_before_loading(run, monkeypatch, capsys, out):
+    import megaloop.hf.convert as convert
+    from megaloop.hf.convert_cli import main
+
+    monkeypatch.setattr(convert, "load_native", _not_loaded)
+    assert main(["--checkpoint", str(run), "--out", out, "--no-validate"]) == 2
+    line = _one_line(capsys)
+    assert f"error: --out {out}: /proc/self is not writable (cannot create a file in it:" in line
+    assert main(["--from-hf", "--checkpoint", str(run), "--out", out]) == 2  # and the way back
+    assert "/proc/self is not writable" in _one_line(capsys)
+
+
+def test_the_export_names_a_staging_folder_it_cannot_create(run):
+    """The API (no CLI probe): a ConversionError naming --out, not a FileNotFoundError traceback."""
+    from megaloop.hf.convert import ConversionError, convert_to_hf
+
+    with pytest.raises(ConversionError, match=r"^--out /proc/self/hf: the export cannot be staged beside it "
+                                              r"\(/proc/self/\.hf\.megaloop-tmp-\d+: .*\); nothing was written$"):
+        convert_to_hf(run, "/proc/self/hf", validate=False, log=lambda *_: None)
+
+
+def test_an_out_inside_a_checkpoints_folder_is_refused(run, tmp_path, monkeypatch, capsys):
+    import megaloop.hf.convert as convert
+    from megaloop.hf.convert_cli import _check_args, build_parser, main
+
+    ckpts = run / "checkpoints"
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    monkeypatch.setattr(convert, "load_native", _not_loaded)
+    for out, holder in ((ckpts / "hf", ckpts), (ckpts / "step_00000003" / "hf", ckpts / "step_00000003"),
+                        (ckpts / "exports" / "a" / "hf", ckpts)):
+        assert main(["--checkpoint", str(run), "--out", str(out), "--no-validate"]) == 2
+        line = _one_line(capsys)
+        assert f"--out {out} lies inside the checkpoint folder {holder}:" in line, line
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written
+    # a folder that is merely named "checkpoints" (no megaloop checkpoint in it) is fine, as is RUN/hf
+    (tmp_path / "checkpoints").mkdir()
+    for out in (tmp_path / "checkpoints" / "hf", run / "hf"):
+        _check_args(build_parser().parse_args(["--checkpoint", str(run), "--out", str(out)]))

@@ -1,0 +1,47 @@
+"""A damaged checkpoint file is named in the one-line error.
+
+Before: a truncated ``common.pt`` gave only torch's "PytorchStreamReader failed reading zip archive:
+failed finding central directory. This is an internal miniz error ..." (no file name), and a truncated
+``__0_0.distcp`` "EOFError on rank 0 (a missing or damaged *.distcp / .metadata file?)"; only a
+missing ``*.distcp`` was named (through the FileNotFoundError's text).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from megaloop.train.checkpoint import CheckpointError, CheckpointManager
+from tests.train.test_checkpoint import _chunks
+
+
+@pytest.fixture
+def saved(megatron_world, tmp_path):
+    return CheckpointManager(tmp_path / "src").save(1, _chunks(), None, common={"step": 1})
+
+
+def _truncate(f, size=100):
+    f.write_bytes(f.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("name,damage,says", [
+    ("common.pt", _truncate, r"is damaged or truncated \(RuntimeError: PytorchStreamReader failed reading zip "
+                             r"archive: failed finding central directory\)$"),
+    ("__0_0.distcp", _truncate, r"is truncated \(100 bytes; \.metadata places data up to byte \d+\)$"),
+    ("__0_0.distcp", lambda f: _truncate(f, 0), r"is truncated \(0 bytes;"),
+    ("__0_1.distcp", lambda f: f.unlink(), r"is missing$"),
+], ids=["common.pt-truncated", "distcp-truncated", "distcp-empty", "distcp-missing"])
+def test_the_damaged_file_is_named(saved, tmp_path, name, damage, says):
+    ckpt = tmp_path / "copy" / saved.name
+    shutil.copytree(saved, ckpt)
+    damage(ckpt / name)
+    before = sorted((p.name, p.stat().st_size) for p in ckpt.iterdir())
+    with pytest.raises(CheckpointError) as err:
+        CheckpointManager(ckpt.parent).load(ckpt, _chunks())
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"checkpoint {ckpt} could not be read: {ckpt / name} ")
+    assert re.search(says, text), text
+    assert "internal miniz error" not in text
+    assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before  # nothing changed
