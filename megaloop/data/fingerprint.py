@@ -23,11 +23,8 @@ HASH_LIMIT_BYTES = 256 << 20  # read at most this much of shards without a recor
 
 
 def _file_sha(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def content_fingerprint(path: str | Path) -> dict | None:

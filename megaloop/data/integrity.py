@@ -11,7 +11,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Iterator
 
 import xxhash
 
@@ -23,11 +23,8 @@ NOTE_HASH_BYTES = 1 << 30  # say so on stderr before hashing more than this at s
 
 def xxh64_file(path: Path) -> str:
     """The xxh64 hex digest of a file (what streaming's writer records in ``index.json``)."""
-    h = xxhash.xxh64()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, xxhash.xxh64).hexdigest()
 
 
 def stored_file(shard: dict) -> dict:
@@ -35,46 +32,74 @@ def stored_file(shard: dict) -> dict:
     return shard.get("zip_data") or shard.get("raw_data") or {}
 
 
-def verify_shard_hashes(root: Path, index: dict, cache_root: Path) -> None:
+def verify_shard_hashes(root: Path, index: dict, cache_root: Path, part: tuple[int, int] = (0, 1)) -> None:
     """Check each shard file under ``root`` against the xxh64 that ``index.json`` records for it
-    (shards without one are skipped): :class:`DataError` naming the first that differs. A shard
+    (shards without one are skipped): :class:`DataError` naming the first that differs. ``part``
+    ``(i, n)``: only every n-th shard from the i-th (n processes of a job share the reading). A shard
     verified before with the same size and mtime is not read again (the verified ones are listed in
-    ``<cache>/verified/<key>.json``; ranks on one machine take turns, so one of them reads)."""
+    ``<cache>/verified/<key>.json``; processes on one machine take turns, so a shard is read once)."""
+    i, n = part
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"part: expected (i, n) with 0 <= i < n, got {part}")
     todo = []
-    for shard in index.get("shards", []):
-        on_disk = [i for i in (shard.get("zip_data"), shard.get("raw_data")) if i and (root / i["basename"]).is_file()]
+    for shard in index.get("shards", [])[i::n]:
+        on_disk = [f for f in (shard.get("zip_data"), shard.get("raw_data")) if f and (root / f["basename"]).is_file()]
         if on_disk and (on_disk[0].get("hashes") or {}).get("xxh64"):
             todo.append((on_disk[0]["basename"], on_disk[0]["hashes"]["xxh64"]))
     if not todo:
         return
-    stamp = cache_root / "verified" / f"{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
+    stamp: Path | None = cache_root / "verified" / f"{hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16]}.json"
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        lock: Any = file_lock(stamp.with_suffix(".lock"))
     except OSError:  # a read-only cache: verify without remembering
-        stamp, lock = None, contextlib.nullcontext()
-    with lock:
+        stamp = None
+
+    @contextlib.contextmanager
+    def locked() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if stamp is not None:
+                with contextlib.suppress(OSError):  # a lock file that cannot be made: unlocked
+                    stack.enter_context(file_lock(stamp.with_suffix(".lock")))
+            yield
+
+    def read() -> dict:
         try:
-            seen = json.loads(stamp.read_text()) if stamp else {}
+            seen = json.loads(stamp.read_text()) if stamp is not None else {}
         except (OSError, ValueError):
             seen = {}
+        return seen if isinstance(seen, dict) else {}
+
+    # alone (n == 1), processes on one machine take turns, so one of them reads each shard; a share of
+    # a job's shards (n > 1) is read without the lock, held only to read and update the list
+    with locked() if n == 1 else contextlib.nullcontext():
+        seen = read() if n == 1 else None
+        if seen is None:
+            with locked():
+                seen = read()
         ok: dict[str, list] = {}
         pending = []
         for name, want in todo:
-            st = (root / name).stat()
+            try:
+                st = (root / name).stat()
+            except OSError as err:
+                raise DataError(f"MDS shard {root / name} cannot be read: {err.strerror or err}") from None
             key = [st.st_size, st.st_mtime_ns, want]
-            if isinstance(seen, dict) and seen.get(name) == key:
+            if seen.get(name) == key:
                 ok[name] = key
             else:
                 pending.append((name, want, key))
         total = sum(k[0] for _, _, k in pending)
-        if total > NOTE_HASH_BYTES:
-            print(f"note: verifying {len(pending)} shards ({total / 2**30:.1f} GiB) of {root} against the xxh64 "
-                  "hashes in its index.json (once per shard file; data.validate_hash=false skips it)",
+        if total > NOTE_HASH_BYTES and i == 0:  # one line per machine
+            share = f" (each of {n} processes about that much)" if n > 1 else ""
+            print(f"note: verifying {len(pending)} shards ({total / 2**30:.1f} GiB) of {root}{share} against the "
+                  "xxh64 hashes in its index.json (once per shard file; data.validate_hash=false skips it)",
                   file=sys.stderr, flush=True)
         try:
             for name, want, key in pending:
-                got = xxh64_file(root / name)
+                try:
+                    got = xxh64_file(root / name)
+                except OSError as err:
+                    raise DataError(f"MDS shard {root / name} cannot be read: {err.strerror or err}") from None
                 if got != want:
                     raise DataError(f"MDS shard {root / name} is corrupt: its content does not match "
                                     f"{root / 'index.json'} (xxh64 {got}, recorded {want}); restore the file "
@@ -82,8 +107,9 @@ def verify_shard_hashes(root: Path, index: dict, cache_root: Path) -> None:
                 ok[name] = key
         finally:
             if stamp is not None and pending:
-                with contextlib.suppress(OSError):
-                    atomic_write_json(stamp, ok)
+                with contextlib.suppress(OSError), locked() if n > 1 else contextlib.nullcontext():
+                    # what other processes verified meanwhile stays listed
+                    atomic_write_json(stamp, {**(read() if n > 1 else seen), **ok})
 
 
 def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Path]:

@@ -101,14 +101,15 @@ class TrainLoader:
     """
 
     def __init__(self, cfg: DataConfig, *, seq_len: int, micro_batch_size: int, dp_rank: int,
-                 dp_size: int, seed: int) -> None:
+                 dp_size: int, seed: int, hashes_verified: bool = False) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
         self.cfg = cfg
         self.path = _resolve_path(cfg.path, seq_len, cfg.cache_dir, "train")
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shuffle_seed = (cfg.shuffle_seed + seed) % (1 << 31)
-        src = _Source(self.path, seq_len, cfg.cache_dir, validate_hash=cfg.validate_hash)
+        src = _Source(self.path, seq_len, cfg.cache_dir, validate_hash=cfg.validate_hash,
+                      hashes_verified=hashes_verified)
         self.manifest: dict = src.manifest
         self.num_samples = src.num_samples
         ncn = cfg.num_canonical_nodes or dp_size
@@ -240,6 +241,9 @@ class TrainLoader:
         """Read the next batch now, so that a shard that cannot be read fails here (a one-line
         :class:`DataError`), e.g. before a trainer writes its run directory; the next ``iter(self)``
         hands it out first. The state (``state_dict``) does not count it until then."""
+        old = self.__dict__.pop("_warm", None)
+        if old is not None:  # warmed twice: the first read is dropped (and its workers stopped)
+            old[1].close()
         it = self._iterate()
         batch = next(it)
         self._batches -= 1  # fetched, not handed out
@@ -284,6 +288,9 @@ class TrainLoader:
         """Stop workers, release the cache slot and streaming's file locks (also at GC/exit).
 
         The loader is unusable afterwards."""
+        warm = self.__dict__.pop("_warm", None)
+        if warm is not None:  # a warm() batch never handed out: its iteration ends here
+            warm[1].close()
         self._generation += 1
         _shutdown(self._active)
         self._active = None
@@ -314,10 +321,12 @@ class EvalLoader:
     def __init__(self, path: str, *, seq_len: int, micro_batch_size: int, dp_rank: int,
                  dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
                  mask_document_boundaries: bool = False, with_source: bool = False,
-                 indices: Sequence[int] | None = None) -> None:
+                 indices: Sequence[int] | None = None, validate_hash: bool = True,
+                 hashes_verified: bool = False) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
         self.path = _resolve_path(path, seq_len, cache_dir, "val")
-        src = _Source(self.path, seq_len, cache_dir, seq_len_field=EVAL_SEQ_LEN)
+        src = _Source(self.path, seq_len, cache_dir, validate_hash=validate_hash, hashes_verified=hashes_verified,
+                      seq_len_field=EVAL_SEQ_LEN)
         self.manifest: dict = src.manifest
         self.num_samples = src.num_samples
         plan = list(range(src.num_samples)) if indices is None else [int(i) for i in indices]
@@ -361,36 +370,41 @@ class EvalLoader:
 
 
 def build_train_loader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, dp_rank: int,
-                       dp_size: int, seed: int) -> TrainLoader:
+                       dp_size: int, seed: int, hashes_verified: bool = False) -> TrainLoader:
     """Infinite, shuffled, exactly-resumable loader for DP rank ``dp_rank`` of ``dp_size``.
 
     ``cfg.path == "default"`` builds/uses the embedded corpus (``default:val`` etc. pick a split).
-    Shuffle seed = ``cfg.shuffle_seed + seed``.
+    Shuffle seed = ``cfg.shuffle_seed + seed``. ``hashes_verified``: the caller checked the shard
+    hashes already (:func:`megaloop.data.streaming.verify_dataset`), so the loader does not.
     """
     if not isinstance(cfg, DataConfig):
         raise ConfigError(f"data: expected a DataConfig, got {type(cfg).__name__}")
     return TrainLoader(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                       dp_size=dp_size, seed=seed)
+                       dp_size=dp_size, seed=seed, hashes_verified=hashes_verified)
 
 
 def build_eval_loader(path: str | Path, *, seq_len: int, micro_batch_size: int, dp_rank: int,
                       dp_size: int, cache_dir: str | None = None, num_workers: int = 0,
                       mask_document_boundaries: bool = False,
-                      with_source: bool = False, indices: Sequence[int] | None = None) -> EvalLoader:
+                      with_source: bool = False, indices: Sequence[int] | None = None,
+                      validate_hash: bool = True, hashes_verified: bool = False) -> EvalLoader:
     """Deterministic, unshuffled, finite loader; ``default`` = embedded validation set,
     ``default:screen`` = embedded LR-screen set. ``with_source`` adds ``batch["source"]``.
     ``indices``: evaluate these samples in this order (default: all, in file order); each DP rank
-    takes a contiguous slice."""
+    takes a contiguous slice. ``validate_hash``/``hashes_verified``: as ``data.validate_hash`` and
+    :func:`build_train_loader`'s."""
     return EvalLoader(str(path), seq_len=seq_len, micro_batch_size=micro_batch_size,
                       dp_rank=dp_rank, dp_size=dp_size, cache_dir=cache_dir,
                       num_workers=num_workers, mask_document_boundaries=mask_document_boundaries,
-                      with_source=with_source, indices=indices)
+                      with_source=with_source, indices=indices, validate_hash=validate_hash,
+                      hashes_verified=hashes_verified)
 
 
-def read_sources(path: str | Path, *, seq_len: int, cache_dir: str | None = None) -> list[str]:
-    """The ``source`` column of every sample of an eval set, in file order ("" where absent)."""
+def read_sources(path: str | Path, *, seq_len: int, cache_dir: str | None = None, **checks: bool) -> list[str]:
+    """The ``source`` column of every sample of an eval set, in file order ("" where absent);
+    ``checks``: ``validate_hash``/``hashes_verified`` as :func:`build_eval_loader`'s."""
     loader = EvalLoader(str(path), seq_len=seq_len, micro_batch_size=1, dp_rank=0, dp_size=1,
-                        cache_dir=cache_dir)
+                        cache_dir=cache_dir, **checks)
     try:
         return [str(loader._ds[i].get("source", "") or "") for i in range(loader.num_samples)]
     finally:

@@ -209,22 +209,25 @@ def check_seq_len(manifest: dict, seq_len: int, where: str, field: tuple[str, st
                           f"rebuild the data at that length or {fix}")
 
 
-def verify_dataset(path: str, cache_dir: str | Path | None = None, validate_hash: bool = True) -> None:
+def verify_dataset(path: str, cache_dir: str | Path | None = None, validate_hash: bool = True,
+                   part: tuple[int, int] = (0, 1)) -> None:
     """The checks a loader makes of a local dataset's shards before it is built (:func:`validate_local_shards`,
-    then :func:`verify_shard_hashes`), for a caller that reads the dataset only later (a trainer's
-    validation set); nothing for a remote URL. :class:`DataError` naming the shard."""
+    then :func:`verify_shard_hashes` of ``part``), for a caller that checks once for all its loaders
+    (a trainer: every rank hashes its share, then builds them with ``hashes_verified=True``); nothing
+    for a remote URL. :class:`DataError` naming the shard."""
     if is_remote(path):
         return
+    load_manifest(path, cache_dir)  # first: what a missing or unfinished dataset is named as
     index = validate_local_shards(path)
     if validate_hash:
-        verify_shard_hashes(Path(path), index, Path(cache_dir) if cache_dir else default_cache_dir())
+        verify_shard_hashes(Path(path), index, Path(cache_dir) if cache_dir else default_cache_dir(), part)
 
 
 class _Source:
     """A resolved dataset: manifest plus how streaming should read it."""
 
     def __init__(self, path: str, seq_len: int, cache_dir: str | Path | None, *, validate_hash: bool = True,
-                 seq_len_field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
+                 hashes_verified: bool = False, seq_len_field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
         self.path = path
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.manifest = load_manifest(path, self.cache_root)
@@ -240,7 +243,7 @@ class _Source:
         else:
             self.index = index = validate_local_shards(path)
             _check_index_seq_len(index, seq_len, Path(path), seq_len_field)
-            if validate_hash:
+            if validate_hash and not hashes_verified:
                 verify_shard_hashes(Path(path), index, self.cache_root)
             compressed = any(s.get("compression") for s in index["shards"])
             self.remote = str(Path(path).resolve()) if compressed else None
@@ -281,6 +284,8 @@ class _Source:
                     with contextlib.suppress(OSError, ValueError):
                         index = json.loads((Path(local) / "index.json").read_text())
                 refresh_cache_slot(Path(local), index or {}, None if is_remote(self.path) else Path(self.remote))
+                with contextlib.suppress(FileNotFoundError):
+                    (Path(local) / FAILURE_MARK).unlink()  # an earlier loader's failure
             with _solo_construction():
                 if fd is not None:
                     _scrub_stale_registrations(local)
@@ -303,21 +308,34 @@ def _damaged_copy(err: BaseException) -> str | None:
     return text.split("Checksum failure: ", 1)[1] if text.startswith("Checksum failure: ") else None
 
 
+REMOTE_CLIENTS = ("botocore", "boto3", "google", "azure", "oci", "requests", "urllib3")  # object-store errors
+FAILURE_MARK = ".megaloop-failure"  # in a cache slot: a shard failure, for the loader's other worker processes
+
+
 def _copy_failure(ds: Any, shard_id: int, err: BaseException) -> BaseException:
     """A :class:`DataError` naming the dataset's shard file (and the cache copy) for a failure to
-    copy, check or unpack shard ``shard_id``; ``err`` itself when it is not a data failure (a bug)."""
-    data_failure = isinstance(err, (OSError, ValueError, EOFError)) or "zstd" in type(err).__module__.lower()
+    copy, check or unpack shard ``shard_id`` (an OS, object-store or decompression error, a bad
+    checksum, a cache too small for it); ``err`` itself when it is not a data failure (a bug)."""
+    module = type(err).__module__.lower()
+    data_failure = (isinstance(err, (OSError, ValueError, EOFError)) or "zstd" in module
+                    or module.split(".")[0] in REMOTE_CLIENTS)
     if not data_failure or isinstance(err, DataError):
         return err
     stream = ds.streams[ds.stream_per_shard[shard_id]]
     raw, zipped = ds.shards[shard_id].file_pairs[0]
     name = (zipped or raw).basename
     origin = f"{stream.remote.rstrip('/')}/{name}" if stream.remote else str(Path(stream.local) / name)
+    first = str(err).splitlines()[0] if str(err) else ""
     if _damaged_copy(err):
         return DataError(f"MDS shard {origin} is corrupt: it failed its xxh64 check against index.json twice "
                          f"while being copied into the cache ({_damaged_copy(err)}; the copies were removed); "
                          "restore the file from a good copy or rebuild the dataset")
-    first = str(err).splitlines()[0] if str(err) else ""
+    if isinstance(err, ValueError) and "cache limit may be too low" in first:
+        return DataError(f"data.cache_limit={ds.cache_limit} bytes is too small to hold shard {origin} in the "
+                         f"cache {stream.local} (nothing left to evict); raise data.cache_limit")
+    if isinstance(err, ValueError) and first.startswith("Hash algorithm"):
+        return DataError(f"data.validate_hash: {origin} has no xxh64 hash in the dataset's index.json to check "
+                         "its copy against; set data.validate_hash=false or rebuild the dataset")
     return DataError(f"MDS shard {origin} could not be copied into the cache {stream.local}: "
                      f"{type(err).__name__}: {first}")
 
@@ -338,13 +356,30 @@ class _Dataset(streaming.StreamingDataset):
         return self.__dict__.get("_megaloop_failure")
 
     def _fail(self, shard_id: int | None, failure: BaseException) -> BaseException:
+        first = "_megaloop_failure" not in self.__dict__
         self.__dict__.setdefault("_megaloop_failure", failure)
         if shard_id is not None:
             self._unlock(shard_id)
         event = self.__dict__.get("_event")
         if event is not None:
             event.set()
+        if first and isinstance(failure, DataError):  # the other worker processes stop too (_watch)
+            for stream in self.streams:
+                with contextlib.suppress(OSError):
+                    (Path(stream.local) / FAILURE_MARK).write_text(str(failure))
         return self._failed()
+
+    def _watch(self, done: threading.Event) -> None:
+        """Until ``done``: stop this process's threads when another process of the loader recorded a
+        shard failure in the cache slot (a ready thread waiting for a shard that another worker
+        process failed to copy watches only its own process' stop event)."""
+        marks = [Path(stream.local) / FAILURE_MARK for stream in self.streams]
+        while not done.wait(0.2):
+            for mark in marks:
+                with contextlib.suppress(OSError):
+                    if mark.is_file():
+                        self._fail(None, DataError(mark.read_text().strip()))
+                        return
 
     def _unlock(self, shard_id: int) -> None:
         if self._shard_states[shard_id] == _ShardState.PREPARING:
@@ -398,7 +433,13 @@ class _Dataset(streaming.StreamingDataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._failed() is not None:
             raise self._failed()
-        yield from super().__iter__()
+        done = threading.Event()
+        if any(stream.remote for stream in self.streams):  # only copies into the cache can fail
+            threading.Thread(target=self._watch, args=(done,), daemon=True, name="megaloop-shard-watch").start()
+        try:
+            yield from super().__iter__()
+        finally:
+            done.set()
         if self._failed() is not None:  # streaming ends the epoch early when a thread failed
             raise self._failed()
 

@@ -15,6 +15,7 @@ One optimizer step (SPEC §4–§6, DESIGN "data path"):
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from functools import partial
@@ -29,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megaloop.config import RunConfig
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
+from megaloop.runtime.agree import on_every_rank
 from megaloop.runtime.exits import EXIT_OK, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
@@ -118,7 +120,8 @@ class Trainer:
         shield_resource_tracker()  # before the loader registers shared memory with it
         try:
             self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
-                                             dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed)
+                                             dp_rank=self.dp_rank, dp_size=self.dp, seed=cfg.train.seed,
+                                             hashes_verified=True)  # by _verify_data
         except DataError as err:
             raise DataError(f"data.path={cfg.data.path}: {err}") from None
         manifest = getattr(self.loader, "manifest", {}) or {}
@@ -135,6 +138,7 @@ class Trainer:
         # the embedded default ships its own validation split; other data name it in data.val_path
         self.val_path, self.val_seq = self._resolve_val(
             cfg.data.val_path or ("default" if cfg.data.path == "default" else None), manifest)
+        self._verify_data()  # after the manifests' checks above, before the model is built
         if self.val_path is None and self.rank == 0:
             print(f"note: data.val_path is not set: this run on {cfg.data.path} reports no validation loss "
                   "(build a validation set with data_prep/build_eval_sets.py)", flush=True)
@@ -176,10 +180,13 @@ class Trainer:
         self.last_saved = -1
         if resume_path is not None:
             self._load(resume_path)
-        try:  # the first batch now: a shard that cannot be read fails before the run directory is written
-            self.loader.warm()
-        except DataError as err:
-            raise DataError(f"data.path={cfg.data.path}: {err}") from None
+        def first_batch() -> None:  # read now: a shard that cannot be read stops every rank before the run dir
+            try:
+                self.loader.warm()
+            except DataError as err:
+                raise DataError(f"data.path={cfg.data.path}: {err}") from None
+
+        on_every_rank(first_batch)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             cfg.dump(self.run_dir / "config.yaml")
@@ -191,6 +198,29 @@ class Trainer:
                                      config_dict=cfg.to_dict())
         self.loader_iter = iter(self.loader)
 
+    def _verify_data(self) -> None:
+        """The shard files of ``data.path`` and ``data.val_path`` against their ``index.json`` hashes,
+        before any loader reads them (the loaders skip it): the ranks of each machine share the
+        hashing of the whole dataset (1 in ``LOCAL_WORLD_SIZE`` each, so a machine with its own copy
+        checks all of it), and a damaged shard found by any rank stops every rank with the same
+        :class:`DataError` naming the shard and the rank (:func:`megaloop.runtime.agree.on_every_rank`)."""
+        from megaloop.data.errors import DataError
+        from megaloop.data.streaming import verify_dataset
+
+        d = self.cfg.data
+        local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        part = local if 0 <= local[0] < local[1] else (0, 1)
+
+        def check() -> None:
+            for field, path in (("data.path", d.path), ("data.val_path", d.val_path)):
+                if path and not (path == "default" or str(path).startswith("default:")):  # the embedded set: ours
+                    try:
+                        verify_dataset(str(path), d.cache_dir, d.validate_hash, part=part)
+                    except (DataError, OSError) as err:
+                        raise DataError(f"{field}={path}: {err}") from None
+
+        on_every_rank(check)
+
     def _resolve_val(self, path: str | None, train_manifest: dict) -> tuple[str | None, int]:
         """Validation set and its sequence length (may be shorter than the model's: RoPE); a set
         tokenised with another tokenizer than the training data's is refused."""
@@ -200,12 +230,11 @@ class Trainer:
             return str(path), self.seq
         from megaloop.config_utils import ConfigError
         from megaloop.data.errors import DataError
-        from megaloop.data.streaming import load_manifest, verify_dataset
+        from megaloop.data.streaming import load_manifest
         from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
         try:
             manifest = load_manifest(str(path), self.cfg.data.cache_dir)
-            verify_dataset(str(path), self.cfg.data.cache_dir, self.cfg.data.validate_hash)  # read only later
         except DataError as err:
             raise DataError(f"data.val_path={path}: {err}") from None
         seq = int(manifest.get("seq_len") or self.seq)
@@ -457,7 +486,8 @@ class Trainer:
         if getattr(self, "_val_cache", None) is None:
             from megaloop.data.loaders import read_sources, source_balanced_order
 
-            sources = read_sources(self.val_path, seq_len=self.val_seq, cache_dir=self.cfg.data.cache_dir)
+            sources = read_sources(self.val_path, seq_len=self.val_seq, cache_dir=self.cfg.data.cache_dir,
+                                   hashes_verified=True)  # by _verify_data
             names = sorted(set(sources))
             order = source_balanced_order(sources)
             k = self.cfg.train.eval_batches * self.cfg.train.global_batch_size
@@ -475,7 +505,7 @@ class Trainer:
         order, names, src_ids = self._val_plan()
         loader = build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
                                    dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
-                                   indices=order)
+                                   indices=order, hashes_verified=True)  # by _verify_data
         mbs = []
         for i, (batch, rows) in enumerate(zip(loader, loader.rank_rows())):
             ids = torch.tensor([src_ids[j] if j >= 0 else -1 for j in rows], dtype=torch.long)

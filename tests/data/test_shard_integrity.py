@@ -13,6 +13,7 @@ import itertools
 import json
 import re
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -83,6 +84,34 @@ def test_a_damaged_shard_is_named_before_the_loader_is_built(data, good):
     _damage(shard, at=100)  # damaged again after it was verified: its mtime changed, so read again
     with pytest.raises(DataError, match=f"MDS shard {shard} is corrupt"):
         _loader(data)
+
+
+def test_processes_of_a_job_share_the_hashing_and_the_list_of_verified_shards(data, tmp_path, monkeypatch):
+    """``part=(i, n)``: each of n processes reads every n-th shard; what each verified is merged into
+    the one list, so a later check by a single process reads nothing again."""
+    from megaloop.data import integrity
+
+    read: list[str] = []
+    real = integrity.xxh64_file
+    monkeypatch.setattr(integrity, "xxh64_file", lambda f: read.append(f.name) or real(f))
+    index = json.loads((data / "index.json").read_text())
+    names = [s["zip_data"]["basename"] for s in index["shards"]]
+    cache = tmp_path / "cache"
+    assert len(names) == 3
+    integrity.verify_shard_hashes(data, index, cache, part=(1, 3))
+    assert read == names[1::3]
+    integrity.verify_shard_hashes(data, index, cache, part=(0, 3))
+    integrity.verify_shard_hashes(data, index, cache, part=(2, 3))
+    assert sorted(read) == sorted(names)
+    read.clear()
+    integrity.verify_shard_hashes(data, index, cache)
+    assert read == []
+    _damage(data / names[2])  # in the share of process 2 of 3 only
+    integrity.verify_shard_hashes(data, index, cache, part=(0, 3))
+    with pytest.raises(DataError, match=f"MDS shard {data / names[2]} is corrupt"):
+        integrity.verify_shard_hashes(data, index, cache, part=(2, 3))
+    with pytest.raises(ValueError, match="part"):
+        integrity.verify_shard_hashes(data, index, cache, part=(3, 3))
 
 
 def test_a_damaged_copy_left_in_the_cache_is_copied_again(data):
@@ -186,6 +215,40 @@ def test_a_failed_copy_wakes_the_reader_waiting_for_it(data, monkeypatch):
     lo.close()
 
 
+def test_a_copy_failed_in_another_worker_process_ends_this_ones_wait(data):
+    """Before: a worker whose ready thread waited for a shard that another worker process was copying
+    waited for ever when that copy failed (it watches only its own process' stop event, and the state
+    went back to REMOTE); the failing process now leaves a mark in the cache slot that every process
+    of the loader watches, and a new loader on the slot starts clean."""
+    from streaming.base.dataset import _ShardState
+
+    from megaloop.data.streaming import FAILURE_MARK
+
+    lo = _loader(data)
+    ds = lo._ds
+    slot = Path(ds.streams[0].local)
+    for i in range(len(ds.shards)):  # as if another worker process were copying every shard
+        ds._shard_states[i] = _ShardState.PREPARING
+    results: dict = {}
+
+    def take():
+        try:
+            results["got"] = next(iter(lo))
+        except BaseException as e:  # noqa: BLE001
+            results["got"] = e
+
+    reader = threading.Thread(target=take, daemon=True)
+    reader.start()
+    time.sleep(1.0)
+    assert reader.is_alive()  # waiting for the other process' copy
+    (slot / FAILURE_MARK).write_text("MDS shard X could not be copied into the cache: OSError: boom")
+    reader.join(20)
+    assert not reader.is_alive(), "the reader still waits for the shard another process failed to copy"
+    assert isinstance(results["got"], DataError) and str(results["got"]).startswith("MDS shard X could not be copied")
+    lo.close()
+    assert _take(_loader(data)) == 30  # the slot's next loader: the mark is cleared, the shards copied
+
+
 def test_the_epoch_ends_after_its_download_threads_failed(data, monkeypatch):
     """Before: a download thread that raised was never counted as exited, so the end of the epoch
     (``_Iterator.exit``, also run when the loader is closed at exit) waited for ever: the trainer hung
@@ -252,4 +315,31 @@ def test_train_with_a_damaged_shard_exits_2_before_the_run_directory(tmp_path):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "warn" not in ln.lower()]
     assert len(lines) == 1 and re.search(rf"data\.val_path={data}: MDS shard {data}/shard\.\d+\.mds\.zstd is corrupt",
                                          lines[0]), lines
+    assert not run.exists()
+
+
+def test_two_ranks_stop_together_naming_the_rank_that_found_the_damage(tmp_path):
+    """Each rank hashes its share of the shards; a damaged shard in rank 1's share stops both ranks
+    with the same line (before: every rank hashed every shard; a rank that failed alone left the other
+    waiting in a collective until torchrun ended it, after rank 0 wrote the run directory)."""
+    from tests.conftest import ROOT
+    from tests.train.helpers import env, train_cmd
+
+    data = tmp_path / "data"
+    write_synthetic_mds(data, num_sequences=64, seq_len=128, vocab_size=512, size_limit=1 << 13)
+    names = [s["zip_data"]["basename"] for s in json.loads((data / "index.json").read_text())["shards"]]
+    _damage(data / names[1])  # shards[1::2]: rank 1's share
+    run = tmp_path / "r2"
+    proc = subprocess.run(train_cmd(run, "train.max_steps=2", f"data.path={data}", nproc=2), cwd=ROOT,
+                          env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    found = re.findall(r"data\.path=\S+: MDS shard (\S+) is corrupt: .*\(found by rank (\d)\)", proc.stderr)
+    assert found and set(found) == {(str(data / names[1]), "1")}, proc.stderr[-3000:]
+    assert not run.exists()
+    # without the hash check, the first batch fails on a rank: every rank stops with its line, no run dir
+    proc = subprocess.run(train_cmd(run, "train.max_steps=2", f"data.path={data}", "data.validate_hash=false",
+                                    nproc=2), cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    lines = re.findall(r"error \(rank (\d)\): data\.path=\S+: (MDS shard \S+ could not be copied .*)", proc.stderr)
+    assert proc.returncode != 0 and sorted(r for r, _ in lines) == ["0", "1"], proc.stderr[-3000:]
+    assert len({text for _, text in lines}) == 1 and "(found by rank" in lines[0][1]
     assert not run.exists()
