@@ -70,12 +70,11 @@ def verify_shard_hashes(root: Path, index: dict, cache_root: Path, part: tuple[i
         return seen if isinstance(seen, dict) else {}
 
     # alone (n == 1), processes on one machine take turns, so one of them reads each shard; a share of
-    # a job's shards (n > 1) is read without the lock, held only to read and update the list
+    # a job's shards (n > 1) is read without the lock, taken only to read and update the list
+    briefly = locked if n > 1 else contextlib.nullcontext
     with locked() if n == 1 else contextlib.nullcontext():
-        seen = read() if n == 1 else None
-        if seen is None:
-            with locked():
-                seen = read()
+        with briefly():
+            seen = read()
         ok: dict[str, list] = {}
         pending = []
         for name, want in todo:
@@ -107,9 +106,8 @@ def verify_shard_hashes(root: Path, index: dict, cache_root: Path, part: tuple[i
                 ok[name] = key
         finally:
             if stamp is not None and pending:
-                with contextlib.suppress(OSError), locked() if n > 1 else contextlib.nullcontext():
-                    # what other processes verified meanwhile stays listed
-                    atomic_write_json(stamp, {**(read() if n > 1 else seen), **ok})
+                with contextlib.suppress(OSError), briefly():  # what others verified meanwhile stays listed
+                    atomic_write_json(stamp, {**read(), **ok})
 
 
 def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Path]:
@@ -127,12 +125,12 @@ def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Pat
         except OSError:
             newer = None
         for info, check_hash in ((zinfo, True), (rinfo, False)):
-            f = slot / info["basename"] if info else None
-            try:
-                st = f.stat() if f is not None else None
-            except OSError:
+            if not info:
                 continue
-            if st is None:
+            f = slot / info["basename"]
+            try:
+                st = f.stat()
+            except OSError:
                 continue
             want = (info.get("hashes") or {}).get("xxh64") if check_hash else None
             if (st.st_size != info.get("bytes") or (newer is not None and newer > st.st_mtime_ns)

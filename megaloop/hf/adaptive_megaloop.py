@@ -75,6 +75,15 @@ class ExitPolicy:
             raise ValueError(f"exit_criterion: {value!r} is not a number in {spec!r}") from None
         return cls(name.strip(), threshold, 2 if min_depth is None else int(min_depth), int(max_depth), compaction)
 
+    @classmethod
+    def of_config(cls, config, exit_criterion=None, min_depth=None, max_depth=None) -> Optional["ExitPolicy"]:
+        """The policy of these arguments, each falling back on the model config's (``max_depth``: then
+        ``decode_depth``); None = fixed depth. An explicit 0 is kept (``__post_init__`` refuses it)."""
+        pick = lambda *vals: next((v for v in vals if v is not None), None)  # noqa: E731
+        spec = pick(exit_criterion, config.exit_criterion)
+        return cls.parse(spec, min_depth=pick(min_depth, config.min_depth),
+                         max_depth=pick(max_depth, config.max_depth, config.decode_depth)) if spec else None
+
     @property
     def spec(self) -> str:
         return f"{self.criterion}:{self.threshold:g}"

@@ -26,7 +26,7 @@ Weight mapping (megatron local spec → HF):
   ``output_layer.weight`` → ``lm_head.weight`` (tied: the embedding).
 The split is exact (a reshape), so HF → megaloop (``hf_to_native_state_dict``) fuses them back.
 
-Validation (:func:`check_conversion`, default on here and in :func:`megaloop.hf.load.load_model`): native
+Validation (:func:`megaloop.hf.validate.check_conversion`, default on here and in :func:`megaloop.hf.load.load_model`): native
 vs HF logits in FP32, eval mode (both use the same eval-time state init), on random sequences at
 the configured depth. The error is ``max|Δlogit| / max(1, max|native logit|)`` (absolute for
 logits of unit scale, relative above) and must be ≤ ``TOLERANCE`` = 1e-4, else
@@ -48,11 +48,10 @@ from typing import Any
 
 import torch
 
-from megaloop.errors import UserError
 from megaloop.hf.configuration_megaloop import MegaloopConfig
+from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-
-TOLERANCE = 1e-4
+from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
 HF_DIR = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
               "layers_megaloop.py", "modeling_megaloop.py")
@@ -60,10 +59,6 @@ AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-class ConversionError(UserError, RuntimeError):
-    """The model cannot be mapped onto the HF model, or the mapped model does not reproduce it."""
 
 
 # ============================================================================ checkpoint reading
@@ -349,42 +344,6 @@ def _pad_multiple(v: int) -> int:
     return 1
 
 
-# ============================================================================ validation
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
-@torch.no_grad()
-def compare_logits(native, hf_model, *, depth: int, vocab: int, seq_len: int, num_seqs: int = 2,
-                   seed: int = 0) -> dict[str, float]:
-    """Max abs / rel logit error of HF vs native on random sequences (both in their current dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)
-    ref = native(ids.to(_device_of(native)), depth=depth).float().cpu()
-    got = hf_model(input_ids=ids.to(_device_of(hf_model)), use_cache=False,
-                   num_recurrences=depth).logits.float().cpu()
-    if ref.shape != got.shape:
-        raise ConversionError(f"validation: logits shape {tuple(got.shape)} (HF) != {tuple(ref.shape)} (native)")
-    diff = (ref - got).abs().max().item()
-    scale = ref.abs().max().item()
-    return {"max_abs": diff, "max_rel": diff / max(scale, 1e-30), "error": diff / max(1.0, scale),
-            "logit_scale": scale, "depth": depth, "seq_len": seq_len, "num_seqs": num_seqs}
-
-
-def check_conversion(native, hf_model, *, seq_len: int, num_seqs: int = 2) -> dict:
-    """:func:`compare_logits` of ``num_seqs`` random ``seq_len``-token sequences (of the real
-    vocabulary) at the HF model's default depth; the result, or :class:`ConversionError` naming
-    both errors when ``error`` exceeds :data:`TOLERANCE`. One forward of each model (FP32, eval)."""
-    depth, vocab = hf_model.config.num_recurrences, hf_model.config.tokenizer_vocab_size
-    res = compare_logits(native, hf_model, depth=depth, vocab=vocab, seq_len=seq_len, num_seqs=num_seqs)
-    res["summary"] = (f"validation (FP32, eval, depth {depth}, {num_seqs}x{seq_len} tokens): max abs logit error "
-                      f"{res['max_abs']:.3e}, max rel {res['max_rel']:.3e} (logit scale {res['logit_scale']:.3g}; "
-                      f"tolerance {TOLERANCE:g} on max_abs/max(1, scale))")
-    if not res["error"] <= TOLERANCE:
-        raise ConversionError(f"HF model does not reproduce the native model: {res['summary']}")
-    return res
-
-
 # ============================================================================ tokenizer
 def explicit_tokenizer(path: str | Path) -> Path:
     """``--tokenizer``: a tokenizer.json, or a folder holding one; else :class:`ConversionError` naming it."""
@@ -575,7 +534,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
             save_tokenizer(tok_path, tmp, {"eos": cfg.eos_token_id, "bos": cfg.bos_token_id,
                                            "pad": cfg.pad_token_id}, mcfg.seq_len)
         if validate:
-            report["reload"] = _check_reload(hf_model, tmp, depth, real_vocab)
+            report["reload"] = check_reload(hf_model, tmp, depth, real_vocab)
             log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
         report["seconds"] = round(time.time() - t0, 2)
         (tmp / "megaloop_conversion.json").write_text(json.dumps(report, indent=1, default=str))
@@ -585,20 +544,3 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return report
-
-
-@torch.no_grad()
-def _check_reload(model: MegaloopForCausalLM, out: Path, depth: int, vocab: int) -> dict:
-    """Load ``out`` through AutoModelForCausalLM(trust_remote_code) and compare with the saved model."""
-    from transformers import AutoModelForCausalLM
-
-    loaded = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32).eval()
-    ref = model.float()
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (1, min(16, model.config.max_position_embeddings)), generator=g)
-    a = ref(input_ids=ids, use_cache=False, num_recurrences=depth).logits
-    b = loaded(input_ids=ids, use_cache=False, num_recurrences=depth).logits
-    diff = (a - b).abs().max().item()
-    if not diff <= 1e-5 * max(1.0, a.abs().max().item()):
-        raise ConversionError(f"reloaded folder {out} differs from the converted model: max abs {diff:.3e}")
-    return {"max_abs": diff, "class": type(loaded).__module__ + "." + type(loaded).__name__}

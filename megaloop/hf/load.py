@@ -23,7 +23,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from megaloop.config_utils import ConfigError
-from megaloop.hf.convert import DTYPES, ConversionError, check_conversion, load_native, to_hf_model
+from megaloop.hf.convert import DTYPES, ConversionError, load_native, to_hf_model
+from megaloop.hf.validate import check_conversion
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 
 

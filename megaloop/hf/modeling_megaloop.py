@@ -505,11 +505,8 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         return self.model.begin(input_ids, head=self.lm_head, **kwargs)
 
     def exit_policy(self, exit_criterion=None, min_depth=None, max_depth=None) -> Optional[ExitPolicy]:
-        """Adaptive-depth policy of these arguments, else of the config; None = fixed depth."""
-        cfg, spec = self.config, exit_criterion if exit_criterion is not None else self.config.exit_criterion
-        pick = lambda *vals: next((v for v in vals if v is not None), None)  # noqa: E731  (0 is kept: parse refuses it)
-        return ExitPolicy.parse(spec, min_depth=pick(min_depth, cfg.min_depth),
-                                max_depth=pick(max_depth, cfg.max_depth, cfg.decode_depth)) if spec else None
+        """Adaptive-depth policy of these arguments, else of the config (:meth:`ExitPolicy.of_config`)."""
+        return ExitPolicy.of_config(self.config, exit_criterion, min_depth, max_depth)
 
     # ------------------------------------------------------------ forward
     def forward(

@@ -180,6 +180,7 @@ class Trainer:
         self.last_saved = -1
         if resume_path is not None:
             self._load(resume_path)
+
         def first_batch() -> None:  # read now: a shard that cannot be read stops every rank before the run dir
             try:
                 self.loader.warm()

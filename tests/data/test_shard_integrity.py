@@ -275,6 +275,32 @@ def test_the_epoch_ends_after_its_download_threads_failed(data, monkeypatch):
     lo.close()
 
 
+def test_copy_failures_are_named_by_their_cause(data):
+    """What a shard copy can fail with, as one DataError naming the shard (or the option to change);
+    anything else (a bug) is left as it is."""
+    from megaloop.data.streaming import _copy_failure
+
+    lo = _loader(data)
+    ds = lo._ds
+    shard = _first_shard(data)
+    ClientError = type("ClientError", (Exception,), {"__module__": "botocore.exceptions"})  # an object store's
+    cases = {
+        ClientError("An error occurred (AccessDenied)"): rf"^MDS shard {shard} could not be copied .*ClientError: "
+                                                         r"An error occurred \(AccessDenied\)",
+        OSError(28, "No space left on device"): rf"^MDS shard {shard} could not be copied .*No space left",
+        ValueError("Attempted shard eviction, but there are no shards present locally to evict. Your cache "
+                   "limit may be too low."): rf"^data\.cache_limit=.* too small to hold shard {shard}",
+        ValueError("Hash algorithm `xxh64` chosen for data validation does not match with those provided "
+                   "during dataset creation `[]`. Provide one of those."): rf"^data\.validate_hash: {shard} has no xxh64",
+    }
+    for err, pattern in cases.items():
+        got = _copy_failure(ds, 0, err)
+        assert isinstance(got, DataError) and re.search(pattern, str(got)), (err, got)
+    bug = KeyError("shards")
+    assert _copy_failure(ds, 0, bug) is bug
+    lo.close()
+
+
 def test_a_seq_len_mismatch_names_model_seq_len(good):
     """Before: "data.seq_len: ...", a field that does not exist (the model's is model.seq_len)."""
     with pytest.raises(ConfigError, match=rf"^model\.seq_len: the model uses seq_len=64 but .*manifest.json "
