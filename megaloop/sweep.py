@@ -501,15 +501,21 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
 
 
 def check_out_dir(out: str | None) -> None:
-    """``--out`` is a directory or can become one: its nearest existing part is a directory."""
+    """``--out`` is a directory or can become one: its nearest existing part is a directory (not a
+    dangling link) in which a file can be created."""
     if not out:
         return
-    p = Path(out)
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
+
+    p = nearest_existing(out)
+    if dangling_link(p):
+        raise UserError(f"--out: {out}: {dangling_link(p)}")
     if not p.is_dir():
         raise UserError(f"--out: {out} exists and is not a directory" if p == Path(out) else
                         f"--out: {out}: {p} is not a directory")
+    why = cannot_create_in(p)
+    if why is not None:
+        raise UserError(f"--out: {out}: no file can be created in {p} ({why}); give a folder you can write to")
 
 
 # what marks a folder as written by each sweep command (a results.json alone: by its keys)

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from megaloop.runtime.files import atomic_write_json, atomic_write_text, cannot_create_in  # noqa: F401  (re-exported)
+from megaloop.runtime.files import atomic_write_json, atomic_write_text, cannot_create_in, dangling_link, \
+    nearest_existing  # noqa: F401  (atomic_write_* re-exported)
 
 __all__ = ["atomic_write_json", "atomic_write_text", "check_out_writable", "die_with_parent", "file_lock",
            "first_missing", "init_pool_worker", "json_sha", "lock_holder", "rmtree_quiet", "try_lock_fd"]
@@ -200,11 +201,9 @@ def check_out_writable(out: str | Path, flag: str = "--out") -> None:
     from megaloop.data.errors import DataError
 
     out = Path(out)
-    probe = out
-    while not os.path.lexists(probe) and probe.parent != probe:
-        probe = probe.parent
-    if probe.is_symlink() and not probe.exists():
-        raise DataError(f"{flag} {out}: {probe} is a link to {os.readlink(probe)}, which does not exist")
+    probe = nearest_existing(out)
+    if dangling_link(probe):
+        raise DataError(f"{flag} {out}: {dangling_link(probe)}")
     if not probe.is_dir():
         if probe == out:
             raise DataError(f"{flag} {out} exists and is not a directory")

@@ -66,16 +66,14 @@ def _check_out_location(out: Path) -> None:
     import os
 
     from megaloop.config_utils import ConfigError
-    from megaloop.runtime.files import cannot_create_in
+    from megaloop.runtime.files import cannot_create_in, nearest_existing
 
     absolute = Path(os.path.abspath(out))
     for p in absolute.parents:
         if p.is_dir() and _checkpoint_folder(p):
             raise ConfigError(f"--out {out} lies inside the checkpoint folder {p}: the export would mix with its "
                               "checkpoints; choose a folder outside it; nothing was written")
-    probe = absolute.parent
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
+    probe = nearest_existing(absolute.parent)
     why = cannot_create_in(probe)
     if why:
         raise ConfigError(f"--out {out}: {probe} is not writable (cannot create a file in it: {why}); "
@@ -90,6 +88,7 @@ def _check_args(args) -> None:
     and no checkpoints) may be replaced. With --from-hf, --out must be new or empty (convert_from_hf
     also refuses a folder holding checkpoints)."""
     from megaloop.config_utils import ConfigError
+    from megaloop.runtime.files import dangling_link, nearest_existing
 
     if args.from_hf:  # the export's options mean nothing going back: refused, not ignored
         given = [flag for flag, on in (("--dtype", args.dtype != "fp32"), ("--no-validate", args.no_validate),
@@ -104,9 +103,9 @@ def _check_args(args) -> None:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
-    parent = out
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(out)
+    if dangling_link(parent):
+        raise ConfigError(f"--out {out}: {dangling_link(parent)}; nothing was loaded or written")
     if not parent.is_dir():
         raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
     if out.resolve() == Path(args.checkpoint).resolve():

@@ -237,14 +237,14 @@ def check_out_file(path: Optional[str], flag: str) -> None:
     do not tell for root, a read-only mount or a pseudo file system such as ``/proc``."""
     if not path:
         return
-    from megaloop.runtime.files import cannot_create_in
+    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
 
     p = Path(path)
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory, not a file path")
-    parent = p.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(p.parent)
+    if dangling_link(parent):
+        raise ConfigError(f"{flag} {p}: {dangling_link(parent)}, so the path cannot be created")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {p}: {parent} is a file, so the path cannot be created")
     why = cannot_create_in(parent)

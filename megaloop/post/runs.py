@@ -257,12 +257,12 @@ def check_writable(out: Path) -> None:
     the folder itself when it exists (and its ``checkpoints``), else the nearest folder above it that
     exists. Each is probed with a temporary file (created and removed at once): permission bits alone
     do not tell for root, a read-only mount or a pseudo file system such as ``/sys``."""
-    from megaloop.runtime.files import cannot_create_in
+    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
 
     out = Path(out)
-    probe = out
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
+    probe = nearest_existing(out)
+    if dangling_link(probe):
+        raise ConfigError(f"--out {out}: {dangling_link(probe)}; give a folder you can write to")
     if out.exists():
         targets = [out] + ([out / "checkpoints"] if (out / "checkpoints").is_dir() else [])
     else:

@@ -1,5 +1,8 @@
 """Atomic file writes: a reader never sees a half-written file (temp file, fsync, rename): text, JSON,
-or whatever a writer that takes a file name writes (``torch.save``, safetensors); figures."""
+or whatever a writer that takes a file name writes (``torch.save``, safetensors); figures. And the
+checks an output path gets before any work: where it would be created (:func:`nearest_existing`),
+a dangling link on the way (:func:`dangling_link`), a folder no file can be created in
+(:func:`cannot_create_in`)."""
 
 from __future__ import annotations
 
@@ -51,6 +54,25 @@ def atomic_write_file(path: str | Path, write: Callable[[str], Any]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """``path`` itself or its nearest ancestor that exists, where an output that does not exist yet
+    would be created. A link counts as existing even when it points nowhere, so a dangling link is
+    found (and refused by :func:`dangling_link`), not walked past to a writable folder above it."""
+    probe = Path(path)
+    while not os.path.lexists(probe) and probe.parent != probe:
+        probe = probe.parent
+    return probe
+
+
+def dangling_link(path: str | Path) -> str | None:
+    """``"P is a link to T, which does not exist"`` when ``path`` is a link whose target is missing
+    (nothing can be created through it: ``mkdir`` says "File exists"), else None."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a link to {os.readlink(path)}, which does not exist"
+    return None
 
 
 @functools.cache

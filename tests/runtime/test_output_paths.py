@@ -1,0 +1,70 @@
+"""Where an output would be created (megaloop/runtime/files.py: nearest_existing, dangling_link) and
+every command's check of it: a dangling link on the way is refused in one line naming the link and
+its target, before any work (it used to be walked past to the writable folder above it, so the check
+passed and the command failed at its end, when ``mkdir`` said "File exists")."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from megaloop.errors import UserError
+from megaloop.runtime.files import dangling_link, nearest_existing
+
+
+@pytest.fixture()
+def link(tmp_path: Path) -> Path:
+    """``tmp_path/res``: a link to a folder that does not exist (an unmounted scratch space)."""
+    (tmp_path / "res").symlink_to(tmp_path / "gone")
+    return tmp_path / "res"
+
+
+def test_nearest_existing_stops_at_a_link_and_names_it(tmp_path: Path, link: Path) -> None:
+    assert nearest_existing(tmp_path / "a" / "b" / "c") == tmp_path
+    assert nearest_existing(tmp_path) == tmp_path
+    assert nearest_existing(link / "run" / "out.json") == link
+    assert nearest_existing(Path("relative-that-is-not-there") / "x") == Path(".")
+    assert dangling_link(link) == f"{link} is a link to {tmp_path / 'gone'}, which does not exist"
+    assert dangling_link(tmp_path) is None
+    (tmp_path / "gone").mkdir()
+    assert dangling_link(link) is None and nearest_existing(link / "run") == link
+
+
+def _convert_args(out: Path, ckpt: Path) -> argparse.Namespace:
+    return argparse.Namespace(from_hf=False, dtype="fp32", no_validate=False, tokenizer=None, depth=None,
+                              max_shard_size="2GB", out=str(out), checkpoint=str(ckpt))
+
+
+def test_every_output_check_refuses_a_dangling_link(tmp_path: Path, link: Path) -> None:
+    from megaloop.data._fsutil import check_out_writable
+    from megaloop.hf.convert_cli import _check_args
+    from megaloop.inference.generate_cli import check_out_file
+    from megaloop.post.runs import check_writable
+    from megaloop.sweep import check_out_dir
+
+    named = f"{link} is a link to {tmp_path / 'gone'}, which does not exist"
+    checks = {
+        "eval --json": lambda: check_out_file(str(link / "sub" / "out.json"), "--json"),
+        "convert --out": lambda: _check_args(_convert_args(link / "export", tmp_path)),
+        "data --out": lambda: check_out_writable(link / "mds"),
+        "rl --out": lambda: check_writable(link / "rl"),
+        "sweep --out": lambda: check_out_dir(str(link / "screen")),
+    }
+    for what, check in checks.items():
+        with pytest.raises(UserError) as err:
+            check()
+        assert named in str(err.value), (what, str(err.value))
+    # the same checks pass once the link points somewhere (and create nothing)
+    (tmp_path / "gone").mkdir()
+    for check in checks.values():
+        check()
+    assert list((tmp_path / "gone").iterdir()) == []
+
+
+def test_sweep_out_in_a_folder_no_file_can_be_created_in(tmp_path: Path) -> None:
+    from megaloop.sweep import check_out_dir
+
+    with pytest.raises(UserError, match=r"--out: /proc/self/megaloop-screen: no file can be created in /proc/self"):
+        check_out_dir("/proc/self/megaloop-screen")
