@@ -55,8 +55,10 @@ class RunDirLock:
                 self.created = not self.path.parent.exists()
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError as err:  # a file in the way, no permission: every rank raises below
-                unusable = f"{err.strerror}: {err.filename}"
+            except OSError as err:  # a file or dangling link in the way, no permission: every rank raises below
+                from megaloop.runtime.files import dangling_link, nearest_existing
+
+                unusable = dangling_link(nearest_existing(self.path.parent)) or f"{err.strerror}: {err.filename}"
         if not _agree(not unusable):
             raise RunDirError(f"--run-dir {self.path.parent}: cannot be used as a run directory "
                               f"({unusable or 'on rank 0'})")

@@ -66,6 +66,9 @@ def test_resume_paths_and_foreign_checkpoints(tmp_path):
     line = _one_error_line(run_train(tmp_path / "afile", "train.max_steps=2", expect=2))  # a file as --run-dir
     assert f"--run-dir {tmp_path / 'afile'}: cannot be used as a run directory" in line, line
     assert (tmp_path / "afile").read_text() == "x"
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # a run dir under a link that points nowhere
+    line = _one_error_line(run_train(tmp_path / "link" / "run", "train.max_steps=2", expect=2))
+    assert f"{tmp_path / 'link'} is a link to {tmp_path / 'gone'}, which does not exist" in line, line
     # --resume auto refuses a newest checkpoint whose megaloop.json does not parse, as --resume PATH does
     meta = a / "checkpoints" / "step_00000002" / "megaloop.json"
     meta.write_text(meta.read_text()[:12])
