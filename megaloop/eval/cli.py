@@ -180,7 +180,8 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
                           encode=engine.encode if engine.tokenizer is not None else None, eos_id=engine.eos_id,
                           text_field=args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
-                          tokenizer_hint=_own_val_hint(args.data, engine))
+                          tokenizer_hint=_own_val_hint(args.data, engine),
+                          tokenizer_given=getattr(args, "tokenizer", None))
     trained = int(engine.config.max_position_embeddings)
     if data.seq_len > engine.max_context and args.max_context is None:
         engine.max_context = data.seq_len

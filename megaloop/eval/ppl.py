@@ -67,20 +67,27 @@ def _manifest(path: str) -> dict:
     return {}
 
 
-def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str], hint: Optional[str] = None) -> None:
+def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str], hint: Optional[str] = None,
+                     given: Optional[str] = None) -> None:
     """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s; ``hint``
-    (e.g. the run's own validation set) is offered first."""
+    (e.g. the run's own validation set) is offered first; ``given``: the ``--tokenizer`` file, named
+    as the one that differs (it replaced the checkpoint's)."""
     from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
     have = manifest_tokenizer_sha256(manifest)
     if sha256 and have and have != sha256:
+        if given:
+            raise ConfigError(f"--tokenizer {given}: sha256 {sha256[:12]}…, but --data {data} was tokenised with "
+                              f"tokenizer sha256 {have[:12]}… (pass the tokenizer the set was built with, or "
+                              "leave --tokenizer out to use the checkpoint's)")
         fixes = (f"{hint}; or " if hint else "") + "rebuild the set, or pass the matching --tokenizer"
         raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, the checkpoint's "
                           f"tokenizer is {sha256[:12]}… ({fixes})")
 
 
 def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],
-               tokenizer_sha256: Optional[str] = None, tokenizer_hint: Optional[str] = None):
+               tokenizer_sha256: Optional[str] = None, tokenizer_hint: Optional[str] = None,
+               tokenizer_given: Optional[str] = None):
     """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set.
 
     With ``max_seqs`` on a set with a ``source`` column, the rows are the first ``max_seqs`` of the
@@ -91,7 +98,7 @@ def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optio
     loader = build_eval_loader(data, seq_len=int(length), micro_batch_size=8, dp_rank=0, dp_size=1,
                                cache_dir=cache_dir, with_source=True)
     try:
-        _check_tokenizer(data, loader.manifest, tokenizer_sha256, tokenizer_hint)
+        _check_tokenizer(data, loader.manifest, tokenizer_sha256, tokenizer_hint, tokenizer_given)
     except ConfigError:
         loader.close()
         raise
@@ -165,7 +172,7 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
                    vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
                    cache_dir: Optional[str] = None, encode=None, eos_id: Optional[int] = None,
                    text_field: str = "text", tokenizer_sha256: Optional[str] = None,
-                   tokenizer_hint: Optional[str] = None) -> EvalData:
+                   tokenizer_hint: Optional[str] = None, tokenizer_given: Optional[str] = None) -> EvalData:
     """Validation sequences from ``data``:
 
     * ``default`` (the embedded corpus' validation set, built for ``seq_len`` or
@@ -178,7 +185,8 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
     At most ``max_seqs`` real rows (padding rows of the loader are dropped). ``vocab_size``
     checks the ids fit the model; ``tokenizer_sha256`` (the checkpoint's tokenizer file) must
     match the tokenizer an MDS set's manifest records (``tokenizer_hint``: a remedy the refusal
-    offers first). ``sources`` holds the set's ``source`` column when it has one."""
+    offers first; ``tokenizer_given``: the ``--tokenizer`` file that replaced the checkpoint's, named
+    instead of it). ``sources`` holds the set's ``source`` column when it has one."""
     if max_seqs is not None and max_seqs < 1:
         raise ConfigError(f"--max-seqs: must be >= 1, got {max_seqs}")
     if seq_len is not None and seq_len < 4:
@@ -201,7 +209,8 @@ def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Option
         want = seq_len if (seq_len and stored and seq_len != stored) else None
         try:
             tokens, labels, mask, sources, eos = _read_rows(data, int(length), None if want else max_seqs,
-                                                            cache_dir, tokenizer_sha256, tokenizer_hint)
+                                                            cache_dir, tokenizer_sha256, tokenizer_hint,
+                                                            tokenizer_given)
         except DataError as err:
             if is_default and isinstance(err, NothingPackedError):  # the embedded corpus is too small for it
                 raise ConfigError(f"--seq-len {length}: the embedded corpus ('--data {data}') cannot fill one "

@@ -486,6 +486,25 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
     return model.eval(), tok_path
 
 
+# what an export writes (its report lists them; an export written before the list: these names)
+_EXPORT_NAMES = frozenset({*CODE_FILES, "config.json", "generation_config.json", "model.safetensors",
+                           "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json",
+                           "special_tokens_map.json", "chat_template.jinja", "megaloop_conversion.json",
+                           "__pycache__"})
+
+
+def foreign_entries(export: Path) -> list[str]:
+    """Names in the earlier export ``export`` that no export writes (a model card, notes, a checkpoint
+    converted back into it): replacing the export would delete them, so they are named instead."""
+    try:
+        listed = json.loads((export / "megaloop_conversion.json").read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        listed = None
+    own = set(listed) | {"__pycache__"} if isinstance(listed, list) else _EXPORT_NAMES
+    return sorted(p.name for p in export.iterdir() if p.name not in own
+                  and not (listed is None and p.name.startswith("model-") and p.name.endswith(".safetensors")))
+
+
 # ============================================================================ main entry
 def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32", validate: bool = True,
                   tokenizer: str | Path | None = None, num_recurrences: int | None = None,
@@ -493,7 +512,8 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
                   log=print) -> dict:
     """Convert ``checkpoint`` to an HF folder ``out``; returns a report dict (also written to
     ``out/megaloop_conversion.json``). It is written beside ``out`` and renamed into place when
-    complete, replacing an earlier export only then: a failure leaves ``out`` as it was. Raises
+    complete, replacing an earlier export only then (one holding nothing an export does not write,
+    :func:`foreign_entries`): a failure leaves ``out`` as it was. Raises
     :class:`CheckpointError` for a bad checkpoint, :class:`ConversionError` for a bad conversion,
     ``tokenizer`` or when validation exceeds :data:`TOLERANCE`."""
     t0 = time.time()
@@ -537,8 +557,14 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
             report["reload"] = check_reload(hf_model, tmp, depth, real_vocab)
             log(f"reload check ({dtype} weights from {out}): max abs diff {report['reload']['max_abs']:.3e}")
         report["seconds"] = round(time.time() - t0, 2)
+        report["files"] = sorted([p.name for p in tmp.iterdir()] + ["megaloop_conversion.json"])
         (tmp / "megaloop_conversion.json").write_text(json.dumps(report, indent=1, default=str))
         if (out / "megaloop_conversion.json").is_file():  # an earlier export, replaced only now
+            foreign = foreign_entries(out)
+            if foreign:
+                raise ConversionError(f"--out {out} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}"
+                                      ", which the earlier export there did not write: replacing it would delete "
+                                      "them; move them or choose another --out; nothing was written")
             out.rename(staging / f"{out.name}.old")
         tmp.rename(out)  # onto nothing or an empty folder (the CLI refuses any other --out up front)
     finally:

@@ -59,8 +59,9 @@ def _checkpoint_folder(p: Path) -> bool:
 
 
 def _check_out_location(out: Path) -> None:
-    """An export must not lie inside a checkpoints folder (it would mix with the checkpoints, and go
-    with them when they are pruned or set aside), and must be creatable: the nearest existing folder
+    """An output must not lie inside a checkpoints folder (it would mix with the checkpoints, and go
+    with them when they are pruned or set aside) or inside an HF export (the next export there
+    replaces that folder, and it with it), and must be creatable: the nearest existing folder
     above it (where it is staged and renamed into place) is probed with a temporary file, created and
     removed at once (:func:`megaloop.runtime.files.cannot_create_in`)."""
     import os
@@ -73,6 +74,10 @@ def _check_out_location(out: Path) -> None:
         if p.is_dir() and _checkpoint_folder(p):
             raise ConfigError(f"--out {out} lies inside the checkpoint folder {p}: the export would mix with its "
                               "checkpoints; choose a folder outside it; nothing was written")
+        if (p / "megaloop_conversion.json").is_file():  # re-exporting p would delete what is written here
+            raise ConfigError(f"--out {out} lies inside the Hugging Face export {p}: the next export there "
+                              "would replace the folder and this with it; choose a folder outside it; "
+                              "nothing was written")
     probe = nearest_existing(absolute.parent)
     why = cannot_create_in(probe)
     if why:
@@ -83,9 +88,10 @@ def _check_out_location(out: Path) -> None:
 def _check_args(args) -> None:
     """Before any loading: a sane --depth and --max-shard-size (made bytes), and an --out that
     nothing else lives in (an HF export written into a run or checkpoint directory would shadow its
-    checkpoints for every later ``--checkpoint RUN``), that lies in no checkpoints folder and that can
-    be created (:func:`_check_out_location`). An earlier export (it holds megaloop_conversion.json,
-    and no checkpoints) may be replaced. With --from-hf, --out must be new or empty (convert_from_hf
+    checkpoints for every later ``--checkpoint RUN``), that lies in no checkpoints folder or export and
+    that can be created (:func:`_check_out_location`). An earlier export (it holds
+    megaloop_conversion.json, and nothing an export does not write: :func:`~megaloop.hf.convert.foreign_entries`)
+    may be replaced. With --from-hf, --out must be new or empty (convert_from_hf
     also refuses a folder holding checkpoints)."""
     from megaloop.config_utils import ConfigError
     from megaloop.runtime.files import dangling_link, nearest_existing
@@ -121,6 +127,13 @@ def _check_args(args) -> None:
         why = f"holds megaloop checkpoints ({', '.join(sorted(held)[:3])})" if held else \
             "is not empty and is not an earlier megaloop export (no megaloop_conversion.json)"
         raise ConfigError(f"--out {out} {why}: choose a new or empty folder; nothing was written")
+    from megaloop.hf.convert import foreign_entries
+
+    foreign = foreign_entries(out)
+    if foreign:  # a model card, notes, a checkpoint converted back into it: replacing the export deletes them
+        raise ConfigError(f"--out {out} is an earlier export that also holds {', '.join(foreign[:3])}"
+                          f"{' ...' if len(foreign) > 3 else ''}, which no export writes: replacing it would "
+                          "delete them; move them out or choose another --out; nothing was written")
 
 
 def main(argv: list[str] | None = None) -> int:

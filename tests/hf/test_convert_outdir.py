@@ -8,6 +8,8 @@ inside the run's ``checkpoints/`` folder (or inside a ``step_*`` checkpoint) was
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -79,3 +81,39 @@ def test_an_out_inside_a_checkpoints_folder_is_refused(run, tmp_path, monkeypatc
     (tmp_path / "checkpoints").mkdir()
     for out in (tmp_path / "checkpoints" / "hf", run / "hf"):
         _check_args(build_parser().parse_args(["--checkpoint", str(run), "--out", str(out)]))
+
+
+def test_an_export_is_replaced_only_when_it_holds_nothing_else(run, tmp_path, capsys):
+    """Re-exporting into an earlier export used to delete whatever else was in it (a model card, a
+    checkpoint converted back into it, even the checkpoint being converted). Now such an --out is
+    refused with the foreign names, before loading; a clean earlier export is replaced, and an --out
+    inside an export (either direction) is refused."""
+    from megaloop.hf.convert import ConversionError, convert_to_hf, foreign_entries
+    from megaloop.hf.convert_cli import main
+
+    hf = tmp_path / "hf"
+    assert main(["--checkpoint", str(run), "--out", str(hf), "--no-validate"]) == 0
+    report = json.loads((hf / "megaloop_conversion.json").read_text())
+    assert report["files"] == sorted(p.name for p in hf.iterdir()) and foreign_entries(hf) == []
+    assert main(["--checkpoint", str(run), "--out", str(hf), "--no-validate"]) == 0  # a clean export: replaced
+    capsys.readouterr()
+    for inside in (["--from-hf", "--checkpoint", str(hf), "--out", str(hf / "back")],
+                   ["--checkpoint", str(run), "--out", str(hf / "sub" / "again"), "--no-validate"]):
+        assert main(inside) == 2
+        assert f"lies inside the Hugging Face export {hf}:" in _one_line(capsys)
+    (hf / "README.md").write_text("model card")
+    (hf / "notes").mkdir()
+    (hf / "notes" / "x.txt").write_text("mine")
+    before = sorted((p.relative_to(hf), p.stat().st_mtime_ns) for p in hf.rglob("*"))
+    assert main(["--checkpoint", str(run), "--out", str(hf), "--no-validate"]) == 2
+    line = _one_line(capsys)
+    assert f"--out {hf} is an earlier export that also holds README.md, notes, which no export writes" in line, line
+    with pytest.raises(ConversionError, match=r"holds README\.md, notes, which the earlier export there did not write"):
+        convert_to_hf(run, hf, validate=False, log=lambda *_: None)  # the API refuses too, at the rename
+    assert sorted((p.relative_to(hf), p.stat().st_mtime_ns) for p in hf.rglob("*")) == before
+    assert not list(tmp_path.glob(".hf.megaloop-tmp-*"))
+    # an export written before the file list: known names (and its weight shards) only
+    report.pop("files")
+    (hf / "megaloop_conversion.json").write_text(json.dumps(report))
+    (hf / "model-00001-of-00002.safetensors").write_text("")
+    assert foreign_entries(hf) == ["README.md", "notes"]

@@ -44,9 +44,12 @@ def test_every_output_check_refuses_a_dangling_link(tmp_path: Path, link: Path) 
     from megaloop.post.runs import check_writable
     from megaloop.sweep import check_out_dir
 
+    onto = tmp_path / "out.json"  # a file link whose target's folder is missing: written through, it fails
+    onto.symlink_to(tmp_path / "gone" / "out.json")
     named = f"{link} is a link to {tmp_path / 'gone'}, which does not exist"
     checks = {
         "eval --json": lambda: check_out_file(str(link / "sub" / "out.json"), "--json"),
+        "eval --json onto a link": lambda: check_out_file(str(onto), "--json"),
         "convert --out": lambda: _check_args(_convert_args(link / "export", tmp_path)),
         "data --out": lambda: check_out_writable(link / "mds"),
         "rl --out": lambda: check_writable(link / "rl"),
@@ -55,10 +58,11 @@ def test_every_output_check_refuses_a_dangling_link(tmp_path: Path, link: Path) 
     for what, check in checks.items():
         with pytest.raises(UserError) as err:
             check()
-        assert named in str(err.value), (what, str(err.value))
+        assert (named if "onto" not in what else f"{onto} is a link to {tmp_path / 'gone' / 'out.json'}, "
+                "which does not exist") in str(err.value), (what, str(err.value))
     # the same checks pass once the link points somewhere (and create nothing)
     (tmp_path / "gone").mkdir()
-    for check in checks.values():
+    for check in checks.values():  # (the file link now points at a file that can be created)
         check()
     assert list((tmp_path / "gone").iterdir()) == []
 
