@@ -63,15 +63,16 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 # ============================================================================ checkpoint reading
 def _read(ckpt: Path, what: str, reader):
-    """``reader(str(ckpt))``; any failure (torch's CheckpointException is a BaseException) as CheckpointError."""
-    from megaloop.train.checkpoint import CheckpointError
+    """``reader(str(ckpt))``; any failure (torch's CheckpointException is a BaseException) as CheckpointError
+    naming the damaged files when they can be found (an empty ``common.pt``, a short ``*.distcp``)."""
+    from megaloop.train.checkpoint import CheckpointError, _load_failure
 
     try:
         return reader(str(ckpt))
     except BaseException as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"checkpoint {ckpt}: {what} could not be read: {type(err).__name__}: {err}") from err
+        raise CheckpointError(f"checkpoint {ckpt}: {what} could not be read: {_load_failure(err, ckpt)}") from err
 
 
 def read_common(ckpt: Path) -> dict:

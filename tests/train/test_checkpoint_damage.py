@@ -45,3 +45,16 @@ def test_the_damaged_file_is_named(saved, tmp_path, name, damage, says):
     assert re.search(says, text), text
     assert "internal miniz error" not in text
     assert sorted((p.name, p.stat().st_size) for p in ckpt.iterdir()) == before  # nothing changed
+
+
+def test_the_export_names_an_empty_common_pt(saved, tmp_path):
+    """``megaloop convert`` / eval read common.pt on their own (megaloop.hf.convert.read_common):
+    an empty one said only "common.pt could not be read: EOFError: "."""
+    from megaloop.hf.convert import read_common
+
+    ckpt = tmp_path / "copy" / saved.name
+    shutil.copytree(saved, ckpt)
+    (ckpt / "common.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        read_common(ckpt)
+    assert f"{ckpt / 'common.pt'} is damaged or truncated (EOFError" in str(err.value), str(err.value)
