@@ -18,6 +18,7 @@ being streamed ends the iteration with one :class:`DataError` naming it (never a
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import json
@@ -475,7 +476,9 @@ def _release(fd: int | None, prefix: int | None, state: dict | None = None) -> N
 
     ``state`` is the dataset's ``vars()``: its segments are closed, and unlinked where the
     dataset created them; streaming itself only does that at process exit, so a process that
-    builds many loaders would otherwise keep every one's segments (and descriptors) to the end."""
+    builds many loaders would otherwise keep every one's segments (and descriptors) to the end.
+    Its exit-time clean-up of them is then dropped, so it cannot unlink a later loader's segments
+    that reuse the names."""
     state = state or {}
     locals_shm = state.get("_locals_shm")
     if locals_shm is not None:  # unregister the local dir first (what the dataset's __del__ does)
@@ -484,6 +487,10 @@ def _release(fd: int | None, prefix: int | None, state: dict | None = None) -> N
     for seg in _shared_segments(state):
         with contextlib.suppress(Exception):
             seg.cleanup()
+        # streaming registered the same clean-up with atexit: run then, it would unlink by name the
+        # segments a later loader (here or in another process) created under these names since
+        atexit.unregister(seg.cleanup)
+        seg.created_shms, seg.opened_shms = [], []
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)

@@ -263,3 +263,35 @@ def test_loaders_give_back_descriptors_and_shared_memory(synth):
     assert max(costs) - min(costs) <= 1, costs  # not one more per live loader's segments
     for lo in live:
         lo.close()
+
+
+def test_a_closed_loaders_exit_cleanup_leaves_a_later_loaders_segments(synth, monkeypatch):
+    """``close()`` unlinks the segments a loader created; streaming's own clean-up of them, registered
+    with ``atexit``, must then do nothing. It used to unlink them again by name at exit: by then
+    a later loader (in this process or another megaloop process on the machine) held segments of
+    the same names, which were unlinked under it (its other ranks or workers could no longer attach)
+    and the resource tracker printed a KeyError traceback per segment."""
+    import atexit
+    import os
+
+    exits: list = []
+    real = atexit.register
+
+    def record(fn, *a, **k):
+        exits.append((fn, a, k))
+        return real(fn, *a, **k)
+
+    monkeypatch.setattr(atexit, "register", record)
+    a = _loader(synth)
+    next(iter(a))
+    monkeypatch.setattr(atexit, "register", real)
+    a.close()
+    b = _loader(synth)
+    next(iter(b))
+    held = {n for n in os.listdir("/dev/shm") if n.startswith(f"{b._ds._shm_prefix_int:06}_")}
+    assert held, "the later loader holds no segments"
+    for fn, args, kwargs in exits:  # what would run at exit for the closed loader
+        fn(*args, **kwargs)
+    assert held <= set(os.listdir("/dev/shm")), held - set(os.listdir("/dev/shm"))
+    assert len(_ids(itertools.islice(iter(b), 2))) == 8
+    b.close()
