@@ -38,6 +38,11 @@ def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) ->
     return path
 
 
+def _yaml(value: Any) -> str:
+    """``value`` as a dotlist override writes it (true, null, py1e, 100)."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _short(fingerprint: Any) -> str:
     """A fingerprint as its first 12 hex digits (``none`` when absent)."""
     return f"{fingerprint[:12]}…" if isinstance(fingerprint, str) and fingerprint else "none"
@@ -150,10 +155,19 @@ class TrainLoader:
         return {"version": STATE_VERSION, "epoch": self._epoch,
                 "sample_in_epoch": self._samples_in_epoch(),
                 "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
+                "order": self._order(),
                 "initial_dp_size": self.initial_dp_size,
                 "dataset_fingerprint": self.manifest.get("fingerprint"),
                 "dataset_content_sha256": self.content_sha256(),
                 "num_samples": self.num_samples}
+
+    def _order(self) -> dict[str, Any]:
+        """The settings that, with the seed, fix the sample order (data.shuffle, shuffle_algo and
+        shuffle_block_size; the last two mean nothing without shuffling)."""
+        if not self.cfg.shuffle:
+            return {"shuffle": False}
+        return {"shuffle": True, "shuffle_algo": self.cfg.shuffle_algo,
+                "shuffle_block_size": self.cfg.shuffle_block_size}
 
     def content(self) -> dict | None:
         """The dataset's :func:`~megaloop.data.fingerprint.content_fingerprint` (None for a remote
@@ -192,6 +206,16 @@ class TrainLoader:
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
                             f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
+        saved_order = sd.get("order")  # states saved before it was kept: not checked
+        if saved_order is not None and saved_order != self._order():
+            keys = ("shuffle",) if saved_order.get("shuffle") != self.cfg.shuffle else \
+                ("shuffle_algo", "shuffle_block_size")  # (the last two only matter when both shuffle)
+            diffs = [f"data.{k}={_yaml(saved_order.get(k))} (this run: {_yaml(self._order().get(k))})"
+                     for k in keys if saved_order.get(k) != self._order().get(k)]
+            keep = " ".join(f"data.{k}={_yaml(v)}" for k, v in saved_order.items())
+            raise DataError(f"data loader state was saved with {', '.join(diffs)}: its position in the epoch "
+                            f"counts samples in that order, so another one would repeat some and skip others; "
+                            f"resume with {keep}, or start a new run")
         self._epoch = int(sd["epoch"])
         self._base_samples = int(sd["sample_in_epoch"])
         self._batches = 0
