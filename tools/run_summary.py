@@ -15,7 +15,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloop.config_utils import ConfigError  # noqa: E402
+from megaloop.inference.generate_cli import check_out_file  # noqa: E402
+from megaloop.runtime.files import atomic_write_text  # noqa: E402
 from megaloop.train.summary import one_line, summarize  # noqa: E402
+
+RUN_FILES = ("config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,16 +28,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, metavar="OUT", help="also write the summary here")
     args = p.parse_args(argv)
     try:
+        _check_out(args.json, Path(args.run_dir))
         s = summarize(args.run_dir)
+        text = json.dumps(s, indent=1)
+        print(text)
+        print(one_line(s))
+        if args.json:
+            try:
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_text(args.json, text + "\n")
+            except OSError as err:
+                raise ConfigError(f"--json {args.json}: cannot be written ({err.strerror or err})") from None
     except ConfigError as err:
         print(f"run_summary: error: {err}", file=sys.stderr)
         return 2
-    text = json.dumps(s, indent=1)
-    print(text)
-    print(one_line(s))
-    if args.json:
-        Path(args.json).write_text(text + "\n")
     return 0
+
+
+def _check_out(out: str | None, run_dir: Path) -> None:
+    """``--json`` must be writable (:func:`megaloop.inference.generate_cli.check_out_file`) and must not
+    be one of the run's own files (its metrics log, config, data record, tokenizer, checkpoints)."""
+    if not out:
+        return
+    check_out_file(out, "--json")
+    target, run = Path(out).resolve(), run_dir.resolve()
+    if target.parent == run and (target.name.startswith("metrics.jsonl") or target.name in RUN_FILES) \
+            or run / "checkpoints" in target.parents:
+        raise ConfigError(f"--json {out}: is one of the run's own files; write the summary elsewhere "
+                          f"(e.g. {run_dir / 'summary.json'})")
 
 
 if __name__ == "__main__":

@@ -55,3 +55,23 @@ def test_bad_run_dirs_exit_2(tmp_path):
     _write(tmp_path / "old", [{"step": 1, "loss": 2.0}])
     proc = _tool(tmp_path / "old")
     assert proc.returncode == 2 and "model_flops_total" in proc.stderr
+
+
+def test_a_json_that_is_a_run_file_or_cannot_be_written_is_refused_first(tmp_path):
+    """--json onto the run's metrics.jsonl used to replace the run's history with the summary; an
+    --json in a missing folder or onto a directory printed the summary, then a traceback (exit 1)."""
+    run = tmp_path / "run"
+    _write(run, [_rec(10)])
+    before = (run / "metrics.jsonl").read_text()
+    for out, says in ((run / "metrics.jsonl", "is one of the run's own files"),
+                      (run / "checkpoints" / "x.json", "is one of the run's own files"),
+                      (tmp_path, "is a directory, not a file path")):
+        (run / "checkpoints").mkdir(exist_ok=True)
+        proc = _tool(run, "--json", out)
+        assert proc.returncode == 2 and says in proc.stderr and proc.stdout == "", (out, proc.stderr)
+        assert "Traceback" not in proc.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+    proc = _tool(run, "--json", tmp_path / "new" / "deeper" / "s.json")  # a new folder is fine: created
+    assert proc.returncode == 0 and (tmp_path / "new" / "deeper" / "s.json").is_file(), proc.stderr
+    proc = _tool(run, "--json", run / "summary.json")
+    assert proc.returncode == 0 and json.loads((run / "summary.json").read_text())["steps"] == 10, proc.stderr
