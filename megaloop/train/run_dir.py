@@ -182,7 +182,25 @@ def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
         from megaloop.runtime.files import atomic_write_text
 
         atomic_write_text(ckpt.root / "latest", path.name)
+    log = ckpt.root.parent / "metrics.jsonl"
+    if moved and log.is_file():  # the log's lines after `step` go with the set-aside line of history
+        from megaloop.runtime.files import atomic_write_file
+
+        kept = _kept_name(log)
+        atomic_write_file(kept, lambda tmp: shutil.copyfile(log, tmp))
+        print(f"resuming from an older step: the metrics of the set-aside steps stay in {kept.name} (a copy of "
+              f"metrics.jsonl; the log itself continues from step {step})", flush=True)
     return moved
+
+
+def _kept_name(log: Path) -> Path:
+    """``metrics.jsonl.<date-time>`` beside ``log`` (``.2``, ``.3``, ... when taken)."""
+    target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}.{n}")
+    return target
 
 
 def set_aside_metrics(run_dir: Path, source: Path) -> Path | None:
@@ -195,11 +213,7 @@ def set_aside_metrics(run_dir: Path, source: Path) -> Path | None:
     log = Path(run_dir) / "metrics.jsonl"
     if not log.is_file():
         return None
-    target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}")
-    n = 1
-    while target.exists():
-        n += 1
-        target = log.with_name(f"metrics.jsonl.{time.strftime('%Y%m%d-%H%M%S')}.{n}")
+    target = _kept_name(log)
     os.replace(log, target)
     print(f"resuming another run's checkpoint {source}: the metrics already in {run_dir} belong to another "
           f"history and were moved to {target.name} (kept)", flush=True)

@@ -32,6 +32,7 @@ def test_resume_from_an_older_step_keeps_the_newer_checkpoints(tmp_path):
     run_train(tmp_path, "train.max_steps=4", "train.save_interval=2", "train.keep_checkpoints=2")
     ck = tmp_path / "checkpoints"
     step4 = _snapshot(ck / "step_00000004")
+    history = (tmp_path / "metrics.jsonl").read_text()
     proc = run_train(tmp_path, "train.max_steps=4", "train.save_interval=1", "train.keep_checkpoints=1",
                      "train.stop_after=3", resume=str(ck / "step_00000002"))
     assert "step_00000004 moved to" in proc.stdout
@@ -39,6 +40,8 @@ def test_resume_from_an_older_step_keeps_the_newer_checkpoints(tmp_path):
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000003"]
     assert (ck / "latest").read_text().strip() == "step_00000003"
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    kept = list(tmp_path.glob("metrics.jsonl.*"))  # the set-aside steps' lines are kept beside it
+    assert len(kept) == 1 and kept[0].read_text() == history and f"stay in {kept[0].name}" in proc.stdout
     run_train(tmp_path, "train.max_steps=4", "train.save_interval=1", "train.keep_checkpoints=1",
               resume="auto")
     assert sorted(p.name for p in ck.glob("step_*")) == ["step_00000004"]
