@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -223,33 +224,24 @@ class Trainer:
         on_every_rank(check)
 
     def _resolve_val(self, path: str | None, train_manifest: dict) -> tuple[str | None, int]:
-        """Validation set and its sequence length (may be shorter than the model's: RoPE); a set
-        tokenised with another tokenizer than the training data's is refused."""
+        """Validation set and its sequence length (may be shorter than the model's: RoPE), checked
+        against the training data (:mod:`megaloop.train.val_set`)."""
         if not path:
             return None, self.seq
         if str(path).startswith("default"):
             return str(path), self.seq
-        from megaloop.config_utils import ConfigError
         from megaloop.data.errors import DataError
         from megaloop.data.streaming import load_manifest
-        from megaloop.data.tokenizer import manifest_tokenizer_sha256
+        from megaloop.train.val_set import check_val_manifest
 
         try:
             manifest = load_manifest(str(path), self.cfg.data.cache_dir)
         except DataError as err:
             raise DataError(f"data.val_path={path}: {err}") from None
-        seq = int(manifest.get("seq_len") or self.seq)
-        have, want = manifest_tokenizer_sha256(manifest), manifest_tokenizer_sha256(train_manifest)
-        if have and want and have != want:
-            raise ConfigError(f"data.val_path: {path} was tokenised with tokenizer sha256 {have[:12]}…, the "
-                              f"training data ({self.cfg.data.path}) with {want[:12]}… (rebuild the validation "
-                              "set with the training data's tokenizer)")
-        if seq > self.seq:
-            raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than "
-                              f"model.seq_len={self.seq}")
-        if self.cfg.model.fp8 and (seq * self.mbs) % 16:
-            raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences; with model.fp8, "
-                              f"seq x micro_batch_size {self.mbs} must be a multiple of 16")
+        seq, warnings = check_val_manifest(str(path), manifest, str(self.cfg.data.path), train_manifest,
+                                           seq_len=self.seq, micro_batch_size=self.mbs, fp8=self.cfg.model.fp8)
+        if warnings and self.rank == 0:
+            print("\n".join(f"warning: {line}" for line in warnings), file=sys.stderr, flush=True)
         return str(path), seq
 
     def _end_step(self) -> int:

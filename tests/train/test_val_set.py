@@ -1,0 +1,49 @@
+"""data.val_path checked against the training data (megaloop/train/val_set.py): the training set
+itself is refused; a set built as training data, or held out with other bands than the training
+shards, is warned about (it used to validate on training data without a word)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megaloop.config_utils import ConfigError
+from megaloop.train.val_set import check_val_manifest
+
+TOK = {"tokenizer_sha256": "a" * 64}
+SPEC = {"salt": "megaloop-holdout-v1", "screen_fraction": 0.001, "val_fraction": 0.002}
+
+
+def _check(tmp_path, val: dict, train: dict | None = None, val_name: str = "val", **kw):
+    (tmp_path / "train").mkdir(exist_ok=True)
+    (tmp_path / val_name).mkdir(exist_ok=True)
+    train = {"kind": "train", "holdout": SPEC, "seq_len": 32, **TOK} if train is None else train
+    args = dict(seq_len=32, micro_batch_size=4, fp8=False) | kw
+    return check_val_manifest(str(tmp_path / val_name), val, str(tmp_path / "train"), train, **args)
+
+
+def test_a_held_out_set_of_the_same_bands_passes_silently(tmp_path):
+    assert _check(tmp_path, {"kind": "val", "holdout": SPEC, "seq_len": 16, **TOK}) == (16, [])
+    assert _check(tmp_path, {"seq_len": 32}) == (32, [])  # a set without provenance: nothing to compare
+
+
+def test_the_training_set_itself_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"^data.val_path: .*/train is data.path, the training set"):
+        _check(tmp_path, {"kind": "train", "holdout": SPEC, **TOK}, val_name="train/../train")
+
+
+def test_a_training_kind_set_or_other_bands_are_warned_about(tmp_path):
+    _, warn = _check(tmp_path, {"kind": "train", "holdout": SPEC, **TOK}, val_name="other")
+    assert len(warn) == 1 and "was built as training data (manifest kind: train)" in warn[0]
+    other = dict(SPEC, val_fraction=0.15, screen_fraction=0.15)
+    _, warn = _check(tmp_path, {"kind": "val", "holdout": other, **TOK})
+    assert len(warn) == 1 and "was held out with" in warn[0] and "'val_fraction': 0.15" in warn[0] \
+        and "'val_fraction': 0.002" in warn[0], warn
+
+
+def test_the_earlier_refusals_still_hold(tmp_path):
+    with pytest.raises(ConfigError, match="was tokenised with tokenizer sha256 bbbbbbbbbbbb…"):
+        _check(tmp_path, {"kind": "val", "tokenizer_sha256": "b" * 64})
+    with pytest.raises(ConfigError, match="holds 64-token sequences, longer than model.seq_len=32"):
+        _check(tmp_path, {"kind": "val", "seq_len": 64, **TOK})
+    with pytest.raises(ConfigError, match="with model.fp8, seq x micro_batch_size 3 must be a multiple of 16"):
+        _check(tmp_path, {"kind": "val", "seq_len": 30, **TOK}, micro_batch_size=3, fp8=True)
