@@ -204,11 +204,19 @@ def find_checkpoint(path: str | Path) -> Path:
             raise CheckpointError(f"checkpoint {p} is incomplete: missing {', '.join(missing)} "
                                   "(interrupted while being written?)")
         return p
+    incomplete: list[Path] = []
     for root in (p, p / "checkpoints"):
         if root.is_dir():
             latest = CheckpointManager(root).latest()
             if latest is not None:
                 return latest
+            incomplete += CheckpointManager(root).incomplete_checkpoints()
+    if incomplete:  # e.g. a save killed part-way, or a partial copy
+        newest = incomplete[-1]
+        missing = [n for n in (META, ".metadata", "common.pt") if not (newest / n).is_file()]
+        raise CheckpointError(f"{p} holds no complete checkpoint: {newest} is incomplete (missing "
+                              f"{', '.join(missing)}: a partial copy, or files deleted?)"
+                              + (f", as are {len(incomplete) - 1} older ones" if len(incomplete) > 1 else ""))
     hint = ""
     if (p / "config.json").is_file() and any(p.glob("*.safetensors")):
         hint = ("; it is a Hugging Face folder: `megaloop convert --from-hf --checkpoint "

@@ -58,3 +58,20 @@ def test_the_export_names_an_empty_common_pt(saved, tmp_path):
     with pytest.raises(CheckpointError) as err:
         read_common(ckpt)
     assert f"{ckpt / 'common.pt'} is damaged or truncated (EOFError" in str(err.value), str(err.value)
+
+
+def test_a_run_whose_checkpoints_are_all_incomplete_names_the_newest(saved, tmp_path):
+    """eval/convert/--resume on a run whose only step_* lost a file said "is not a megaloop checkpoint"."""
+    from megaloop.train.checkpoint import META, find_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(saved, run / "checkpoints" / saved.name)
+    (run / "checkpoints" / saved.name / META).unlink()
+    for where in (run, run / "checkpoints"):
+        with pytest.raises(CheckpointError) as err:
+            find_checkpoint(where)
+        assert str(err.value) == (f"{where} holds no complete checkpoint: {run / 'checkpoints' / saved.name} is "
+                                  f"incomplete (missing {META}: a partial copy, or files deleted?)"), str(err.value)
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(CheckpointError, match="is not a megaloop checkpoint"):
+        find_checkpoint(run)
