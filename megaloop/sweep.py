@@ -500,9 +500,9 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
     return 0, active
 
 
-def check_out_dir(out: str | None) -> None:
+def check_out_dir(out: str | None, *, probe: bool = True) -> None:
     """``--out`` is a directory or can become one: its nearest existing part is a directory (not a
-    dangling link) in which a file can be created."""
+    dangling link) in which a file can be created (``probe``; off for ``--dry-run``, which writes nothing)."""
     if not out:
         return
     from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
@@ -513,7 +513,7 @@ def check_out_dir(out: str | None) -> None:
     if not p.is_dir():
         raise UserError(f"--out: {out} exists and is not a directory" if p == Path(out) else
                         f"--out: {out}: {p} is not a directory")
-    why = cannot_create_in(p)
+    why = cannot_create_in(p) if probe else None
     if why is not None:
         raise UserError(f"--out: {out}: no file can be created in {p} ({why}); give a folder you can write to")
 
@@ -564,7 +564,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse
         argv, extras = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     try:
-        check_out_dir(getattr(args, "out", None))
+        check_out_dir(getattr(args, "out", None), probe=not getattr(args, "dry_run", False))
         return body(args, extras)
     except UserError as err:
         return report(err, prog)

@@ -19,7 +19,7 @@ from megaloop.inference.generate_cli import check_out_file  # noqa: E402
 from megaloop.runtime.files import atomic_write_text  # noqa: E402
 from megaloop.train.summary import one_line, summarize  # noqa: E402
 
-RUN_FILES = ("config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(one_line(s))
         if args.json:
             try:
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_text(args.json, text + "\n")
+                _write(Path(args.json), text + "\n")
             except OSError as err:
                 raise ConfigError(f"--json {args.json}: cannot be written ({err.strerror or err})") from None
     except ConfigError as err:
@@ -45,15 +44,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _stream(path: Path) -> bool:
+    """An existing file that is not a regular file: a terminal, a pipe (``/dev/stdout``, ``>(jq .)``)."""
+    return path.exists() and not path.is_file() and not path.is_dir()
+
+
+def _write(path: Path, text: str) -> None:
+    """Into a stream as it is; else whole or not at all (through a link to its target, which it keeps)."""
+    if _stream(path):
+        with open(path, "w") as f:
+            f.write(text)
+        return
+    target = path.resolve() if path.is_symlink() else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target, text)
+
+
 def _check_out(out: str | None, run_dir: Path) -> None:
     """``--json`` must be writable (:func:`megaloop.inference.generate_cli.check_out_file`) and must not
     be one of the run's own files (its metrics log, config, data record, tokenizer, checkpoints)."""
-    if not out:
+    if not out or _stream(Path(out)):
         return
     check_out_file(out, "--json")
     target, run = Path(out).resolve(), run_dir.resolve()
-    if target.parent == run and (target.name.startswith("metrics.jsonl") or target.name in RUN_FILES) \
-            or run / "checkpoints" in target.parents:
+    own = {(run / n).resolve() for n in RUN_FILES} | {p.resolve() for p in run.glob("metrics.jsonl*")}
+    if target in own or (run / "checkpoints").resolve() in target.parents:
         raise ConfigError(f"--json {out}: is one of the run's own files; write the summary elsewhere "
                           f"(e.g. {run_dir / 'summary.json'})")
 

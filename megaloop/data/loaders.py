@@ -38,6 +38,15 @@ def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) ->
     return path
 
 
+def sample_order(data: dict) -> dict[str, Any]:
+    """The settings of a ``data`` config (a dict) that, with the seed, fix the sample order:
+    ``shuffle``, and with it ``shuffle_algo`` and ``shuffle_block_size`` (its defaults for those missing)."""
+    if not data.get("shuffle", DataConfig.shuffle):
+        return {"shuffle": False}
+    return {"shuffle": True, "shuffle_algo": data.get("shuffle_algo", DataConfig.shuffle_algo),
+            "shuffle_block_size": data.get("shuffle_block_size", DataConfig.shuffle_block_size)}
+
+
 def _yaml(value: Any) -> str:
     """``value`` as a dotlist override writes it (true, null, py1e, 100)."""
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
@@ -162,12 +171,7 @@ class TrainLoader:
                 "num_samples": self.num_samples}
 
     def _order(self) -> dict[str, Any]:
-        """The settings that, with the seed, fix the sample order (data.shuffle, shuffle_algo and
-        shuffle_block_size; the last two mean nothing without shuffling)."""
-        if not self.cfg.shuffle:
-            return {"shuffle": False}
-        return {"shuffle": True, "shuffle_algo": self.cfg.shuffle_algo,
-                "shuffle_block_size": self.cfg.shuffle_block_size}
+        return sample_order(vars(self.cfg))
 
     def content(self) -> dict | None:
         """The dataset's :func:`~megaloop.data.fingerprint.content_fingerprint` (None for a remote
@@ -206,7 +210,7 @@ class TrainLoader:
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
                             f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
-        saved_order = sd.get("order")  # states saved before it was kept: not checked
+        saved_order = sd.get("order")  # states saved before it was kept: the trainer adds the saved config's
         if saved_order is not None and saved_order != self._order():
             keys = ("shuffle",) if saved_order.get("shuffle") != self.cfg.shuffle else \
                 ("shuffle_algo", "shuffle_block_size")  # (the last two only matter when both shuffle)

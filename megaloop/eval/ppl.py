@@ -70,19 +70,16 @@ def _manifest(path: str) -> dict:
 def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str], hint: Optional[str] = None,
                      given: Optional[str] = None) -> None:
     """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s; ``hint``
-    (e.g. the run's own validation set) is offered first; ``given``: the ``--tokenizer`` file, named
-    as the one that differs (it replaced the checkpoint's)."""
+    (e.g. the run's own validation set) is offered first; ``given``: the ``--tokenizer`` file in use
+    (it replaced the checkpoint's), named in place of "the checkpoint's tokenizer"."""
     from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
     have = manifest_tokenizer_sha256(manifest)
     if sha256 and have and have != sha256:
-        if given:
-            raise ConfigError(f"--tokenizer {given}: sha256 {sha256[:12]}…, but --data {data} was tokenised with "
-                              f"tokenizer sha256 {have[:12]}… (pass the tokenizer the set was built with, or "
-                              "leave --tokenizer out to use the checkpoint's)")
         fixes = (f"{hint}; or " if hint else "") + "rebuild the set, or pass the matching --tokenizer"
-        raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, the checkpoint's "
-                          f"tokenizer is {sha256[:12]}… ({fixes})")
+        using = f"--tokenizer {given} is" if given else "the checkpoint's tokenizer is"
+        raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, {using} "
+                          f"{sha256[:12]}… ({fixes})")
 
 
 def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],

@@ -502,8 +502,9 @@ def foreign_entries(export: Path) -> list[str]:
     except (OSError, ValueError, AttributeError):
         listed = None
     own = set(listed) | {"__pycache__"} if isinstance(listed, list) else _EXPORT_NAMES
+    legacy = ("model-", ".safetensors"), ("", "_megaloop.py")  # weight shards; code files of earlier releases
     return sorted(p.name for p in export.iterdir() if p.name not in own
-                  and not (listed is None and p.name.startswith("model-") and p.name.endswith(".safetensors")))
+                  and not (listed is None and any(p.name.startswith(a) and p.name.endswith(z) for a, z in legacy)))
 
 
 # ============================================================================ main entry

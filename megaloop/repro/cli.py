@@ -239,7 +239,7 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
     if not args.out:  # run_cli checked an explicit --out; the default is checked here
-        check_out_dir(str(out))
+        check_out_dir(str(out), probe=not launch.dry_run)
     check_out_kind(out, "reproduce")
     plan, screens, waiting = resolve_lrs(out, base)
     check_out(out, plan, skip=waiting)

@@ -7,6 +7,7 @@ a dangling link on the way (:func:`dangling_link`), a folder no file can be crea
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -70,9 +71,17 @@ def dangling_link(path: str | Path) -> str | None:
     """``"P is a link to T, which does not exist"`` when ``path`` is a link whose target is missing
     (nothing can be created through it: ``mkdir`` says "File exists"), else None."""
     path = Path(path)
-    if path.is_symlink() and not path.exists():
-        return f"{path} is a link to {os.readlink(path)}, which does not exist"
-    return None
+    if not path.is_symlink() or path.exists():
+        return None
+    target = os.readlink(path)
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{path} is a link to {target} that leads back to itself (a loop of links)"
+    if os.path.islink(os.path.join(path.parent, target)):  # a chain: name where it ends
+        return f"{path} is a link to {target}, which leads to {os.path.realpath(path)}, which does not exist"
+    return f"{path} is a link to {target}, which does not exist"
 
 
 @functools.cache

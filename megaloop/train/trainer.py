@@ -303,6 +303,10 @@ class Trainer:
         self.sampler.load_state_dict(common["sampler"])
         states = common["loader"]
         state = states[self.dp_rank] if len(states) == self.dp else states[0]
+        if "order" not in state and isinstance((common.get("config") or {}).get("data"), dict):
+            from megaloop.data.loaders import sample_order  # a checkpoint saved before the state kept it
+
+            state = {**state, "order": sample_order(common["config"]["data"])}
         self.loader.load_state_dict(state, recorded_content(Path(path).parent.parent,
                                                             state.get("dataset_fingerprint")))
         if self.loader.rebuilt and self.rank == 0:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 
 import pytest
 import torch
@@ -270,9 +272,10 @@ def test_a_closed_loaders_exit_cleanup_leaves_a_later_loaders_segments(synth, mo
     with ``atexit``, must then do nothing. It used to unlink them again by name at exit: by then
     a later loader (in this process or another megaloop process on the machine) held segments of
     the same names, which were unlinked under it (its other ranks or workers could no longer attach)
-    and the resource tracker printed a KeyError traceback per segment."""
+    and the resource tracker printed a KeyError traceback per segment. Here the later holder takes
+    the closed loader's very names (whatever prefix another process's loader would get)."""
     import atexit
-    import os
+    from multiprocessing import shared_memory
 
     exits: list = []
     real = atexit.register
@@ -285,16 +288,21 @@ def test_a_closed_loaders_exit_cleanup_leaves_a_later_loaders_segments(synth, mo
     a = _loader(synth)
     next(iter(a))
     monkeypatch.setattr(atexit, "register", real)
+    prefix = f"{a._ds._shm_prefix_int:06}_"
+    names = {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+    assert len(names) >= 4, names
     a.close()
-    b = _loader(synth)
-    next(iter(b))
-    held = {n for n in os.listdir("/dev/shm") if n.startswith(f"{b._ds._shm_prefix_int:06}_")}
-    assert held, "the later loader holds no segments"
-    for fn, args, kwargs in exits:  # what would run at exit for the closed loader
-        fn(*args, **kwargs)
-    assert held <= set(os.listdir("/dev/shm")), held - set(os.listdir("/dev/shm"))
-    assert len(_ids(itertools.islice(iter(b), 2))) == 8
-    b.close()
+    assert not names & set(os.listdir("/dev/shm"))
+    later = [shared_memory.SharedMemory(n, create=True, size=64) for n in sorted(names)]
+    try:
+        for fn, args, kwargs in exits:  # what would run at exit for the closed loader
+            fn(*args, **kwargs)
+        assert names <= set(os.listdir("/dev/shm")), names - set(os.listdir("/dev/shm"))
+    finally:
+        for seg in later:
+            seg.close()
+            with contextlib.suppress(FileNotFoundError):
+                seg.unlink()
 
 
 def test_resume_under_another_sample_order_is_refused(synth):
@@ -328,3 +336,14 @@ def test_resume_under_another_sample_order_is_refused(synth):
     legacy = _loader(synth, shuffle=False)  # a state saved before the order was kept: not checked
     legacy.load_state_dict({k: v for k, v in sd.items() if k != "order"})
     legacy.close()
+
+
+def test_sample_order_of_a_saved_config():
+    """A checkpoint saved before the loader state kept its order: the trainer checks the saved
+    config's data section instead (megaloop.data.loaders.sample_order; missing keys: the defaults)."""
+    from megaloop.data.loaders import sample_order
+
+    assert sample_order({}) == {"shuffle": True, "shuffle_algo": "py1e", "shuffle_block_size": None}
+    assert sample_order({"shuffle": False, "shuffle_algo": "naive"}) == {"shuffle": False}
+    assert sample_order({"shuffle_block_size": 9}) == {"shuffle": True, "shuffle_algo": "py1e",
+                                                       "shuffle_block_size": 9}

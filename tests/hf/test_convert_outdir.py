@@ -116,4 +116,5 @@ def test_an_export_is_replaced_only_when_it_holds_nothing_else(run, tmp_path, ca
     report.pop("files")
     (hf / "megaloop_conversion.json").write_text(json.dumps(report))
     (hf / "model-00001-of-00002.safetensors").write_text("")
+    (hf / "recurrence_megaloop.py").write_text("")  # a code file earlier releases exported
     assert foreign_entries(hf) == ["README.md", "notes"]

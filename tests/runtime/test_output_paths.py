@@ -28,6 +28,12 @@ def test_nearest_existing_stops_at_a_link_and_names_it(tmp_path: Path, link: Pat
     assert nearest_existing(Path("relative-that-is-not-there") / "x") == Path(".")
     assert dangling_link(link) == f"{link} is a link to {tmp_path / 'gone'}, which does not exist"
     assert dangling_link(tmp_path) is None
+    (tmp_path / "chain").symlink_to(link)
+    assert dangling_link(tmp_path / "chain") == (f"{tmp_path / 'chain'} is a link to {link}, which leads to "
+                                                 f"{tmp_path / 'gone'}, which does not exist")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    assert dangling_link(tmp_path / "loop") == f"{tmp_path / 'loop'} is a link to {tmp_path / 'loop'} that " \
+        "leads back to itself (a loop of links)"
     (tmp_path / "gone").mkdir()
     assert dangling_link(link) is None and nearest_existing(link / "run") == link
 
@@ -72,3 +78,4 @@ def test_sweep_out_in_a_folder_no_file_can_be_created_in(tmp_path: Path) -> None
 
     with pytest.raises(UserError, match=r"--out: /proc/self/megaloop-screen: no file can be created in /proc/self"):
         check_out_dir("/proc/self/megaloop-screen")
+    check_out_dir("/proc/self/megaloop-screen", probe=False)  # --dry-run writes nothing: not probed

@@ -75,3 +75,16 @@ def test_a_json_that_is_a_run_file_or_cannot_be_written_is_refused_first(tmp_pat
     assert proc.returncode == 0 and (tmp_path / "new" / "deeper" / "s.json").is_file(), proc.stderr
     proc = _tool(run, "--json", run / "summary.json")
     assert proc.returncode == 0 and json.loads((run / "summary.json").read_text())["steps"] == 10, proc.stderr
+    # checkpoints behind a link are still the run's; a link to a shared results file is written through
+    (run / "checkpoints").rmdir()
+    (tmp_path / "scratch" / "step_00000002").mkdir(parents=True)
+    (run / "checkpoints").symlink_to(tmp_path / "scratch")
+    proc = _tool(run, "--json", run / "checkpoints" / "step_00000002" / "megaloop.json")
+    assert proc.returncode == 2 and "is one of the run's own files" in proc.stderr, proc.stderr
+    (tmp_path / "shared.json").write_text("old")
+    (tmp_path / "mine.json").symlink_to(tmp_path / "shared.json")
+    assert _tool(run, "--json", tmp_path / "mine.json").returncode == 0
+    assert (tmp_path / "mine.json").is_symlink() and json.loads((tmp_path / "shared.json").read_text())["steps"] == 10
+    proc = subprocess.run(f"{sys.executable} {ROOT / 'tools' / 'run_summary.py'} {run} --json /dev/stdout | cat",
+                          shell=True, capture_output=True, text=True)  # a pipe: written into, not replaced
+    assert proc.returncode == 0 and proc.stdout.count('"steps": 10') == 2, proc.stdout + proc.stderr
