@@ -508,8 +508,8 @@ def check_out_dir(out: str | None, *, probe: bool = True) -> None:
     from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
 
     p = nearest_existing(out)
-    if dangling_link(p):
-        raise UserError(f"--out: {out}: {dangling_link(p)}")
+    if link := dangling_link(p):
+        raise UserError(f"--out: {out}: {link}")
     if not p.is_dir():
         raise UserError(f"--out: {out} exists and is not a directory" if p == Path(out) else
                         f"--out: {out}: {p} is not a directory")

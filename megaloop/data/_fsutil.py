@@ -202,8 +202,8 @@ def check_out_writable(out: str | Path, flag: str = "--out") -> None:
 
     out = Path(out)
     probe = nearest_existing(out)
-    if dangling_link(probe):
-        raise DataError(f"{flag} {out}: {dangling_link(probe)}")
+    if link := dangling_link(probe):
+        raise DataError(f"{flag} {out}: {link}")
     if not probe.is_dir():
         if probe == out:
             raise DataError(f"{flag} {out} exists and is not a directory")

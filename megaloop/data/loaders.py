@@ -210,12 +210,12 @@ class TrainLoader:
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
                             f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
-        saved_order = sd.get("order")  # states saved before it was kept: the trainer adds the saved config's
-        if saved_order is not None and saved_order != self._order():
-            keys = ("shuffle",) if saved_order.get("shuffle") != self.cfg.shuffle else \
+        saved_order, order = sd.get("order"), self._order()  # no saved order (older states): the trainer adds
+        if saved_order is not None and saved_order != order:  # the one of the checkpoint's saved config
+            keys = ("shuffle",) if saved_order.get("shuffle") != order["shuffle"] else \
                 ("shuffle_algo", "shuffle_block_size")  # (the last two only matter when both shuffle)
-            diffs = [f"data.{k}={_yaml(saved_order.get(k))} (this run: {_yaml(self._order().get(k))})"
-                     for k in keys if saved_order.get(k) != self._order().get(k)]
+            diffs = [f"data.{k}={_yaml(saved_order.get(k))} (this run: {_yaml(order.get(k))})"
+                     for k in keys if saved_order.get(k) != order.get(k)]
             keep = " ".join(f"data.{k}={_yaml(v)}" for k, v in saved_order.items())
             raise DataError(f"data loader state was saved with {', '.join(diffs)}: its position in the epoch "
                             f"counts samples in that order, so another one would repeat some and skip others; "

@@ -110,8 +110,8 @@ def _check_args(args) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file, not a folder")
     parent = nearest_existing(out)
-    if dangling_link(parent):
-        raise ConfigError(f"--out {out}: {dangling_link(parent)}; nothing was loaded or written")
+    if link := dangling_link(parent):
+        raise ConfigError(f"--out {out}: {link}; nothing was loaded or written")
     if not parent.is_dir():
         raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
     if out.resolve() == Path(args.checkpoint).resolve():

@@ -243,9 +243,10 @@ def check_out_file(path: Optional[str], flag: str) -> None:
     if p.is_dir():
         raise ConfigError(f"{flag} {p}: is a directory, not a file path")
     parent = nearest_existing(p.parent)
-    if dangling_link(parent) or (dangling_link(p) and not Path(os.path.realpath(p)).parent.is_dir()):
-        # created under a link that points nowhere, or written through one whose target's folder is missing
-        raise ConfigError(f"{flag} {p}: {dangling_link(parent) or dangling_link(p)}, so the path cannot be created")
+    # created under a link that points nowhere, or written through one whose target's folder is missing
+    link = dangling_link(parent) or (dangling_link(p) if not Path(os.path.realpath(p)).parent.is_dir() else None)
+    if link:
+        raise ConfigError(f"{flag} {p}: {link}, so the path cannot be created")
     if not parent.is_dir():
         raise ConfigError(f"{flag} {p}: {parent} is a file, so the path cannot be created")
     why = cannot_create_in(parent)

@@ -261,8 +261,8 @@ def check_writable(out: Path) -> None:
 
     out = Path(out)
     probe = nearest_existing(out)
-    if dangling_link(probe):
-        raise ConfigError(f"--out {out}: {dangling_link(probe)}; give a folder you can write to")
+    if link := dangling_link(probe):
+        raise ConfigError(f"--out {out}: {link}; give a folder you can write to")
     if out.exists():
         targets = [out] + ([out / "checkpoints"] if (out / "checkpoints").is_dir() else [])
     else:

@@ -207,10 +207,11 @@ def find_checkpoint(path: str | Path) -> Path:
     incomplete: list[Path] = []
     for root in (p, p / "checkpoints"):
         if root.is_dir():
-            latest = CheckpointManager(root).latest()
+            manager = CheckpointManager(root)
+            latest = manager.latest()
             if latest is not None:
                 return latest
-            incomplete += CheckpointManager(root).incomplete_checkpoints()
+            incomplete += manager.incomplete_checkpoints()
     if incomplete:  # e.g. a save killed part-way, or a partial copy
         newest = incomplete[-1]
         missing = [n for n in (META, ".metadata", "common.pt") if not (newest / n).is_file()]
