@@ -84,3 +84,20 @@ def test_malformed_yaml_files_and_values_are_named(tmp_path):
 def test_bad_numbers_are_refused_naming_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config("tiny", [override])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    # an unknown split used to be found at the first validation, after training steps, named as data.path
+    (["data.val_path=default:foo"], "data.val_path: unknown embedded split 'foo'"),
+    (["data.path=default:tain"], "data.path: unknown embedded split 'tain'"),
+    # validation on the split being trained on used to run silently
+    (["data.val_path=default:train"], "data.val_path: default:train is the embedded corpus's train split, "
+                                      "which data.path=default trains on"),
+    (["data.path=default:val", "data.val_path=default"], "data.val_path: default is the embedded corpus's val split"),
+])
+def test_embedded_splits_are_checked_with_the_config(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("tiny", overrides)
+    # held-out or other splits pass
+    for ok in (["data.val_path=default:val"], ["data.val_path=default:screen"], ["data.path=/x", "data.val_path=default:train"]):
+        assert load_config("tiny", ok).data.val_path == ok[-1].split("=", 1)[1]

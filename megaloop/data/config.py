@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 from megaloop.config_utils import require
 
+EMBEDDED_SPLITS = ("train", "val", "screen")
+
+
+def embedded_split(path: str | None, default: str) -> str | None:
+    """The embedded corpus's split that ``path`` names (``default`` -> ``default``, ``default:<split>``
+    -> ``<split>``); None for any other path."""
+    if path == "default":
+        return default
+    if isinstance(path, str) and path.startswith("default:"):
+        return path.split(":", 1)[1]
+    return None
+
 
 @dataclass
 class DataConfig:
@@ -36,6 +48,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.path), "data.path", "must not be empty")
+        train, val = embedded_split(self.path, "train"), embedded_split(self.val_path, "val")
+        for field, split in (("data.path", train), ("data.val_path", val)):
+            require(split is None or split in EMBEDDED_SPLITS, field,
+                    f"unknown embedded split {split!r} (default:train, default:val, default:screen)")
+        require(val is None or val != train, "data.val_path",
+                f"{self.val_path} is the embedded corpus's {val} split, which data.path={self.path} trains on: "
+                "validation would score the training data (the embedded corpus holds default:val out of default:train)")
         require(self.num_workers >= 0, "data.num_workers", f"must be >= 0, got {self.num_workers}")
         require(self.prefetch_factor >= 1, "data.prefetch_factor",
                 f"must be >= 1, got {self.prefetch_factor}")

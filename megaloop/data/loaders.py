@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from megaloop.config_utils import ConfigError, require
-from megaloop.data.config import DataConfig
+from megaloop.data.config import EMBEDDED_SPLITS, DataConfig, embedded_split
 from megaloop.data.errors import DataError
 from megaloop.data.streaming import EVAL_SEQ_LEN, World, _Collate, _release, _Source, samples_per_rank
 
@@ -28,12 +28,11 @@ STATE_VERSION = 1
 
 def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
     """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged."""
-    if path == "default" or path.startswith("default:"):
+    name = embedded_split(path, split)
+    if name is not None:
         from megaloop.data.default_corpus import ensure_default_dataset
 
-        name = path.split(":", 1)[1] if ":" in path else split
-        require(name in ("train", "val", "screen"), "data.path",
-                f"unknown embedded split {name!r} (train, val, screen)")
+        require(name in EMBEDDED_SPLITS, "data.path", f"unknown embedded split {name!r} {EMBEDDED_SPLITS}")
         return str(ensure_default_dataset(cache_dir=cache_dir, seq_len=seq_len) / name)
     return path
 
