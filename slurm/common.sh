@@ -34,7 +34,8 @@
 # 75. The job then requeues itself (`scontrol requeue`), and the next start resumes from the latest
 # checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
 # a worker) requeues too: torchrun reports any failed worker as 1, so the trainer's own status is
-# read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). SIGTERM to this shell (scancel) is forwarded but never requeues.
+# read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). After USR1 a run that finished (0) or was refused (2) meanwhile is
+# not requeued. SIGTERM to this shell (`scancel --signal=TERM`) is forwarded but never requeues.
 # Each node's log then ends with torchrun's `SignalException: Process N got signal: 10` traceback:
 # expected. torchrun's agent re-raises the signal it forwarded once its workers have stopped (torch's
 # elastic agent `run`); signalling the workers instead of torchrun would trade it for torchrun's
@@ -165,9 +166,12 @@ megaloop_setup() {
 }
 
 _megaloop_on_signal() {
-  # $1: the signal this batch shell received. USR1 = time limit / pre-emption warning -> requeue.
+  # $1: the signal this batch shell received. USR1 = time limit / pre-emption warning: requeue once the
+  # trainer has stopped to checkpoint; TERM (scancel --signal=TERM): stop, never requeue.
   if [ "$1" = USR1 ]; then
     MEGALOOP_REQUEUE=1
+  else
+    MEGALOOP_STOPPED=1
   fi
   megaloop_log "received SIG$1: forwarding SIGUSR1 to the training processes (checkpoint, then exit)"
   if [ -n "${MEGALOOP_SRUN_PID:-}" ]; then
@@ -273,6 +277,7 @@ megaloop_launch() {
   export MEGALOOP_EXIT_STATUS_FILE
   rm -f "$MEGALOOP_EXIT_STATUS_FILE"
   MEGALOOP_REQUEUE=0
+  MEGALOOP_STOPPED=0
   MEGALOOP_SRUN_PID=""
   trap '_megaloop_on_signal USR1' USR1
   trap '_megaloop_on_signal TERM' TERM
@@ -299,7 +304,11 @@ megaloop_launch() {
   fi
   echo "$rc" >"$JOB_LOG_DIR/exit_code"
   megaloop_log "${train[*]:0:3} exited with status $rc"
-  if [ "$MEGALOOP_REQUEUE" = 1 ] || [ "$rc" -eq 75 ]; then
+  # Requeue: the trainer stopped to checkpoint (75), or after USR1 it could not report its status (torchrun's
+  # 1); not when it finished (0) or refused (2) in the meantime, and never after this shell's SIGTERM.
+  if [ "$MEGALOOP_STOPPED" = 1 ]; then
+    [ "$rc" -ne 75 ] || megaloop_log "stopped by SIGTERM: not requeued (sbatch again to resume)"
+  elif [ "$rc" -eq 75 ] || { [ "$MEGALOOP_REQUEUE" = 1 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; }; then
     megaloop_log "requeueing job $SLURM_JOB_ID (the next start resumes from the latest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID" || megaloop_log "scontrol requeue failed (is the job --requeue-able?)"
     return 75

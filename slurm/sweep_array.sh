@@ -28,10 +28,18 @@ set -euo pipefail
 
 # The repository: MEGALOOP_ROOT, else this file's (run in place), else the script sbatch was given (slurm runs
 # a copy in its spool; `scontrol show job` names the original), else the submission directory.
-for ROOT in "${MEGALOOP_ROOT:-}" "$(dirname "${BASH_SOURCE[0]}")/.." ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
+if [ -n "${MEGALOOP_ROOT:-}" ]; then  # named: it must be the repository (not silently another checkout)
+  [ -f "$MEGALOOP_ROOT/slurm/common.sh" ] || { echo "megaloop-slurm: error: MEGALOOP_ROOT=$MEGALOOP_ROOT holds no slurm/common.sh: not a megaloop repository" >&2; exit 2; }
+  ROOT="$MEGALOOP_ROOT"
+else
+  for ROOT in "$(dirname "${BASH_SOURCE[0]}")/.." ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
+fi
 if [ -z "$ROOT" ]; then
-  JOB_SCRIPT="$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')" || true
+  # Command= is the script and its arguments, unquoted: words come off the end until it names a file (a space
+  # in the path stays)
+  JOB_SCRIPT="$(scontrol show job "${SLURM_JOB_ID:-none}" 2>/dev/null | sed -n 's/^ *Command=//p' | head -n 1)" || true
   [[ -z "$JOB_SCRIPT" || "$JOB_SCRIPT" == /* ]] || JOB_SCRIPT="${SLURM_SUBMIT_DIR:-.}/$JOB_SCRIPT"
+  while [[ ! -f "$JOB_SCRIPT" && "$JOB_SCRIPT" == *" "* ]]; do JOB_SCRIPT="${JOB_SCRIPT% *}"; done
   for ROOT in "${JOB_SCRIPT:+$(dirname "$JOB_SCRIPT")/..}" "${SLURM_SUBMIT_DIR:-}" ""; do [ -f "$ROOT/slurm/common.sh" ] && break; done
 fi
 [ -n "$ROOT" ] || { echo "megaloop-slurm: error: repository not found (no slurm/common.sh beside the submitted script or in the submission directory): set MEGALOOP_ROOT" >&2; exit 2; }

@@ -8,7 +8,8 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
 * ``torchrun``: records and then, per ``$STUB_TORCHRUN`` (default ``exit:0``), exits with that
   status; with ``worker:N`` node 0 writes N to ``$MEGALOOP_EXIT_STATUS_FILE`` (as the trainer's rank 0
   does) and every node exits 1 (as torchrun does when a worker exits non-zero); or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
-  records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal).
+  records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal; ``wait:N``: node 0
+  first writes the trainer's status N, as with ``worker:N``).
 * ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); ``show job ID`` prints a
   job record whose ``Command=`` is ``$STUB_JOB_COMMAND`` (the script sbatch was given), nothing when unset;
   anything else is only recorded (``requeue`` included).
@@ -81,12 +82,15 @@ def handler(signum, _frame):
 signal.signal(signal.SIGUSR1, handler)
 signal.signal(signal.SIGTERM, handler)
 record("torchrun", node=node)
-if mode == "wait":
+if mode == "wait" or mode.startswith("wait:"):
     open(os.path.join(os.environ["STUB_DIR"], f"ready.{node}"), "w").close()
     t0 = time.time()
     while not got and time.time() - t0 < 60:
         time.sleep(0.05)
     record("torchrun-exit", node=node, got_signal=got)
+    if mode.startswith("wait:") and node == "0":
+        with open(os.environ["MEGALOOP_EXIT_STATUS_FILE"], "w") as f:
+            f.write(mode.split(":", 1)[1] + "\n")
     sys.exit(1)
 if mode.startswith("worker:"):
     if node == "0":
@@ -145,12 +149,12 @@ def stub_env(directory: Path, **extra: str) -> dict:
     return env
 
 
-def repo_copy(directory: Path) -> Path:
-    """``directory/repo`` holding a copy of the repository's slurm/ scripts: run as MEGALOOP_ROOT, a
+def repo_copy(directory: Path, name: str = "repo") -> Path:
+    """``directory/name`` holding a copy of the repository's slurm/ scripts: run as MEGALOOP_ROOT, a
     job cds there and writes there whatever a script does wrong, never into the repository."""
     from tests.conftest import ROOT
 
-    repo = directory / "repo"
+    repo = directory / name
     (repo / "slurm").mkdir(parents=True, exist_ok=True)
     for script in (ROOT / "slurm").glob("*.sh"):
         (repo / "slurm" / script.name).write_text(script.read_text())

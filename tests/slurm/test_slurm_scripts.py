@@ -166,9 +166,10 @@ def test_failure_does_not_requeue(tmp_path: Path) -> None:
     assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
-def test_usr1_is_forwarded_then_requeued(tmp_path: Path) -> None:
-    """--signal=B:USR1@120 reaches the batch shell: it forwards to srun -> torchrun, waits, requeues."""
-    env = _slurm_env(tmp_path, STUB_TORCHRUN="wait")
+def _signalled(tmp_path: Path, sig: signal.Signals, stub: str) -> tuple[int, str, list]:
+    """train_L.sh with torchrun stubs that wait (``stub``: STUB_TORCHRUN), then ``sig`` to the batch shell:
+    (its exit status, its output, the scontrol requeue calls)."""
+    env = _slurm_env(tmp_path, STUB_TORCHRUN=stub)
     proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "train_L.sh")], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -179,16 +180,38 @@ def test_usr1_is_forwarded_then_requeued(tmp_path: Path) -> None:
             # beside two training jobs on 2 cores) the stubs took over 30 s to start
             assert time.time() - t0 < 120, "torchrun stubs did not start"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 75, out
     exits = calls(tmp_path, "torchrun-exit")
-    assert len(exits) == 2 and all(e["got_signal"] == ["SIGUSR1"] for e in exits)
-    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
-    assert "received SIGUSR1" in out
+    assert len(exits) == 2 and all(e["got_signal"] == ["SIGUSR1"] for e in exits), out  # forwarded as USR1
+    assert f"received {sig.name}" in out
+    return proc.returncode, out, [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
+
+
+def test_usr1_is_forwarded_then_requeued(tmp_path: Path) -> None:
+    """--signal=B:USR1@120 reaches the batch shell: it forwards to srun -> torchrun, waits, requeues (the
+    trainer's 75, or torchrun's 1 when no status came back)."""
+    for stub in ("wait", "wait:75"):
+        rc, out, requeues = _signalled(tmp_path / stub.replace(":", "_"), signal.SIGUSR1, stub)
+        assert rc == 75 and [c["argv"] for c in requeues] == [["requeue", "4242"]], out
+
+
+@pytest.mark.parametrize("status", [0, 2])
+def test_usr1_then_a_finished_or_refused_run_is_not_requeued(tmp_path: Path, status: int) -> None:
+    """A USR1 that arrives as the run ends (found: exit 0, "complete", requeued anyway and reported as 75)."""
+    rc, out, requeues = _signalled(tmp_path, signal.SIGUSR1, f"wait:{status}")
+    assert rc == status and not requeues, out
+
+
+def test_sigterm_to_the_batch_shell_stops_without_requeue(tmp_path: Path) -> None:
+    """`scancel --signal=TERM`: forwarded as USR1 (checkpoint), the trainer's 75 kept, no requeue (found:
+    requeued, so a job could not be stopped gracefully)."""
+    rc, out, requeues = _signalled(tmp_path, signal.SIGTERM, "wait:75")
+    assert rc == 75 and not requeues, out
+    assert "stopped by SIGTERM: not requeued" in out
 
 
 def test_sweep_array_point(tmp_path: Path) -> None:
@@ -231,10 +254,11 @@ def _submit_from_elsewhere(tmp: Path, script: str, expect: int, **extra: str) ->
     return repo, work
 
 
-def _run_spooled(tmp: Path, script: str, command: str | None) -> tuple[subprocess.CompletedProcess, Path, Path]:
+def _run_spooled(tmp: Path, script: str, command: str | None,
+                 repo_name: str = "repo") -> tuple[subprocess.CompletedProcess, Path, Path]:
     """`cd tmp/work; sbatch COMMAND` without MEGALOOP_ROOT, as slurm runs it: a copy of REPO/slurm/SCRIPT in a
     spool directory (so the copy's own location says nothing), `scontrol show job` naming COMMAND."""
-    repo, work, spool = repo_copy(tmp), tmp / "work", tmp / "spool" / "job4242"
+    repo, work, spool = repo_copy(tmp, repo_name), tmp / "work", tmp / "spool" / "job4242"
     work.mkdir(exist_ok=True)
     spool.mkdir(parents=True)
     shutil.copy(repo / "slurm" / script, spool / "slurm_script")
@@ -261,6 +285,25 @@ def test_submitted_from_elsewhere_the_job_finds_its_repository_without_megaloop_
     assert len(tr) == 2 and {rec["cwd"] for rec in tr} == {str(repo)}
     assert (work / "logs" / "4242" / "exit_code").read_text().strip() == "0"
     assert not (repo / "logs").exists()
+
+
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_repository_path_with_a_space_and_script_arguments(tmp_path: Path, relative: bool) -> None:
+    """`Command=` is printed unquoted with the script's arguments (found: cut at the first space, so a
+    repository under "my repo" was not found)."""
+    script = "../my repo/slurm/train_S.sh" if relative else f"{tmp_path}/my repo/slurm/train_S.sh"
+    proc, repo, _ = _run_spooled(tmp_path, "train_S.sh", f"{script} --an-argument two words", repo_name="my repo")
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert {rec["cwd"] for rec in calls(tmp_path, "torchrun")} == {str(repo)}
+
+
+def test_a_megaloop_root_that_is_not_a_repository_is_refused(tmp_path: Path) -> None:
+    """A MEGALOOP_ROOT without slurm/common.sh (a typo) used to be passed over for the script's own checkout."""
+    env = _slurm_env(tmp_path, MEGALOOP_ROOT=str(tmp_path / "typo"))
+    proc = _run("train_S.sh", env, expect=2)
+    assert proc.stderr.strip().splitlines() == [
+        f"megaloop-slurm: error: MEGALOOP_ROOT={tmp_path / 'typo'} holds no slurm/common.sh: not a megaloop repository"]
+    assert not calls(tmp_path, "srun")
 
 
 def test_a_repository_that_cannot_be_found_is_one_line(tmp_path: Path) -> None:
