@@ -166,10 +166,11 @@ def _inputs(args):
 
     cluster_ov = [o for o in args.overrides if o.startswith("cluster.")]
     overrides = [o for o in args.overrides if not o.startswith("cluster.")]
-    overrides += layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt,
-                                  args.fp8, args.sp)
+    flags = layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt, args.fp8, args.sp)
     cluster, no_gpu = _cluster(args, cluster_ov)
-    cfg = load_config(args.config, overrides, arm=args.arm)
+    cfg = load_config(args.config, overrides + flags, arm=args.arm)
+    _check_flags_against_overrides(args, overrides, flags, cfg)
+    overrides += flags
     cfg.check_trainable()
     vocab, source = resolve_vocab(cfg, args.vocab)
     if not no_gpu:
@@ -177,7 +178,45 @@ def _inputs(args):
     return cfg, overrides, cluster, no_gpu, vocab, source
 
 
+# layout flag -> the config key it overrides
+_FLAG_KEYS = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.vpp": "--vpp", "train.micro_batch_size": "--mbs",
+              "model.recompute": "--recompute", "parallel.distributed_optimizer": "--dist-opt",
+              "parallel.sequence_parallel": "--sp", "model.fp8": "--fp8"}
+
+
+def _check_flags_against_overrides(args, overrides: list[str], flags: list[str], cfg) -> None:
+    """A layout flag and a KEY=VALUE override of its key that disagree (``--tp 2 parallel.tp=4``) are refused,
+    as ``--vocab`` against ``model.vocab_size`` is; agreeing ones pass. ``cfg``: loaded with the flags last."""
+    from megaloop.config import load_config
+
+    given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
+    keys = [f.split("=", 1)[0] for f in flags if f.split("=", 1)[0] in given]
+    if not keys:
+        return
+    without = load_config(args.config, overrides, arm=args.arm)
+    for key in keys:
+        section, field = key.split(".")
+        theirs, ours = getattr(getattr(without, section), field), getattr(getattr(cfg, section), field)
+        if theirs != ours:
+            flag = _FLAG_KEYS[key]
+            said = (f"--{'' if ours else 'no-'}{flag[2:]}" if isinstance(ours, bool)
+                    else f"{flag} {'none' if ours is None else ours}")
+            theirs = str(theirs).lower() if theirs is None or isinstance(theirs, bool) else theirs
+            raise ConfigError(f"{flag}: {said} contradicts the override {key}={theirs}; give one of them")
+
+
 def _world(args, cfg, cluster) -> int:
+    """The world size the flags give; one that spills over whole nodes unevenly is refused (a launch runs the
+    same number of processes on every node; fewer GPUs than one node holds is one partly used node)."""
+    world, gpn = _world_size(args, cfg, cluster), cluster.gpus_per_node
+    if world > gpn and world % gpn:
+        field, how = ("--gpus", "") if args.gpus is not None else ("--dp", f" (tp x pp x dp {args.dp})")
+        raise ConfigError(f"{field}: {world} GPUs{how} do not fill whole nodes of {gpn} (cluster.gpus_per_node): "
+                          "every node runs the same number of processes")
+    return world
+
+
+def _world_size(args, cfg, cluster) -> int:
     gpn = cluster.gpus_per_node
     by_nodes = args.nodes * gpn if args.nodes is not None else None
     if args.gpus is not None and by_nodes is not None and args.gpus != by_nodes:

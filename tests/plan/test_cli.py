@@ -18,7 +18,7 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("argv,field", [
     (["--cluster", "a100"], "cluster: unknown GPU/cluster 'a100'"),
-    (["--gpus", "12", "--tp", "8"], "parallel: world size 12 is not divisible by tp*pp"),
+    (["--gpus", "16", "--tp", "2", "--pp", "3"], "parallel: world size 16 is not divisible by tp*pp"),
     (["--gpus", "12", "--tp", "3"], "model.num_heads: 16 heads are not divisible by parallel.tp=3"),
     (["--gpus", "8", "--pp", "2", "--vpp", "2"], "parallel.vpp"),
     (["--gpus", "8", "train.global_batch_size=100"], "train.global_batch_size"),

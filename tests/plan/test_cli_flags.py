@@ -59,6 +59,14 @@ def _one_error(err: str, *needles: str) -> str:
     (["--preflight", "--steps", "4"], ["--preflight", "--steps"]),
     (["--search", "--microbatch-sweep"], ["--microbatch-sweep: sweeps one layout"]),
     (["--vocab", "100", "model.vocab_size=200"], ["--vocab: 100 contradicts", "model.vocab_size=200"]),
+    # a layout flag against an override of its key: the flag won silently, in either order and with --search
+    (["--tp", "2", "parallel.tp=4"], ["--tp: --tp 2 contradicts the override parallel.tp=4"]),
+    (["parallel.tp=4", "--search", "--tp", "2"], ["--tp: --tp 2 contradicts the override parallel.tp=4"]),
+    (["--mbs", "2", "train.micro_batch_size=8"], ["--mbs: --mbs 2 contradicts the override train.micro_batch_size=8"]),
+    (["--no-sp", "parallel.sequence_parallel=true"], ["--sp: --no-sp contradicts", "sequence_parallel=true"]),
+    # a world that spills over whole nodes unevenly: the header counted 3 nodes x 3 for 8 GPUs
+    (["--gpus", "8", "cluster.gpus_per_node=3"], ["--gpus: 8 GPUs do not fill whole nodes of 3"]),
+    (["--gpus", "10"], ["--gpus: 10 GPUs do not fill whole nodes of 8"]),
     (["--search", "--dp", "3"], ["--dp: 8 GPUs are not divisible by --dp 3"]),
     (["--search", "--tp", "2", "--pp", "8"], ["--search: 8 GPUs are not divisible by the held tp 2 x pp 8 = 16"]),
     (["--cluster", "/nonexistent.yaml"], ["--cluster: file /nonexistent.yaml does not exist"]),
