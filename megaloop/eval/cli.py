@@ -30,7 +30,8 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
                        help="'default' (embedded validation set), an MDS validation directory, or a text file "
                             "(.txt/.raw: one document; .jsonl[.gz]/.parquet: one per row) tokenised with the "
                             "checkpoint's tokenizer")
-        p.add_argument("--text-field", default="text", help="JSONL field / parquet column of a text --data file")
+        p.add_argument("--text-field", default=None,
+                       help="JSONL field / parquet column of a .jsonl[.gz]/.parquet --data file (default: text)")
         p.add_argument("--max-seqs", type=int, default=None, help="evaluate at most N sequences")
         p.add_argument("--seq-len", type=int, default=None,
                        help="tokens per evaluation sequence (paper: 8192; default: the MDS set's length, else "
@@ -128,6 +129,12 @@ def _check_args(args: argparse.Namespace) -> None:
         from megaloop.eval.ppl import check_data_arg
 
         check_data_arg(args.data)
+        if getattr(args, "text_field", None) is not None:
+            from megaloop.eval.text_data import text_format
+
+            if text_format(args.data) not in ("jsonl", "parquet"):
+                raise ConfigError(f"--text-field: applies to a .jsonl[.gz] or .parquet --data file, not "
+                                  f"{args.data} (it would be ignored)")
     check_engine_args(args)
     check_outputs_not_inputs(args, {"--json": args.json})
 
@@ -179,7 +186,7 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
                           encode=engine.encode if engine.tokenizer is not None else None, eos_id=engine.eos_id,
-                          text_field=args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
+                          text_field=args.text_field or "text", tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
                           tokenizer_hint=_own_val_hint(args.data, engine),
                           tokenizer_given=getattr(args, "tokenizer", None))
     trained = int(engine.config.max_position_embeddings)

@@ -289,3 +289,13 @@ def test_json_under_a_pseudo_file_system_is_refused_before_loading(cli, hf, no_l
         check_out_file("/proc/megaloop-none/y.json", "--json")
     code, err = cli(*SYNTH, "--checkpoint", str(hf), "--json", "/proc/megaloop-none/y.json")
     assert code == 2 and "--json /proc/megaloop-none/y.json: /proc is not writable" in err, err
+
+
+def test_text_field_without_a_jsonl_or_parquet_data_file_is_refused(cli, hf, no_load, tmp_path):
+    """--text-field on the default set, an MDS folder or a plain .txt was ignored without a word."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text("some text\n")
+    for cmd, data in (("ppl", "default"), ("sweep", str(doc)), ("states", str(tmp_path))):
+        code, err = cli("eval", cmd, "--checkpoint", str(hf), "--data", data, "--text-field", "body")
+        assert (code, err) == (2, f"megaloop: error: --text-field: applies to a .jsonl[.gz] or .parquet --data "
+                                  f"file, not {data} (it would be ignored)"), (cmd, err)
