@@ -3,8 +3,12 @@
 # model on the embedded corpus on CPU (or a GPU if present), print the loss curve, and end with a
 # depth sweep (validation PPL at R = 1, 2, 4, 8, 16 and the terminal-sharing penalty; table + PNG).
 # Extra arguments are passed to `megaloop train` (e.g. train.max_steps=40).
+# A RUN_DIR or CONFIG file you give is relative to your working directory; the default run is the
+# repository's runs/quickstart.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ -z "${RUN_DIR:-}" ] || RUN_DIR="$(realpath -m -- "$RUN_DIR")"
+[ ! -f "${CONFIG:-}" ] || CONFIG="$(realpath -- "$CONFIG")"
 source "$ROOT/launch/_setup.sh"
 cd "$ROOT"
 export WANDB_MODE="${WANDB_MODE:-offline}"

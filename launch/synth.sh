@@ -6,8 +6,11 @@
 # Knobs: DATA_DIR (runs/synth-data) RUN_DIR (runs/synth) NUM_DOCS (60000) THREADS (1)
 #        DEPTHS (1,2,3,4,5,6,8,16,32,64) SYNTH_ARGS (extra make_synth.py flags, e.g. "--n-vars 2")
 # Data and finished training are reused on a rerun (the run resumes from its last checkpoint).
+# A DATA_DIR or RUN_DIR you give is relative to your working directory; the defaults are the repository's.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+[ -z "${DATA_DIR:-}" ] || DATA_DIR="$(realpath -m -- "$DATA_DIR")"
+[ -z "${RUN_DIR:-}" ] || RUN_DIR="$(realpath -m -- "$RUN_DIR")"
 source "$ROOT/launch/_setup.sh"
 cd "$ROOT"
 export WANDB_MODE="${WANDB_MODE:-offline}" OMP_NUM_THREADS="${THREADS:-1}"

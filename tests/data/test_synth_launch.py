@@ -1,6 +1,6 @@
 """``bash launch/synth.sh``, the synthetic task's one command, end to end at a toy size: it builds
 the programs and their whole-document shards, trains, and prints and writes the k x R table; a
-rerun reuses the data and the finished run."""
+rerun reuses the data and the finished run; relative DATA_DIR / RUN_DIR are the caller's."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from tests.conftest import ROOT
 
 
 def _run(tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "MEGALOOP_VENV": sys.prefix, "DATA_DIR": str(tmp / "data"), "RUN_DIR": str(tmp / "run"),
+    # relative: to the caller's directory (they were the repository's, where the script cds)
+    env = {**os.environ, "MEGALOOP_VENV": sys.prefix, "DATA_DIR": "data", "RUN_DIR": "run",
            "NUM_DOCS": "600", "DEPTHS": "1,2", "THREADS": "1", "WANDB_MODE": "offline",
            "SYNTH_ARGS": "--num-files 2 --eval-ks 1-2 --eval-per-k 3"}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "synth.sh"), "train.max_steps=3", "train.save_interval=3", "optim.warmup_steps=1",
