@@ -257,8 +257,17 @@ class LocalPool:
             # a config YAML) mean what they meant to the checks that ran here before the launch
             proc = subprocess.Popen(argv, env=self._env(slot), stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
+            # registering and reading the stop flag under the lock that `interrupt` sets it under: a
+            # stop that came after the check above but before this saw no process, so this one asks it
             with self.lock:
                 self.procs[slot] = proc
+                late = self.stop.is_set()
+            if late:
+                self.sweep.log(f"a run started as the stop came: asking it to checkpoint and stop ({log})")
+                try:
+                    proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
             try:
                 return proc.wait()
             finally:
@@ -302,6 +311,20 @@ class LocalPool:
             except Exception as err:  # noqa: BLE001 (one run's error must not stop the others)
                 self.sweep.log(f"{run.name}: {type(err).__name__}: {err}")
 
+    def interrupt(self, why: str) -> None:
+        """Set the stop flag and ask every running process to checkpoint and stop (SIGTERM). The flag is
+        set under the lock ``_spawn`` registers under, so each process is asked exactly once: here, or
+        by ``_spawn`` itself when it registers after this."""
+        with self.lock:
+            self.stop.set()
+            live = list(self.procs.values())
+        self.sweep.log(f"interrupted ({why}): asking {len(live)} run(s) to checkpoint and stop")
+        for proc in live:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
     def run(self, runs: list[Run]) -> None:
         """Run ``runs``; after a Ctrl-C / SIGTERM, raises KeyboardInterrupt once every running
         training has checkpointed (or ``STOP_TIMEOUT_S`` passed)."""
@@ -321,15 +344,7 @@ class LocalPool:
             while any(w.is_alive() for w in workers):
                 time.sleep(0.2)
         except (KeyboardInterrupt, _Stop) as why:
-            self.stop.set()
-            with self.lock:
-                live = list(self.procs.values())
-            self.sweep.log(f"interrupted ({str(why) or 'SIGINT'}): asking {len(live)} run(s) to checkpoint and stop")
-            for proc in live:
-                try:
-                    proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            self.interrupt(str(why) or "SIGINT")
             deadline = time.time() + STOP_TIMEOUT_S
             for w in workers:
                 w.join(timeout=max(1.0, deadline - time.time()))

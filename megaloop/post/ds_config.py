@@ -41,6 +41,8 @@ def read_ds_config(spec: str | Path, stages: tuple[int, ...] = STAGES) -> tuple[
     path = Path(spec)
     if not path.suffix and shipped_config(str(spec)).is_file():
         path = shipped_config(str(spec))
+    if path.is_dir():
+        raise ConfigError(f"--deepspeed {spec}: is a directory, not a DeepSpeed JSON config file")
     if not path.is_file():
         shipped = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("zero*.json")
                                    if p.stem[4:].isdigit() and int(p.stem[4:]) in stages))
@@ -102,6 +104,7 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
                gradient_clipping=float(clip_grad or 0.0), zero_allow_untested_optimizer=True)
     cfg.setdefault("steps_per_print", 10**9)
     cfg["zero_optimization"] = {**zero, "stage": stage}
+    _check_value_types(label, raw, cfg)
     return cfg
 
 
@@ -143,9 +146,27 @@ def known_top_level_keys() -> frozenset[str] | None:
     """The top-level keys this DeepSpeed knows: those its ``DeepSpeedConfig`` looks up (recorded on a
     minimal config), the key constants of its config modules, and :data:`_EXTRA_KEYS`. None when
     DeepSpeed is not installed or cannot be asked (then no key is refused)."""
-    try:
-        import importlib
+    import importlib
 
+    keys = looked_up_keys()
+    if keys is None:
+        return None
+    keys = set(keys)
+    for name in _KEY_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - optional parts (or another DeepSpeed version's layout)
+            continue
+        keys |= {v for k, v in vars(mod).items() if k.isupper() and isinstance(v, str) and v == v.lower()
+                 and v.replace("_", "").isalnum()}
+    return frozenset(keys | set(_EXTRA_KEYS))
+
+
+@functools.lru_cache(maxsize=1)
+def looked_up_keys() -> frozenset[str] | None:
+    """The top-level keys DeepSpeed's ``DeepSpeedConfig`` looks up, recorded on a minimal config (None
+    when DeepSpeed is not installed or cannot be asked)."""
+    try:
         from deepspeed.runtime.config import DeepSpeedConfig
     except Exception:  # noqa: BLE001 - DeepSpeed absent or broken: the engine reports that itself
         return None
@@ -173,15 +194,7 @@ def known_top_level_keys() -> frozenset[str] | None:
                                       gradient_accumulation_steps=1))
     except Exception:  # noqa: BLE001 - a DeepSpeed whose config cannot be built like this: no check
         return None
-    keys = {k for k in seen if isinstance(k, str)}
-    for name in _KEY_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - optional parts (or another DeepSpeed version's layout)
-            continue
-        keys |= {v for k, v in vars(mod).items() if k.isupper() and isinstance(v, str) and v == v.lower()
-                 and v.replace("_", "").isalnum()}
-    return frozenset(keys | set(_EXTRA_KEYS))
+    return frozenset(k for k in seen if isinstance(k, str))
 
 
 def _check_top_level_keys(label: str, cfg: dict) -> None:
@@ -197,3 +210,88 @@ def _check_top_level_keys(label: str, cfg: dict) -> None:
             near = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.75)
             hint = f"; did you mean {near[0]!r}?" if near else ""
             raise ConfigError(f"{label}: {key}: not a DeepSpeed config key{hint}")
+
+
+# top-level keys read as numbers whose DeepSpeed default (None) does not tell their type
+_NUMBER_KEYS = {"steps_per_print": int}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+_MINIMAL = dict.fromkeys(_BATCH_KEYS[1:], 1)  # train_batch_size follows from DeepSpeed's own world size
+
+
+@functools.lru_cache(maxsize=1)
+def default_types() -> dict[str, type]:
+    """``{top-level key: type}`` from DeepSpeed's own defaults (``KEY = "key"`` with a bool / int / float /
+    str ``KEY_DEFAULT`` in its constants modules, for the top-level keys its ``DeepSpeedConfig`` looks
+    up), plus :data:`_NUMBER_KEYS`; empty when DeepSpeed cannot be asked."""
+    import importlib
+
+    known = looked_up_keys()
+    if known is None:
+        return {}
+    types: dict[str, type] = {}
+    for name in _KEY_MODULES:
+        try:
+            mod = vars(importlib.import_module(name))
+        except Exception:  # noqa: BLE001 - optional parts (or another DeepSpeed version's layout)
+            continue
+        for const, key in mod.items():
+            default = mod.get(f"{const}_DEFAULT")
+            if (const.isupper() and isinstance(key, str) and key in known and key not in types
+                    and type(default) in (bool, int, float, str)):
+                types[key] = type(default)
+    return {**types, **_NUMBER_KEYS}
+
+
+def _ds_config_error(cfg: dict) -> str | None:
+    """DeepSpeed's own ``DeepSpeedConfig`` on ``cfg`` (one row per process and step: the batch keys are the
+    command line's, checked above): None when it accepts it, else the first line of its error
+    (pydantic's ``loc: msg``)."""
+    import contextlib
+    import io
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            DeepSpeedConfig({**{k: v for k, v in copy.deepcopy(cfg).items() if k not in _BATCH_KEYS}, **_MINIMAL})
+    except Exception as err:  # noqa: BLE001 - TypeError, AttributeError, pydantic's ValidationError, ...
+        errors = getattr(err, "errors", None)
+        items = errors() if callable(errors) else []
+        what = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in items)
+        return what or (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return None
+
+
+def _type_ok(value, want: type) -> bool:
+    if want is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if want is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, want)
+
+
+_TYPE_WORDS = {bool: "true or false (a JSON boolean)", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_value_types(label: str, raw: dict, cfg: dict) -> None:
+    """Refuse a top-level value of the wrong type (``"wall_clock_breakdown": "yes"``), naming the key, before
+    the model loads: DeepSpeed's own ``DeepSpeedConfig`` checks the filled config, and a key whose
+    DeepSpeed default is a bool / int / float / str must have that type (some are only used, and fail,
+    inside ``deepspeed.initialize`` or later in training). Nothing is checked without DeepSpeed."""
+    types = default_types()
+    if not types or _ds_config_error({}) is not None:  # DeepSpeed absent, or not askable like this
+        return
+    for key, value in raw.items():
+        want = types.get(key)
+        if key not in _BATCH_KEYS and want is not None and value != "auto" and not _type_ok(value, want):
+            raise ConfigError(f"{label}: {key}: must be {_TYPE_WORDS[want]}, got {value!r}")
+    if (whole := _ds_config_error(cfg)) is None:
+        return
+    for key, value in raw.items():  # name the key DeepSpeed rejects
+        if key in _BATCH_KEYS or _ds_config_error({key: value}) is None:
+            continue
+        if not isinstance(value, dict) and _ds_config_error({key: {}}) is None:
+            raise ConfigError(f"{label}: {key}: must be an object, got {value!r}")
+        raise ConfigError(f"{label}: {key}: {_ds_config_error({key: value})}")
+    raise ConfigError(f"{label}: DeepSpeed rejects this config: {whole}")
+

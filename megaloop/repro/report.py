@@ -414,8 +414,10 @@ def render_markdown(results: dict) -> str:
     for g, sc in (results.get("screens") or {}).items():
         pts = ", ".join(f"{p['lr']:g}: " + (f"{p['val_ce']:.4f}" if _finite(p.get("val_ce")) else p["status"])
                         for p in sc["points"])
-        where = ("interior" if sc.get("interior") else f"**{sc.get('edge')} edge** (extend the grid: "
-                 f"{sc.get('proposed_grid')})") if sc.get("best_lr") is not None else "no finished point"
+        where = ("no finished point" if sc.get("best_lr") is None
+                 else "provisional: the screen is incomplete" if sc.get("complete") is False
+                 else "interior" if sc.get("interior")
+                 else f"**{sc.get('edge')} edge** (extend the grid: {sc.get('proposed_grid')})")
         lines += [f"- **LR screen of `{g}`** (val CE at R={sc.get('eval_depth')} on `{sc.get('screen_set')}`, "
                   f"stopped after {sc.get('stop_after')} updates): {pts}; selected "
                   f"{fmt('x', sc.get('best_lr')) if sc.get('best_lr') is None else format(sc['best_lr'], 'g')} ({where})"]

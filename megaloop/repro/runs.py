@@ -56,18 +56,43 @@ def arm_state(out: Path, plan: Plan, arm: Arm) -> dict:
     return st
 
 
+def identity_settings(overrides: list[str]) -> dict[str, str | None]:
+    """The settings an arm's overrides make, as ``{key: last value}`` (run-control keys dropped): the
+    same overrides in another order are the same settings (as ``megaloop lr-screen`` compares them)."""
+    out: dict[str, str | None] = {}
+    for o in identity_overrides(overrides):
+        key, eq, value = str(o).partition("=")
+        out[key.strip()] = value if eq else None
+    return out
+
+
+def identity_differences(old: dict, config: str, overrides: list[str]) -> list[str]:
+    """What differs between how an arm was started (``old``: its ``sweep_run.json``) and ``config`` +
+    ``overrides``, one ``now (was before)`` item per config or setting; empty: the same."""
+    diff = [] if old.get("config") == config else [f"config {config} (was {old.get('config')})"]
+    theirs, mine = identity_settings(old.get("overrides") or []), identity_settings(overrides)
+
+    def shown(key: str, d: dict) -> str:
+        return "unset" if key not in d else key if d[key] is None else f"{key}={d[key]}"
+
+    for key in sorted(set(theirs) | set(mine)):
+        if theirs.get(key, ...) != mine.get(key, ...):
+            now = shown(key, mine)
+            diff.append(f"{key} unset (was {shown(key, theirs)})" if now == "unset"
+                        else f"{now} (was {shown(key, theirs)})")
+    return diff
+
+
 def check_identity(out: Path, plan: Plan, arm: Arm) -> None:
     """An arm directory may only be resumed with the config and overrides it was started with
-    (run-control keys aside: ``spec.IDENTITY_IGNORED``)."""
+    (run-control keys aside: ``spec.IDENTITY_IGNORED``); overrides compare as the settings they make,
+    in any order."""
     old = started_with(run_dir(out, arm))
     if old is None:
         return
-    mine = {"config": plan.config, "overrides": identity_overrides(arm.overrides)}
-    theirs = {"config": old.get("config"), "overrides": identity_overrides(old.get("overrides") or [])}
-    if theirs != mine:
-        changed = sorted(set(theirs["overrides"]) ^ set(mine["overrides"])) or [f"config {theirs['config']}"]
+    if changed := identity_differences(old, plan.config, arm.overrides):
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} was started with other settings "
-                        f"(differs in: {' '.join(changed)}); use a new --out or the same experiment/scale/overrides")
+                        f"(differs in: {'; '.join(changed)}); use a new --out or the same experiment/scale/overrides")
     if what := trained_model_differences(run_dir(out, arm), plan.config, arm.overrides):  # a default changed
         raise SpecError(f"--out: arm {arm.name!r} in {run_dir(out, arm)} trained another model than these "
                         f"settings give with today's defaults ({what}); use a new --out")

@@ -23,8 +23,9 @@ resumes unfinished ones from their latest checkpoint, and keeps diverged ones. A
 point reuses every finished run in OUT (the run directories are keyed by LR).
 
 Exit status: 0 screen complete (an edge optimum is reported loudly but is not an error unless
-``--fail-on-edge``: 3); 1 some point failed or is unfinished; 2 bad arguments / config; 130
-interrupted.
+``--fail-on-edge``: 3); 1 some point failed or is unfinished (with ``--fail-on-edge`` also while
+points are still queued under slurm: an incomplete screen has no edge verdict, and never exits 3);
+2 bad arguments / config; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-depth", type=int, default=5, help="recurrence depth of the selection CE (5)")
     p.add_argument("--eval-batches", type=int, metavar="K", help="validation covers K x train.global_batch_size "
                    "sequences of the screen set (train.eval_batches; default: the whole set)")
-    p.add_argument("--fail-on-edge", action="store_true", help="exit 3 when the best LR is on a grid edge")
+    p.add_argument("--fail-on-edge", action="store_true",
+                   help="exit 3 when the best LR of the complete screen is on a grid edge "
+                        "(an incomplete screen has no edge verdict: exit 1)")
     add_launch_args(p, default_parallel="1")
     return p
 
@@ -125,6 +128,8 @@ def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
         return code
     if any(p["status"] in ("failed", "interrupted", "partial", "pending") for p in points):
         return 1  # "queued" (still in slurm) is not a failure
+    if args.fail_on_edge and not sel["complete"]:
+        return 1  # points still queued: no edge verdict yet, and asked for one
     if sel["edge"] and args.fail_on_edge:
         return 3
     return 0

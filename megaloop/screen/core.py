@@ -110,20 +110,26 @@ def select_best(points: list[dict]) -> dict:
 
     Diverged points count as worse than any finite CE (so a diverged top point brackets the
     optimum from above); points without a result do not count. Returns ``{best_index, best_lr,
-    best_val_ce, interior, edge ('lower'|'upper'|None), proposed_grid, ratio, complete}``.
+    best_val_ce, interior, edge ('lower'|'upper'|None), proposed_grid, ratio, complete, missing}``.
+    While points are missing (``missing``: their LRs) the best is provisional: no interior / edge
+    verdict (interior None) and no proposed grid, since a missing point may move the optimum.
     """
     lrs = [p["lr"] for p in points]
     if lrs != sorted(lrs):
         raise ValueError("points must be sorted by lr")
     scored = [(i, p["val_ce"]) for i, p in enumerate(points)
               if p.get("status") == "done" and p.get("val_ce") is not None and math.isfinite(p["val_ce"])]
-    complete = all(p.get("status") in ("done", "diverged") for p in points)
+    missing = [p["lr"] for p in points if p.get("status") not in ("done", "diverged")]
+    complete = not missing
     out: dict[str, Any] = {"best_index": None, "best_lr": None, "best_val_ce": None, "interior": None,
-                           "edge": None, "proposed_grid": None, "ratio": None, "complete": complete}
+                           "edge": None, "proposed_grid": None, "ratio": None, "complete": complete,
+                           "missing": missing}
     if not scored:
         return out
     i, ce = min(scored, key=lambda t: (t[1], t[0]))
     out.update(best_index=i, best_lr=lrs[i], best_val_ce=ce)
+    if not complete:
+        return out
     n = len(lrs)
     if 0 < i < n - 1:
         out["interior"] = True

@@ -92,6 +92,8 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
     title = f"LR screen: {Path(screen.config).stem}, {screen.end_step} of {screen.max_steps} updates"
     if sel["edge"]:
         title += f"\nBEST ON THE {sel['edge'].upper()} EDGE: extend the grid"
+    elif not sel["complete"]:
+        title += f"\nINCOMPLETE: {len(sel['missing'])} of {len(points)} points missing, best is provisional"
     ax.set_title(title, fontsize=10, color="tab:red" if sel["edge"] else "black")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
@@ -139,7 +141,13 @@ def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) 
         mark = "  <- best" if p["index"] == sel["best_index"] else ""
         print(f"  {lr_tag(p['lr']):>10}  {p['status']:<11} {p['steps']:>5}/{p['target_steps']:<5}  "
               f"{_fmt(p['val_ce']):>9}  {_fmt(p['val_ppl'], '.2f'):>10}{mark}")
-    if sel["best_index"] is None:
+    if not sel["complete"]:
+        missing = ", ".join(lr_tag(x) for x in sel["missing"])
+        best = "no finished point yet" if sel["best_index"] is None else \
+            f"best lr so far {lr_tag(sel['best_lr'])} (val_ce {sel['best_val_ce']:.4f}) is provisional"
+        print(f"  the screen is incomplete ({len(sel['missing'])} of {len(points)} point(s) missing: lr {missing}): "
+              f"{best}; no edge or interior verdict until every point has finished")
+    elif sel["best_index"] is None:
         print("  no finished point yet")
     elif sel["interior"]:
         print(f"  best lr {lr_tag(sel['best_lr'])} (val_ce {sel['best_val_ce']:.4f}) is interior to the grid")
@@ -151,6 +159,4 @@ def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) 
               f"!! Extend the grid by one log step (x{r:.3g}) beyond that edge; finished points are reused:\n"
               f"!!   proposed grid: {','.join(lr_tag(x) for x in sel['proposed_grid'])}\n"
               f"!!   {proposal}\n{bar}")
-    if not sel["complete"]:
-        n = sum(p["status"] not in TERMINAL for p in points)
-        print(f"  {n} point(s) not finished: the selection is provisional")
+

@@ -116,3 +116,58 @@ def test_cli_bad_deepspeed_config_exits_2(tmp_path, cmd):
     assert proc.returncode == 2, proc.stderr
     lines = [l for l in proc.stderr.splitlines() if "error" in l]
     assert len(lines) == 1 and "train_batch_size: 5 contradicts the command line" in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"wall_clock_breakdown": "yes"}, "wall_clock_breakdown: must be true or false (a JSON boolean), got 'yes'"),
+    ({"memory_breakdown": 1}, "memory_breakdown: must be true or false (a JSON boolean), got 1"),
+    ({"steps_per_print": "10"}, "steps_per_print: must be an integer, got '10'"),
+    ({"prescale_gradients": "false"}, "prescale_gradients: must be true or false"),
+    ({"tensorboard": "yes"}, "tensorboard: must be an object, got 'yes'"),
+    ({"activation_checkpointing": "x"}, "activation_checkpointing: must be an object, got 'x'"),
+    ({"flops_profiler": {"enabled": "maybe"}}, "flops_profiler: "),
+])
+def test_wrongly_typed_top_level_values_name_the_key(tmp_path, body, words):
+    """A wrongly typed top-level value was DeepSpeed's TypeError traceback from deepspeed.initialize, after
+    the model loaded (or a failure later in training); now one line naming the key, from the file alone."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **body}))
+    with pytest.raises(ConfigError) as err:
+        load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
+    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value), err.value
+    # the same keys with the right types pass
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": False,
+                                "memory_breakdown": False, "steps_per_print": 5, "prescale_gradients": False,
+                                "tensorboard": {"enabled": False}, "flops_profiler": {"enabled": False},
+                                "gradient_clipping": "auto", "communication_data_type": "fp32"}))
+    cfg = load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
+    assert cfg["steps_per_print"] == 5 and cfg["gradient_clipping"] == 1.0
+
+
+def test_a_directory_is_named_as_one(tmp_path):
+    """--deepspeed DIR and distill-prefill --data DIR said "no such file"."""
+    with pytest.raises(ConfigError, match=rf"--deepspeed {tmp_path}: is a directory"):
+        load_ds_config(tmp_path, global_batch=8, world=2, clip_grad=1.0)
+    from megaloop.post.distill.cli import _check_data
+
+    with pytest.raises(ConfigError, match=rf"--data {tmp_path}: is a directory, not a file"):
+        _check_data(str(tmp_path))
+    with pytest.raises(ConfigError, match="no such file"):
+        _check_data(str(tmp_path / "missing.txt"))
+
+
+def test_cli_wrongly_typed_deepspeed_value_exits_2_before_loading(tmp_path, capsys, monkeypatch):
+    """Refused before the teacher loads, and no --out folder is left behind."""
+    pytest.importorskip("deepspeed")
+    from megaloop.post.distill.cli import main
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 2}, "wall_clock_breakdown": "yes"}))
+    monkeypatch.setattr("megaloop.hf.load.load_model", lambda *a, **k: pytest.fail("teacher loaded"))
+    out = tmp_path / "o"
+    assert main(["--teacher", str(tmp_path / "missing"), "--out", str(out), "--deepspeed", str(cfg),
+                 "--batch-size", "8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ds.json: wall_clock_breakdown: must be true or false" in err[0], err
+    assert not out.exists()

@@ -100,6 +100,29 @@ def test_identity_guards_resume(user_yaml: Path, tmp_path: Path) -> None:
         check_identity(out, plan, plan.arm("b1"))
 
 
+def test_identity_compares_overrides_in_any_order(user_yaml: Path, tmp_path: Path) -> None:
+    """The same overrides in another order are the same settings (they were refused, "differs in:
+    config tiny"); a real difference is named as what it is now and was."""
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test", ["model.hidden_size=64", "optim.weight_decay=0.05"])
+    _mark_started(out, plan, "b1")
+    swapped = load_plan(str(user_yaml), "test", ["optim.weight_decay=0.05", "model.hidden_size=64"])
+    assert swapped.arm("b1").overrides != plan.arm("b1").overrides  # another order ...
+    check_identity(out, swapped, swapped.arm("b1"))  # ... the same settings
+    # a key given twice acts by its last value
+    check_identity(out, load_plan(str(user_yaml), "test", ["model.hidden_size=32", "optim.weight_decay=0.05",
+                                                           "model.hidden_size=64"]), plan.arm("b1"))
+    changed = load_plan(str(user_yaml), "test", ["optim.weight_decay=0.1", "model.hidden_size=64"])
+    with pytest.raises(SpecError) as err:
+        check_identity(out, changed, changed.arm("b1"))
+    msg = str(err.value)
+    assert "differs in: optim.weight_decay=0.1 (was optim.weight_decay=0.05)" in msg
+    assert "config " not in msg.split("differs in:")[1]
+    dropped = load_plan(str(user_yaml), "test", ["model.hidden_size=64"])
+    with pytest.raises(SpecError, match=r"differs in: optim.weight_decay unset \(was optim.weight_decay=0.05\)"):
+        check_identity(out, dropped, dropped.arm("b1"))
+
+
 def test_cli_skips_done_and_resumes_partial(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "out"
     plan = load_plan(str(user_yaml), "test")

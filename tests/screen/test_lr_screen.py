@@ -226,9 +226,34 @@ def test_diverged_top_point_brackets_the_optimum() -> None:
 
 
 def test_unfinished_points_make_selection_provisional() -> None:
+    # a missing point may move the optimum: a provisional best, but no edge / interior verdict and no
+    # proposed grid (an incomplete screen claimed an edge and proposed a grid)
     sel = select_best(_pts([3.0, None, 2.7], ["done", "pending", "done"]))
-    assert sel["best_index"] == 2 and sel["edge"] == "upper" and not sel["complete"]
+    assert sel["best_index"] == 2 and not sel["complete"] and sel["missing"] == [0.002]
+    assert sel["edge"] is None and sel["interior"] is None and sel["proposed_grid"] is None
+    sel = select_best(_pts([3.0, 2.5, None], ["done", "done", "queued"]))
+    assert sel["best_index"] == 1 and sel["interior"] is None and sel["missing"] == [0.004]
     assert select_best(_pts([None, None, None], ["pending"] * 3))["best_index"] is None
+    assert select_best(_pts([3.0, 2.5, 2.1]))["missing"] == []
+
+
+def test_collect_of_an_incomplete_screen_claims_no_edge(tmp_path: Path, capsys) -> None:
+    """1 of 3 points done (after an interrupt): --collect --fail-on-edge printed the LOWER EDGE warning,
+    wrote edge / proposed_grid to results.json (and would have exited 3 had nothing been unfinished)."""
+    out = tmp_path / "scr"
+    grid = [1e-4, 2e-4, 4e-4]
+    _metrics(out / f"lr_{lr_tag(grid[0])}", [{"step": 6, "loss": 4.0, "val_ce": 4.0, "val_ppl": math.exp(4.0),
+                                             "val_depth": 5}])
+    _metrics(out / f"lr_{lr_tag(grid[1])}", [{"step": 2, "loss": 4.5}])  # stopped at step 2
+    code = cli.main(["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6",
+                     "--out", str(out), "--collect", "--fail-on-edge"])
+    text = capsys.readouterr().out
+    assert code == 1, text  # unfinished points, not an edge
+    assert "EDGE" not in text and "proposed grid" not in text, text
+    assert "incomplete (2 of 3 point(s) missing: lr 0.0002, 0.0004)" in text and "provisional" in text, text
+    res = json.loads((out / "results.json").read_text())
+    assert res["complete"] is False and res["edge"] is None and res["proposed_grid"] is None
+    assert res["proposed_command"] is None and res["best"]["lr"] == 1e-4
 
 
 def test_compress_indices() -> None:

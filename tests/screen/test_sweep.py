@@ -92,3 +92,49 @@ def test_runs_start_in_the_callers_directory(tmp_path, monkeypatch) -> None:
     assert pool._spawn(0, [sys.executable, "-c", "import os; print('CWD', os.getcwd())"], log) == 0
     assert f"CWD {tmp_path}" in log.read_text()
     assert f"--chdir={tmp_path}" in sbatch_command(sweep, [0], _launch())
+
+
+def test_a_run_started_as_the_stop_comes_is_asked_to_stop(tmp_path, monkeypatch) -> None:
+    """A SIGTERM / Ctrl-C that lands after a worker checked the stop flag but before it registered the
+    process it was starting saw no process ("asking 0 run(s)"), and that run trained to the end. The
+    signal is made to land exactly there: the Popen below sends it and waits for the launcher's
+    "asking N run(s)" line before starting the (long) process."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import megaloop.sweep as sweep_mod
+    from megaloop.sweep import LocalPool, Run, Sweep
+
+    monkeypatch.setattr(sweep_mod, "STOP_TIMEOUT_S", 5)  # the old code waited this long, then killed it
+    asked = threading.Event()
+    lines: list[str] = []
+
+    class Logged(Sweep):
+        def log(self, msg: str) -> None:
+            lines.append(msg)
+            if "asking" in msg:
+                asked.set()
+
+    real_popen = subprocess.Popen
+
+    def popen_as_the_signal_comes(argv, **kw):  # noqa: ANN001, ANN003
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's handler runs in the main thread
+        assert asked.wait(10)
+        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
+
+    monkeypatch.setattr(sweep_mod.subprocess, "Popen", popen_as_the_signal_comes)
+    sweep = Logged(out=tmp_path / "out", runs=[], tag="t")
+    sweep.out.mkdir()
+    run = Run(name="a", run_dir=tmp_path / "out" / "a", config="tiny", overrides=[])
+    codes: list[int] = []
+    pool = LocalPool(sweep, _launch(), on_exit=lambda r, code: codes.append(code))
+    t0 = time.time()
+    with pytest.raises(KeyboardInterrupt):
+        pool.run([run])
+    assert codes == [-signal.SIGTERM], (codes, lines)  # asked to checkpoint, not killed after the wait
+    assert time.time() - t0 < 5, lines
+    assert any("asking 0 run(s)" in m for m in lines) and any("started as the stop came" in m for m in lines)

@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=None,
+                   help="linear warm-up steps, then cosine decay to 0.1·--lr (given: must be < --steps; "
+                        "default 20, shortened to --steps - 1 on a shorter run)")
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--lambda-kl", type=float, default=1.0)
     p.add_argument("--calib-batches", type=int, default=8)
@@ -107,7 +109,8 @@ def _run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     try:
         cfg = DistillConfig(depth=args.depth, lambda_kl=0.0 if args.no_kl_loss else args.lambda_kl, steps=args.steps,
-                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup=args.warmup,
+                            batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                            warmup=DistillConfig.warmup if args.warmup is None else args.warmup,
                             weight_decay=args.weight_decay, clip_grad=args.clip_grad, calib_batches=args.calib_batches,
                             seed=args.seed, log_every=args.log_every, hidden_loss=not args.no_hidden_loss)
     except ValueError as err:  # DistillConfig's checks
@@ -205,6 +208,11 @@ def _run(args: argparse.Namespace) -> int:
         if lead:  # readable before anything is loaded, so --resume checks its flags first
             write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
 
+    if lead and args.warmup is None and cfg.warmup >= cfg.steps > 0:
+        from megaloop.post.distill.prefill_student import warmup_steps
+
+        print(f"note: --warmup: the default {cfg.warmup} is not below --steps {cfg.steps}: this run warms up over "
+              f"{warmup_steps(cfg)} step(s)", file=sys.stderr, flush=True)
     # SIGTERM/SIGUSR1/Ctrl-C from here on: checkpoint at the next step boundary and exit 75/130
     # (megaloop.runtime.stop); one during the last step or the final writes lets the run complete
     with SignalStop(lead=lead) as stop:
@@ -266,11 +274,14 @@ def _check_flags(args: argparse.Namespace) -> None:
                     ("--clip-grad", args.clip_grad)):
         need(math.isfinite(v) and v >= 0, flag, "a finite number >= 0", v)
     for flag, v, lo in (("--depth", args.depth, 1), ("--steps", args.steps, 0), ("--batch-size", args.batch_size, 1),
-                        ("--seq-len", args.seq_len, 2), ("--warmup", args.warmup, 0),
+                        ("--seq-len", args.seq_len, 2), ("--warmup", args.warmup or 0, 0),
                         ("--calib-batches", args.calib_batches, 1), ("--eval-batches", args.eval_batches, 1),
                         ("--log-every", args.log_every, 1), ("--save-every", args.save_every, 0),
                         ("--max-chars", args.max_chars, 0)):
         need(v >= lo, flag, f">= {lo}", v)
+    if args.warmup and args.warmup >= args.steps:  # as `megaloop train` refuses warm-up >= max_steps
+        raise ConfigError(f"--warmup {args.warmup}: must be < --steps {args.steps} (the warm-up would not end "
+                          "before the run does)")
     if args.num_layers is not None:
         need(args.num_layers >= 1, "--num-layers", ">= 1 (leave it out for the teacher's n_core)", args.num_layers)
     if args.threads is not None:
@@ -327,6 +338,8 @@ def _check_data(data: str) -> None:
     if data == "default":
         return
     p = Path(data)
+    if p.is_dir():
+        raise ConfigError(f"--data {p}: is a directory, not a file (give FILE.txt, FILE.jsonl or 'default')")
     if not p.is_file():
         raise ConfigError(f"--data {p}: no such file")
     raw = p.read_bytes()

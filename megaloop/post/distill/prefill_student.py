@@ -239,12 +239,23 @@ def evaluate_student(teacher, student, batches, cfg: DistillConfig, sigma2: floa
     return {k: v / max(n, 1) for k, v in acc.items()}
 
 
+def warmup_steps(cfg: DistillConfig) -> int:
+    """The warm-up the schedule uses: ``cfg.warmup``, shortened to ``steps - 1`` on a run not longer than
+    it (``megaloop distill-prefill`` refuses an explicit ``--warmup`` >= ``--steps``; only its default
+    of 20 is shortened so)."""
+    return max(0, min(cfg.warmup, cfg.steps - 1))
+
+
 def lr_at(cfg: DistillConfig, step: int) -> float:
-    """Linear warm-up then cosine decay to ``min_lr_ratio · lr``."""
-    frac = step / max(cfg.steps - 1, 1)
-    scale = min(1.0, (step + 1) / max(cfg.warmup, 1))
-    scale *= cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-    return cfg.lr * scale
+    """The LR of (0-based) ``step``: linear warm-up to ``lr`` over the first :func:`warmup_steps` steps
+    (step ``w - 1`` trains at ``lr``), then cosine decay to ``min_lr_ratio · lr``, reached at the last
+    step ``steps - 1``. A pure function of ``(cfg, step)``, so a resumed run trains at the same LRs."""
+    w = warmup_steps(cfg)
+    peak = max(w - 1, 0)  # the step at lr: the warm-up's last, where the decay starts
+    if step < peak:
+        return cfg.lr * (step + 1) / w
+    frac = min(1.0, (step - peak) / max(cfg.steps - 1 - peak, 1))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 def train_student(teacher, student: PrefillStudent, batches: Iterator[torch.Tensor], cfg: DistillConfig, *,

@@ -24,7 +24,8 @@ rolls out its share of the ``--prompts x --group-size`` rows, the advantages are
 whole groups, and rank 0 writes the outputs. ``--save-every N`` keeps checkpoints in
 ``OUT/checkpoints`` (DeepSpeed's format under ``--deepspeed``, with an ``rl_run.json`` beside each);
 ``--resume`` continues from the latest one exactly, on the same ``--model``, settings, engine and
-number of processes (checked before the model loads; ``--steps`` may grow). SIGTERM / SIGUSR1 (slurm's
+number of processes (checked before the model loads; ``--steps`` may grow; the ``--task`` file and the
+tokenizer are compared by content, their SHA-256, wherever they lie). SIGTERM / SIGUSR1 (slurm's
 pre-emption warning) / Ctrl-C during training checkpoint into ``OUT/checkpoints`` at the next step
 boundary (whatever ``--save-every``; every rank agrees on it) and exit 75 / 130: ``--resume`` continues
 exactly (:mod:`megaloop.runtime.stop`); a second Ctrl-C stops at once without saving. ``megaloop rl
@@ -120,10 +121,10 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import CheckpointMismatch, init_post_distributed, launched_world, make_engine
-    from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer, config_dict
-    from megaloop.post.rl.io import check_out, model_tokenizer, save_hf, warn_rope_extrapolation
-    from megaloop.post.rl.tasks import make_task
-    from megaloop.post.runs import cut_metrics
+    from megaloop.post.rl.grpo import GRPOConfig, GRPOTrainer, config_dict, refuse_changes
+    from megaloop.post.rl.io import check_out, early_tokenizer, model_tokenizer, save_hf, tokenizer_identity
+    from megaloop.post.rl.tasks import make_task, task_identity
+    from megaloop.post.runs import cut_metrics, resume_tag
     from megaloop.runtime.stop import SignalStop, exit_code, stop_line
 
     try:
@@ -143,6 +144,7 @@ def _run(args: argparse.Namespace) -> int:
                          seed=args.seed)
         task = make_task(args.task, reward_workers=args.reward_workers, unsafe_code_exec=args.unsafe_code_exec,
                          reward_mode=args.reward_mode)
+        identity = task_identity(args.task)
     except ValueError as err:  # GRPOConfig / task options (a UserError or a plain ValueError)
         return report(err, "megaloop rl")
     if args.threads:
@@ -155,15 +157,29 @@ def _run(args: argparse.Namespace) -> int:
         ds_config = load_ds_config(args.deepspeed, global_batch=args.prompts * args.group_size,
                                    world=launched_world(), clip_grad=cfg.clip_grad, stages=(0, 1, 2),
                                    batch_flag="--prompts x --group-size")
-    meta = {"task": args.task, "reward_mode": args.reward_mode, "model": str(Path(args.model).resolve())}
+    meta = {**identity, "reward_mode": args.reward_mode, "model": str(Path(args.model).resolve())}
     stored = _check_resume(ckpt, cfg, meta, args.deepspeed) if args.resume else {}
     check_model_path(args.model, "--model")
+
+    def tokenizer_meta(tok) -> None:  # recorded with the run; a --resume on another one is refused
+        meta.update(tokenizer_identity(tok))
+        if args.resume:
+            refuse_changes({**(stored.get("config") or {}), **(stored.get("meta") or {})}, meta,
+                           f"the checkpoint {ckpt}/{resume_tag(ckpt)}")
+
+    tok = early_tokenizer(args.tokenizer, args.model)  # a checkpoint's own: known once it is read
+    if tok is not None:
+        tokenizer_meta(tok)
     info, device = init_post_distributed(args.device, args.deepspeed)
     model, source = load_model(args.model, num_recurrences=args.depth, tokenizer=args.tokenizer)
-    tok = model_tokenizer(args.tokenizer, args.model, source)
     if tok is None:
-        raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")
-    warn_rope_extrapolation(model, args.max_new_tokens + 1, f"completions of --max-new-tokens {args.max_new_tokens}")
+        tok = model_tokenizer(args.tokenizer, args.model, source)
+        if tok is None:
+            raise ConfigError(f"--model {args.model}: no tokenizer found; pass --tokenizer")
+        tokenizer_meta(tok)
+    source = {**source, "path": str(Path(source["path"]).resolve()), "tokenizer": meta["tokenizer"],
+              "tokenizer_spec": args.tokenizer}  # the tokenizer used (absolute, or bytes) and as given
+    warn_prompt_lengths(model, tok, task, args.task, args.max_new_tokens)
     model.to(device)
     lead = info.rank == 0
     if lead:
@@ -212,7 +228,8 @@ def _run(args: argparse.Namespace) -> int:
         # (the checkpoint resumed from carries the seconds of the steps before it)
         if args.resume and metrics.is_file():
             history = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        summary = {"source": source, "task": args.task, "config": config_dict(cfg),
+        summary = {"source": source, **{k: meta[k] for k in ("task", "task_sha256", "tokenizer", "tokenizer_sha256")},
+                   "config": config_dict(cfg),
                    "seconds": round(trainer.seconds, 2), "launch_seconds": round(time.time() - t0, 2),
                    "world_size": info.world, "deepspeed": None if ds_config is None else
                    {"config": args.deepspeed, "zero_stage": engine.stage},
@@ -227,6 +244,24 @@ def _run(args: argparse.Namespace) -> int:
             print(f"megaloop rl: signal received during the last step or the final writes: the run is "
                   f"complete at step {trainer.step_no}", flush=True)
         return 0
+
+
+def warn_prompt_lengths(model, tok, task, spec: str, max_new_tokens: int) -> None:
+    """Refuse a task prompt that encodes to no tokens (one line); warn once (RoPE extrapolation) when the
+    longest prompt plus ``max_new_tokens`` completion tokens can pass the training length."""
+    import random
+
+    from megaloop.config_utils import ConfigError
+    from megaloop.post.rl.io import warn_rope_extrapolation
+
+    examples = getattr(task, "examples", None) or task.sample(64, random.Random(0))
+    lengths = [len(tok.encode(ex.prompt)) for ex in examples]
+    if min(lengths) == 0:
+        raise ConfigError(f"--task {spec}: the prompt {examples[lengths.index(0)].prompt!r} encodes to no tokens; "
+                          "give every record a prompt")
+    longest = max(lengths)
+    warn_rope_extrapolation(model, longest + max_new_tokens, f"prompts of up to {longest} tokens plus completions of "
+                                                             f"--max-new-tokens {max_new_tokens}")
 
 
 def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:

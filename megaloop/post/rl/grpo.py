@@ -487,21 +487,41 @@ RESUME_FREE = ("steps", "log_every")
 FLAGS = {"prompts_per_step": "--prompts", "scale_rewards": "--no-scale-rewards", "betas": "betas"}
 
 
+# settings identified by their content: the fingerprint recorded beside each (SHA-256 of the file read;
+# "bytes" for the byte tokenizer). When both runs recorded one, it decides (with the task's kind), not the path
+FINGERPRINTS = {"task": "task_sha256", "tokenizer": "tokenizer_sha256"}
+
+
 def resume_changes(old: dict, new: dict) -> list[str]:
     """``"--flag old → new"`` for each training setting that differs between a checkpoint's stored
-    settings ``old`` and this run's ``new`` (keys missing from ``old``, older checkpoints, are not compared)."""
+    settings ``old`` and this run's ``new`` (keys missing from ``old``, older checkpoints, are not compared;
+    a ``task`` recorded without a fingerprint, as typed, has its file resolved from the current folder)."""
+    from megaloop.post.rl.tasks import task_spec
+
     def norm(v):
         return list(v) if isinstance(v, tuple) else v
 
+    def shown(record: dict, key: str) -> str:
+        fp = record.get(FINGERPRINTS[key]) if key in FINGERPRINTS else None
+        return f"{record[key]!r}" + (f" (sha256 {fp[:12]})" if fp and fp != record[key] else "")
+
     out = []
     for key, value in new.items():
-        if key in RESUME_FREE or key not in old or norm(old[key]) == norm(value):
+        if key in RESUME_FREE or key in FINGERPRINTS.values() or key not in old:
             continue
-        if isinstance(old[key], (int, float)) and isinstance(value, (int, float)) \
-                and not isinstance(value, bool) and float(old[key]) == float(value):
-            continue
+        fp = FINGERPRINTS.get(key)
+        if fp and old.get(fp) and new.get(fp):  # the same content (and task kind) wherever it lies
+            if old[fp] == new[fp] and (key != "task" or old[key].partition(":")[0] == value.partition(":")[0]):
+                continue
+        else:
+            was = task_spec(old[key]) if key == "task" and isinstance(old[key], str) and fp not in old else old[key]
+            if norm(was) == norm(value):
+                continue
+            if isinstance(was, (int, float)) and isinstance(value, (int, float)) \
+                    and not isinstance(value, bool) and float(was) == float(value):
+                continue
         flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-        out.append(f"{flag} {old[key]!r} → {value!r}")
+        out.append(f"{flag} {shown(old, key)} → {shown(new, key)}")
     return out
 
 

@@ -43,6 +43,27 @@ def model_tokenizer(explicit: str | Path | None, model_path: str | Path, source:
     return tok
 
 
+def early_tokenizer(explicit: str | Path | None, model_path: str | Path) -> TextTokenizer | None:
+    """The tokenizer :func:`model_tokenizer` will give, where it can be told before the model loads:
+    ``explicit`` (``--tokenizer``) or an HF folder's own; None for a checkpoint's run tokenizer (known
+    once the checkpoint is read)."""
+    from megaloop.hf.load import is_hf_folder
+
+    if explicit is not None:
+        return load_tokenizer(explicit)
+    return load_tokenizer(None, fallback_dir=model_path) if is_hf_folder(model_path) else None
+
+
+def tokenizer_identity(tok: TextTokenizer) -> dict:
+    """What a run records of its tokenizer (compared on ``--resume``): ``tokenizer``, the file used
+    (absolute) or ``bytes``, and ``tokenizer_sha256``, the SHA-256 of that file (``bytes`` for bytes)."""
+    if isinstance(tok, ByteTokenizer):
+        return {"tokenizer": "bytes", "tokenizer_sha256": "bytes"}
+    path = getattr(tok, "path", None)
+    return {"tokenizer": str(Path(path).resolve()) if path is not None else type(tok).__name__,
+            "tokenizer_sha256": getattr(tok, "sha256", None)}
+
+
 def add_run_folder_args(p, stages: str, what: str) -> None:
     """``--deepspeed`` (``stages``: the ZeRO configs the command accepts), ``--save-every``,
     ``--resume``, ``--overwrite``: the run-folder options of ``megaloop rl`` / ``distill-prefill``."""
@@ -75,10 +96,13 @@ def check_out(out: Path, own: str, *, resume: bool, overwrite: bool, model: str 
     without ``--resume`` / ``--overwrite``, when both are given, or when ``--resume`` finds no checkpoint."""
     from megaloop.config_utils import ConfigError
     from megaloop.post.runs import OWN, check_owner, check_writable
+    from megaloop.runtime.files import dangling_link
 
     out = Path(out)
     for p in (out, *out.parents):
         if p.exists() or p.is_symlink():
+            if link := dangling_link(p):
+                raise ConfigError(f"--out {out}: {link}; give a folder you can write to")
             if not p.is_dir():
                 where = "is a file" if p == out else f"lies under {p}, which is a file"
                 raise ConfigError(f"--out {out} {where}; give a folder")
@@ -125,18 +149,42 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
     for name in CODE_FILES:
         shutil.copyfile(HF_DIR / name, out / name)
     tok_path = getattr(tokenizer, "path", None)
+    written = []
     if tok_path is not None and Path(tok_path).suffix == ".json":
+        written.append("tokenizer.json")
         shutil.copyfile(tok_path, out / "tokenizer.json")
         src_cfg = Path(tok_path).parent / "tokenizer_config.json"
         if src_cfg.is_file():
+            written.append("tokenizer_config.json")
             shutil.copyfile(src_cfg, out / "tokenizer_config.json")
     elif isinstance(tokenizer, ByteTokenizer):
+        written.append("megaloop_tokenizer.json")
         (out / "megaloop_tokenizer.json").write_text(json.dumps({"spec": "bytes"}))
+    _drop_stale_tokenizer(out, written)
     if extra:
         from megaloop.runtime.files import atomic_write_text
 
-        atomic_write_text(out / "megaloop_rl.json", json.dumps(extra, indent=1, default=str))
+        atomic_write_text(out / "megaloop_rl.json", json.dumps({**extra, "tokenizer_files": written}, indent=1,
+                                                               default=str))
     return out
+
+
+# the tokenizer files an RL save (save_hf) may write
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "megaloop_tokenizer.json")
+
+
+def _drop_stale_tokenizer(out: Path, written: list[str]) -> None:
+    """Remove the tokenizer files an earlier save into ``out`` left that this one did not write (an
+    ``--overwrite`` with another ``--tokenizer``), so the folder holds one tokenizer, the weights'. Only
+    files of that save go: those its ``megaloop_rl.json`` lists (any of :data:`TOKENIZER_FILES` for one
+    written before the list was kept); nothing is removed from a folder no RL save wrote."""
+    try:
+        before = json.loads((out / "megaloop_rl.json").read_text())
+    except (OSError, ValueError):
+        return
+    listed = before.get("tokenizer_files") if isinstance(before, dict) else None
+    for name in set(listed if isinstance(listed, list) else TOKENIZER_FILES) & set(TOKENIZER_FILES) - set(written):
+        (out / name).unlink(missing_ok=True)
 
 
 def warn_rope_extrapolation(model, length: int, what: str) -> bool:

@@ -15,6 +15,8 @@ returns in the trusted parent (type-strict, see :mod:`megaloop.post.rl.verdict`)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 from pathlib import Path
@@ -147,12 +149,18 @@ class JsonlTask:
             key = next((k for k in keys if k in rec), None)
             if key is None:
                 raise ValueError(f"{self.path}:{lineno}: missing key {keys[0]!r}{prompt_key_note}")
+            prompt, raw = rec[key], rec[answer_key]
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{self.path}:{lineno}: {key!r} must be a non-empty string, got {_shown(prompt)}")
+            if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):  # numbers: "answer": 7
+                raise ValueError(f"{self.path}:{lineno}: {answer_key!r} must be a string or a number, got "
+                                 f"{_shown(raw)}")
             meta = {k: v for k, v in rec.items() if k not in (key, answer_key)}
-            answer = answer_fn(str(rec[answer_key]))
+            answer = answer_fn(str(raw))
             problem = answer_check(answer) if answer_check else None
             if problem:
                 raise ValueError(f"{self.path}:{lineno}: {problem}")
-            self.examples.append(Example(template.format(prompt=rec[key]), answer, meta))
+            self.examples.append(Example(template.format(prompt=prompt), answer, meta))
         if not self.examples:
             raise ValueError(f"{self.path}: no records")
         self._reward = reward or FinalNumberReward()
@@ -162,6 +170,12 @@ class JsonlTask:
 
     def reward(self, example: Example, completion: str) -> float:
         return self._reward(example, completion)
+
+
+def _shown(value: Any) -> str:
+    """A record's value as JSON, cut short (``null``, ``""``, ``["a"]``) for a message."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def gsm8k_answer(answer: str) -> str:
@@ -228,6 +242,37 @@ def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = Fa
         return JsonlTask(path, ExactMatchReward())
     raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "
                      "mbpp:PATH.jsonl")
+
+
+FILE_TASKS = ("gsm8k", "exact", "mbpp")
+
+
+def task_file(spec: str) -> Path | None:
+    """The file a ``KIND:PATH`` task reads (``mbpp:tiny``: the shipped sample), else None."""
+    kind, _, path = spec.partition(":")
+    if kind not in FILE_TASKS or not path:
+        return None
+    if kind == "mbpp" and path == "tiny":
+        from megaloop.post.rl.sandbox import DATA_DIR
+
+        return DATA_DIR / "mbpp_tiny.jsonl"
+    return Path(path)
+
+
+def task_spec(spec: str) -> str:
+    """``spec`` with its file made absolute (``exact:data.jsonl`` → ``exact:/work/data.jsonl``), so the
+    same file named from another folder or by another path reads the same; other specs unchanged."""
+    kind, _, path = spec.partition(":")
+    if task_file(spec) is None or (kind == "mbpp" and path == "tiny"):
+        return spec
+    return f"{kind}:{Path(path).resolve()}"
+
+
+def task_identity(spec: str) -> dict:
+    """What a run records of its ``--task`` (compared on ``--resume``): ``task`` (:func:`task_spec`) and
+    ``task_sha256``, the SHA-256 of the task's file (None for a built-in task)."""
+    f = task_file(spec)
+    return {"task": task_spec(spec), "task_sha256": None if f is None else hashlib.sha256(f.read_bytes()).hexdigest()}
 
 
 # ----------------------------------------------------------------------------- tokenizers

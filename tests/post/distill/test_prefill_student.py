@@ -168,3 +168,26 @@ def test_token_stream_reports_a_cut_short_read(tmp_path):
     assert info == {"documents_read": 3, "documents": 5, "characters_read": 30, "truncated": True}
     token_stream(ByteTokenizer(), str(data), max_chars=None, info=info)
     assert info["truncated"] is False and info["documents_read"] == 5
+
+
+def test_lr_schedule_warms_up_to_lr_then_decays():
+    """Linear warm-up to --lr over --warmup steps, then cosine decay to min_lr_ratio·lr at the last step
+    (the cosine started at step 0 and multiplied the ramp: --steps 30 --warmup 20 --lr 1e-3 peaked at
+    4.36e-4)."""
+    from megaloop.post.distill.prefill_student import DistillConfig, lr_at
+
+    cfg = DistillConfig(steps=30, warmup=20, lr=1e-3)
+    lrs = [lr_at(cfg, s) for s in range(30)]
+    assert max(lrs) == pytest.approx(1e-3) and lrs[19] == pytest.approx(1e-3)
+    assert lrs[:20] == pytest.approx([1e-3 * (s + 1) / 20 for s in range(20)])  # linear ramp
+    assert all(a > b for a, b in zip(lrs[19:], lrs[20:]))  # then strictly decaying ...
+    assert lrs[-1] == pytest.approx(cfg.min_lr_ratio * 1e-3)  # ... to min_lr_ratio·lr at the last step
+    # no warm-up: the cosine starts at --lr
+    flat = DistillConfig(steps=10, warmup=0, lr=2e-3)
+    assert lr_at(flat, 0) == pytest.approx(2e-3) and lr_at(flat, 9) == pytest.approx(2e-4)
+    # a pure function of the step: a resumed run trains at the same LRs
+    assert [lr_at(cfg, s) for s in range(30)] == lrs
+    # the default warm-up (20) on a shorter run is shortened to steps - 1: --lr is still reached
+    short = DistillConfig(steps=4, lr=1e-3)
+    assert short.warmup == 20 and [lr_at(short, s) for s in range(4)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-4])
+    assert lr_at(DistillConfig(steps=1, lr=1e-3), 0) == pytest.approx(1e-3)
