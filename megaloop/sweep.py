@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from megaloop.errors import UserError, report
+from megaloop.post.runs import SWEEP_MARKERS, folder_holds
 from megaloop.runtime.exits import EXIT_REQUEUE
 from megaloop.runtime.files import atomic_write_json, atomic_write_text
 
@@ -534,7 +535,7 @@ def check_out_dir(out: str | None, *, probe: bool = True) -> None:
 
 
 # what marks a folder as written by each sweep command (a results.json alone: by its keys)
-_MARKERS = {"lr-screen": "screen.json", "reproduce": "plan.json"}
+_MARKERS = {kind: marker for kind, marker, _ in SWEEP_MARKERS}
 
 
 def folder_kind(out: Path) -> str | None:
@@ -558,9 +559,14 @@ def folder_kind(out: Path) -> str | None:
 
 
 def check_out_kind(out: str | Path | None, kind: str, flag: str = "--out") -> None:
-    """Refuse an ``out`` holding another command's results (both write ``results.json``)."""
+    """Refuse an ``out`` holding another command's results (both write ``results.json``), or the folder of a
+    run or model (a pretraining run, an RL run, a prefill student, an HF model)."""
     if not out:
         return
+    run = folder_holds(Path(out))
+    if run is not None and run[0] in ("pretraining", "rl", "student", "hf"):
+        raise UserError(f"{flag}: {out} holds {run[1]}, not `megaloop {kind}` results: writing there would mix "
+                        "the two; choose another folder")
     held = folder_kind(Path(out))
     if held is not None and held != kind:
         what = f"a `megaloop {held}` result" if held != "unknown" else "a results.json of another tool"

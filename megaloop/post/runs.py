@@ -52,8 +52,8 @@ def _rel(path: Path, root: Path) -> str:
 
 def folder_holds(out: str | Path) -> tuple[str, str] | None:
     """``(kind, what)`` for a folder that holds something: ``kind`` one of ``pretraining``, ``rl``,
-    ``student``, ``hf`` (an HF model that is no RL run), ``run`` (a metrics.jsonl of no known tool) or
-    ``unknown-run`` (a metrics.jsonl with no readable record: an interrupted run of either command),
+    ``student``, ``hf`` (an HF model that is no RL run), ``run`` (a metrics.jsonl of no known tool),
+    ``lr-screen`` / ``reproduce`` (a sweep command's folder) or ``unknown-run`` (a metrics.jsonl with no readable record: an interrupted run of either command),
     ``what`` the words naming it with the files that tell (``"a pretraining run (config.yaml,
     checkpoints/step_00003200/megaloop.json)"``). None for a missing or an empty/unrelated folder."""
     out = Path(out)
@@ -97,7 +97,14 @@ def folder_holds(out: str | Path) -> tuple[str, str] | None:
         return "run", f"the metrics.jsonl of a run of another tool (record keys: {', '.join(list(rec)[:6])})"
     if metrics.exists():
         return "unknown-run", "a run (metrics.jsonl)"
+    for kind, marker, what in SWEEP_MARKERS:  # the sweep commands' folders (their runs lie in subfolders)
+        if (out / marker).is_file():
+            return kind, f"{what} ({marker})"
     return None
+
+
+# the markers of `megaloop lr-screen` / `reproduce` folders (megaloop.sweep.folder_kind reads them too)
+SWEEP_MARKERS = (("lr-screen", "screen.json", "an LR screen"), ("reproduce", "plan.json", "a reproduce experiment"))
 
 
 def check_owner(out: Path, own: str, *, resume: bool, overwrite: bool) -> str | None:

@@ -84,6 +84,10 @@ def _others(root: Path, which: str) -> list[tuple[Path, str]]:
     else:
         folders += [(_rl_run(root, True), "holds an RL run (megaloop_rl.json"),
                     (_rl_run(root, False), "holds an interrupted RL run")]
+    for name, marker, named in (("screen", "screen.json", "an LR screen"), ("repro", "plan.json", "a reproduce experiment")):
+        (root / name).mkdir()  # the sweep commands' folders (found: an RL run or a student written beside them)
+        (root / name / marker).write_text("{}")
+        folders.append((root / name, f"holds {named} ({marker})"))
     return folders
 
 

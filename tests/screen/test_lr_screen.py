@@ -173,6 +173,23 @@ def test_out_holding_a_reproduce_experiment_is_refused(tmp_path: Path, capsys) -
         assert sorted(p.name for p in out.iterdir()) == [marker]
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_out_holding_a_run_or_model_is_refused(tmp_path: Path, capsys, dry_run: bool) -> None:
+    """An RL run, a prefill student, a pretraining run or an HF model as --out: lr-screen used to accept it
+    (its results and run folders written beside them), also in --dry-run."""
+    folders = {"rl": ("megaloop_rl.json", "an RL run"), "student": ("student.json", "a prefill student"),
+               "model": ("config.json", "a model (config.json)")}
+    for name, (marker, named) in folders.items():
+        out = tmp_path / name
+        out.mkdir()
+        (out / marker).write_text("{}")
+        argv = ["--config", "tiny", "--out", str(out), "--grid", "1e-3,2e-3,4e-3", "--stop-after", "4"]
+        assert cli.main([*argv, *(["--dry-run"] if dry_run else [])]) == 2
+        err = capsys.readouterr().err
+        assert f"--out: {out} holds {named}" in err and "not `megaloop lr-screen` results" in err, err
+        assert sorted(p.name for p in out.iterdir()) == [marker]
+
+
 def test_launcher_flags_reach_the_proposed_command() -> None:
     from megaloop.screen import report as rep
     from megaloop.screen.core import build_screen
