@@ -8,7 +8,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ -z "${RUN_DIR:-}" ] || RUN_DIR="$(realpath -m -- "$RUN_DIR")"
-[ ! -f "${CONFIG:-}" ] || CONFIG="$(realpath -- "$CONFIG")"
+# (a preset name such as tiny stays one, even where a file of that name lies)
+case "${CONFIG:-}" in */*|*.yaml|*.yml) CONFIG="$(realpath -m -- "$CONFIG")" ;; esac
 source "$ROOT/launch/_setup.sh"
 cd "$ROOT"
 export WANDB_MODE="${WANDB_MODE:-offline}"

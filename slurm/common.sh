@@ -35,7 +35,9 @@
 # checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
 # a worker) requeues too: torchrun reports any failed worker as 1, so the trainer's own status is
 # read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). After USR1 a run that finished (0) or was refused (2) meanwhile is
-# not requeued. SIGTERM to this shell (`scancel --signal=TERM`) is forwarded but never requeues.
+# not requeued. SIGTERM to this shell alone (`scancel --batch --signal=TERM JOBID`; a plain `scancel
+# --signal=TERM` signals only the job steps, whose trainer then exits 75 and the job requeues) is forwarded
+# but never requeues, unless a USR1 came first.
 # Each node's log then ends with torchrun's `SignalException: Process N got signal: 10` traceback:
 # expected. torchrun's agent re-raises the signal it forwarded once its workers have stopped (torch's
 # elastic agent `run`); signalling the workers instead of torchrun would trade it for torchrun's
@@ -167,10 +169,12 @@ megaloop_setup() {
 
 _megaloop_on_signal() {
   # $1: the signal this batch shell received. USR1 = time limit / pre-emption warning: requeue once the
-  # trainer has stopped to checkpoint; TERM (scancel --signal=TERM): stop, never requeue.
+  # trainer has stopped to checkpoint; TERM without an earlier USR1 (`scancel --batch --signal=TERM`): stop,
+  # never requeue (a TERM after the USR1, e.g. the time limit itself while the checkpoint is written, keeps
+  # the requeue).
   if [ "$1" = USR1 ]; then
     MEGALOOP_REQUEUE=1
-  else
+  elif [ "$MEGALOOP_REQUEUE" != 1 ]; then
     MEGALOOP_STOPPED=1
   fi
   megaloop_log "received SIG$1: forwarding SIGUSR1 to the training processes (checkpoint, then exit)"

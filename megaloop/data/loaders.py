@@ -32,7 +32,7 @@ def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) ->
     if name is not None:
         from megaloop.data.default_corpus import ensure_default_dataset
 
-        require(name in EMBEDDED_SPLITS, "data.path", f"unknown embedded split {name!r} {EMBEDDED_SPLITS}")
+        require(name in EMBEDDED_SPLITS, "data.path", f"unknown embedded split {name!r} ({', '.join(EMBEDDED_SPLITS)})")
         return str(ensure_default_dataset(cache_dir=cache_dir, seq_len=seq_len) / name)
     return path
 

@@ -168,8 +168,8 @@ def _inputs(args):
     overrides = [o for o in args.overrides if not o.startswith("cluster.")]
     flags = layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt, args.fp8, args.sp)
     cluster, no_gpu = _cluster(args, cluster_ov)
+    _check_flags_against_overrides(overrides, flags)
     cfg = load_config(args.config, overrides + flags, arm=args.arm)
-    _check_flags_against_overrides(args, overrides, flags, cfg)
     overrides += flags
     cfg.check_trainable()
     vocab, source = resolve_vocab(cfg, args.vocab)
@@ -178,31 +178,42 @@ def _inputs(args):
     return cfg, overrides, cluster, no_gpu, vocab, source
 
 
-# layout flag -> the config key it overrides
+# config key -> the layout flag that sets it (megaloop.plan.layout.layout_overrides)
 _FLAG_KEYS = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.vpp": "--vpp", "train.micro_batch_size": "--mbs",
               "model.recompute": "--recompute", "parallel.distributed_optimizer": "--dist-opt",
               "parallel.sequence_parallel": "--sp", "model.fp8": "--fp8"}
 
 
-def _check_flags_against_overrides(args, overrides: list[str], flags: list[str], cfg) -> None:
+def _check_flags_against_overrides(overrides: list[str], flags: list[str]) -> None:
     """A layout flag and a KEY=VALUE override of its key that disagree (``--tp 2 parallel.tp=4``) are refused,
-    as ``--vocab`` against ``model.vocab_size`` is; agreeing ones pass. ``cfg``: loaded with the flags last."""
-    from megaloop.config import load_config
+    as ``--vocab`` against ``model.vocab_size`` is; agreeing ones pass. Values compare as YAML reads them
+    (the override's last value for its key), with no second config load."""
+    import yaml
 
-    given = {o.split("=", 1)[0].strip() for o in overrides if "=" in o}
-    keys = [f.split("=", 1)[0] for f in flags if f.split("=", 1)[0] in given]
-    if not keys:
-        return
-    without = load_config(args.config, overrides, arm=args.arm)
-    for key in keys:
-        section, field = key.split(".")
-        theirs, ours = getattr(getattr(without, section), field), getattr(getattr(cfg, section), field)
-        if theirs != ours:
+    def parse(text: str):
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+
+    given = {}
+    for o in overrides:
+        if "=" in o:
+            key, _, value = o.partition("=")
+            given[key.strip()] = parse(value)
+    for f in flags:
+        key, _, value = f.partition("=")
+        if key not in given:
+            continue
+        ours, theirs = parse(value), given[key]
+        if key == "model.fp8" and isinstance(theirs, str) and theirs.lower() in ("", "none", "off"):
+            theirs = None
+        if ours != theirs or isinstance(ours, bool) != isinstance(theirs, bool):
             flag = _FLAG_KEYS[key]
             said = (f"--{'' if ours else 'no-'}{flag[2:]}" if isinstance(ours, bool)
                     else f"{flag} {'none' if ours is None else ours}")
-            theirs = str(theirs).lower() if theirs is None or isinstance(theirs, bool) else theirs
-            raise ConfigError(f"{flag}: {said} contradicts the override {key}={theirs}; give one of them")
+            shown = "null" if theirs is None else str(theirs).lower() if isinstance(theirs, bool) else theirs
+            raise ConfigError(f"{flag}: {said} contradicts the override {key}={shown}; give one of them")
 
 
 def _world(args, cfg, cluster) -> int:

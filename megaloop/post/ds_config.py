@@ -265,8 +265,10 @@ def _ds_config_error(cfg: dict) -> str | None:
 def _type_ok(value, want: type) -> bool:
     if want is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if want is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if want is int:  # 1e9 reads as a float in JSON; DeepSpeed takes it
+        return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    if want is bool:  # 0 / 1 act as false / true where DeepSpeed reads the flag
+        return isinstance(value, bool) or type(value) is int and value in (0, 1)
     return isinstance(value, want)
 
 

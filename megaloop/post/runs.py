@@ -53,7 +53,8 @@ def _rel(path: Path, root: Path) -> str:
 def folder_holds(out: str | Path) -> tuple[str, str] | None:
     """``(kind, what)`` for a folder that holds something: ``kind`` one of ``pretraining``, ``rl``,
     ``student``, ``hf`` (an HF model that is no RL run), ``run`` (a metrics.jsonl of no known tool),
-    ``lr-screen`` / ``reproduce`` (a sweep command's folder) or ``unknown-run`` (a metrics.jsonl with no readable record: an interrupted run of either command),
+    ``lr-screen`` / ``reproduce`` (a sweep command's folder) or ``unknown-run`` (a metrics.jsonl with no
+    readable record: an interrupted run of either command),
     ``what`` the words naming it with the files that tell (``"a pretraining run (config.yaml,
     checkpoints/step_00003200/megaloop.json)"``). None for a missing or an empty/unrelated folder."""
     out = Path(out)

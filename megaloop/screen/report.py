@@ -82,7 +82,8 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
                 label="diverged")
     if sel["best_index"] is not None:
         b = points[sel["best_index"]]
-        ax.plot([b["lr"]], [b["val_ce"]], "*", color="gold" if sel["interior"] else "tab:red", ms=18,
+        star = "gold" if sel["interior"] else "tab:red" if sel["edge"] else "0.6"  # grey: provisional
+        ax.plot([b["lr"]], [b["val_ce"]], "*", color=star, ms=18,
                 mec="black", zorder=5, label=f"best {lr_tag(b['lr'])}: {b['val_ce']:.4f}")
     for lr in screen.lrs:
         ax.axvline(lr, color="0.9", lw=0.8, zorder=0)
@@ -159,4 +160,3 @@ def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) 
               f"!! Extend the grid by one log step (x{r:.3g}) beyond that edge; finished points are reused:\n"
               f"!!   proposed grid: {','.join(lr_tag(x) for x in sel['proposed_grid'])}\n"
               f"!!   {proposal}\n{bar}")
-

@@ -255,3 +255,11 @@ def test_wrapper_ctrl_c_is_one_line_and_130(capsys, monkeypatch, script, verb, m
         pytest.fail(f"tools/{script} did not exit")
     assert code == 130
     assert capsys.readouterr().err.strip().splitlines() == [f"megaloop {verb}: interrupted"]
+
+
+def test_a_flag_and_an_agreeing_override_plan_normally(capsys) -> None:
+    """Agreement is not a contradiction, also when another override needs the flags (the first version of
+    the check loaded the config without the flags and refused pp=1 for parallel.vpp=2)."""
+    code, out, err = _run(capsys, "--config", "S", "--gpus", "8", "--pp", "4", "--mbs", "1", "--steps", "2",
+                          "train.micro_batch_size=1", "parallel.vpp=2", "--fp8", "none", "model.fp8=null")
+    assert code == 0 and "PP4" in out, err

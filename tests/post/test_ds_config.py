@@ -120,7 +120,7 @@ def test_cli_bad_deepspeed_config_exits_2(tmp_path, cmd):
 
 @pytest.mark.parametrize("body,words", [
     ({"wall_clock_breakdown": "yes"}, "wall_clock_breakdown: must be true or false (a JSON boolean), got 'yes'"),
-    ({"memory_breakdown": 1}, "memory_breakdown: must be true or false (a JSON boolean), got 1"),
+    ({"memory_breakdown": 2}, "memory_breakdown: must be true or false (a JSON boolean), got 2"),
     ({"steps_per_print": "10"}, "steps_per_print: must be an integer, got '10'"),
     ({"prescale_gradients": "false"}, "prescale_gradients: must be true or false"),
     ({"tensorboard": "yes"}, "tensorboard: must be an object, got 'yes'"),
@@ -171,3 +171,15 @@ def test_cli_wrongly_typed_deepspeed_value_exits_2_before_loading(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "ds.json: wall_clock_breakdown: must be true or false" in err[0], err
     assert not out.exists()
+
+
+def test_values_deepspeed_takes_are_not_refused(tmp_path):
+    """1e9 for an integer key and 0/1 for a flag: DeepSpeed reads them (the first type check refused both)."""
+    import json
+
+    from megaloop.post.ds_config import load_ds_config
+
+    p = tmp_path / "ds.json"
+    p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 1e9, "wall_clock_breakdown": 0}))
+    cfg = load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)
+    assert cfg["steps_per_print"] == 1e9 and cfg["wall_clock_breakdown"] == 0

@@ -138,3 +138,16 @@ def test_a_run_started_as_the_stop_comes_is_asked_to_stop(tmp_path, monkeypatch)
     assert codes == [-signal.SIGTERM], (codes, lines)  # asked to checkpoint, not killed after the wait
     assert time.time() - t0 < 5, lines
     assert any("asking 0 run(s)" in m for m in lines) and any("started as the stop came" in m for m in lines)
+
+
+def test_the_sweep_commands_start_without_torch() -> None:
+    """lr-screen / reproduce are drivers (login nodes, --help, --dry-run, --collect): their modules and the
+    folder checks they share with the post-training commands must not import torch (found: the folder
+    guard's import of megaloop.post loaded it, ~1 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, megaloop.screen.cli, megaloop.repro.cli, megaloop.post.runs; "
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('megaloop'))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -9,7 +9,8 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
   status; with ``worker:N`` node 0 writes N to ``$MEGALOOP_EXIT_STATUS_FILE`` (as the trainer's rank 0
   does) and every node exits 1 (as torchrun does when a worker exits non-zero); or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
   records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal; ``wait:N``: node 0
-  first writes the trainer's status N, as with ``worker:N``).
+  first writes the trainer's status N, as with ``worker:N``; ``$STUB_LINGER`` seconds pass between the first
+  signal and the exit).
 * ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); ``show job ID`` prints a
   job record whose ``Command=`` is ``$STUB_JOB_COMMAND`` (the script sbatch was given), nothing when unset;
   anything else is only recorded (``requeue`` included).
@@ -87,6 +88,7 @@ if mode == "wait" or mode.startswith("wait:"):
     t0 = time.time()
     while not got and time.time() - t0 < 60:
         time.sleep(0.05)
+    time.sleep(float(os.environ.get("STUB_LINGER", "0")))  # a checkpoint being written: more signals may come
     record("torchrun-exit", node=node, got_signal=got)
     if mode.startswith("wait:") and node == "0":
         with open(os.environ["MEGALOOP_EXIT_STATUS_FILE"], "w") as f:

@@ -166,10 +166,10 @@ def test_failure_does_not_requeue(tmp_path: Path) -> None:
     assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
-def _signalled(tmp_path: Path, sig: signal.Signals, stub: str) -> tuple[int, str, list]:
-    """train_L.sh with torchrun stubs that wait (``stub``: STUB_TORCHRUN), then ``sig`` to the batch shell:
-    (its exit status, its output, the scontrol requeue calls)."""
-    env = _slurm_env(tmp_path, STUB_TORCHRUN=stub)
+def _signalled(tmp_path: Path, sig: signal.Signals, stub: str, *more: signal.Signals) -> tuple[int, str, list]:
+    """train_L.sh with torchrun stubs that wait (``stub``: STUB_TORCHRUN), then ``sig`` (and ``more``, while
+    the stubs linger after the first) to the batch shell: (its exit status, its output, the requeue calls)."""
+    env = _slurm_env(tmp_path, STUB_TORCHRUN=stub, STUB_LINGER="2" if more else "0")
     proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "train_L.sh")], env=env, cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -180,13 +180,15 @@ def _signalled(tmp_path: Path, sig: signal.Signals, stub: str) -> tuple[int, str
             # beside two training jobs on 2 cores) the stubs took over 30 s to start
             assert time.time() - t0 < 120, "torchrun stubs did not start"
             time.sleep(0.05)
-        proc.send_signal(sig)
+        for i, each in enumerate((sig, *more)):
+            time.sleep(0.5 if i else 0)  # one at a time, as slurm sends them (USR1, then TERM at the limit)
+            proc.send_signal(each)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
     exits = calls(tmp_path, "torchrun-exit")
-    assert len(exits) == 2 and all(e["got_signal"] == ["SIGUSR1"] for e in exits), out  # forwarded as USR1
+    assert len(exits) == 2 and all(set(e["got_signal"]) == {"SIGUSR1"} for e in exits), out  # forwarded as USR1
     assert f"received {sig.name}" in out
     return proc.returncode, out, [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
 
@@ -207,11 +209,15 @@ def test_usr1_then_a_finished_or_refused_run_is_not_requeued(tmp_path: Path, sta
 
 
 def test_sigterm_to_the_batch_shell_stops_without_requeue(tmp_path: Path) -> None:
-    """`scancel --signal=TERM`: forwarded as USR1 (checkpoint), the trainer's 75 kept, no requeue (found:
-    requeued, so a job could not be stopped gracefully)."""
-    rc, out, requeues = _signalled(tmp_path, signal.SIGTERM, "wait:75")
+    """`scancel --batch --signal=TERM`: forwarded as USR1 (checkpoint), the trainer's 75 kept, no requeue
+    (found: requeued, so a job could not be stopped gracefully); after a USR1 the requeue stands."""
+    rc, out, requeues = _signalled(tmp_path / "term", signal.SIGTERM, "wait:75")
     assert rc == 75 and not requeues, out
     assert "stopped by SIGTERM: not requeued" in out
+    # the time limit's TERM after its USR1 warning (the checkpoint still being written): requeued
+    rc, out, requeues = _signalled(tmp_path / "usr1_term", signal.SIGUSR1, "wait:75", signal.SIGTERM)
+    assert rc == 75 and [c["argv"] for c in requeues] == [["requeue", "4242"]], out
+    assert "received SIGTERM" in out and "not requeued" not in out, out
 
 
 def test_sweep_array_point(tmp_path: Path) -> None:
