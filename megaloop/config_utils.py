@@ -185,6 +185,16 @@ def apply_dotlist(data: dict, dotlist: list[str]) -> dict:
     return data
 
 
+def dotlist_settings(dotlist: list[str]) -> dict[str, str | None]:
+    """The settings ``key=value`` overrides make: ``{key: value text}``, a key's last value winning, so the
+    same overrides in another order make the same settings; an item without ``=``: ``{item: None}``."""
+    out: dict[str, str | None] = {}
+    for item in dotlist:
+        key, eq, text = str(item).partition("=")
+        out[key.strip()] = text if eq else None
+    return out
+
+
 def merge(base: dict, over: dict) -> dict:
     """Recursively merge ``over`` into a copy of ``base``."""
     out = dict(base)

@@ -186,26 +186,16 @@ _FLAG_KEYS = {"parallel.tp": "--tp", "parallel.pp": "--pp", "parallel.vpp": "--v
 
 def _check_flags_against_overrides(overrides: list[str], flags: list[str]) -> None:
     """A layout flag and a KEY=VALUE override of its key that disagree (``--tp 2 parallel.tp=4``) are refused,
-    as ``--vocab`` against ``model.vocab_size`` is; agreeing ones pass. Values compare as YAML reads them
+    as ``--vocab`` against ``model.vocab_size`` is; agreeing ones pass. Values compare as a config reads them
     (the override's last value for its key), with no second config load."""
-    import yaml
+    from megaloop.config_utils import apply_dotlist, dotlist_settings
 
-    def parse(text: str):
-        try:
-            return yaml.safe_load(text)
-        except yaml.YAMLError:
-            return text
-
-    given = {}
-    for o in overrides:
-        if "=" in o:
-            key, _, value = o.partition("=")
-            given[key.strip()] = parse(value)
-    for f in flags:
-        key, _, value = f.partition("=")
+    given = {k: v for k, v in dotlist_settings(overrides).items() if k in _FLAG_KEYS and v is not None}
+    for key, value in dotlist_settings(flags).items():
         if key not in given:
             continue
-        ours, theirs = parse(value), given[key]
+        section, field = key.split(".")
+        ours, theirs = (apply_dotlist({}, [f"{key}={v}"])[section][field] for v in (value, given[key]))
         if key == "model.fp8" and isinstance(theirs, str) and theirs.lower() in ("", "none", "off"):
             theirs = None
         if ours != theirs or isinstance(ours, bool) != isinstance(theirs, bool):

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from megaloop.config_utils import dotlist_settings
 from megaloop.repro.evaluate import checkpoint_step, eval_done
 from megaloop.repro.spec import Arm, Plan, SpecError, identity_overrides
 from megaloop.runtime.files import atomic_write_json
@@ -59,11 +60,7 @@ def arm_state(out: Path, plan: Plan, arm: Arm) -> dict:
 def identity_settings(overrides: list[str]) -> dict[str, str | None]:
     """The settings an arm's overrides make, as ``{key: last value}`` (run-control keys dropped): the
     same overrides in another order are the same settings (as ``megaloop lr-screen`` compares them)."""
-    out: dict[str, str | None] = {}
-    for o in identity_overrides(overrides):
-        key, eq, value = str(o).partition("=")
-        out[key.strip()] = value if eq else None
-    return out
+    return dotlist_settings(identity_overrides(overrides))
 
 
 def identity_differences(old: dict, config: str, overrides: list[str]) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megaloop.config_utils import dotlist_settings
 from megaloop.errors import UserError
 from megaloop.sweep import Run, Sweep, read_exit, stopped, trained_model_differences
 from megaloop.train.metrics import read_metrics
@@ -362,7 +363,7 @@ def _setting(screen: Screen, key: str, value: Any) -> Any:
     """A fixed setting as it acts: overrides as {key: last value}; eval_batches covering the
     whole screen set (its size known from the manifest) as "all"."""
     if key == "overrides" and isinstance(value, list):
-        return dict(str(o).split("=", 1) if "=" in str(o) else (str(o), None) for o in value)
+        return dotlist_settings(value)
     if key == "eval_batches" and isinstance(value, int):
         n = screen.screen_info.get("num_sequences")
         if value == WHOLE_SET or (n and screen.global_batch_size and value * screen.global_batch_size >= n):
