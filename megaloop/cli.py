@@ -108,19 +108,71 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
     return argv
 
 
+class _StopDuringSetup(BaseException):
+    """SIGTERM/SIGUSR1 before a training loop's own handler (:class:`megaloop.runtime.stop.SignalStop`)
+    is in place: nothing to checkpoint yet."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, _frame) -> None:
+    raise _StopDuringSetup(signum)
+
+
+# verbs with a training loop that checkpoints on SIGTERM/SIGUSR1 and exits 75 (requeue)
+_LOOPS = ("train", "rl", "distill-prefill")
+_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def _setup_signals(verb: str | None, on: bool) -> None:
+    """While ``on``, SIGTERM/SIGUSR1 during a training verb's set-up raise :class:`_StopDuringSetup`
+    (one line, exit 75, as a stop during training; the loop's own handler takes over for the
+    steps); afterwards the defaults come back."""
+    if verb not in _LOOPS:
+        return
+    import signal
+
+    for name in _STOP_SIGNALS:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _raise_stop if on else signal.SIG_DFL)
+
+
+def _stopped_in_setup(verb: str, signum: int) -> int:
+    import signal
+
+    print(f"megaloop {verb}: stopped by {signal.Signals(signum).name} during set-up, before the first step "
+          "(no checkpoint written; --resume auto continues from the last one)", file=sys.stderr)
+    return 75
+
+
 def main(argv: list[str] | None = None) -> None:
-    _quiet()
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
-    if argv and argv[0] in DELEGATED:
-        try:
-            code = importlib.import_module(DELEGATED[argv[0]][0]).main(argv[1:])
-        except KeyboardInterrupt:  # Ctrl-C: one line and 130, as `megaloop train` (no traceback)
-            hint = " (continue from its last checkpoint with --resume)" if argv[0] in ("rl", "distill-prefill") else ""
-            print(f"megaloop {argv[0]}: interrupted{hint}", file=sys.stderr)
-            code = 130
-        _record_exit(code or 0)
+    verb = argv[0] if argv else None
+    _setup_signals(verb, True)
+    try:  # Ctrl-C / SIGTERM while torch and the parsers load: one line, no traceback
+        _quiet()
+        if verb in DELEGATED:
+            try:
+                code = importlib.import_module(DELEGATED[verb][0]).main(argv[1:])
+            except KeyboardInterrupt:  # Ctrl-C: one line and 130, as `megaloop train` (no traceback)
+                hint = " (continue from its last checkpoint with --resume)" if verb in ("rl", "distill-prefill") else ""
+                print(f"megaloop {verb}: interrupted{hint}", file=sys.stderr)
+                code = 130
+            _setup_signals(verb, False)
+            _record_exit(code or 0)
+            sys.exit(code)
+        args = parse_args(argv)
+    except KeyboardInterrupt:
+        print("megaloop: interrupted (no checkpoint written by this interrupt)", file=sys.stderr)
+        _record_exit(130)
+        sys.exit(130)
+    except _StopDuringSetup as stop:
+        _setup_signals(verb, False)
+        code = _stopped_in_setup(verb, stop.signum)
+        _record_exit(code)
         sys.exit(code)
-    args = parse_args(argv)
     from megaloop.errors import UserError, report
 
     try:
@@ -130,12 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C before training started, or a second one during it
         print("megaloop: interrupted (no checkpoint written by this interrupt)", file=sys.stderr)
         code = 130
+    except _StopDuringSetup as stop:
+        code = _stopped_in_setup(verb, stop.signum)
     except UserError as err:
         code = report(err)
     except NonFiniteLossError as err:
         print(f"megaloop: stopped: {err}", file=sys.stderr)
         code = 3
     finally:
+        _setup_signals(verb, False)  # a signal during teardown ends the process as it used to
         from megaloop.runtime.parallel import destroy_distributed
 
         try:

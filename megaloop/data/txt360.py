@@ -273,7 +273,39 @@ def _walk_sources(data: Path, src_dirs: list[Path]) -> dict[Path, list[Path]]:
         _note(f"{len(dangling)} link(s) lead nowhere and are not read: {dangling[:5]}")
     if unreadable:
         _note(f"{len(unreadable)} folder(s) cannot be listed and are not read: {unreadable[:5]}")
-    return out
+    return _read_files_once(out)
+
+
+def _read_files_once(out: dict[Path, list[Path]]) -> dict[Path, list[Path]]:
+    """``out`` with each real file kept once (a link to a file, or a hard link, is a second path to
+    it): files reached without a link to the file first, in walk order, then links in sorted order;
+    the paths dropped are named on stderr, as a second path to a folder is."""
+    every = [(sdir, f) for sdir, files in out.items() for f in files]
+    order = sorted(range(len(every)), key=lambda i: (every[i][1].is_symlink(), i if not every[i][1].is_symlink()
+                                                     else str(every[i][1])))
+    first: dict[tuple[int, int], Path] = {}
+    dropped: set[int] = set()
+    again: list[str] = []
+    for i in order:
+        f = every[i][1]
+        try:
+            st = f.stat()
+        except OSError:
+            continue  # read (and reported) as it is
+        key = (st.st_dev, st.st_ino)
+        if key in first:
+            dropped.add(i)
+            again.append(f"{f} -> {first[key]}")
+        else:
+            first[key] = f
+    if again:
+        _note(f"{len(again)} file(s) are a second path to a file already read and are not read twice: "
+              f"{again[:5]}")
+    kept: dict[Path, list[Path]] = {sdir: [] for sdir in out}
+    for i, (sdir, f) in enumerate(every):
+        if i not in dropped:
+            kept[sdir].append(f)
+    return kept
 
 
 def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
@@ -295,7 +327,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                 if "text" not in rec:
                     raise DataError(f"{path}:{lineno}: record has no 'text' field")
                 if not isinstance(rec["text"], str):
-                    raise DataError(f"{path}:{lineno}: 'text' is {type(rec['text']).__name__}, "
+                    raise DataError(f"{path}:{lineno}: 'text' is a JSON {_json_kind(rec['text'])}, "
                                     "expected a string")
                 if _SURROGATE_ESCAPE.search(line):  # only a JSON escape can make a lone surrogate
                     try:

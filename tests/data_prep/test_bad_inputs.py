@@ -64,6 +64,11 @@ def test_unreadable_records_name_the_file_and_line(tmp_path, fixture_tokenizer):
     surrogate = _tree(tmp_path / "s", {"web/1-1/0_1.jsonl": DOC * 3 + '{"text": "lone \\ud800 here"}\n'})
     with pytest.raises(DataError, match=r"0_1\.jsonl:4: 'text' is not valid Unicode"):
         _convert(surrogate, fixture_tokenizer, tmp_path / "o1")
+    for i, (value, kind) in enumerate((("null", "null"), ("5", "number"), ('["a"]', "array"))):
+        typed = _tree(tmp_path / f"t{i}", {"web/1-1/0_1.jsonl": DOC * 2 + f'{{"text": {value}}}\n'})
+        with pytest.raises(DataError) as err:  # JSON's type names, as for a record that is not an object
+            _convert(typed, fixture_tokenizer, tmp_path / f"ot{i}")
+        assert str(err.value).endswith(f"0_1.jsonl:3: 'text' is a JSON {kind}, expected a string")
     latin = _tree(tmp_path / "l", {"web/1-1/0_1.jsonl": DOC * 5})
     f = latin / "data" / "web" / "1-1" / "0_1.jsonl"
     f.write_bytes(f.read_bytes() + '{"text": "caf\u00e9"}\n'.encode("latin-1"))

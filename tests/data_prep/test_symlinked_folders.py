@@ -92,3 +92,29 @@ def test_train_tokenizer_reads_a_source_made_of_linked_folders(tmp_path, capsys)
     assert mod.main(["--input", str(linked), "--out", str(tmp_path / "tok"), "--vocab-size", "300",
                      "--max-docs", "40"]) == 0, capsys.readouterr().err
     assert (tmp_path / "tok" / "tokenizer.json").is_file()
+
+
+def test_a_second_path_to_a_file_is_read_once(tmp_path, capsys):
+    """A link to a file of the tree (here filed under another source and bucket), or a hard link, is
+    not read a second time (it would train those documents again under another source's weight);
+    a link to a file kept outside the tree is read, as a linked folder is."""
+    flat, _ = _trees(tmp_path)
+    data = flat / "data"
+    (data / "wiki" / "1-1" / "linked.jsonl").symlink_to(data / "cc" / "CC-MAIN-2013-48" / "2-5" / "0_1.jsonl")
+    (data / "wiki" / "1-1" / "hard.jsonl").hardlink_to(data / "cc" / "CC-MAIN-2013-20" / "1-1" / "0_1.jsonl")
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text(_docs(5, 7))
+    (data / "wiki" / "1-1" / "outside.jsonl").symlink_to(outside)
+    capsys.readouterr()
+    parts = sorted(f.part for f in discover(flat))
+    err = capsys.readouterr().err
+    assert parts == ["cc/CC-MAIN-2013-20/1-1/0_1", "cc/CC-MAIN-2013-48/2-5/0_1", "wiki/1-1/0_1", "wiki/1-1/outside"]
+    assert "2 file(s) are a second path to a file already read and are not read twice" in err
+    assert f"{data / 'wiki' / '1-1' / 'linked.jsonl'} -> {data / 'cc' / 'CC-MAIN-2013-48' / '2-5' / '0_1.jsonl'}" in err
+    # the real file wins over a link to it, whichever sorts first
+    (data / "cc" / "CC-MAIN-2013-20" / "1-1" / "0_1.jsonl").unlink()
+    (data / "aaa" / "1-1").mkdir(parents=True)
+    (data / "aaa" / "1-1" / "first.jsonl").symlink_to(data / "wiki" / "1-1" / "hard.jsonl")
+    capsys.readouterr()
+    parts = sorted(f.part for f in discover(flat))
+    assert "wiki/1-1/hard" in parts and "aaa/1-1/first" not in parts

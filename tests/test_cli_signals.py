@@ -1,0 +1,70 @@
+"""Signals before a command's own handling starts (megaloop/cli.py::main): Ctrl-C while torch and the
+parsers load gives one line and exit 130 (no traceback) in every verb; SIGTERM/SIGUSR1 during a
+training verb's set-up, before its first step, give one line and exit 75 (requeue: nothing was
+checkpointed, ``--resume auto`` continues from the last checkpoint), also through
+``MEGALOOP_EXIT_STATUS_FILE``; other verbs keep the default action of SIGTERM.
+
+Each case runs ``megaloop.cli.main`` in a fresh interpreter that sends itself the real signal at a
+chosen point (``os.kill``), so the result does not depend on timing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, clean_env
+
+# where the process signals itself: in the imports (megaloop.cli._quiet) or once the trainer is built
+AT_IMPORT = "megaloop.cli._quiet = (lambda q: lambda: (q(), os.kill(os.getpid(), SIG)))(megaloop.cli._quiet)"
+AT_TRAINER = textwrap.dedent("""
+    import megaloop.train.trainer as tr
+    _init = tr.Trainer.__init__
+    def _init_then_signal(self, *a, **k):
+        _init(self, *a, **k)
+        os.kill(os.getpid(), SIG)
+    tr.Trainer.__init__ = _init_then_signal
+""")
+
+
+def _run(tmp_path, sig: int, hook: str, argv: list[str]) -> tuple[int, str, str]:
+    status = tmp_path / "exit_status"
+    code = "\n".join(["import os, sys, megaloop.cli", f"SIG = {int(sig)}", hook,
+                      f"megaloop.cli.main({argv!r})"])
+    env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline",
+           "MEGALOOP_EXIT_STATUS_FILE": str(status)}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    return proc.returncode, proc.stderr, status.read_text().strip() if status.exists() else ""
+
+
+def _train(tmp_path) -> list[str]:
+    return ["train", "--config", "tiny", "--run-dir", str(tmp_path / "run"), "train.max_steps=20"]
+
+
+def test_ctrl_c_while_loading_is_one_line_in_every_verb(tmp_path):
+    for argv in (_train(tmp_path), ["plan", "--config", "tiny", "--gpus", "1"], ["eval", "ppl", "--help"]):
+        rc, err, status = _run(tmp_path, signal.SIGINT, AT_IMPORT, argv)
+        assert rc == 130 and status == "130", (argv, rc, err)
+        assert "Traceback" not in err and err.strip().count("\n") == 0, err
+        assert "interrupted" in err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_during_set_up_exits_for_a_requeue(tmp_path, sig):
+    for hook in (AT_IMPORT, AT_TRAINER):
+        rc, err, status = _run(tmp_path, sig, hook, _train(tmp_path))
+        assert rc == 75 and status == "75", (hook, rc, err)
+        assert "Traceback" not in err
+        assert (f"megaloop train: stopped by {sig.name} during set-up, before the first step (no checkpoint "
+                "written; --resume auto continues from the last one)") in err
+        assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_other_verbs_keep_the_default_sigterm(tmp_path):
+    rc, err, _ = _run(tmp_path, signal.SIGTERM, AT_IMPORT, ["plan", "--config", "tiny", "--gpus", "1"])
+    assert rc == -signal.SIGTERM, (rc, err)
