@@ -6,17 +6,22 @@
 Each JSONL line is one optimizer step; lines carrying ``prior_probs`` (probabilities of depths
 1..r_max) are plotted as a heatmap (depth × step) with the prior's mean depth overlaid, plus a lower
 panel with mean depth and entropy (``prior_mean_depth`` / ``prior_entropy``, computed from the probs
-when absent). The step axis uses the ``step`` key when present, else the line's order.
+when absent). Lines are read as every megaloop tool reads the log: a torn line (a killed run) is
+skipped, and a step written twice (a run resumed from an earlier checkpoint appends the steps it
+repeats) counts once, the later record winning. The figure's format follows ``--out``'s suffix
+(.png, .pdf, .svg); ``--out`` must not be one of the run's own files.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 class PlotError(RuntimeError):
@@ -24,27 +29,43 @@ class PlotError(RuntimeError):
 
 
 def load_prior_rows(path: Path) -> list[dict[str, Any]]:
-    """Rows (dicts) of ``path`` that carry ``prior_probs``; a truncated LAST line is ignored."""
+    """Rows (dicts) of ``path`` that carry ``prior_probs``, one per step in step order (a repeated
+    step: the later record wins; torn lines are skipped, as :func:`megaloop.train.metrics.read_metrics`)."""
+    from megaloop.train.metrics import read_metrics
+
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"metrics file {path} does not exist")
-    lines = path.read_text().splitlines()
-    rows: list[dict[str, Any]] = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            if i == len(lines) - 1:  # a live run may be mid-write
-                break
-            raise PlotError(f"{path}:{i + 1}: not valid JSON ({err})") from None
-        if isinstance(row, dict) and isinstance(row.get("prior_probs"), list) and row["prior_probs"]:
-            rows.append(row)
+    by_step = {int(r["step"]): r for r in read_metrics(path)}
+    rows = [r for _, r in sorted(by_step.items())
+            if isinstance(r.get("prior_probs"), list) and r["prior_probs"]]
     if not rows:
         raise PlotError(f"{path} has no 'prior_probs' entries (was the run's depth.kind 'learned'?)")
     return rows
+
+
+FORMATS = (".png", ".pdf", ".svg")
+
+
+def check_out(out: Path, metrics: Path) -> None:
+    """``out`` can be written, has a figure suffix and is not one of the run's own files."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.inference.generate_cli import check_out_file
+
+    run = (metrics if metrics.is_dir() else metrics.parent).resolve()
+    target = out.resolve()
+    own = {(run / n).resolve() for n in ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json")}
+    own.add((metrics / "metrics.jsonl" if metrics.is_dir() else metrics).resolve())
+    if target in own or (run / "checkpoints").resolve() in target.parents:
+        raise PlotError(f"--out {out}: is one of the run's own files; write the figure elsewhere "
+                        f"(e.g. {run / 'prior.png'})")
+    if out.suffix.lower() not in FORMATS:
+        raise PlotError(f"--out {out}: the suffix must be one of {', '.join(FORMATS)} (the figure's format)")
+    try:
+        check_out_file(str(out), "--out")
+    except ConfigError as err:
+        raise PlotError(str(err)) from None
 
 
 def _mean(p: list[float]) -> float:
@@ -56,7 +77,7 @@ def _entropy(p: list[float]) -> float:
 
 
 def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int | None = None) -> Path:
-    """Draw the figure for ``metrics`` into ``out`` (PNG) and return ``out``."""
+    """Draw the figure for ``metrics`` into ``out`` (format from its suffix) and return ``out``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +90,7 @@ def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int
     probs = np.zeros((len(rows), r_max))
     for i, r in enumerate(rows):
         probs[i, : len(r["prior_probs"])] = r["prior_probs"]
-    steps = np.array([r.get("step", i) for i, r in enumerate(rows)], dtype=float)
+    steps = np.array([r["step"] for r in rows], dtype=float)
     mean = np.array([r.get("prior_mean_depth", _mean(r["prior_probs"])) for r in rows], dtype=float)
     ent = np.array([r.get("prior_entropy", _entropy(r["prior_probs"])) for r in rows], dtype=float)
 
@@ -93,25 +114,44 @@ def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int
     ax3.plot(steps, ent, color="C1", label="entropy")
     ax3.set_ylabel("entropy (nats)", color="C1")
     ax2.set_xlabel("step")
-    fig.subplots_adjust(left=0.09, right=0.88, top=0.94, bottom=0.08, hspace=0.08)
+    fig.subplots_adjust(left=0.11, right=0.88, top=0.94, bottom=0.08, hspace=0.08)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png", dpi=110)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.stem}.tmp-{os.getpid()}{out.suffix}")  # whole or not at all
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, out)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--metrics", required=True, type=Path, help="RUN_DIR/metrics.jsonl (or RUN_DIR)")
-    ap.add_argument("--out", default=Path("prior.png"), type=Path, help="output PNG path")
+    ap.add_argument("--out", default=Path("prior.png"), type=Path, help="output figure (.png, .pdf or .svg)")
     ap.add_argument("--log", action="store_true", help="colour by log10 probability")
-    ap.add_argument("--max-depth", type=int, default=None, help="crop the heatmap to depths 1..N")
+    ap.add_argument("--max-depth", type=_positive, default=None, help="crop the heatmap to depths 1..N")
     args = ap.parse_args(argv)
     try:
+        check_out(args.out, args.metrics)
         out = plot_prior(args.metrics, args.out, args.log, args.max_depth)
     except PlotError as err:
         print(f"plot_prior: error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"plot_prior: error: --out {args.out}: cannot be written ({err.strerror or err})", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -93,6 +93,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--max-steps", type=int, default=1024, help="recurrence limit per solve (<= 1024)")
     p.add_argument("--control-depth", type=int, default=5, help="depth of the finite-prefix control (0: off)")
     p.add_argument("--no-zero-init", action="store_true", help="skip the zero current-token init check")
+    next(a for a in p._actions if a.dest == "depth").help = argparse.SUPPRESS  # refused: solves run to convergence
     add_memory_option(p)
     p.set_defaults(fn=cmd_eval_fixed_point)
 
@@ -192,6 +193,7 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     trained = int(engine.config.max_position_embeddings)
     if data.seq_len > engine.max_context and args.max_context is None:
         engine.max_context = data.seq_len
+    engine.check_context(data.seq_len, "evaluation sequence")  # a --max-context below it, in every verb
     if data.seq_len > trained and (trained, data.seq_len) not in _WARNED:
         _WARNED.add((trained, data.seq_len))
         print(f"warning: {data.seq_len}-token sequences exceed the training seq_len {trained}: RoPE positions "

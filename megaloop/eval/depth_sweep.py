@@ -106,6 +106,9 @@ def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence d
         ax.plot(xs, [r[key] for r in rows], style, label=label)
     ax.axvline(result["reference_depth"], color="grey", lw=0.8, ls="--", label=f"R={result['reference_depth']}")
     ax.set_xscale("log", base=2)
+    lo, hi = min(xs + [result["reference_depth"]]), max(xs + [result["reference_depth"]])
+    if lo == hi:  # one depth: a log axis of zero width would draw nothing
+        ax.set_xlim(lo / 2 ** 0.5, hi * 2 ** 0.5)
     ax.set_xticks(xs)
     ax.set_xticklabels([str(x) for x in xs])
     ax.set_xlabel("recurrences R")

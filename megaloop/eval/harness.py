@@ -25,7 +25,9 @@ tasks=task_specs(["megaloop_toy_mc"], [TASKS_DIR]), task_manager=...)``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -378,6 +380,37 @@ def _is_dataset_load_error(err: BaseException) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _quiet_git_hash():
+    """lm-eval records ``git describe`` of the working directory and lets git print "fatal: not a git
+    repository" on stderr outside a checkout; the same record, without git's message."""
+    import lm_eval.evaluator as evaluator
+
+    def git_hash():
+        try:
+            done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, timeout=30)
+            if done.returncode == 0 and done.stdout.strip():
+                return done.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            pass
+        try:  # lm-eval's own fallback: the commit of a .git folder above the working directory
+            from lm_eval.loggers.utils import get_commit_from_path
+
+            return get_commit_from_path(os.getcwd())
+        except Exception:  # noqa: BLE001 - a record, never a reason to fail the evaluation
+            return None
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:  # another lm-eval layout: leave it as it is
+        yield
+        return
+    evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original
+
+
 def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] = None,
                 num_fewshot: Optional[int] = None, include_path: Optional[Sequence[str | Path]] = None,
                 include_defaults: bool = False, seed: int = 1234, resolved=None) -> dict:
@@ -387,9 +420,10 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
 
     manager, specs = resolved or resolve_tasks(tasks, include_path, include_defaults)
     try:
-        out = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
-                              bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
+        with _quiet_git_hash():
+            out = simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=limit, num_fewshot=num_fewshot,
+                                  bootstrap_iters=0, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed)
     except ValueError as err:
         if "larger than population" in str(err):
             raise ConfigError(f"--num-fewshot: {num_fewshot} examples exceed the few-shot examples the task "

@@ -44,3 +44,47 @@ def test_plot_prior_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture) 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
     assert tool.main(["--metrics", str(tmp_path / "metrics.jsonl"), "--out", str(tmp_path / "x.png")]) == 2
     assert "prior_probs" in capsys.readouterr().err
+
+
+def _metrics(run: Path, steps: range, torn_at: int | None = None) -> Path:
+    p = pln_probs(5.0, 0.5, 16).tolist()
+    run.mkdir(parents=True, exist_ok=True)
+    with (run / "metrics.jsonl").open("a") as f:
+        for step in steps:
+            f.write(json.dumps({"step": step, "prior_probs": p}) + "\n")
+            if step == torn_at:
+                f.write('{"step": 99, "prior_pro\n')  # a killed run's torn line, then the resumed run's
+    return run / "metrics.jsonl"
+
+
+def test_plot_prior_reads_a_resumed_run_once_per_step(tmp_path: Path) -> None:
+    tool = _load_tool()
+    log = _metrics(tmp_path / "run", range(1, 31), torn_at=30)
+    _metrics(tmp_path / "run", range(21, 31))  # resumed from step 20: steps 21-30 again
+    rows = tool.load_prior_rows(log)
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    out = tmp_path / "fig.pdf"
+    assert tool.main(["--metrics", str(log), "--out", str(out)]) == 0
+    assert out.read_bytes()[:5] == b"%PDF-"  # the suffix's format, not a PNG named .pdf
+
+
+def test_plot_prior_refuses_outputs_it_must_not_write(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    tool = _load_tool()
+    log = _metrics(tmp_path / "run", range(1, 6))
+    before = log.read_bytes()
+    (tmp_path / "afile").write_text("x")
+    cases = {str(log): "is one of the run's own files",  # the run's log, overwritten by a figure before
+             str(tmp_path / "run" / "checkpoints" / "p.png"): "is one of the run's own files",
+             str(tmp_path / "afile" / "p.png"): "is a file, so the path cannot be created",
+             str(tmp_path / "p.jpgx"): "the suffix must be one of .png, .pdf, .svg",
+             str(tmp_path / "run"): "the suffix must be one of"}
+    for out, why in cases.items():
+        assert tool.main(["--metrics", str(tmp_path / "run"), "--out", out]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith("plot_prior: error: --out") and why in err, err
+    assert log.read_bytes() == before
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit) as stop:
+            tool.main(["--metrics", str(log), "--out", str(tmp_path / "p.png"), "--max-depth", bad])
+        assert stop.value.code == 2 and "--max-depth" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".p.tmp-*"))

@@ -73,3 +73,17 @@ def test_bad_lm_arguments(trained_engine):
         MegaloopLM(trained_engine, cache_mode="full")
     with pytest.raises(ConfigError, match="--depth"):
         MegaloopLM(trained_engine, depth=0)
+
+
+def test_no_git_message_outside_a_checkout(trained_engine, tmp_path, monkeypatch, capfd):
+    """lm-eval asks git for the working directory's commit; outside a checkout git printed
+    "fatal: not a git repository" on stderr. The record stays (None there), the message goes."""
+    import lm_eval.evaluator as evaluator
+
+    original = evaluator.get_git_commit_hash
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    capfd.readouterr()
+    run_harness(MegaloopLM(trained_engine, cache_mode="terminal"), ["megaloop_toy_mc"], limit=2)
+    assert "fatal" not in capfd.readouterr().err
+    assert evaluator.get_git_commit_hash is original

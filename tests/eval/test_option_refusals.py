@@ -299,3 +299,22 @@ def test_text_field_without_a_jsonl_or_parquet_data_file_is_refused(cli, hf, no_
         code, err = cli("eval", cmd, "--checkpoint", str(hf), "--data", data, "--text-field", "body")
         assert (code, err) == (2, f"megaloop: error: --text-field: applies to a .jsonl[.gz] or .parquet --data "
                                   f"file, not {data} (it would be ignored)"), (cmd, err)
+
+
+# ----------------------------------------------------------------------------- states / fixed-point: context, help
+def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp_path, capsys):
+    text = tmp_path / "doc.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    for verb in ("states", "ppl", "sweep"):  # states used to run at 48 tokens, ignoring --max-context
+        code, err = cli("eval", verb, "--checkpoint", str(hf), "--data", str(text), "--seq-len", "48",
+                        "--max-context", "40", "--max-seqs", "1", "--device", "cpu")
+        assert code == 2 and "evaluation sequence has 48 tokens, longer than the model's context of 40 tokens" \
+            in err, (verb, err)
+    code, _ = cli("eval", "states", "--checkpoint", str(hf), "--data", str(text), "--seq-len", "48",
+                  "--max-context", "48", "--max-seqs", "1", "--depth", "2", "--device", "cpu")
+    assert code == 0
+    from megaloop.cli import main
+
+    with pytest.raises(SystemExit):  # fixed-point refuses --depth, so its help does not offer it
+        main(["eval", "fixed-point", "--help"])
+    assert "--depth " not in capsys.readouterr().out

@@ -126,3 +126,17 @@ def test_max_seqs_takes_a_source_balanced_subset():
     data = load_eval_data("default", seq_len=128, max_seqs=n)
     counts = Counter(data.sources)
     assert set(counts) == sources and set(counts.values()) == {4}
+
+
+def test_a_sweep_of_one_depth_plots_its_point(tmp_path):
+    """One row at the reference depth: the log axis had zero width (matplotlib's divide-by-zero
+    warning) and the PNG held only the title and legend."""
+    import warnings
+
+    from megaloop.eval.depth_sweep import plot_sweep
+
+    res = {"rows": [{"depth": 3, "native_ppl": 501.0}], "reference_depth": 3, "sharing": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        png = plot_sweep(res, tmp_path / "one.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
