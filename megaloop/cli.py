@@ -123,18 +123,18 @@ def _raise_stop(signum: int, _frame) -> None:
 
 # verbs with a training loop that checkpoints on SIGTERM/SIGUSR1 and exits 75 (requeue)
 _LOOPS = ("train", "rl", "distill-prefill")
-_STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
+# the signals turned into :class:`_StopDuringSetup`: a training verb's until its loop takes over;
+# convert's for its whole run, so its staging folder is removed (``finally``) as on Ctrl-C
+_STOP_SIGNALS = {**{v: ("SIGTERM", "SIGUSR1") for v in _LOOPS}, "convert": ("SIGTERM",)}
 
 
 def _setup_signals(verb: str | None, on: bool) -> None:
-    """While ``on``, SIGTERM/SIGUSR1 during a training verb's set-up raise :class:`_StopDuringSetup`
-    (one line, exit 75, as a stop during training; the loop's own handler takes over for the
-    steps); afterwards the defaults come back."""
-    if verb not in _LOOPS:
-        return
+    """While ``on``, the signals of ``_STOP_SIGNALS[verb]`` raise :class:`_StopDuringSetup` (for a
+    training verb: one line, exit 75, as a stop during training; its loop's own handler takes over
+    for the steps); afterwards the defaults come back."""
     import signal
 
-    for name in _STOP_SIGNALS:
+    for name in _STOP_SIGNALS.get(verb or "", ()):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _raise_stop if on else signal.SIG_DFL)
 
@@ -142,7 +142,12 @@ def _setup_signals(verb: str | None, on: bool) -> None:
 def _stopped_in_setup(verb: str, signum: int) -> int:
     import signal
 
-    print(f"megaloop {verb}: stopped by {signal.Signals(signum).name} during set-up, before the first step "
+    name = signal.Signals(signum).name
+    if verb not in _LOOPS:
+        print(f"megaloop {verb}: stopped by {name} (its temporary files removed; --out is never left "
+              "half-written)", file=sys.stderr)
+        return 128 + signum
+    print(f"megaloop {verb}: stopped by {name} during set-up, before the first step "
           "(no checkpoint written; --resume auto continues from the last one)", file=sys.stderr)
     return 75
 

@@ -51,6 +51,8 @@ import torch
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+from megaloop.hf.staging import staging_dir, sweep_stale
+from megaloop.runtime.files import plain_mode
 from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
 HF_DIR = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
@@ -539,7 +541,8 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
                                                 num_seqs=validation_seqs)
         log(report["validation"]["summary"])
     del native
-    staging = out.with_name(f".{out.name}.megaloop-tmp-{os.getpid()}")
+    sweep_stale(out, log)
+    staging = staging_dir(out)
     tmp = staging / out.name  # out's base name: the reload check imports the code as `out` will
     try:
         try:
@@ -550,6 +553,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
         hf_model.to(DTYPES[dtype])
         hf_model.config.dtype = DTYPES[dtype]  # `torch_dtype` is deprecated since transformers 4.56
         hf_model.save_pretrained(str(tmp), max_shard_size=max_shard_size, safe_serialization=True)
+        plain_mode(*tmp.glob("*.safetensors"))  # safetensors writes 0600; the folder's other files follow the umask
         for name in CODE_FILES:
             shutil.copyfile(HF_DIR / name, tmp / name)
         if tok_path is not None:

@@ -154,16 +154,56 @@ def _from_hf(path: Path, dtype: torch.dtype):
     if not any((path / name).is_file() for name in HF_WEIGHT_FILES):
         raise ConfigError(f"HF folder {path} has a megaloop config.json but no weights "
                               f"({' / '.join(HF_WEIGHT_FILES[:2])}): an interrupted or partial export?")
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its "newly initialized" warning: refused below, in one line
     try:
-        model = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model, info = MegaloopForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
     except Exception as err:  # noqa: BLE001 - re-raised unless a weights file is unreadable
         bad = _damaged_weights(path, err)
-        if bad is None:
-            raise
-        raise ConversionError(bad) from None
+        if bad is not None:
+            raise ConversionError(bad) from None
+        if isinstance(err, RuntimeError) and "size mismatch" in str(err):
+            raise ConversionError(_mismatch(path, f"tensors of another shape ({_shape_diffs(path)})")) from None
+        raise
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    wrong = {what: sorted(info.get(key) or []) for what, key in
+             (("missing from the weights (they would be random)", "missing_keys"),
+              ("in the weights but not in the model config.json describes (they would be dropped)",
+               "unexpected_keys"), ("of another shape", "mismatched_keys"))}
+    wrong = {what: [str(k[0]) if isinstance(k, tuple) else str(k) for k in keys] for what, keys in wrong.items() if keys}
+    if wrong:
+        raise ConversionError(_mismatch(path, "; ".join(
+            f"{len(keys)} tensor(s) {what}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
+            for what, keys in wrong.items())))
     tok = path / "tokenizer.json"
     return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,
                    "validation": None}
+
+
+def _mismatch(path: Path, what: str) -> str:
+    return (f"HF folder {path}: its weights do not match its config.json: {what}; the config was edited or "
+            "belongs to another export (export the checkpoint again, or restore the folder's config.json)")
+
+
+def _shape_diffs(path: Path) -> str:
+    """The stored tensors whose shapes differ from the model ``path``'s config.json describes (read
+    from the safetensors headers and a model built on the meta device, nothing loaded)."""
+    from safetensors import safe_open
+
+    config = MegaloopForCausalLM.config_class.from_pretrained(str(path))
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MegaloopForCausalLM(config).state_dict().items()}
+    diffs = []
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():
+                shape = tuple(handle.get_slice(key).get_shape())
+                if key in expected and expected[key] != shape:
+                    diffs.append(f"{key} {list(shape)} stored vs {list(expected[key])}")
+    return ", ".join(diffs[:3]) + (" ..." if len(diffs) > 3 else "") if diffs else "see the weights files"
 
 
 def _damaged_weights(path: Path, err: BaseException) -> Optional[str]:

@@ -316,9 +316,13 @@ class MegaloopModel(MegaloopPreTrainedModel):
 
     def frame(self, positions: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor], b: int, s: int,
               past: int, device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Positions [b, s] of ``s`` new tokens after ``past`` cached ones (default ``past..past+s-1``;
-        a 1-D ``positions`` is shared by every row) and their attention mask (:meth:`attention_mask_for`)."""
-        if positions is None:
+        """Positions [b, s] of ``s`` new tokens after ``past`` cached ones (default: counted over the
+        unpadded tokens of ``attention_mask``, as generate does, else ``past..past+s-1``; a 1-D
+        ``positions`` is shared by every row) and their attention mask (:meth:`attention_mask_for`)."""
+        padded = attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] == past + s
+        if positions is None and padded and not bool(attention_mask.all()):  # h⁰ and RoPE follow real positions
+            positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:].to(device)
+        elif positions is None:
             positions = torch.arange(past, past + s, device=device)[None].expand(b, s)
         elif positions.dim() == 1:
             positions = positions[None].expand(b, s)

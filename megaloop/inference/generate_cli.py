@@ -86,6 +86,9 @@ def check_engine_args(args: argparse.Namespace) -> None:
     from megaloop.hf.load import resolve_device
 
     resolve_device(args.device)  # ConfigError naming --device
+    if getattr(args, "student", None) and getattr(args, "prefill_depth", None) is not None:
+        raise ConfigError("--prefill-depth: with --student the prompt is prefilled by the student (prelude, its "
+                          "layers, one teacher recurrence), not at a depth; drop --prefill-depth or --student")
     if getattr(args, "student", None) and getattr(args, "cache", "terminal") == "both":
         raise ConfigError("--student: the student's prefill fills a terminal cache; --cache both would also score "
                           "per_visit, which never runs it (use --cache terminal, the default with --student)")
@@ -361,7 +364,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{prompt}\033[1m{r.text}\033[0m" if tty else prompt + r.text)
         print(f"[{r.finish_reason}: {len(r.token_ids)} tokens]")
     s = out.stats
-    print(f"{s.cache_mode} cache, P={s.prefill_depth}, D={s.decode_depth}: prefill {s.prefill_s * 1e3:.1f} ms "
+    prefill = "student" if getattr(args, "student", None) else s.prefill_depth  # the student ignores a depth
+    print(f"{s.cache_mode} cache, P={prefill}, D={s.decode_depth}: prefill {s.prefill_s * 1e3:.1f} ms "
           f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
           f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
           f"peak {s.kv_bytes_peak} B")
@@ -378,6 +382,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                            "results": [{"prompt": p, "text": r.text, "token_ids": r.token_ids,
                                         "finish_reason": r.finish_reason}
                                        for p, r in zip(args.prompt, out.results)],
-                           "stats": s.to_dict()})
+                           "stats": {**s.to_dict(), **({"prefill_depth": "student"} if getattr(args, "student", None)
+                                                       else {})}})
     return 0
 

@@ -36,8 +36,8 @@ class ModelConfig:
     # arms recorded as overrides resolve to the model they trained)
     DEFAULTS_REVISION: ClassVar[int] = 2
     PREVIOUS_DEFAULTS: ClassVar[dict[int, dict[str, object]]] = {1: {"qk_norm": False}}
-    # fields that define the model's function: a checkpoint resumes only under the same values (widths
-    # written as None or as their value are left to the stored tensors' shape check)
+    # fields that define the model's function: a checkpoint resumes only under the same values (and the
+    # widths num_query_groups / ffn_hidden_size, compared as resolved: None and its value are the same)
     ARCH_FIELDS: ClassVar[tuple[str, ...]] = (
         "arch", "hidden_size", "num_heads", "n_prelude", "n_core",
         "n_coda", "num_layers", "injection", "exit_norm", "qk_norm", "qk_norm_gain", "qk_bias",
@@ -264,6 +264,15 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
             same = old == new
         if not same:
             out.append((name, old, new))
+    # widths, compared as resolved (None = MHA / the SwiGLU default of the saved hidden size)
+    if "num_heads" in saved:
+        groups = saved.get("num_query_groups") or saved["num_heads"]
+        if groups != cfg.groups:
+            out.append(("num_query_groups", groups, cfg.groups))
+    if "hidden_size" in saved:
+        ffn = saved.get("ffn_hidden_size") or -(-int(8 * saved["hidden_size"] / 3) // 64) * 64
+        if ffn != cfg.ffn_size:
+            out.append(("ffn_hidden_size", ffn, cfg.ffn_size))
     return out
 
 

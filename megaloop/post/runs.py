@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from megaloop.config_utils import ConfigError
@@ -292,19 +291,6 @@ def interrupted_line(prog: str, out: str | Path | None) -> str:
     if latest_tag(ckpt) is not None:
         return f"{prog}: interrupted (continue from its last checkpoint in {ckpt} with --resume)"
     return f"{prog}: interrupted (no checkpoint was written, nothing to --resume: run it again)"
-
-
-def plain_mode(*paths: str | Path) -> None:
-    """Give files the mode a plain ``open`` would (0666 less the umask), as the project's atomic writes
-    do: safetensors writes through a 0600 temp file, which would leave the weights unreadable to the
-    group while every other file of the folder is not."""
-    from megaloop.runtime.files import _umask
-
-    for p in paths:
-        try:
-            os.chmod(p, 0o666 & ~_umask())
-        except FileNotFoundError:
-            pass
 
 
 def cut_metrics(path: Path, step: int) -> int:

@@ -105,6 +105,17 @@ def _umask() -> int:
     return mask
 
 
+def plain_mode(*paths: str | Path) -> None:
+    """Give files the mode a plain ``open`` would (0666 less the umask), as the project's atomic writes
+    do: safetensors writes through a 0600 temp file, which would leave the weights unreadable to the
+    group while every other file of the folder is not."""
+    for p in paths:
+        try:
+            os.chmod(p, 0o666 & ~_umask())
+        except FileNotFoundError:
+            pass
+
+
 def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys: bool = True) -> None:
     """Atomically write ``obj`` as JSON (NaN/inf written as such, like ``json.dumps``)."""
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")

@@ -133,6 +133,10 @@ def test_generate_command(cli, trained_run, tmp_path):
      "--seed: applies to sampling"),
     (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--student", "{missing}", "--cache", "per_visit"],
      "--student: the student's prefill fills a terminal cache; with --cache per_visit it would never run"),
+    (["generate", "--checkpoint", "{missing}", "--prompt", "x", "--student", "{missing}", "--prefill-depth", "8"],
+     "--prefill-depth: with --student the prompt is prefilled by the student"),  # it was ignored, and reported
+    (["eval", "ppl", "--checkpoint", "{missing}", "--student", "{missing}", "--prefill-depth", "2"],
+     "--prefill-depth: with --student the prompt is prefilled by the student"),
     (["eval", "harness", "--checkpoint", "{missing}", "--tasks", "megaloop_toy_mc", "--student", "{missing}",
       "--cache", "none"],
      "--student: the student's prefill fills a terminal cache; with --cache none"),

@@ -60,7 +60,7 @@ def test_the_export_names_a_staging_folder_it_cannot_create(run):
     from megaloop.hf.convert import ConversionError, convert_to_hf
 
     with pytest.raises(ConversionError, match=r"^--out /proc/self/hf: the export cannot be staged beside it "
-                                              r"\(/proc/self/\.hf\.megaloop-tmp-\d+: .*\); nothing was written$"):
+                                              r"\(/proc/self/\.hf\.megaloop-tmp-[\w-]+-\d+: .*\); nothing was written$"):
         convert_to_hf(run, "/proc/self/hf", validate=False, log=lambda *_: None)
 
 
@@ -118,3 +118,86 @@ def test_an_export_is_replaced_only_when_it_holds_nothing_else(run, tmp_path, ca
     (hf / "model-00001-of-00002.safetensors").write_text("")
     (hf / "recurrence_megaloop.py").write_text("")  # a code file earlier releases exported
     assert foreign_entries(hf) == ["README.md", "notes"]
+
+
+def test_exported_weights_follow_the_umask(run, tmp_path):
+    """safetensors writes through a 0600 file: the weights were unreadable to the group while the
+    folder's other files followed the umask."""
+    import os
+    import stat
+
+    from megaloop.hf.convert_cli import main
+
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(mask)
+        try:
+            out = tmp_path / f"hf{mask:o}"
+            assert main(["--checkpoint", str(run), "--out", str(out), "--no-validate", "--max-shard-size", "20KB"]) == 0
+        finally:
+            os.umask(old)
+        shards = list(out.glob("*.safetensors"))
+        assert len(shards) > 1
+        assert {stat.S_IMODE(f.stat().st_mode) for f in [*shards, out / "config.json"]} == {mode}
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_converts_staging_folder_is_swept(run, tmp_path, capsys):
+    """SIGKILL (or a node failure) during an export left ``.OUT.megaloop-tmp-*`` with a whole export in
+    it, which no later convert removed; one killed between moving the earlier export aside and
+    renaming the new one in left --out missing."""
+    import os
+
+    from megaloop.hf.convert_cli import main
+    from megaloop.hf.staging import _host, sweep_stale
+
+    hf = tmp_path / "hf"
+    assert main(["--checkpoint", str(run), "--out", str(hf), "--no-validate"]) == 0
+    dead, host = _dead_pid(), _host()
+    stale = tmp_path / f".hf.megaloop-tmp-{host}-{dead}"
+    (stale / "hf").mkdir(parents=True)
+    (stale / "hf" / "model.safetensors").write_bytes(b"x" * 1000)
+    live = tmp_path / f".hf.megaloop-tmp-{host}-{os.getppid()}"  # a convert still running
+    other = tmp_path / f".hf.megaloop-tmp-elsewhere-{dead}"  # another node's: its pids are not ours
+    for keep in (live, other):
+        (keep / "hf").mkdir(parents=True)
+    capsys.readouterr()
+    assert main(["--checkpoint", str(run), "--out", str(hf), "--no-validate"]) == 0
+    assert f"removed {stale}, the staging folder of an interrupted convert (pid {dead})" in capsys.readouterr().out
+    assert not stale.exists() and live.is_dir() and other.is_dir()
+    # killed after moving the earlier export aside: it is put back, then the staging folder goes
+    moved = tmp_path / f".hf.megaloop-tmp-{host}-{dead}"
+    moved.mkdir()
+    files = sorted(p.name for p in hf.iterdir())
+    hf.rename(moved / "hf.old")
+    notes: list[str] = []
+    sweep_stale(hf, notes.append)
+    assert sorted(p.name for p in hf.iterdir()) == files and not moved.exists()
+    assert notes[0].startswith(f"note: restored the earlier export {hf}")
+
+
+def test_sigterm_during_an_export_removes_its_staging_folder(run, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, clean_env
+
+    out = tmp_path / "hf"
+    code = "\n".join([
+        "import os, signal, megaloop.cli, megaloop.hf.convert as c",
+        "c.plain_mode = lambda *a: os.kill(os.getpid(), signal.SIGTERM)  # the weights are in the staging folder",
+        f"megaloop.cli.main(['convert', '--checkpoint', {str(run)!r}, '--out', {str(out)!r}, '--no-validate'])"])
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean_env(), "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert "megaloop convert: stopped by SIGTERM (its temporary files removed; --out is never left half-written)" \
+        in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists() and not list(tmp_path.glob(".hf.megaloop-tmp-*"))

@@ -289,6 +289,23 @@ def test_generate_per_visit_equals_uncached_and_left_padding():
     assert torch.equal(both[0], one[0]) and torch.equal(both[1, 2:], two[0])
 
 
+
+@pytest.mark.parametrize("injection", ["parcae_decay", "deq_qkv"])
+def test_a_left_padded_forward_scores_as_each_sequence_alone(injection):
+    """model(**tokenizer(batch, padding=True)) without position_ids: the padded row's positions (its
+    eval h⁰ and RoPE) started at the padding, so its logits differed from the row alone (by 1.5 for
+    deq_qkv); they are counted over the unpadded tokens now, as generate counts them."""
+    model = make_model(injection, num_recurrences=3)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(21))
+    batch, mask = ids.clone(), torch.ones_like(ids)
+    batch[1, :3], mask[1, :3] = 0, 0
+    with torch.no_grad():
+        both = model(batch, attention_mask=mask, use_cache=False).logits
+        alone = model(ids[1:, 3:], use_cache=False).logits
+        first = model(ids[:1], use_cache=False).logits
+    assert (both[1, 3:] - alone[0]).abs().max().item() < TOL
+    assert (both[0] - first[0]).abs().max().item() < TOL
+
 def test_untied_arch_cache_and_tied_head():
     model = make_model(arch="untied", num_hidden_layers=3, tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -174,3 +174,37 @@ print("ACTIVE_AFTER_INIT", redirect_active())
     assert redirect_active()
     load_model(run)
     assert redirect_active()
+
+
+def test_an_hf_folder_whose_weights_do_not_match_its_config_is_refused(tmp_path, capfd):
+    """A config.json edited after the export (or copied from another one) loaded with random tensors
+    where weights were missing (exit 0, transformers' generic warning), dropped stored tensors the
+    config did not describe, and crashed with a traceback on a shape difference."""
+    import json
+
+    from megaloop.hf.errors import ConversionError
+    from megaloop.hf.load import load_model
+    from tests.inference.helpers import make_model
+
+    def folder(name: str, edit: dict, **kw):
+        path = tmp_path / name
+        make_model(**kw).save_pretrained(path)
+        cfg = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**cfg, **edit}))
+        return path
+
+    load_model(folder("ok", {}), kind="hf")  # an untouched export loads
+    cases = {"missing": (folder("missing", {"state_readout": True}),
+                         r"1 tensor\(s\) missing from the weights \(they would be random\): model\.state_readout\.weight"),
+             "extra": (folder("extra", {"state_readout": False}, state_readout=True),
+                       r"1 tensor\(s\) in the weights but not in the model config\.json describes \(they would be "
+                       r"dropped\): model\.state_readout\.weight"),
+             "shape": (folder("shape", {"intermediate_size": 96}),
+                       r"tensors of another shape \(model\.coda\.0\.mlp\.down_proj\.weight \[32, \d+\] stored vs "
+                       r"\[32, 96\]")}
+    capfd.readouterr()
+    for name, (path, why) in cases.items():
+        with pytest.raises(ConversionError, match=rf"^HF folder {re.escape(str(path))}: its weights do not match its "
+                                                  rf"config\.json: {why}"):
+            load_model(path, kind="hf")
+    assert "newly initialized" not in capfd.readouterr().err  # transformers' warning, replaced by the refusal

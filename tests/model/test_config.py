@@ -24,3 +24,16 @@ def test_arch_differences_names_changed_fields_and_reads_missing_ones_as_legacy(
     assert arch_differences({**saved, "exit_norm": False}, cfg) == []  # only huginn_linear has one
     # training-only fields (window, recompute, precision) may change on resume
     assert arch_differences({**saved, "bptt_window": 2, "recompute": True, "bf16": True}, cfg) == []
+
+
+def test_arch_differences_compare_the_resolved_widths():
+    """A GQA checkpoint resumed without its model.num_query_groups was refused by the tensors' shape
+    check alone, after an advice line that did not name the field (so following it failed again)."""
+    cfg = ModelConfig(hidden_size=64, num_heads=4)
+    saved = {k: getattr(cfg, k) for k in ModelConfig.ARCH_FIELDS} | {"num_query_groups": None, "ffn_hidden_size": None}
+    assert arch_differences(saved, cfg) == []
+    assert arch_differences({**saved, "num_query_groups": 4, "ffn_hidden_size": 192}, cfg) == []  # None = these
+    assert arch_differences({**saved, "num_query_groups": 2}, cfg) == [("num_query_groups", 2, 4)]
+    assert arch_differences(saved, ModelConfig(hidden_size=64, num_heads=4, num_query_groups=1)) == [
+        ("num_query_groups", 4, 1)]
+    assert arch_differences({**saved, "ffn_hidden_size": 256}, cfg) == [("ffn_hidden_size", 256, 192)]

@@ -143,7 +143,7 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
         if model.generation_config.pad_token_id is None:
             model.generation_config.pad_token_id = eos
     model.save_pretrained(str(out), safe_serialization=True)
-    from megaloop.post.runs import plain_mode
+    from megaloop.runtime.files import plain_mode
 
     plain_mode(*out.glob("model*.safetensors"), out / "model.safetensors.index.json")
     for name in CODE_FILES:
