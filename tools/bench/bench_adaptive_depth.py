@@ -19,29 +19,59 @@ import math
 from pathlib import Path
 
 import torch
-from common import RESULTS, command, timed, write_result
+from common import (RESULTS, command, int_at_least, int_in_range, int_list, positive_int, timed, user_errors,
+                    write_result)
 
 PROMPTS = ["The", "Once upon a time", "In the beginning", "def main():", "A looped model", "Today we",
            "The results show", "import torch"]
+
+
+def exit_specs(text: str) -> str:
+    """``type=`` of ``--exits``: comma-separated criteria, each checked by the parser the engine uses
+    (``ExitPolicy.parse``: name and threshold; the depth bounds are checked after parsing); returns
+    the string unchanged."""
+    from megaloop.inference.adaptive import ExitPolicy
+
+    for spec in text.split(","):
+        try:
+            ExitPolicy.parse(spec)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{spec!r}: {str(err).removeprefix('exit_criterion: ')}") from None
+    return text
+
+
+def device_name(text: str) -> str:
+    """``type=`` of ``--device``: what the engine's loader accepts (auto, cpu, cuda, cuda:N; CUDA present)."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.hf.load import resolve_device
+
+    try:
+        resolve_device(text)
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err).removeprefix(f"--device {text}: ")) from None
+    return text
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--checkpoint", required=True, help="native checkpoint (run dir / step dir) or HF folder")
     p.add_argument("--data", default="default", help="validation data (megaloop eval --data)")
-    p.add_argument("--fixed", default="4,8,16,32", help="fixed depths")
-    p.add_argument("--exits", default="latent:0.03,latent:0.01,kl:1e-3,argmax:3")
-    p.add_argument("--max-depth", type=int, default=32)
-    p.add_argument("--min-depth", type=int, default=2)
-    p.add_argument("--prefill-depth", type=int, default=None, help="default: the run's eval depth")
-    p.add_argument("--seqs", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--reps", type=int, default=2)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="auto")
+    # fixed R runs the adaptive code at ε = 0 (ExitPolicy min_depth 2 <= R)
+    p.add_argument("--fixed", type=int_list(2), default="4,8,16,32", help="fixed depths (>= 2)")
+    p.add_argument("--exits", type=exit_specs, default="latent:0.03,latent:0.01,kl:1e-3,argmax:3")
+    p.add_argument("--max-depth", type=int_at_least(2), default=32)
+    p.add_argument("--min-depth", type=int_at_least(2), default=2)
+    p.add_argument("--prefill-depth", type=positive_int, default=None, help="default: the run's eval depth")
+    p.add_argument("--seqs", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=int_at_least(2), default=64)  # its second half is scored
+    p.add_argument("--prompts", type=int_in_range(1, len(PROMPTS)), default=4)
+    p.add_argument("--new", type=positive_int, default=32)
+    p.add_argument("--reps", type=positive_int, default=2)
+    p.add_argument("--threads", type=positive_int, default=2)
+    p.add_argument("--device", type=device_name, default="auto")
     args = p.parse_args()
+    if args.max_depth < args.min_depth:
+        p.error(f"--max-depth {args.max_depth}: must be >= --min-depth {args.min_depth}")
     if not Path(args.checkpoint).exists():
         p.error(f"--checkpoint {args.checkpoint}: no such checkpoint (a trained run, e.g. the one `megaloop reproduce "
                 "--experiment depth --scale tiny --out runs/repro_depth` writes to runs/repro_depth/arms/learned_h0.01)")
@@ -50,10 +80,11 @@ def main():
     from megaloop.inference.adaptive import ExitPolicy
     from megaloop.inference.engine import InferenceEngine
 
-    eng = InferenceEngine.load(args.checkpoint, device=args.device, cache_mode="terminal")
-    pdepth = args.prefill_depth or eng.depth
-    data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.seqs, vocab_size=eng.vocab_size,
-                          default_seq_len=eng.config.max_position_embeddings)
+    with user_errors(p):  # a path that is no checkpoint, an unknown --data, ...
+        eng = InferenceEngine.load(args.checkpoint, device=args.device, cache_mode="terminal")
+        pdepth = args.prefill_depth or eng.depth
+        data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.seqs, vocab_size=eng.vocab_size,
+                              default_seq_len=eng.config.max_position_embeddings)
     tokens, labels, mask = data.tokens[:args.seqs], data.labels[:args.seqs], data.loss_mask[:args.seqs]
     half = tokens.shape[1] // 2
     prompts = PROMPTS[:args.prompts]

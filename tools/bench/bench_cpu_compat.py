@@ -15,14 +15,14 @@ import statistics
 import time
 
 import torch
-from common import native_model, single_process_megatron, write_result
+from common import native_model, positive_int, single_process_megatron, write_result
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--depth", type=int, default=3)
+    p.add_argument("--reps", type=positive_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--depth", type=positive_int, default=3)
     args = p.parse_args()
     if torch.cuda.is_available():
         raise SystemExit("the CPU compatibility layer is only used without CUDA")

@@ -13,19 +13,20 @@ import statistics
 import time
 
 import torch
-from common import command, device, sync, write_result
+from common import check_model_args, command, device, int_list, positive_int, sync, write_result
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--depths", default="5,16")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--hidden", type=positive_int, default=256)
+    p.add_argument("--heads", type=positive_int, default=4)
+    p.add_argument("--prompt", type=positive_int, default=128)
+    p.add_argument("--new", type=positive_int, default=32)
+    p.add_argument("--batch", type=positive_int, default=4)
+    p.add_argument("--depths", type=int_list(1), default="5,16")
+    p.add_argument("--reps", type=positive_int, default=3)
     args = p.parse_args()
+    check_model_args(p, args)
     from megaloop.hf.configuration_megaloop import MegaloopConfig
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 

@@ -19,7 +19,8 @@ import statistics
 import time
 
 import torch
-from common import command, export_model, export_model_args, model_args, sync, write_result
+from common import (check_model_args, command, export_model, export_model_args, int_list, model_args, positive_int,
+                    sync, write_result)
 
 from megaloop.post.distill.prefill_student import PrefillStudent, student_prefill
 
@@ -27,11 +28,13 @@ from megaloop.post.distill.prefill_student import PrefillStudent, student_prefil
 def main():
     p = argparse.ArgumentParser()
     model_args(p, seq=512, batch=1)
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--depths", default="1,2,3", help="more teacher prefill depths to time (comma-separated)")
+    p.add_argument("--depth", type=positive_int, default=5)
+    p.add_argument("--repeats", type=positive_int, default=10)
+    p.add_argument("--depths", type=int_list(1, optional=True), default="1,2,3",
+                   help="more teacher prefill depths to time (comma-separated)")
     export_model_args(p, "distill_prefill")
     args = p.parse_args()
+    check_model_args(p, args)
     depths = sorted({int(d) for d in args.depths.split(",") if d.strip()} | {args.depth})
     model, device = export_model(args)
     cfg = model.config

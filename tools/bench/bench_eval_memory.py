@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from common import command, write_result
+from common import command, positive_int, write_result
 
 # name: (hidden, heads, kv heads, ffn, vocab, seq_len, batch, depth, protocols)
 CASES = {
@@ -253,15 +253,31 @@ RUNNERS = {**{k: run_case for k in CASES}, **{k: run_gen_case for k in GEN_CASES
            **{k: run_copy_case for k in COPY_CASES}, **{k: run_fp_case for k in FP_CASES}}
 
 
+def case_names(text: str) -> str:
+    """``type=`` of ``--cases``: one or more known cases, comma-separated; returns the string unchanged."""
+    names = [c for c in text.split(",") if c]
+    bad = [c for c in names if c not in RUNNERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{'unknown ' + str(bad) if bad else 'no case'}; known: {', '.join(RUNNERS)}")
+    return text
+
+
+def speed_case(text: str) -> str:
+    """``type=`` of ``--speed``: an evaluate_ppl case."""
+    if text not in CASES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an evaluate_ppl case; known: {', '.join(CASES)}")
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     known = RUNNERS
-    p.add_argument("--cases", default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
-    p.add_argument("--mmap-threshold", type=int, default=None, metavar="BYTES",
+    p.add_argument("--cases", type=case_names, default=",".join(known), help=f"comma-separated, of {', '.join(known)}")
+    p.add_argument("--mmap-threshold", type=positive_int, default=None, metavar="BYTES",
                    help="run the cases with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: blocks above "
                         "it are mapped and returned when freed, so the peak RSS follows the live tensors); "
                         "writes eval_memory_mmap.json")
-    p.add_argument("--speed", default=None, metavar="CASE",
+    p.add_argument("--speed", type=speed_case, default=None, metavar="CASE",
                    help="instead: time one evaluate_ppl case under glibc's default and under --mmap-threshold "
                         "(default 65536), alternating in fresh processes; writes eval_memory_speed.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -274,8 +290,6 @@ def main() -> None:
         print(json.dumps(time_case(args.time_child)))
         return
     if args.speed:
-        if args.speed not in CASES:
-            sys.exit(f"--speed: {args.speed!r} is not an evaluate_ppl case; known: {', '.join(CASES)}")
         threshold = args.mmap_threshold or 65536
         res = speed(args.speed, threshold)
         args.cases = None  # not used by --speed: left out of the recorded command
@@ -283,9 +297,6 @@ def main() -> None:
                      command("bench_eval_memory.py", args))
         return
     names = [c for c in args.cases.split(",") if c]
-    bad = [c for c in names if c not in known]
-    if bad:
-        sys.exit(f"--cases: unknown {bad}; known: {', '.join(known)}")
     rows = []
     for name in names:
         row = _child("--child", name, args.mmap_threshold)

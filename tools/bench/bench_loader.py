@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from common import command, write_result
+from common import command, int_list, nonnegative_int, positive_float, positive_int, user_errors, write_result
 
 
 def bench_one(path: str, seq_len: int, mbs: int, workers: int, warmup: int, seconds: float,
@@ -54,16 +54,18 @@ def bench_one(path: str, seq_len: int, mbs: int, workers: int, warmup: int, seco
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seconds", type=float, default=5.0, help="measurement window per case")
-    p.add_argument("--warmup", type=int, default=10, help="batches drawn before timing")
-    p.add_argument("--workers", default="0,2", help="DataLoader worker counts to try")
-    p.add_argument("--default-seq-len", type=int, default=256)
-    p.add_argument("--default-mbs", type=int, default=8)
-    p.add_argument("--synthetic-sequences", type=int, default=8192)
-    p.add_argument("--seq-len", type=int, default=2048, help="synthetic set sequence length")
-    p.add_argument("--mbs", type=int, default=8, help="synthetic set micro-batch size")
+    p.add_argument("--seconds", type=positive_float, default=5.0, help="measurement window per case")
+    p.add_argument("--warmup", type=nonnegative_int, default=10, help="batches drawn before timing")
+    p.add_argument("--workers", type=int_list(0), default="0,2", help="DataLoader worker counts to try")
+    p.add_argument("--default-seq-len", type=positive_int, default=256)
+    p.add_argument("--default-mbs", type=positive_int, default=8)
+    p.add_argument("--synthetic-sequences", type=positive_int, default=8192)
+    p.add_argument("--seq-len", type=positive_int, default=2048, help="synthetic set sequence length")
+    p.add_argument("--mbs", type=positive_int, default=8, help="synthetic set micro-batch size")
     p.add_argument("--cache-dir", default=None, help="default: $MEGALOOP_CACHE or ~/.cache/megaloop")
     args = p.parse_args(argv)
+    if args.synthetic_sequences < args.mbs:
+        p.error(f"--synthetic-sequences {args.synthetic_sequences}: fewer than one micro-batch (--mbs {args.mbs})")
 
     import numpy
 
@@ -75,23 +77,24 @@ def main(argv: list[str] | None = None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     cache = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     workers = [int(w) for w in args.workers.split(",")]
-    t0 = time.perf_counter()
-    default_root = ensure_default_dataset(cache_dir=cache, seq_len=args.default_seq_len)
-    t_default = time.perf_counter() - t0
-    synth = cache / f"bench-synthetic-{args.synthetic_sequences}x{args.seq_len}"
-    t0 = time.perf_counter()
-    synth_man = write_synthetic_mds(synth, args.synthetic_sequences, args.seq_len,
-                                    vocab_size=32768, seed=0)
-    t_synth = time.perf_counter() - t0
-    results = []
-    cases = [("default", str(default_root / "train"), args.default_seq_len, args.default_mbs),
-             ("synthetic", str(synth), args.seq_len, args.mbs)]
-    for name, path, seq_len, mbs in cases:
-        for w in workers:
-            r = bench_one(path, seq_len, mbs, w, args.warmup, args.seconds, str(cache))
-            r["dataset"] = name
-            results.append(r)
-            print(json.dumps(r), flush=True)
+    with user_errors(p):  # what the data code refuses (e.g. a dataset too small for a micro-batch): one line
+        t0 = time.perf_counter()
+        default_root = ensure_default_dataset(cache_dir=cache, seq_len=args.default_seq_len)
+        t_default = time.perf_counter() - t0
+        synth = cache / f"bench-synthetic-{args.synthetic_sequences}x{args.seq_len}"
+        t0 = time.perf_counter()
+        synth_man = write_synthetic_mds(synth, args.synthetic_sequences, args.seq_len,
+                                        vocab_size=32768, seed=0)
+        t_synth = time.perf_counter() - t0
+        results = []
+        cases = [("default", str(default_root / "train"), args.default_seq_len, args.default_mbs),
+                 ("synthetic", str(synth), args.seq_len, args.mbs)]
+        for name, path, seq_len, mbs in cases:
+            for w in workers:
+                r = bench_one(path, seq_len, mbs, w, args.warmup, args.seconds, str(cache))
+                r["dataset"] = name
+                results.append(r)
+                print(json.dumps(r), flush=True)
     datasets = {
         "default": {"build_or_load_s": round(t_default, 3),
                     **{k: json.loads((default_root / "train" / "manifest.json").read_text())[k]

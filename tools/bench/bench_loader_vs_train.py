@@ -17,14 +17,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, write_result  # noqa: I001  (sets sys.path first)
+from common import ROOT, int_at_least, positive_float, write_result  # noqa: I001  (sets sys.path first)
 from bench_loader import bench_one
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--seconds", type=float, default=5.0)
+    p.add_argument("--steps", type=int_at_least(3), default=12, help="training steps (the median skips the first 2)")
+    p.add_argument("--seconds", type=positive_float, default=5.0)
     args = p.parse_args()
     from megaloop.config import load_config
 

@@ -12,13 +12,14 @@ import argparse
 import statistics
 
 import torch
-from common import command, model_args, native_model, parse_megatron_bench, timed, write_result
+from common import (command, model_args, native_model, parse_megatron_bench, positive_int, timed, user_errors,
+                    write_result)
 
 
 def main():
     p = argparse.ArgumentParser()
     model_args(p, seq=256, batch=4)
-    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--reps", type=positive_int, default=10)
     args, dev, dtype = parse_megatron_bench(p)
     from megatron.core.models.gpt import GPTModel
 
@@ -27,9 +28,10 @@ def main():
     from megaloop.runtime.cpu_compat import without_redirect
 
     common = dict(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16)
-    looped_cfg = ModelConfig(**common, injection="parcae_nonorm", bptt_window=64)
+    with user_errors(p):  # what ModelConfig refuses of the shape: one line, exit 2
+        looped_cfg = ModelConfig(**common, injection="parcae_nonorm", bptt_window=64)
+        gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
     looped = native_model(looped_cfg, args.vocab).to(dev, dtype)
-    gpt_cfg = ModelConfig(**common, arch="untied", num_layers=12)
     gtc = transformer_config(gpt_cfg, tp=1, pp=1, vpp=None, sequence_parallel=False)
     spec = layer_spec(gpt_cfg)  # the looped model's layers: TE on GPU, local + SDPA attention on CPU
     gpt = GPTModel(config=gtc, transformer_layer_spec=spec, vocab_size=looped.vocab_size,

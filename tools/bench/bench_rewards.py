@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, command, write_result
+from common import ROOT, command, int_list, positive_int, write_result
 
 BEFORE_REV = "65b0666500831c2c639c2d25246bbec2180e10e8"  # last revision of the unsandboxed reward
 
@@ -92,9 +92,9 @@ def _time(fn, pairs, want) -> tuple[float, float, int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=4, help="passes over the tasks per round")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per variant (best and median kept)")
-    p.add_argument("--workers", default="1,2,4", help="comma-separated pool sizes")
+    p.add_argument("--repeats", type=positive_int, default=4, help="passes over the tasks per round")
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per variant (best and median kept)")
+    p.add_argument("--workers", type=int_list(1), default="1,2,4", help="comma-separated pool sizes")
     p.add_argument("--before-rev", default=BEFORE_REV)
     args = p.parse_args()
     from megaloop.post.rl.sandbox import CodeTask, CodeTaskConfig, sandbox_backend

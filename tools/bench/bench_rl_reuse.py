@@ -17,7 +17,8 @@ import statistics
 import time
 
 import torch
-from common import command, export_model, export_model_args, model_args, sync, write_result
+from common import (check_model_args, command, export_model, export_model_args, model_args, positive_int, sync,
+                    write_result)
 
 from megaloop.post.rl.parts import HFLoopedParts
 from megaloop.post.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
@@ -26,11 +27,12 @@ from megaloop.post.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, re
 def main():
     p = argparse.ArgumentParser()
     model_args(p, seq=128, batch=2)
-    p.add_argument("--b", type=int, default=5, help="Neumann terms (b=5: Neumann-4)")
-    p.add_argument("--depths", type=int, nargs="+", default=[5, 32])
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--b", type=positive_int, default=5, help="Neumann terms (b=5: Neumann-4)")
+    p.add_argument("--depths", type=positive_int, nargs="+", default=[5, 32])
+    p.add_argument("--repeats", type=positive_int, default=5)
     export_model_args(p, "rl_reuse")
     args = p.parse_args()
+    check_model_args(p, args)
     model, device = export_model(args)
     cfg = model.config
     parts = HFLoopedParts(model)

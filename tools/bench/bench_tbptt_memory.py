@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import command, device, model_args, native_model, single_process_megatron, write_result
+from common import (check_model_args, command, device, model_args, native_model, single_process_megatron, user_errors,
+                    write_result)
 
 
 class SavedBytes:
@@ -56,10 +57,12 @@ def main():
         p.error(f"--depths {args.depths!r} / --compare {args.compare!r}: comma-separated integers (--compare: two)")
     if min(depths) < 1 or lo not in depths or hi not in depths or lo == hi:
         p.error(f"--compare {args.compare}: two different depths of --depths {args.depths} (all >= 1)")
+    check_model_args(p, args)
     single_process_megatron()
     from megaloop.model.config import ModelConfig
 
-    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bptt_window=64)
+    with user_errors(p):  # what ModelConfig refuses of the shape: one line, exit 2
+        cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bptt_window=64)
     dev = device()
     model = native_model(cfg, args.vocab).to(dev)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=dev)

@@ -16,22 +16,24 @@ import dataclasses
 import statistics
 
 import torch
-from common import command, model_args, native_model, parse_megatron_bench, timed, write_result
+from common import (command, model_args, native_model, parse_megatron_bench, positive_int, timed, user_errors,
+                    write_result)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     model_args(p, seq=256, batch=4)
-    p.add_argument("--depth", type=int, default=5)
-    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--depth", type=positive_int, default=5)
+    p.add_argument("--reps", type=positive_int, default=8)
     args, dev, dtype = parse_megatron_bench(p)
     from megaloop.hf.convert import hf_config_from_native, native_to_hf_state_dict
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
     from megaloop.model.config import ModelConfig
     from megaloop.train.flops import microbatch_flops
 
-    cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
-                      injection="parcae_nonorm", bptt_window=args.depth)
+    with user_errors(p):  # what ModelConfig refuses of the shape: one line, exit 2
+        cfg = ModelConfig(hidden_size=args.hidden, num_heads=args.heads, seq_len=args.seq, bf16=args.bf16,
+                          injection="parcae_nonorm", bptt_window=args.depth)
     native = native_model(cfg, args.vocab)
     # the plain model's weights: the native model's (local-spec names); with TE layers (GPU), the same
     # seeded initialisation built once more with the local spec

@@ -27,7 +27,8 @@ import statistics
 import sys
 
 import torch
-from common import command, model_args, parse_megatron_bench, timed, write_result
+from common import (command, model_args, nonnegative_int, parse_megatron_bench, positive_int, timed, user_errors,
+                    write_result)
 
 
 def _matched_model(name: str, args):
@@ -48,12 +49,12 @@ def _matched_model(name: str, args):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(p, seq=256, batch=4)
-    p.add_argument("--ffn", type=int, default=None, help="MLP width (default: megaloop's for --hidden)")
-    p.add_argument("--layers", type=int, nargs=3, default=[1, 2, 1], metavar=("PRELUDE", "CORE", "CODA"))
-    p.add_argument("--depth", type=int, default=5, help="recurrences per step (fixed)")
+    p.add_argument("--ffn", type=positive_int, default=None, help="MLP width (default: megaloop's for --hidden)")
+    p.add_argument("--layers", type=nonnegative_int, nargs=3, default=[1, 2, 1], metavar=("PRELUDE", "CORE", "CODA"))
+    p.add_argument("--depth", type=positive_int, default=5, help="recurrences per step (fixed)")
     p.add_argument("--bptt-window", type=int, default=4, help="recurrences that backpropagate (the last k)")
-    p.add_argument("--reps", type=int, default=8)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--reps", type=positive_int, default=8)
+    p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--huginn", default=None, metavar="PATH", help="root of a recurrent-pretraining checkout")
     p.add_argument("--parcae", default=None, metavar="PATH", help="root of a parcae checkout")
     p.add_argument("--name", default="vs_refs")
@@ -63,8 +64,6 @@ def main() -> None:
         p.error("pass --huginn PATH and/or --parcae PATH (checkouts of the reference repositories)")
     if not 1 <= args.bptt_window <= args.depth:
         p.error(f"--bptt-window: must be in [1, --depth {args.depth}], got {args.bptt_window}")
-    if args.reps < 1:
-        p.error(f"--reps: must be >= 1, got {args.reps}")
     from parity_refs import reference_root
 
     for name, path in refs.items():
@@ -85,7 +84,8 @@ def main() -> None:
     labels = torch.roll(ids, -1, dims=1)
     arms, flops, params, commits, configs = {}, {}, {}, {}, {}
     for name, path in refs.items():
-        cfg = _matched_model(name, args)
+        with user_errors(p):  # what the matched config refuses of the shape (e.g. --layers 1 0 1): one line
+            cfg = _matched_model(name, args)
         native = native_model(cfg, args.vocab).to(dev, dtype).train()
         ref = load_reference(name, path, Shape.of(cfg, args.vocab, mean_depth=R, bptt_window=k), seed=0)
         ref.model.to(dev, dtype).train()

@@ -4,12 +4,15 @@ files), the command that reproduces a run, single-process megatron."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,13 +21,102 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
 
+# Option checks: argparse ``type=`` functions, so that a bad value stops the parse with argparse's
+# one line ``SCRIPT: error: argument --reps: must be an integer >= 1, got '0'`` (exit 2) before
+# anything is built or timed. List options stay the string they were given (results and recorded
+# commands keep their format); the script splits them as before.
+
+
+def int_at_least(minimum: int):
+    """``type=`` for an integer option ``>= minimum``."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return check
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def int_in_range(low: int, high: int):
+    """``type=`` for an integer option in ``[low, high]``."""
+
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{low}, {high}], got {text!r}")
+        return value
+
+    return check
+
+
+def positive_float(text: str) -> float:
+    """``type=`` for a finite number ``> 0`` (e.g. a duration in seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}")
+    return value
+
+
+def int_list(minimum: int, *, optional: bool = False):
+    """``type=`` for a comma-separated list of integers ``>= minimum``, at least one (``optional``: empty
+    items are skipped and none is fine, as the script then reads it); returns the string unchanged."""
+
+    def check(text: str) -> str:
+        items = [x for x in text.split(",") if x.strip()] if optional else text.split(",")
+        try:
+            ok = all(int(x) >= minimum for x in items) and (optional or bool(items))
+        except ValueError:
+            ok = False
+        if not ok:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers >= {minimum}, got {text!r}")
+        return text
+
+    return check
+
+
 def model_args(p, *, seq: int, batch: int, hidden: int = 256, heads: int = 4, vocab: int = 4096) -> None:
-    """The model-shape options every model benchmark takes (defaults per benchmark)."""
-    p.add_argument("--hidden", type=int, default=hidden)
-    p.add_argument("--heads", type=int, default=heads)
-    p.add_argument("--seq", type=int, default=seq)
-    p.add_argument("--batch", type=int, default=batch)
-    p.add_argument("--vocab", type=int, default=vocab)
+    """The model-shape options every model benchmark takes (defaults per benchmark); after parsing,
+    :func:`check_model_args` (``parse_megatron_bench`` calls it)."""
+    p.add_argument("--hidden", type=positive_int, default=hidden)
+    p.add_argument("--heads", type=positive_int, default=heads)
+    p.add_argument("--seq", type=int_at_least(2), default=seq)
+    p.add_argument("--batch", type=positive_int, default=batch)
+    p.add_argument("--vocab", type=positive_int, default=vocab)
+
+
+def check_model_args(p, args) -> None:
+    """Refuse (``p.error``, exit 2) a ``--hidden`` that ``--heads`` does not divide."""
+    if args.hidden % args.heads:
+        p.error(f"--hidden {args.hidden}: not divisible by --heads {args.heads}")
+
+
+@contextmanager
+def user_errors(p):
+    """Build a benchmark's model / data inside this: megaloop's :class:`~megaloop.errors.UserError`
+    (``ConfigError``, ``DataError``, ``CheckpointError``, ...: bad input, its message naming the field
+    or file) becomes one line ``SCRIPT: error: MESSAGE`` on stderr and exit status 2, like the
+    ``megaloop`` commands. Anything else (a bug) keeps its traceback."""
+    from megaloop.errors import UserError, report
+
+    try:
+        yield
+    except UserError as err:
+        sys.exit(report(err, p.prog))
 
 
 def device() -> str:
@@ -91,8 +183,10 @@ def sync() -> None:
 
 def export_model_args(p, name: str) -> None:
     """Options of the benchmarks that time the export (pure-PyTorch) model."""
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--injection", default="parcae_nonorm")
+    from megaloop.hf.configuration_megaloop import INJECTIONS
+
+    p.add_argument("--threads", type=positive_int, default=1)
+    p.add_argument("--injection", default="parcae_nonorm", choices=INJECTIONS)
     p.add_argument("--name", default=name)
 
 
@@ -122,11 +216,13 @@ def native_model(cfg, vocab: int, seed: int = 0):
 
 
 def parse_megatron_bench(p):
-    """Add ``--bf16``, parse, start single-process megatron; returns ``(args, device, dtype)``."""
+    """Add ``--bf16``, parse (:func:`check_model_args`), start single-process megatron; returns
+    ``(args, device, dtype)``."""
     import torch
 
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args()
+    check_model_args(p, args)
     single_process_megatron()
     return args, device(), torch.bfloat16 if args.bf16 else torch.float32
 
