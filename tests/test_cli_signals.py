@@ -32,7 +32,10 @@ AT_TRAINER = textwrap.dedent("""
 
 def _run(tmp_path, sig: int, hook: str, argv: list[str]) -> tuple[int, str, str]:
     status = tmp_path / "exit_status"
-    code = "\n".join(["import os, sys, megaloop.cli", f"SIG = {int(sig)}", hook,
+    # Ctrl-C as a terminal delivers it: a shell's background job (CI launched with `&`) starts with
+    # SIGINT ignored, and Python then raises no KeyboardInterrupt
+    code = "\n".join(["import os, signal, sys", "signal.signal(signal.SIGINT, signal.default_int_handler)",
+                      "import megaloop.cli", f"SIG = {int(sig)}", hook,
                       f"megaloop.cli.main({argv!r})"])
     env = {**clean_env(), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "WANDB_MODE": "offline",
            "MEGALOOP_EXIT_STATUS_FILE": str(status)}
