@@ -155,11 +155,20 @@ class Tokenizer:
             return list(self._sp.encode(text))
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Token ids of each text (no special tokens)."""
-        if self.kind == "sentencepiece":
+    def encode_batch(self, texts: Sequence[str], *, specials_as_text: bool = True) -> list[list[int]]:
+        """Token ids of each document (no special tokens added). ``specials_as_text``: a special
+        token's string inside a document (``<|endoftext|>`` quoted in code or a crawled page) is
+        tokenised as text, as every other string is, not turned into the special id: an EOS id
+        there would end a document mid-text (and ``data.mask_document_boundaries`` mask the token
+        after it). The data pipeline's documents are encoded this way."""
+        if self.kind == "sentencepiece":  # control symbols are never matched in text
             return [list(x) for x in self._sp.encode(list(texts))]
-        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        before = self._tok.encode_special_tokens
+        self._tok.encode_special_tokens = bool(specials_as_text)
+        try:
+            return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+        finally:
+            self._tok.encode_special_tokens = before
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` (special tokens kept, so EOS shows as its string)."""

@@ -179,6 +179,18 @@ def _stored_seq_len(data: str) -> Optional[int]:
 _WARNED: set = set()
 
 
+def _document_encoder(engine):
+    """How a text --data file's documents are tokenised: as the data pipeline tokenises training
+    documents (a special token's string in the text stays text; megaloop.data.tokenizer), else the
+    engine's own ``encode``; None without a tokenizer."""
+    tok = engine.tokenizer
+    if tok is None:
+        return None
+    if callable(getattr(tok, "encode_batch", None)):
+        return lambda text: tok.encode_batch([text])[0]
+    return engine.encode
+
+
 def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     """The evaluation set of ``--data``; sequences longer than the training length raise the
     engine's context (RoPE extrapolation, warned once) unless ``--max-context`` was given."""
@@ -186,7 +198,7 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
 
     data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
-                          encode=engine.encode if engine.tokenizer is not None else None, eos_id=engine.eos_id,
+                          encode=_document_encoder(engine), eos_id=engine.eos_id,
                           text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
                           tokenizer_hint=_own_val_hint(args.data, engine),
                           tokenizer_given=getattr(args, "tokenizer", None))

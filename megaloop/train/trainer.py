@@ -502,6 +502,7 @@ class Trainer:
         order, names, src_ids = self._val_plan()
         loader = build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
                                    dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
+                                   mask_document_boundaries=self.cfg.data.mask_document_boundaries,  # as trained
                                    indices=order, hashes_verified=True)  # by _verify_data
         mbs = []
         for i, (batch, rows) in enumerate(zip(loader, loader.rank_rows())):

@@ -26,8 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 DOC = json.dumps({"text": "The river runs north of the old city and under the golden bridge."}) + "\n"
 # a data_prep CLI whose workers announce themselves, then take long over their file: {module}.{attr} is
 # the worker function, {script} the tool
+# (SIGINT as a terminal delivers it: a shell's background job, e.g. a CI launched with `&`, starts with
+# SIGINT ignored, and Python then raises no KeyboardInterrupt)
 SLOW_TEMPLATE = r"""
-import importlib.util, os, sys, time
+import importlib.util, os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import {module} as mod
 
 def slow(task):

@@ -211,3 +211,21 @@ def test_truncated_shard_error_names_shard(tmp_path, converted):
     os.unlink(shard)
     with pytest.raises(DataError, match=rf"{shard} listed in .*index.json is missing"):
         build_eval_loader(copy, seq_len=SEQ, micro_batch_size=2, dp_rank=0, dp_size=1)
+
+
+def test_a_special_tokens_text_inside_a_document_stays_text(tmp_path, fixture_tokenizer):
+    """A document that quotes ``<|endoftext|>`` (code, a crawled page about tokenizers) became an EOS
+    id mid-document: a false document boundary (and a masked target under
+    data.mask_document_boundaries). It is tokenised as text now: one EOS per document, at its end."""
+    tok = load_tokenizer(str(fixture_tokenizer))
+    eos = tok._tok.token_to_id("<|endoftext|>")
+    assert eos == tok.eos_id
+    docs = [f"doc {i}: the separator is <|endoftext|> and the river runs north of the city" for i in range(12)]
+    tree = tmp_path / "tree"
+    (tree / "data" / "web" / "1-1").mkdir(parents=True)
+    (tree / "data" / "web" / "1-1" / "0_1.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    _convert(tree, fixture_tokenizer, out, mix=MixSpec(), holdout=HoldoutSpec(val_fraction=0.0, screen_fraction=0.0))
+    toks, _ = _read_all(out)
+    assert (toks == eos).sum() <= len(docs)  # at most one per document (a packed row can cut the last)
+    assert eos not in tok.encode_batch(docs)[0] and eos in tok.encode_batch(docs, specials_as_text=False)[0]
