@@ -21,6 +21,8 @@ SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.max_ste
 def test_signal_during_the_last_step_completes_the_run(tmp_path, capsys, sig, early_code):
     from megaloop.train.trainer import Trainer
 
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # SIG_IGN in a background job
+
     def run_with_signal_at(step: int, run_dir) -> int:
         t = Trainer(load_config("tiny", SMALL), run_dir)
         step_fn = t.train_step
@@ -42,4 +44,4 @@ def test_signal_during_the_last_step_completes_the_run(tmp_path, capsys, sig, ea
     assert run_with_signal_at(2, tmp_path / "early") == early_code
     assert (tmp_path / "early" / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     # run() put the handlers back
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {s: signal.getsignal(s) for s in before} == before

@@ -19,7 +19,10 @@ returns what came back within ``limits.timeout_s`` + ~0.9 s whatever the program
   processes) before any untrusted code runs; bwrap sets ``no_new_privs``. Otherwise bwrap makes an
   unprivileged user namespace (``--disable-userns`` inside) and the run keeps the caller's uid;
 * a seccomp filter (:func:`seccomp_filter`, x86_64 and aarch64): no new namespaces, ptrace, bpf,
-  perf, userfaultfd, io_uring, keyrings, mounts or file handles;
+  perf, userfaultfd, io_uring, keyrings, mounts, file handles or SysV IPC (a SysV shared-memory
+  segment is not charged to the creator's RLIMIT_AS, and a new IPC namespace starts with the
+  kernel's effectively unlimited ``shmall``/``shmmax``: shmget + shmat + shmdt in a loop would pin
+  GiBs of host RAM for the namespace's lifetime);
 * rlimits set by the harness before the program loads (CPU, address space, file size, processes,
   open files, no core dumps); the result channel on fd 3, every other inherited fd closed;
 * on the wall-clock limit, an output flood or a result-channel overflow: ``SIGKILL`` to the
@@ -193,8 +196,10 @@ def find_bwrap() -> tuple[str | None, str]:
 # ----------------------------------------------------------------------------- seccomp
 # Syscalls refused (EPERM) inside the sandbox: new namespaces (unshare, setns; clone with a CLONE_NEW*
 # flag), and kernel interfaces a reward program has no use for (ptrace, other processes' memory,
-# bpf, perf, userfaultfd, io_uring, keyrings, mounts, handles). clone3 answers ENOSYS so libc falls
-# back to clone, whose flags a classic BPF filter can inspect.
+# bpf, perf, userfaultfd, io_uring, keyrings, mounts, handles, SysV IPC: shm/msg/sem, whose memory no
+# rlimit of the process bounds). clone3 answers ENOSYS so libc falls back to clone, whose flags a
+# classic BPF filter can inspect. Numbers: <asm/unistd_64.h> (x86_64) and <asm-generic/unistd.h>
+# (aarch64); i386's multiplexed ``ipc`` (117) needs no entry: a non-native ABI is killed outright.
 _DENY = {  # name: (x86_64, aarch64)
     "unshare": (272, 97), "setns": (308, 268), "ptrace": (101, 117), "process_vm_readv": (310, 270),
     "process_vm_writev": (311, 271), "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282),
@@ -203,6 +208,9 @@ _DENY = {  # name: (x86_64, aarch64)
     "umount2": (166, 39), "pivot_root": (155, 41), "open_tree": (428, 428), "move_mount": (429, 429),
     "fsopen": (430, 430), "fsconfig": (431, 431), "fsmount": (432, 432), "open_by_handle_at": (304, 265),
     "name_to_handle_at": (303, 264),
+    "shmget": (29, 194), "shmat": (30, 196), "shmdt": (67, 197), "shmctl": (31, 195),
+    "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
+    "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192),
 }
 _ARCH = {"x86_64": (0, 0xC000003E, 56), "aarch64": (1, 0xC00000B7, 220)}  # column, AUDIT_ARCH, clone
 _CLONE3 = 435

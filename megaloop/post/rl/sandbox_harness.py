@@ -32,6 +32,13 @@ other value as a one-key object: ``{"float": "nan"|"inf"|"-inf"}``, ``{"list": [
 ``{"tuple": [...]}``, ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"dict": [[k, v], ...]}``,
 ``{"bytes": "hex"}``. Only these exact types are encoded (``type(v) is int``, so a subclass with
 its own ``__eq__`` is refused). Nesting is limited to :data:`MAX_DEPTH`.
+
+:func:`decode_value` runs in the trusted parent on bytes the program controls, so it is total and
+bounded: anything that is not exactly this format (a tag with a body of the wrong type, an
+unhashable set element or dict key, too deep) raises :class:`WireError` (a ``ValueError``), never
+another exception; and a set, frozenset or dict whose elements (keys) share one hash value more
+than :data:`MAX_SAME_HASH` times is refused, so building it costs time linear in its size (a set
+of values that all hash alike, e.g. multiples of 2**61 - 1, would otherwise be quadratic).
 """
 
 from __future__ import annotations
@@ -42,11 +49,24 @@ import os
 import sys
 
 MAX_DEPTH = 64
+# At most this many elements of one set / frozenset (keys of one dict) may share a hash value.
+# Inserting n elements that all hash alike makes CPython compare each with every earlier one
+# (n**2 / 2 ``==`` calls: ~45,000 such ints fit in the 1 MiB result channel, 10-40 s of the
+# trainer's CPU). With this cap the work is at most MAX_SAME_HASH compares per element, linear in
+# the channel's size. Honest values essentially never have even two distinct elements with one
+# hash (ints hash as ``n mod (2**61 - 1)``, strings and bytes with the parent's random key), so
+# 16 refuses no realistic test value; a refused value makes the run a channel error (reward 0).
+MAX_SAME_HASH = 16
 _SPECIAL = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+_SEQUENCES = {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}
 
 
 class NotPlainData(TypeError):
     """A value of a type the wire format does not carry (or nested too deeply)."""
+
+
+class WireError(ValueError):
+    """Data that is not the wire format (the only exception :func:`decode_value` raises)."""
 
 
 def encode_value(v, depth: int = 0):
@@ -69,36 +89,53 @@ def encode_value(v, depth: int = 0):
 
 
 def decode_value(obj, depth: int = 0):
-    """Inverse of :func:`encode_value` on parsed JSON; ``ValueError`` on anything malformed."""
+    """Inverse of :func:`encode_value` on parsed JSON (``json.loads`` output); :class:`WireError`
+    on anything malformed or oversized (see the module docstring), never another exception."""
     if depth > MAX_DEPTH:
-        raise ValueError("nested too deeply")
+        raise WireError("nested too deeply")
     t = type(obj)
     if obj is None or t is bool or t is int or t is str or t is float:
         return obj
     if t is not dict or len(obj) != 1:
-        raise ValueError(f"not a wire value: {t.__name__}")
+        raise WireError(f"not a wire value: {t.__name__}")
     (tag, body), = obj.items()
-    if tag == "float" and body in _SPECIAL:
+    bt = type(body)
+    if tag == "float" and bt is str and body in _SPECIAL:
         return _SPECIAL[body]
-    if tag == "bytes" and type(body) is str:
-        return bytes.fromhex(body)
-    if tag in ("list", "tuple", "set", "frozenset") and type(body) is list:
-        items = [decode_value(x, depth + 1) for x in body]
+    if tag == "bytes" and bt is str:
         try:
-            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
-        except TypeError:  # an unhashable set element
-            raise ValueError(f"unhashable element in a {tag}") from None
-    if tag == "dict" and type(body) is list:
-        out = {}
+            return bytes.fromhex(body)
+        except ValueError:
+            raise WireError("bytes: not hex") from None
+    if tag in _SEQUENCES and bt is list:
+        items = [decode_value(x, depth + 1) for x in body]
+        if tag in ("set", "frozenset"):
+            _check_hashes(items, tag)
+        return _SEQUENCES[tag](items)
+    if tag == "dict" and bt is list:
+        pairs = []
         for pair in body:
             if type(pair) is not list or len(pair) != 2:
-                raise ValueError("dict items must be [key, value] pairs")
-            try:
-                out[decode_value(pair[0], depth + 1)] = decode_value(pair[1], depth + 1)
-            except TypeError:
-                raise ValueError("unhashable dict key") from None
-        return out
-    raise ValueError(f"unknown wire tag {tag!r}")
+                raise WireError("dict items must be [key, value] pairs")
+            pairs.append((decode_value(pair[0], depth + 1), decode_value(pair[1], depth + 1)))
+        _check_hashes([k for k, _ in pairs], "dict")
+        return dict(pairs)
+    raise WireError(f"unknown wire tag {tag!r} or a body of type {bt.__name__}")
+
+
+def _check_hashes(items: list, what: str) -> None:
+    """:class:`WireError` unless every item is hashable and no hash value is shared by more than
+    :data:`MAX_SAME_HASH` items (linear time: the counting dict is keyed by the hash values, ints
+    that equal their own hash, so no two of its keys collide in full)."""
+    counts: dict[int, int] = {}
+    for x in items:
+        try:
+            h = hash(x)
+        except TypeError:
+            raise WireError(f"unhashable element in a {what}") from None
+        c = counts[h] = counts.get(h, 0) + 1
+        if c > MAX_SAME_HASH:
+            raise WireError(f"more than {MAX_SAME_HASH} elements of a {what} share one hash value")
 
 
 def _drop_and_limit(job: dict) -> None:

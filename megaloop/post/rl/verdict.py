@@ -24,6 +24,13 @@ accept an ``int`` or ``float`` result (not ``bool``) with the stated tolerance.
 Reward of one completion (:func:`score`): ``"all"`` (default) — 1.0 when every test matches,
 else 0.0; ``"fraction"`` — the share of tests that match. A run whose result channel is
 malformed (a duplicate or unknown call index, a line that is not wire format) scores 0.
+
+Everything here that touches a value the program returned is total and bounded, because the
+program chooses it: decoding raises only ``ValueError`` (a channel error, see
+:func:`~megaloop.post.rl.sandbox_harness.decode_value`); :func:`matches` answers False where Python
+itself would raise (``math.isclose(10**400, 3.14)`` is an ``OverflowError``), so such a value fails
+its test instead of stopping the trainer; and :func:`strict_equal` compares sizes before hashing
+anything, so the work is bounded by the size of the (trusted) expected value.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import math
 from dataclasses import dataclass, field
 
 from megaloop.errors import UserError
-from megaloop.post.rl.sandbox_harness import NotPlainData, decode_value, encode_value
+from megaloop.post.rl.sandbox_harness import NotPlainData, WireError, decode_value, encode_value
 
 REL_TOL = 1e-7  # EvalPlus's rtol for float outputs
 ABS_TOL = 1e-6  # EvalPlus's default atol for float outputs
@@ -72,9 +79,13 @@ def _literal(node: ast.AST, what: str):
     except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         raise TestFormatError(f"{what} is not a literal") from None
     try:
-        encode_value(value)
-    except NotPlainData as err:
+        # the round trip the value makes over the result channel: refuses at load time what the
+        # parent would refuse from an honest program (e.g. a set of > MAX_SAME_HASH alike hashes)
+        decode_value(json.loads(json.dumps(encode_value(value), allow_nan=False)))
+    except (NotPlainData, WireError) as err:
         raise TestFormatError(f"{what} is not plain data ({err})") from None
+    except (ValueError, RecursionError):  # json: an int too long to print, nesting too deep
+        raise TestFormatError(f"{what} is not plain data (too large or too deep)") from None
     return value
 
 
@@ -165,14 +176,17 @@ def _canon(v):
 
 
 def strict_equal(got, exp, rel_tol: float = REL_TOL, abs_tol: float = ABS_TOL) -> bool:
-    """Type-strict equality (see the module docstring)."""
+    """Type-strict equality (see the module docstring). ``got`` is untrusted: containers compare
+    their sizes first, so no more of ``got`` is canonicalised or hashed than ``exp`` holds."""
     if type(got) is not type(exp):
         return False
     t = type(exp)
     if t is float:
         return math.isclose(got, exp, rel_tol=rel_tol, abs_tol=abs_tol)
+    if t in (list, tuple, set, frozenset, dict) and len(got) != len(exp):
+        return False
     if t in (list, tuple):
-        return len(got) == len(exp) and all(strict_equal(g, e, rel_tol, abs_tol) for g, e in zip(got, exp))
+        return all(strict_equal(g, e, rel_tol, abs_tol) for g, e in zip(got, exp))
     if t in (set, frozenset):
         return {_canon(x) for x in got} == {_canon(x) for x in exp}
     if t is dict:
@@ -182,14 +196,31 @@ def strict_equal(got, exp, rel_tol: float = REL_TOL, abs_tol: float = ABS_TOL) -
     return got == exp  # None, bool, int, str, bytes
 
 
+# What comparing decoded plain data (None, bool, int, float, str, bytes and containers of them) can
+# raise: OverflowError (an int beyond float range: ``float(10**400)``, ``10**400 - 4.0``),
+# ValueError (``repr`` of an int past ``sys.get_int_max_str_digits()``), RecursionError, TypeError.
+# Python itself would raise these in the test's assert, i.e. the test fails: no match.
+_COMPARE_ERRORS = (ArithmeticError, ValueError, RecursionError, TypeError)
+
+
 def matches(case: TestCase, got) -> bool:
-    """Whether the value returned for ``case`` passes it."""
+    """Whether the value returned for ``case`` passes it; False (never an exception) for a value
+    that cannot be compared (see :data:`_COMPARE_ERRORS`)."""
+    try:
+        return _matches(case, got)
+    except _COMPARE_ERRORS:
+        return False
+
+
+def _matches(case: TestCase, got) -> bool:
     if case.kind == "eq":
         return strict_equal(got, case.expected)
     if type(got) not in (int, float) or (type(got) is float and not math.isfinite(got)):
         return False
+    if type(got) is int:
+        got = float(got)  # OverflowError past ~1.8e308, as in Python's own isclose / abs(x - y)
     if case.kind == "close":
-        return math.isclose(float(got), case.expected, rel_tol=case.rel_tol, abs_tol=case.abs_tol)
+        return math.isclose(got, case.expected, rel_tol=case.rel_tol, abs_tol=case.abs_tol)
     diff = abs(got - case.expected)
     return diff < case.abs_tol if case.kind == "abs_lt" else diff <= case.abs_tol
 
@@ -230,7 +261,7 @@ def read_channel(data: bytes, n_calls: int) -> Outcome:
         if set(rec) == {"i", "v"}:
             try:
                 out.values[i] = ("value", decode_value(rec["v"]))
-            except (ValueError, RecursionError) as err:
+            except WireError as err:  # decode_value raises nothing else on parsed JSON
                 out.error = f"line {n + 1}: {err}"
                 return out
         elif set(rec) == {"i", "exc"} and type(rec["exc"]) is str:
