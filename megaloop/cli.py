@@ -108,55 +108,24 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
     return argv
 
 
-class _StopDuringSetup(BaseException):
-    """SIGTERM/SIGUSR1 before a training loop's own handler (:class:`megaloop.runtime.stop.SignalStop`)
-    is in place: nothing to checkpoint yet."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stop(signum: int, _frame) -> None:
-    raise _StopDuringSetup(signum)
-
-
-# verbs with a training loop that checkpoints on SIGTERM/SIGUSR1 and exits 75 (requeue)
-_LOOPS = ("train", "rl", "distill-prefill")
-# the signals turned into :class:`_StopDuringSetup`: a training verb's until its loop takes over;
-# convert's for its whole run, so its staging folder is removed (``finally``) as on Ctrl-C
-_STOP_SIGNALS = {**{v: ("SIGTERM", "SIGUSR1") for v in _LOOPS}, "convert": ("SIGTERM",)}
-
-
-def _setup_signals(verb: str | None, on: bool) -> None:
-    """While ``on``, the signals of ``_STOP_SIGNALS[verb]`` raise :class:`_StopDuringSetup` (for a
-    training verb: one line, exit 75, as a stop during training; its loop's own handler takes over
-    for the steps); afterwards the defaults come back."""
-    import signal
-
-    for name in _STOP_SIGNALS.get(verb or "", ()):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), _raise_stop if on else signal.SIG_DFL)
-
-
-def _stopped_in_setup(verb: str, signum: int) -> int:
-    import signal
-
-    name = signal.Signals(signum).name
-    if verb not in _LOOPS:
-        print(f"megaloop {verb}: stopped by {name} (its temporary files removed; --out is never left "
-              "half-written)", file=sys.stderr)
-        return 128 + signum
-    print(f"megaloop {verb}: stopped by {name} during set-up, before the first step "
-          "(no checkpoint written; --resume auto continues from the last one)", file=sys.stderr)
-    return 75
-
-
 def main(argv: list[str] | None = None) -> None:
+    from megaloop.runtime import setup_stop
+
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
     verb = argv[0] if argv else None
-    _setup_signals(verb, True)
-    try:  # Ctrl-C / SIGTERM while torch and the parsers load: one line, no traceback
+    previous = setup_stop.install(verb)  # SIGTERM/SIGUSR1 before a loop's own handler: one line
+    try:
+        _main(argv, verb)
+    except setup_stop.StopDuringSetup as stop:
+        code = setup_stop.stopped_line(verb, stop.signum)
+        _record_exit(code)
+        sys.exit(code)
+    finally:
+        setup_stop.restore(previous)
+
+
+def _main(argv: list[str], verb: str | None) -> None:
+    try:  # Ctrl-C while torch and the parsers load: one line, no traceback
         _quiet()
         if verb in DELEGATED:
             try:
@@ -165,7 +134,6 @@ def main(argv: list[str] | None = None) -> None:
                 hint = " (continue from its last checkpoint with --resume)" if verb in ("rl", "distill-prefill") else ""
                 print(f"megaloop {verb}: interrupted{hint}", file=sys.stderr)
                 code = 130
-            _setup_signals(verb, False)
             _record_exit(code or 0)
             sys.exit(code)
         args = parse_args(argv)
@@ -173,11 +141,6 @@ def main(argv: list[str] | None = None) -> None:
         print("megaloop: interrupted (no checkpoint written by this interrupt)", file=sys.stderr)
         _record_exit(130)
         sys.exit(130)
-    except _StopDuringSetup as stop:
-        _setup_signals(verb, False)
-        code = _stopped_in_setup(verb, stop.signum)
-        _record_exit(code)
-        sys.exit(code)
     from megaloop.errors import UserError, report
 
     try:
@@ -187,15 +150,12 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # Ctrl-C before training started, or a second one during it
         print("megaloop: interrupted (no checkpoint written by this interrupt)", file=sys.stderr)
         code = 130
-    except _StopDuringSetup as stop:
-        code = _stopped_in_setup(verb, stop.signum)
     except UserError as err:
         code = report(err)
     except NonFiniteLossError as err:
         print(f"megaloop: stopped: {err}", file=sys.stderr)
         code = 3
     finally:
-        _setup_signals(verb, False)  # a signal during teardown ends the process as it used to
         from megaloop.runtime.parallel import destroy_distributed
 
         try:

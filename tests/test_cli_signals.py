@@ -64,10 +64,59 @@ def test_a_stop_signal_during_set_up_exits_for_a_requeue(tmp_path, sig):
         assert rc == 75 and status == "75", (hook, rc, err)
         assert "Traceback" not in err
         assert (f"megaloop train: stopped by {sig.name} during set-up, before the first step (no checkpoint "
-                "written; --resume auto continues from the last one)") in err
+                "written by this stop; --resume auto continues from the last one, if there is one)") in err
         assert not list((tmp_path / "run").glob("checkpoints/step_*"))
 
 
 def test_other_verbs_keep_the_default_sigterm(tmp_path):
     rc, err, _ = _run(tmp_path, signal.SIGTERM, AT_IMPORT, ["plan", "--config", "tiny", "--gpus", "1"])
     assert rc == -signal.SIGTERM, (rc, err)
+
+
+def test_after_the_loop_a_stop_signal_has_its_default_action_again(tmp_path):
+    """SignalStop put the set-up handler back after the last step: a SIGTERM while wandb finished or
+    the run's lock was released was reported as a stop in set-up and exited 75 (a requeue of a
+    finished run). It ends the process as before now (143), after the run completed."""
+    hook = textwrap.dedent("""
+        import megaloop.train.trainer as tr
+        _close = tr.Trainer.close
+        def _close_then_signal(self, *a, **k):
+            os.kill(os.getpid(), SIG)
+            return _close(self, *a, **k)
+        tr.Trainer.close = _close_then_signal
+    """)
+    rc, err, status = _run(tmp_path, signal.SIGTERM, hook, _train(tmp_path)[:-1] + ["train.max_steps=12",
+                                                                                     "optim.warmup_steps=1"])
+    assert rc == -signal.SIGTERM, (rc, err[-2000:])
+    assert "during set-up" not in err
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_00000012"
+
+
+def test_in_process_callers_get_their_handlers_back_and_threads_install_none():
+    import threading
+
+    from megaloop.cli import main
+
+    mine = lambda *_: None  # noqa: E731
+    old = signal.signal(signal.SIGTERM, mine)
+    try:
+        for argv in (["convert", "--bogus"], ["train", "--help"]):
+            with pytest.raises(SystemExit):
+                main(argv)
+            assert signal.getsignal(signal.SIGTERM) is mine, argv
+        errors = []
+
+        def worker():
+            try:
+                main(["convert", "--help"])
+            except SystemExit:
+                pass
+            except Exception as err:  # noqa: BLE001 - what the test looks for
+                errors.append(err)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert errors == []  # ValueError: signal only works in main thread
+    finally:
+        signal.signal(signal.SIGTERM, old)

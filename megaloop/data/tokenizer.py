@@ -163,12 +163,20 @@ class Tokenizer:
         after it). The data pipeline's documents are encoded this way."""
         if self.kind == "sentencepiece":  # control symbols are never matched in text
             return [list(x) for x in self._sp.encode(list(texts))]
-        before = self._tok.encode_special_tokens
-        self._tok.encode_special_tokens = bool(specials_as_text)
-        try:
-            return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
-        finally:
-            self._tok.encode_special_tokens = before
+        tok = self._document_tokenizer() if specials_as_text else self._tok
+        return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def _document_tokenizer(self):
+        """A second instance of the HF tokenizer that reads special tokens' strings as text (its own
+        object: ``encode`` on another thread keeps matching them, as prompts expect)."""
+        doc = getattr(self, "_doc_tok", None)
+        if doc is None:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            doc = HFTokenizer.from_str(self._tok.to_str())
+            doc.encode_special_tokens = True
+            self._doc_tok = doc
+        return doc
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids`` (special tokens kept, so EOS shows as its string)."""

@@ -99,7 +99,8 @@ def adaptive_decode(model, input_ids: torch.Tensor, cache, policy: ExitPolicy,
     """One adaptive decode step of a ``MegaloopForCausalLM`` over a filled ``MegaloopCache``.
 
     Args: ``input_ids`` [b, 1]; ``attention_mask`` [b, cached + 1] (0 = padding) or None;
-    ``position_ids`` [b, 1] (default: the cache length). The cache gets the new token's banks.
+    ``position_ids`` [b, 1] (default: counted over the unpadded tokens of ``attention_mask``, else
+    the cache length; ``MegaloopModel.frame``). The cache gets the new token's banks.
     Returns ``(logits [b, 1, vocab_size] (model dtype), depths [b] (long), row_recurrences)``:
     ``row_recurrences`` counts the (row, recurrence) core evaluations actually computed.
     """

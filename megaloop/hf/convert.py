@@ -51,7 +51,7 @@ import torch
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-from megaloop.hf.staging import staging_dir, sweep_stale
+from megaloop.hf.staging import put_back, staging_dir, sweep_stale
 from megaloop.runtime.files import plain_mode
 from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
 HF_DIR = Path(__file__).resolve().parent
@@ -574,5 +574,6 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
             out.rename(staging / f"{out.name}.old")
         tmp.rename(out)  # onto nothing or an empty folder (the CLI refuses any other --out up front)
     finally:
+        put_back(out, staging, log)  # stopped between moving the earlier export aside and the rename
         shutil.rmtree(staging, ignore_errors=True)
     return report

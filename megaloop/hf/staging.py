@@ -17,7 +17,13 @@ _TAG = ".megaloop-tmp-"
 
 
 def _host() -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+    """Where a pid means this process: the host name and the pid namespace (two containers may share
+    a host name with separate pids: each would take the other's live pid for a dead one)."""
+    name = "".join(c if c.isalnum() or c in "_" else "_" for c in socket.gethostname()) or "host"
+    try:
+        return f"{name}-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return name
 
 
 def staging_dir(out: Path) -> Path:
@@ -43,11 +49,19 @@ def sweep_stale(out: Path, log: Callable[[str], None] = print) -> None:
     for st in sorted(out.parent.glob(f".{out.name}{_TAG}*")):
         tail = st.name[len(f".{out.name}{_TAG}"):]
         owner, _, pid = tail.rpartition("-")
-        if owner != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) or not st.is_dir():
+        if owner != host or not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)) \
+                or st.is_symlink() or not st.is_dir():
             continue
-        old = st / f"{out.name}.old"
-        if old.is_dir() and not out.exists():
-            old.rename(out)
-            log(f"note: restored the earlier export {out} that an interrupted convert (pid {pid}) had moved aside")
+        put_back(out, st, lambda text: log(f"{text} (pid {pid})"))
         shutil.rmtree(st, ignore_errors=True)
-        log(f"note: removed {st}, the staging folder of an interrupted convert (pid {pid})")
+        if not st.exists():
+            log(f"note: removed {st}, the staging folder of an interrupted convert (pid {pid})")
+
+
+def put_back(out: Path, staging: Path, log: Callable[[str], None] = print) -> None:
+    """Rename the earlier export that a convert moved aside into ``staging`` back to ``out``, when
+    ``out`` is missing (the convert stopped between moving it aside and renaming the new one in)."""
+    old = staging / f"{out.name}.old"
+    if old.is_dir() and not out.exists() and not out.is_symlink():
+        old.rename(out)
+        log(f"note: restored the earlier export {out} that an interrupted convert had moved aside")

@@ -45,6 +45,9 @@ class SignalStop:
 
     def __enter__(self) -> "SignalStop":
         if threading.current_thread() is threading.main_thread():
+            from megaloop.runtime.setup_stop import loop_entered
+
+            loop_entered()  # the set-up handler this replaces acts as the default once put back
             for s in _signals():
                 self._old[s] = signal.signal(s, self._on_signal)
         return self

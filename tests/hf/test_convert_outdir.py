@@ -201,3 +201,29 @@ def test_sigterm_during_an_export_removes_its_staging_folder(run, tmp_path):
     assert "megaloop convert: stopped by SIGTERM (its temporary files removed; --out is never left half-written)" \
         in proc.stderr and "Traceback" not in proc.stderr
     assert not out.exists() and not list(tmp_path.glob(".hf.megaloop-tmp-*"))
+
+
+def test_a_stop_between_the_two_renames_keeps_the_earlier_export(run, tmp_path, monkeypatch):
+    """Replacing an export moves the earlier one aside, then renames the new one in; a Ctrl-C or
+    SIGTERM between the two deleted the earlier export with the staging folder, leaving no --out."""
+    from pathlib import Path
+
+    from megaloop.hf.convert import convert_to_hf
+
+    hf = tmp_path / "hf"
+    convert_to_hf(run, hf, validate=False, log=lambda *_: None)
+    files = sorted(p.name for p in hf.iterdir())
+    real = Path.rename
+
+    def rename(self, target):
+        if Path(target) == hf and self.name == "hf" and self.parent.name.startswith(".hf.megaloop-tmp-"):
+            raise KeyboardInterrupt  # the new export is complete, the earlier one already moved aside
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    notes: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        convert_to_hf(run, hf, validate=False, log=notes.append)
+    assert sorted(p.name for p in hf.iterdir()) == files
+    assert any(n.startswith(f"note: restored the earlier export {hf}") for n in notes)
+    assert not list(tmp_path.glob(".hf.megaloop-tmp-*"))
