@@ -31,15 +31,13 @@ class PlotError(RuntimeError):
 def load_prior_rows(path: Path) -> list[dict[str, Any]]:
     """Rows (dicts) of ``path`` that carry ``prior_probs``, one per step in step order (a repeated
     step: the later record wins; torn lines are skipped, as :func:`megaloop.train.metrics.read_metrics`)."""
-    from megaloop.train.metrics import read_metrics
+    from megaloop.train.summary import read_metrics
 
     if path.is_dir():
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise PlotError(f"metrics file {path} does not exist")
-    by_step = {int(r["step"]): r for r in read_metrics(path)}
-    rows = [r for _, r in sorted(by_step.items())
-            if isinstance(r.get("prior_probs"), list) and r["prior_probs"]]
+    rows = [r for r in read_metrics(path) if isinstance(r.get("prior_probs"), list) and r["prior_probs"]]
     if not rows:
         raise PlotError(f"{path} has no 'prior_probs' entries (was the run's depth.kind 'learned'?)")
     return rows
@@ -52,12 +50,11 @@ def check_out(out: Path, metrics: Path) -> None:
     """``out`` can be written, has a figure suffix and is not one of the run's own files."""
     from megaloop.config_utils import ConfigError
     from megaloop.inference.generate_cli import check_out_file
+    from megaloop.train.summary import is_run_file
 
-    run = (metrics if metrics.is_dir() else metrics.parent).resolve()
-    target = out.resolve()
-    own = {(run / n).resolve() for n in ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json")}
-    own.add((metrics / "metrics.jsonl" if metrics.is_dir() else metrics).resolve())
-    if target in own or (run / "checkpoints").resolve() in target.parents:
+    run = metrics if metrics.is_dir() else metrics.parent
+    log = metrics / "metrics.jsonl" if metrics.is_dir() else metrics
+    if is_run_file(out, run) or out.resolve() == log.resolve():
         raise PlotError(f"--out {out}: is one of the run's own files; write the figure elsewhere "
                         f"(e.g. {run / 'prior.png'})")
     if out.suffix.lower() not in FORMATS:

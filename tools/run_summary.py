@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloop.config_utils import ConfigError  # noqa: E402
 from megaloop.inference.generate_cli import check_out_file  # noqa: E402
 from megaloop.runtime.files import atomic_write_text  # noqa: E402
-from megaloop.train.summary import one_line, summarize  # noqa: E402
-
-RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
+from megaloop.train.summary import is_run_file, one_line, summarize  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,9 +64,7 @@ def _check_out(out: str | None, run_dir: Path) -> None:
     if not out or _stream(Path(out)):
         return
     check_out_file(out, "--json")
-    target, run = Path(out).resolve(), run_dir.resolve()
-    own = {(run / n).resolve() for n in RUN_FILES} | {p.resolve() for p in run.glob("metrics.jsonl*")}
-    if target in own or (run / "checkpoints").resolve() in target.parents:
+    if is_run_file(out, run_dir):
         raise ConfigError(f"--json {out}: is one of the run's own files; write the summary elsewhere "
                           f"(e.g. {run_dir / 'summary.json'})")
 

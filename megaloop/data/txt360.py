@@ -281,8 +281,9 @@ def _read_files_once(out: dict[Path, list[Path]]) -> dict[Path, list[Path]]:
     it): files reached without a link to the file first, in walk order, then links in sorted order;
     the paths dropped are named on stderr, as a second path to a folder is."""
     every = [(sdir, f) for sdir, files in out.items() for f in files]
-    order = sorted(range(len(every)), key=lambda i: (every[i][1].is_symlink(), i if not every[i][1].is_symlink()
-                                                     else str(every[i][1])))
+    linked = [f.is_symlink() for _, f in every]
+    order = ([i for i in range(len(every)) if not linked[i]]
+             + sorted((i for i in range(len(every)) if linked[i]), key=lambda i: str(every[i][1])))
     first: dict[tuple[int, int], Path] = {}
     dropped: set[int] = set()
     again: list[str] = []

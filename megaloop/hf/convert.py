@@ -52,8 +52,8 @@ from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.hf.staging import put_back, staging_dir, sweep_stale
-from megaloop.runtime.files import plain_mode
 from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
+from megaloop.runtime.files import plain_mode
 HF_DIR = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
               "layers_megaloop.py", "modeling_megaloop.py")

@@ -169,15 +169,14 @@ def _from_hf(path: Path, dtype: torch.dtype):
         raise
     finally:
         hf_logging.set_verbosity(verbosity)
-    wrong = {what: sorted(info.get(key) or []) for what, key in
+    wrong = [(what, sorted(info.get(key) or [])) for what, key in  # (shapes raised above)
              (("missing from the weights (they would be random)", "missing_keys"),
               ("in the weights but not in the model config.json describes (they would be dropped)",
-               "unexpected_keys"), ("of another shape", "mismatched_keys"))}
-    wrong = {what: [str(k[0]) if isinstance(k, tuple) else str(k) for k in keys] for what, keys in wrong.items() if keys}
-    if wrong:
+               "unexpected_keys"))]
+    if any(keys for _, keys in wrong):
         raise ConversionError(_mismatch(path, "; ".join(
             f"{len(keys)} tensor(s) {what}: {', '.join(keys[:4])}{' ...' if len(keys) > 4 else ''}"
-            for what, keys in wrong.items())))
+            for what, keys in wrong if keys)))
     tok = path / "tokenizer.json"
     return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,
                    "validation": None}

@@ -584,10 +584,7 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
             use_embeds = inputs_embeds is not None and past == 0
         keep = slice(-n, None) if n else slice(None)
         inputs_embeds, input_ids = (inputs_embeds[:, keep], None) if use_embeds else (None, input_ids[:, keep])
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None and attention_mask is not None and not bool(attention_mask.all()):
-            # left padding: positions count real tokens only (rotary and eval state init)
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        position_ids = kwargs.get("position_ids")  # None: MegaloopModel.frame counts them over the mask
         if position_ids is not None:
             position_ids = position_ids[:, -(input_ids if inputs_embeds is None else inputs_embeds).shape[1]:]
         inputs = {"input_ids": input_ids, "inputs_embeds": inputs_embeds,

@@ -1,7 +1,8 @@
 """The staging folder of an export (``megaloop convert``): the HF folder is written and checked in
-``.<out>.megaloop-tmp-<host>-<pid>/<out>`` beside ``--out`` and renamed onto it whole, so ``--out``
-is never half-written. A convert that was killed (SIGKILL, a node failure) leaves its staging
-folder behind; the next convert into the same ``--out`` on the same host removes those whose
+``.<out>.megaloop-tmp-<host>-<pid namespace>-<pid>/<out>`` beside ``--out`` and renamed onto it
+whole, so ``--out`` is never half-written. A convert that was killed (SIGKILL, a node failure)
+leaves its staging folder behind; the next convert into the same ``--out`` from the same host and
+pid namespace removes those whose
 process is gone, and puts back an earlier export that the killed one had moved aside to replace it
 (``<out>.old`` inside the staging folder, when ``--out`` itself is missing)."""
 

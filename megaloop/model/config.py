@@ -202,9 +202,7 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return -(-int(8 * self.hidden_size / 3) // 64) * 64
+        return self.ffn_hidden_size or swiglu_width(self.hidden_size)
 
     @property
     def groups(self) -> int:
@@ -270,10 +268,15 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
         if groups != cfg.groups:
             out.append(("num_query_groups", groups, cfg.groups))
     if "hidden_size" in saved:
-        ffn = saved.get("ffn_hidden_size") or -(-int(8 * saved["hidden_size"] / 3) // 64) * 64
+        ffn = saved.get("ffn_hidden_size") or swiglu_width(saved["hidden_size"])
         if ffn != cfg.ffn_size:
             out.append(("ffn_hidden_size", ffn, cfg.ffn_size))
     return out
+
+
+def swiglu_width(hidden_size: int) -> int:
+    """The default SwiGLU width: round_up(8/3 · d, 64)."""
+    return -(-int(8 * hidden_size / 3) // 64) * 64
 
 
 def as_override(name: str, value: object) -> str:

@@ -20,7 +20,8 @@ import signal
 import sys
 import threading
 
-EXIT_REQUEUE = 75
+from megaloop.runtime.exits import EXIT_REQUEUE
+
 LOOPS = ("train", "rl", "distill-prefill")
 SIGNALS = {**{v: ("SIGTERM", "SIGUSR1") for v in LOOPS}, "convert": ("SIGTERM",)}
 _state = {"loop": False}

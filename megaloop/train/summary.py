@@ -15,11 +15,23 @@ from typing import Any
 from megaloop.config_utils import ConfigError
 
 
+RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
+
+
+def is_run_file(path: str | Path, run_dir: str | Path) -> bool:
+    """Whether ``path`` is one of ``run_dir``'s own files (its metrics log and rotated copies, config,
+    data record, tokenizer, lock, anything under checkpoints/): what a tool must not write over."""
+    target, run = Path(path).resolve(), Path(run_dir).resolve()
+    own = {(run / n).resolve() for n in RUN_FILES} | {p.resolve() for p in run.glob("metrics.jsonl*")}
+    return target in own or (run / "checkpoints").resolve() in target.parents
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    """Records of ``RUN_DIR/metrics.jsonl`` by step (later duplicates replace earlier ones)."""
+    """Records of ``RUN_DIR/metrics.jsonl`` (or of a metrics file given itself) by step (later
+    duplicates replace earlier ones; torn lines skipped)."""
     from megaloop.train.metrics import read_metrics as read_lines
 
-    path = Path(run_dir) / "metrics.jsonl"
+    path = Path(run_dir) if Path(run_dir).is_file() else Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise ConfigError(f"run {run_dir}: no metrics.jsonl (not a megaloop run directory?)")
     by_step = {int(rec["step"]): rec for rec in read_lines(path)}
