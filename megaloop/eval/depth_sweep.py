@@ -21,11 +21,14 @@ DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16, 32, 64)
 
 
 def parse_depths(text: str | Sequence[int]) -> list[int]:
-    """``"1,2,4"`` (or a list) → sorted unique depths, each >= 1."""
+    """``"1,2,4"`` (or a list) → sorted unique depths, each >= 1; an empty entry (``"3,,4"``, a
+    trailing comma) is refused, as ``lr-screen --grid`` and ``reproduce --arms`` refuse theirs."""
     items = text.split(",") if isinstance(text, str) else list(text)
     out = []
     for item in items:
         if isinstance(item, str) and not item.strip():
+            if isinstance(text, str) and text.strip():
+                raise ConfigError(f"--depths: empty entry in {text!r} (expected comma-separated integers >= 1)")
             continue
         try:
             value = int(item)

@@ -32,6 +32,7 @@ init) count real tokens only, so a sequence gives the same tokens alone or in a 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -188,6 +189,10 @@ class InferenceEngine:
         if tokenizer and tk is not None and tk.vocab_size > real:
             raise ConfigError(f"--tokenizer {tokenizer}: its vocabulary ({tk.vocab_size} tokens) is larger than the "
                               f"model's ({real}), so it is not the tokenizer the model was trained with")
+        if tokenizer and tk is not None and tk.vocab_size < real:
+            print(f"warning: --tokenizer {tokenizer}: its vocabulary ({tk.vocab_size} tokens) is smaller than the "
+                  f"model's ({real}): probably not the tokenizer the model was trained with (its scores and "
+                  "generations would be meaningless)", file=sys.stderr, flush=True)
         return cls(model, tk, source=source, **kwargs)
 
     @classmethod

@@ -188,6 +188,21 @@ def is_complete(path: Path) -> bool:
     return (path / META).is_file() and (path / ".metadata").is_file() and (path / "common.pt").is_file()
 
 
+def check_meta(path: Path) -> Path:
+    """``path`` when its ``megaloop.json`` (written last by a save) parses as a JSON object, else
+    ``CheckpointError`` naming the file: a truncated or overwritten marker means the checkpoint was
+    not written by a finished save (or was damaged since)."""
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); "
+                              "the checkpoint was not written by a finished save") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: {META} holds a JSON {type(meta).__name__}, not the save's "
+                              "record; the checkpoint was not written by a finished save")
+    return path
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint directory: ``path`` itself (``step_*``), or the newest complete one
     under ``path`` (a ``checkpoints`` dir) or ``path/checkpoints`` (a run dir). ``CheckpointError``
@@ -203,14 +218,14 @@ def find_checkpoint(path: str | Path) -> Path:
             missing = [n for n in (META, ".metadata", "common.pt") if not (p / n).is_file()]
             raise CheckpointError(f"checkpoint {p} is incomplete: missing {', '.join(missing)} "
                                   "(interrupted while being written?)")
-        return p
+        return check_meta(p)
     incomplete: list[Path] = []
     for root in (p, p / "checkpoints"):
         if root.is_dir():
             manager = CheckpointManager(root)
             latest = manager.latest()
             if latest is not None:
-                return latest
+                return check_meta(latest)
             incomplete += manager.incomplete_checkpoints()
     if incomplete:  # e.g. a save killed part-way, or a partial copy
         newest = incomplete[-1]
@@ -468,12 +483,7 @@ class CheckpointManager:
         if path is None:
             refuse_incomplete(self, "--resume auto")
             return None
-        try:
-            json.loads((path / META).read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"checkpoint {path}: {META} is unreadable ({type(err).__name__}); "
-                                  "the checkpoint was not written by a finished save") from None
-        return path
+        return check_meta(path)
 
     @staticmethod
     def saved_model_config(path: Path) -> dict:

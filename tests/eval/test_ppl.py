@@ -56,7 +56,10 @@ def test_depth_sweep_table_and_plot(trained_engine, val_data, tmp_path):
     assert math.isfinite(res["extrapolation_pct"])
     png = plot_sweep(res, tmp_path / "sweep.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert parse_depths("4,1,,2,4") == [1, 2, 4]
+    assert parse_depths("4,1,2,4") == [1, 2, 4]
+    for typo in ("4,1,,2", "1,2,", ","):  # an empty entry is a typo, not a depth to drop silently
+        with pytest.raises(ConfigError, match="--depths: empty entry in"):
+            parse_depths(typo)
     with pytest.raises(ConfigError, match="--depths: recurrence depth must be an integer >= 1, got 0"):
         parse_depths("1,0")  # the depth is named, not called "not an integer"
     with pytest.raises(ConfigError, match="--depths: 'x' is not an integer"):

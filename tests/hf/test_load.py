@@ -121,6 +121,28 @@ def test_a_tokenizer_larger_than_the_model_is_refused(checkpoint, tmp_path):
         InferenceEngine.load(run, tokenizer=str(big), validate=False)
 
 
+def test_a_tokenizer_smaller_than_the_model_is_warned_about(checkpoint, tmp_path, capfd):
+    """A smaller --tokenizer ran without a word (its ids fit, its scores are meaningless): one
+    stderr warning naming both sizes; the engine still loads (a deliberate sub-vocabulary works)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from megaloop.inference.engine import InferenceEngine
+
+    run, *_ = checkpoint
+    small = tmp_path / "small" / "tokenizer.json"
+    small.parent.mkdir()
+    HFTokenizer(WordLevel({"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 40)}},
+                          unk_token="<|endoftext|>")).save(str(small))
+    capfd.readouterr()
+    engine = InferenceEngine.load(run, tokenizer=str(small), validate=False)
+    err = capfd.readouterr().err
+    assert engine.tokenizer is not None and engine.tokenizer.vocab_size == 40
+    assert f"warning: --tokenizer {small}: its vocabulary (40 tokens) is smaller than the model's ({VOCAB})" in err, err
+    InferenceEngine.load(run, validate=False)  # the run's own tokenizer: no warning
+    assert "smaller than the model's" not in capfd.readouterr().err
+
+
 def test_an_hf_folder_with_a_broken_config_json_is_named(tmp_path):
     """An unparsable config.json is named, not taken for "no HF folder" (which blamed a missing
     megaloop checkpoint and suggested `convert --from-hf`)."""

@@ -75,3 +75,26 @@ def test_a_run_whose_checkpoints_are_all_incomplete_names_the_newest(saved, tmp_
     shutil.rmtree(run / "checkpoints")
     with pytest.raises(CheckpointError, match="is not a megaloop checkpoint"):
         find_checkpoint(run)
+
+
+@pytest.mark.parametrize("text,says", [("{\"step\": 1", "is unreadable (JSONDecodeError)"),
+                                       ("[1]", "holds a JSON list, not the save's record")],
+                         ids=["truncated", "not-an-object"])
+def test_a_damaged_megaloop_json_is_named_by_every_reader(saved, tmp_path, text, says):
+    """find_checkpoint (convert, eval, generate, train.init_weights) accepted a megaloop.json that did
+    not parse; only --resume checked it. Named for a step dir and for the run dir around it."""
+    from megaloop.hf.convert import load_native
+    from megaloop.train.checkpoint import META, find_checkpoint
+
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / saved.name
+    shutil.copytree(saved, ckpt)
+    (ckpt / META).write_text(text)
+    for where in (ckpt, run, run / "checkpoints"):
+        with pytest.raises(CheckpointError) as err:
+            find_checkpoint(where)
+        assert str(err.value).startswith(f"checkpoint {ckpt}: {META} {says}"), str(err.value)
+        assert "not written by a finished save" in str(err.value)
+    with pytest.raises(CheckpointError, match=re.escape(f"{META} {says}")):
+        load_native(run)  # the converter's reader
+    assert (ckpt / META).read_text() == text  # nothing rewritten
