@@ -68,10 +68,12 @@ def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, 
     rows = []
     for d in sorted(set(depths) | {ref}):
         policy = row_policy(base, d)
-        try:  # each row decodes adaptively with its own R as the cap (the decode depth of that row)
+        try:  # each row decodes adaptively with its own R as the cap (the decode depth of that row);
+            # a row below min_depth, where no criterion can fire, decodes token by token at fixed R
             engine.exit = policy
             res = evaluate_ppl(engine, data, depth=d, prefill_depth=prefill_depth, protocols=protocols,
-                               batch_size=batch_size, prefix_len=prefix_len)
+                               batch_size=batch_size, prefix_len=prefix_len,
+                               stepwise=base is not None and policy is None)
         finally:
             engine.exit = saved
         row = {"depth": d, "native_ppl": res.native_ppl, "seconds": res.seconds, "in_sweep": d in depths}

@@ -296,12 +296,14 @@ def check_prefix_len(prefix_len: int, seq_len: int) -> None:
 
 def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill_depth: Optional[int] = None,
                  protocols: Sequence[str] = PROTOCOLS, batch_size: int = 4, split: Optional[int] = None,
-                 prefix_len: Optional[int] = None) -> PPLResult:
+                 prefix_len: Optional[int] = None, stepwise: bool = False) -> PPLResult:
     """PPL of ``data`` at ``depth`` (default the engine's) under ``protocols``: ``native``
     (plain parallel forward), ``terminal`` and ``per_visit`` (prefill the first ``prefix_len``
     tokens — default half the sequence; ``split`` is the old name — at ``prefill_depth``, default
     ``depth``, and score the rest). The sharing penalty needs both cache protocols. Sequences
-    longer than the engine's ``max_context`` are refused (raise it to extrapolate RoPE)."""
+    longer than the engine's ``max_context`` are refused (raise it to extrapolate RoPE). The cache
+    protocols score the rest in one parallel pass, or token by token under the engine's exit policy
+    or with ``stepwise`` (fixed ``depth``; :meth:`InferenceEngine.score_with_prefix`)."""
     depth = check_depth(depth if depth is not None else engine.depth, "--depth")
     pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
     for p in protocols:
@@ -333,7 +335,7 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
         for mode in ("terminal", "per_visit"):
             if mode not in protocols:
                 continue
-            kw = {}
+            kw = {"stepwise": True} if stepwise else {}
             if policy is not None:  # this protocol's depths, over its scored tokens only
                 kw["scored"] = mask[:, split:] > 0
                 outer, engine.depth_log = engine.depth_log, logs[mode]
@@ -354,7 +356,9 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
                     tokens_scored=int(max(sums["terminal"][1], sums["per_visit"][1], sums["native_half"][1])),
                     native_ppl=_ppl(*sums["native"]), native_ppl_second_half=_ppl(*sums["native_half"]),
                     terminal_ppl=_ppl(*sums["terminal"]), per_visit_ppl=_ppl(*sums["per_visit"]),
-                    kv_bytes_per_token={m: engine.kv_bytes_per_token(m, depth) for m in ("terminal", "per_visit")})
+                    kv_bytes_per_token={m: engine.kv_bytes_per_token(  # the deepest pass the cache holds
+                        m, max(pdepth, policy.max_depth if policy is not None else depth))
+                        for m in ("terminal", "per_visit")})
     if logs:
         res.adaptive_depths = {m: {"criterion": policy.spec, "min_depth": policy.min_depth,
                                    "max_depth": policy.max_depth, **log.to_dict()} for m, log in logs.items()}

@@ -102,7 +102,8 @@ class GenerationStats:
     decode_tokens_per_s: float
     kv_bytes_peak: int  # peak bytes held by the cache (incl. padding slots)
     kv_bytes_per_token: int  # measured, per cached token of one sequence
-    kv_bytes_per_token_per_visit: int  # predicted for the full per-visit cache at decode depth
+    kv_bytes_per_token_per_visit: int  # predicted for the full per-visit cache: one bank per visit of the
+    # deepest pass it holds, max(prefill depth, decode depth or the exit policy's max_depth)
     kv_bytes_per_token_terminal: int  # predicted for terminal sharing
     exit_criterion: Optional[str] = None  # adaptive depth (decode_depth is then its max_depth)
     finished_rows: Optional[str] = None  # mask | compact
@@ -353,7 +354,8 @@ class InferenceEngine:
     def score_with_prefix(self, prefix: Optional[torch.Tensor], chunk: torch.Tensor, *, depth: Optional[int] = None,
                           prefill_depth: Optional[int] = None, cache_mode: Optional[str] = None,
                           cache=None, policy: Optional[ExitPolicy] = None,
-                          scored: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], torch.Tensor]:
+                          scored: Optional[torch.Tensor] = None,
+                          stepwise: bool = False) -> tuple[Optional[torch.Tensor], torch.Tensor]:
         """The PPL protocol's two passes: prefill ``prefix`` [b, m] at ``prefill_depth`` (default
         ``depth``) into a cache, then one parallel pass over ``chunk`` [b, n] at ``depth`` whose
         tokens read the prefix through the cached banks (terminal: one bank per layer) and each
@@ -363,7 +365,9 @@ class InferenceEngine:
         cache then also holds ``chunk``. With a ``policy`` (default the engine's ``exit``) the chunk
         is fed token by token at adaptive depth (teacher forcing; depths in ``depth_log``); ``scored``
         [b, n] (bool) limits the depths logged to the positions that are scored (the row
-        recurrences computed are logged in full)."""
+        recurrences computed are logged in full). ``stepwise`` without a policy feeds the chunk token
+        by token at fixed ``depth`` (the decode protocol a policy falls back to when none of its
+        criteria can fire, e.g. a sweep row with R below ``min_depth``)."""
         depth = check_depth(depth if depth is not None else self.depth, "--depth")
         pdepth = check_depth(prefill_depth if prefill_depth is not None else depth, "--prefill-depth")
         last = None
@@ -374,6 +378,11 @@ class InferenceEngine:
             last = self.model(prefix.to(self.device), past_key_values=cache, use_cache=True,
                               num_recurrences=pdepth, logits_to_keep=1).logits[:, -1].float()
         policy = policy or self.exit
+        if policy is None and stepwise:
+            chunk = chunk.to(self.device)
+            return last, torch.cat([self.model(chunk[:, j:j + 1], past_key_values=cache, use_cache=True,
+                                               num_recurrences=depth).logits.float()
+                                    for j in range(chunk.shape[1])], dim=1)
         if policy is None:
             return last, self.model(chunk.to(self.device), past_key_values=cache, use_cache=True,
                                     num_recurrences=depth).logits.float()
@@ -479,14 +488,15 @@ class InferenceEngine:
                                             out_depths[row] if policy is not None else None))
         generated = sum(len(r.token_ids) for r in results)
         measured = cache_stats(state.cache).bytes_per_token
+        held = max(state.prefill_depth, policy.max_depth if policy is not None else state.decode_depth)
         stats = GenerationStats(
             cache_mode=mode, prefill_depth=state.prefill_depth, decode_depth=state.decode_depth, batch_size=n,
             prompt_tokens=sum(prompt_lens), generated_tokens=generated, decode_steps=steps,
             prefill_s=t1 - t0, decode_s=t2 - t1, prefill_tokens_per_s=sum(prompt_lens) / max(t1 - t0, 1e-9),
             decode_tokens_per_s=generated / max(t2 - t1, 1e-9), kv_bytes_peak=int(peak),
             kv_bytes_per_token=int(measured),
-            kv_bytes_per_token_per_visit=self.kv_bytes_per_token("per_visit", state.decode_depth),
-            kv_bytes_per_token_terminal=self.kv_bytes_per_token("terminal", state.decode_depth))
+            kv_bytes_per_token_per_visit=self.kv_bytes_per_token("per_visit", held),
+            kv_bytes_per_token_terminal=self.kv_bytes_per_token("terminal", held))
         if policy is not None:
             stats.decode_depth, stats.exit_criterion = policy.max_depth, policy.spec
             stats.finished_rows = "compact" if policy.compaction else "mask"
@@ -511,7 +521,9 @@ class InferenceEngine:
                 "exit": None if self.exit is None else {"criterion": self.exit.spec, "min_depth": self.exit.min_depth,
                                                         "max_depth": self.exit.max_depth,
                                                         "compaction": self.exit.compaction},
-                "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, self.decode_depth) for m in MODES}}
+                "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, max(
+                    self.prefill_depth, self.exit.max_depth if self.exit is not None else self.decode_depth))
+                    for m in MODES}}
 
 
 __all__ = ["DecodeState", "GenerationOutput", "GenerationResult", "GenerationStats", "InferenceEngine",

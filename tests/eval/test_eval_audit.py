@@ -71,6 +71,28 @@ def test_latent0_sweep_rows_equal_fixed_decoding_at_each_rows_depth():
             assert st["tokens"] == int(data.loss_mask[:, data.seq_len // 2:].sum())  # scored tokens only
 
 
+def test_sweep_rows_below_min_depth_decode_token_by_token_at_their_depth():
+    """A --sharing --exit sweep row whose R is below --min-depth (no criterion can fire) was scored
+    in the one parallel pass while the other rows decoded: one sweep mixed two protocols, and the
+    sharing penalty could change sign. It now decodes token by token at fixed R."""
+    from megaloop.eval.depth_sweep import depth_sweep
+
+    data = _data()
+    eng = make_engine(depth=5, seed=2)
+    eng.exit = eng.policy("latent:0", min_depth=4)
+    res = depth_sweep(eng, data, [1, 2, 3, 5], sharing=True, batch_size=3)
+    ref = make_engine(depth=5, seed=2)
+    by = {r["depth"]: r for r in res["rows"]}
+    for d in (2, 3):  # below min_depth 4
+        assert by[d]["adaptive_depths"] is None
+        for mode in ("terminal", "per_visit"):
+            assert by[d][f"{mode}_ppl"] == pytest.approx(_decoded_ppl(ref, data, d, mode), rel=1e-5), (d, mode)
+    parallel = depth_sweep(make_engine(depth=5, seed=2), data, [3], sharing=True, batch_size=3)["rows"][0]
+    assert by[3]["terminal_ppl"] != pytest.approx(parallel["terminal_ppl"], rel=1e-6)  # not the parallel pass
+    assert by[1]["terminal_ppl"] == pytest.approx(_decoded_ppl(ref, data, 1, "terminal"), rel=1e-5)
+    assert by[5]["adaptive_depths"]["terminal"]["max_depth"] == 5
+
+
 def test_ppl_adaptive_stats_are_per_protocol_over_scored_tokens():
     from megaloop.eval.ppl import evaluate_ppl
 

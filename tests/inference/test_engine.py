@@ -70,6 +70,27 @@ def test_kv_memory_is_four_twelfths_at_R5():
     assert s.kv_bytes_peak == 6 * st_t.bytes_per_token  # 3 prompt + 3 fed tokens
 
 
+def test_predicted_per_visit_bytes_count_the_deepest_pass_the_cache_holds():
+    """The per-visit prediction used the decode depth alone: 8192 B/token printed beside a measured
+    18432 with --prefill-depth 8 --decode-depth 3, and beside 22528 under an exit with max depth 10."""
+    from megaloop.eval.ppl import evaluate_ppl
+    from megaloop.eval.text_data import EvalData
+
+    eng = make_engine(depth=3)
+    banks = lambda r: 1 + 2 * r + 1  # noqa: E731 - tiny engine: 1/2/1 layers
+    per_bank = 2 * 2 * 8 * 4
+    s = eng.generate([[3, 4, 5]], max_new_tokens=3, prefill_depth=8, decode_depth=3, stop_at_eos=False,
+                     cache_mode="per_visit").stats
+    assert s.kv_bytes_per_token == s.kv_bytes_per_token_per_visit == banks(8) * per_bank
+    s = eng.generate([[3, 4, 5]], max_new_tokens=3, exit_criterion="latent:0", max_depth=10, stop_at_eos=False,
+                     cache_mode="per_visit").stats
+    assert s.decode_depth == 10 and s.kv_bytes_per_token == s.kv_bytes_per_token_per_visit == banks(10) * per_bank
+    tokens = torch.randint(2, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    data = EvalData(tokens=tokens, labels=torch.roll(tokens, -1, 1), loss_mask=torch.ones(2, 8), source="test")
+    res = evaluate_ppl(eng, data, depth=3, prefill_depth=5, protocols=("per_visit",), batch_size=2)
+    assert res.kv_bytes_per_token["per_visit"] == banks(5) * per_bank
+
+
 def test_incremental_decoding_agrees_with_full_forward_per_visit():
     eng = make_engine(depth=3, seed=4)
     prompt = [5, 9, 2, 14, 7]
