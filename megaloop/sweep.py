@@ -573,6 +573,15 @@ def check_out_kind(out: str | Path | None, kind: str, flag: str = "--out") -> No
         raise UserError(f"{flag}: {out} holds {what}, which `megaloop {kind}` would overwrite; choose another folder")
 
 
+def check_out_outside_data(out: str | Path, data_paths: dict[str, str | None], flag: str = "--out") -> None:
+    """Refuse an ``out`` that is a dataset or lies inside one of ``data_paths`` (field -> path)."""
+    from megaloop.train.run_dir import RunDirError, check_run_dir_location
+    try:
+        check_run_dir_location(Path(out), data_paths, flag=flag, writes="the runs and reports are written there")
+    except RunDirError as err:
+        raise UserError(str(err)) from None
+
+
 def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, list[str]], int],
             argv: list[str] | None) -> int:
     """``main`` of a sweep command: parse ``argv`` (dotlist overrides for every run after ``--``),

@@ -68,6 +68,31 @@ def test_a_stop_signal_during_set_up_exits_for_a_requeue(tmp_path, sig):
         assert not list((tmp_path / "run").glob("checkpoints/step_*"))
 
 
+def test_a_sigterm_outside_a_sweeps_runs_is_one_line_and_130(tmp_path):
+    """lr-screen / reproduce exited 143 without a word on a SIGTERM in set-up (README: 130 on Ctrl-C or
+    SIGTERM); the signal now lands while the screen is being built, and nothing is written."""
+    hook = textwrap.dedent("""
+        import megaloop.screen.cli as sc, megaloop.repro.cli as rc
+        def _then_signal(f):
+            def g(*a, **k):
+                out = f(*a, **k)
+                os.kill(os.getpid(), SIG)
+                return out
+            return g
+        sc.build_screen = _then_signal(sc.build_screen)
+        rc.load_plan = _then_signal(rc.load_plan)
+    """)
+    for verb, argv in (("lr-screen", ["lr-screen", "--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "2",
+                                      "--out", str(tmp_path / "scr")]),
+                       ("reproduce", ["reproduce", "--experiment", "tbptt", "--arms", "huginn_bR", "--out",
+                                      str(tmp_path / "rep")])):
+        rc, err, status = _run(tmp_path, signal.SIGTERM, hook, argv)
+        assert rc == 130 and status == "130", (verb, rc, err)
+        assert "Traceback" not in err and err.strip().count("\n") == 0, err
+        assert f"megaloop {verb}: stopped by SIGTERM outside its local runs" in err, err
+    assert not (tmp_path / "scr").exists() and not (tmp_path / "rep").exists()
+
+
 def test_other_verbs_keep_the_default_sigterm(tmp_path):
     rc, err, _ = _run(tmp_path, signal.SIGTERM, AT_IMPORT, ["plan", "--config", "tiny", "--gpus", "1"])
     assert rc == -signal.SIGTERM, (rc, err)

@@ -43,8 +43,8 @@ from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
-from megaloop.sweep import (Run, add_launch_args, check_out_dir, check_out_kind, execute, launch_from_args, pending,
-                            run_cli, slurm_active)
+from megaloop.sweep import (Run, add_launch_args, check_out_dir, check_out_kind, check_out_outside_data, execute,
+                            launch_from_args, pending, run_cli, slurm_active)
 
 PROG = "megaloop reproduce"
 
@@ -80,13 +80,21 @@ def _eval_update(args: argparse.Namespace) -> dict:
             raise UserError(f"--max-seqs: must be >= 1, got {args.max_seqs}")
         upd["max_seqs"] = args.max_seqs
     if args.depths is not None:
-        try:
-            upd["depths"] = [int(x) for x in args.depths.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--depths: expected comma-separated integers, got {args.depths!r}") from None
+        upd["depths"] = _ints(args.depths, "--depths")
         if not upd["depths"] or min(upd["depths"]) < 1:
             raise UserError(f"--depths: expected comma-separated integers >= 1, got {args.depths!r}")
     return upd
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    """``"1,5,64"`` → integers; an empty entry (``5,,64``, a trailing comma) is refused, not dropped."""
+    items = text.split(",")
+    if text.strip() and not all(x.strip() for x in items):
+        raise UserError(f"{flag}: expected comma-separated integers (no empty entries), got {text!r}")
+    try:
+        return [int(x) for x in items if x.strip()]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers, got {text!r}") from None
 
 
 def _arms(args: argparse.Namespace) -> list[str] | None:
@@ -103,11 +111,7 @@ def _arms(args: argparse.Namespace) -> list[str] | None:
 def _seeds(args: argparse.Namespace) -> list[int] | None:
     if args.seeds is None:
         return None
-    try:
-        seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"--seeds: expected comma-separated integers, got {args.seeds!r}") from None
-    return check_seeds(seeds, "--seeds")
+    return check_seeds(_ints(args.seeds, "--seeds"), "--seeds")
 
 
 def _read_json(path: Path, what: str) -> dict:
@@ -184,6 +188,11 @@ def _render(args: argparse.Namespace) -> int:
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now
         plan = load_plan(args.experiment, results["scale"])
         held = {a.get("group") or a["name"] for a in results["arms"]}
+        if unknown := sorted(held - set(plan.groups())):  # another experiment: its claims would replace these
+            raise UserError(f"--experiment: {args.experiment} (experiment {plan.experiment!r}) has no arm "
+                            f"{', '.join(unknown)} of {path} (experiment {results.get('experiment')!r}); "
+                            "--render --experiment re-reads the claims of the results' own experiment file "
+                            "(or an edited copy of it)")
         claims = [c for c in plan.claims if set(c.arms + ([c.relative_to] if c.relative_to else [])) <= held]
         if dropped := list(dict.fromkeys(c.id for c in plan.claims if c not in claims)):  # as --arms does
             log(f"claims {', '.join(dropped)} of {args.experiment} left out: {path} does not hold their arms")
@@ -224,6 +233,18 @@ def evaluate_one(args: argparse.Namespace) -> int:
     return 0 if s["complete"] else 1
 
 
+def _data_paths(plan: Plan) -> dict[str, str | None]:
+    """The datasets an experiment reads (training and validation data of its arms, which share
+    them, the evaluation set and the LR-screen set), by the field that names each."""
+    from megaloop.config import load_config
+
+    cfg = load_config(plan.config, plan.arms[0].overrides)  # validated once already by load_plan
+    paths = {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path, "eval.data": plan.eval.data}
+    if plan.screen is not None:
+        paths["screen.screen_set"] = plan.screen.screen_set
+    return paths
+
+
 def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     """The experiment: launch the unfinished arms, then collect, render and report."""
     if args.merge and not args.render:
@@ -241,6 +262,7 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     if not args.out:  # run_cli checked an explicit --out; the default is checked here
         check_out_dir(str(out), probe=not launch.dry_run)
     check_out_kind(out, "reproduce")
+    check_out_outside_data(out, _data_paths(base))
     plan, screens, waiting = resolve_lrs(out, base)
     check_out(out, plan, skip=waiting)
     if launch.collect:

@@ -414,7 +414,8 @@ def render_markdown(results: dict) -> str:
     for g, sc in (results.get("screens") or {}).items():
         pts = ", ".join(f"{p['lr']:g}: " + (f"{p['val_ce']:.4f}" if _finite(p.get("val_ce")) else p["status"])
                         for p in sc["points"])
-        where = ("no finished point" if sc.get("best_lr") is None
+        where = (f"**every point diverged** (extend the grid below: {sc.get('proposed_grid')})"
+                 if sc.get("all_diverged") else "no finished point" if sc.get("best_lr") is None
                  else "provisional: the screen is incomplete" if sc.get("complete") is False
                  else "interior" if sc.get("interior")
                  else f"**{sc.get('edge')} edge** (extend the grid: {sc.get('proposed_grid')})")

@@ -4,8 +4,8 @@
 (``train``, ``rl``, ``distill-prefill``: SIGTERM and SIGUSR1) and for ``convert`` (SIGTERM), so a
 stop while torch loads, the model is built or the data is checked raises :class:`StopDuringSetup`
 (the command prints one line, :func:`stopped_line`, and exits 75 for a training verb, nothing being
-checkpointed; 143 for convert, whose ``finally`` removes its staging folder) instead of a silent
-143. :class:`megaloop.runtime.stop.SignalStop` replaces the handler for the loop's steps and puts
+checkpointed; 143 for convert, whose ``finally`` removes its staging folder; 130 for ``lr-screen`` /
+``reproduce`` outside their pool's runs, as their Ctrl-C) instead of a silent 143. :class:`megaloop.runtime.stop.SignalStop` replaces the handler for the loop's steps and puts
 it back after them; from then on (:func:`loop_entered`) the handler gives the signal its default
 action, as before the loop existed (a finished run is not reported as stopped in set-up).
 
@@ -23,7 +23,8 @@ import threading
 from megaloop.runtime.exits import EXIT_REQUEUE
 
 LOOPS = ("train", "rl", "distill-prefill")
-SIGNALS = {**{v: ("SIGTERM", "SIGUSR1") for v in LOOPS}, "convert": ("SIGTERM",)}
+SWEEPS = ("lr-screen", "reproduce")  # their pool takes SIGTERM over while runs train (megaloop.sweep)
+SIGNALS = {**{v: ("SIGTERM", "SIGUSR1") for v in LOOPS}, "convert": ("SIGTERM",), **{v: ("SIGTERM",) for v in SWEEPS}}
 _state = {"loop": False}
 
 
@@ -69,6 +70,10 @@ def restore(previous: dict[int, object]) -> None:
 def stopped_line(verb: str, signum: int) -> int:
     """Print the one line of a stop in set-up; the exit status."""
     name = signal.Signals(signum).name
+    if verb in SWEEPS:  # as their Ctrl-C: 130 (README); their runs checkpoint in the pool's own handler
+        print(f"megaloop {verb}: stopped by {name} outside its local runs (finished runs and results are kept, "
+              "submitted slurm jobs keep running; rerun the same command to continue)", file=sys.stderr)
+        return 130
     if verb not in LOOPS:
         print(f"megaloop {verb}: stopped by {name} (its temporary files removed; --out is never left "
               "half-written)", file=sys.stderr)

@@ -39,8 +39,8 @@ from megaloop.runtime.files import atomic_write_json
 from megaloop.screen import report as rep
 from megaloop.screen.core import (SCALE_DEFAULTS, TERMINAL, WHOLE_SET, build_screen, check_fixed_settings, finite,
                                   log, lr_tag, point_state, select_best)
-from megaloop.sweep import (Run, add_launch_args, check_out_kind, execute, launch_from_args, pending, run_cli,
-                            slurm_active)
+from megaloop.sweep import (Run, add_launch_args, check_out_kind, check_out_outside_data, execute, launch_from_args,
+                            pending, run_cli, slurm_active)
 
 PROG = "megaloop lr-screen"
 
@@ -84,6 +84,7 @@ def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
     """The screen: launch the unfinished points, then collect, plot and report."""
     screen = build_screen(args, extras)
     check_out_kind(screen.out, "lr-screen")
+    check_out_outside_data(screen.out, {"data.path": screen.data_path, "--screen-set": screen.screen_set})
     launch = launch_from_args(args, default_parallel=1)
     if args.collect and not ((screen.out / "screen.json").is_file() or any(screen.run_dir(lr).is_dir()
                                                                           for lr in screen.lrs)):
@@ -128,6 +129,8 @@ def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
         return code
     if any(p["status"] in ("failed", "interrupted", "partial", "pending") for p in points):
         return 1  # "queued" (still in slurm) is not a failure
+    if sel.get("all_diverged"):
+        return 3 if args.fail_on_edge else 1  # no LR selected: not a finished screen
     if args.fail_on_edge and not sel["complete"]:
         return 1  # points still queued: no edge verdict yet, and asked for one
     if sel["edge"] and args.fail_on_edge:

@@ -111,9 +111,11 @@ def select_best(points: list[dict]) -> dict:
 
     Diverged points count as worse than any finite CE (so a diverged top point brackets the
     optimum from above); points without a result do not count. Returns ``{best_index, best_lr,
-    best_val_ce, interior, edge ('lower'|'upper'|None), proposed_grid, ratio, complete, missing}``.
-    While points are missing (``missing``: their LRs) the best is provisional: no interior / edge
-    verdict (interior None) and no proposed grid, since a missing point may move the optimum.
+    best_val_ce, interior, edge ('lower'|'upper'|None), proposed_grid, ratio, complete, missing,
+    all_diverged}``. While points are missing (``missing``: their LRs) the best is provisional: no
+    interior / edge verdict (interior None) and no proposed grid, since a missing point may move the
+    optimum. A complete screen whose every point diverged has no best point and its optimum lies
+    below the grid: edge ``lower``, one log step below the lowest LR proposed (×10 for a one-point grid).
     """
     lrs = [p["lr"] for p in points]
     if lrs != sorted(lrs):
@@ -124,8 +126,12 @@ def select_best(points: list[dict]) -> dict:
     complete = not missing
     out: dict[str, Any] = {"best_index": None, "best_lr": None, "best_val_ce": None, "interior": None,
                            "edge": None, "proposed_grid": None, "ratio": None, "complete": complete,
-                           "missing": missing}
+                           "missing": missing, "all_diverged": False}
     if not scored:
+        if complete and points:  # every point diverged: nothing selectable, the optimum is lower
+            ratio = lrs[1] / lrs[0] if len(lrs) > 1 else 10.0
+            out.update(interior=False, edge="lower", ratio=ratio, all_diverged=True,
+                       proposed_grid=sorted(set(lrs) | {_round_sig(lrs[0] / ratio)}))
         return out
     i, ce = min(scored, key=lambda t: (t[1], t[0]))
     out.update(best_index=i, best_lr=lrs[i], best_val_ce=ce)
@@ -214,6 +220,7 @@ class Screen:
     warmup_steps: int
     screen_info: dict = field(default_factory=dict)
     global_batch_size: int = 0  # sequences per update (train.eval_batches counts these)
+    data_path: str = ""  # the runs' training data (data.path), which --out must stay out of
 
     @property
     def end_step(self) -> int:
@@ -356,7 +363,7 @@ def build_screen(args: argparse.Namespace, extras: list[str]) -> Screen:
                   screen_set=screen_set, overrides=list(extras),
                   micro_batch_size=base.train.micro_batch_size,
                   warmup_steps=base.optim.warmup_steps, screen_info=info,
-                  global_batch_size=base.train.global_batch_size)
+                  global_batch_size=base.train.global_batch_size, data_path=str(base.data.path or ""))
 
 
 def _setting(screen: Screen, key: str, value: Any) -> Any:

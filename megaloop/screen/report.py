@@ -53,7 +53,7 @@ def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str |
         {"index": sel["best_index"], "lr": sel["best_lr"], "val_ce": sel["best_val_ce"],
          "run_dir": points[sel["best_index"]]["run_dir"]},
         "interior": sel["interior"], "edge": sel["edge"], "complete": sel["complete"],
-        "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
+        "all_diverged": bool(sel.get("all_diverged")), "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     atomic_write_json(out / "results.json", result, sort_keys=False)
@@ -91,7 +91,9 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
     ax.set_xlabel("peak learning rate")
     ax.set_ylabel(f"validation CE at R={screen.eval_depth} (screen set)")
     title = f"LR screen: {Path(screen.config).stem}, {screen.end_step} of {screen.max_steps} updates"
-    if sel["edge"]:
+    if sel.get("all_diverged"):
+        title += "\nEVERY POINT DIVERGED: extend the grid below"
+    elif sel["edge"]:
         title += f"\nBEST ON THE {sel['edge'].upper()} EDGE: extend the grid"
     elif not sel["complete"]:
         title += f"\nINCOMPLETE: {len(sel['missing'])} of {len(points)} points missing, best is provisional"
@@ -148,6 +150,11 @@ def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) 
             f"best lr so far {lr_tag(sel['best_lr'])} (val_ce {sel['best_val_ce']:.4f}) is provisional"
         print(f"  the screen is incomplete ({len(sel['missing'])} of {len(points)} point(s) missing: lr {missing}): "
               f"{best}; no edge or interior verdict until every point has finished")
+    elif sel.get("all_diverged"):
+        bar = "!" * 78
+        print(f"\n{bar}\n!! every point of the grid DIVERGED: no learning rate was selected; the optimum lies "
+              f"below the grid.\n!! Extend the grid below its lowest point (x1/{sel['ratio']:.3g}):\n"
+              f"!!   proposed grid: {','.join(lr_tag(x) for x in sel['proposed_grid'])}\n!!   {proposal}\n{bar}")
     elif sel["best_index"] is None:
         print("  no finished point yet")
     elif sel["interior"]:

@@ -99,30 +99,32 @@ class RunDirLock:
             self.path.parent.rmdir()
 
 
-def check_run_dir_location(run_dir: Path, data_paths: dict[str, str | None]) -> None:
-    """``run_dir`` must not be a dataset or lie inside one (``data_paths``: config field -> path): a run
-    writes checkpoints, metrics and a lock file there. An MDS dataset (``index.json`` or
-    ``manifest.json``) or a raw TxT360-layout tree (``data/<source>/…/*.jsonl[.gz]``) is refused
-    before anything is written."""
+def check_run_dir_location(run_dir: Path, data_paths: dict[str, str | None], *, flag: str = "--run-dir",
+                           writes: str = "a run writes checkpoints and logs there") -> None:
+    """``run_dir`` must not be a dataset or lie inside one (``data_paths``: config field or flag ->
+    path): a run writes checkpoints, metrics and a lock file there (``lr-screen``/``reproduce`` their
+    runs and reports: ``flag`` names the option). An MDS dataset (``index.json`` or ``manifest.json``)
+    or a raw TxT360-layout tree (``data/<source>/…/*.jsonl[.gz]``) is refused before anything is written."""
     rd = Path(run_dir).expanduser().resolve()
     for field, path in data_paths.items():
         if not path or str(path).startswith("default") or "://" in str(path) or not Path(path).exists():
             continue  # the embedded corpus (built in the cache), a remote dataset, or one the loader will name
         dp = Path(path).expanduser().resolve()
         if rd == dp or dp in rd.parents:
-            raise RunDirError(f"--run-dir {run_dir} is {'' if rd == dp else 'inside '}the dataset {field}={path}: "
-                              "a run writes checkpoints and logs there; choose another --run-dir (nothing was written)")
+            raise RunDirError(f"{flag} {run_dir} is {'' if rd == dp else 'inside '}the dataset {field}={path}: "
+                              f"{writes}; choose another {flag} (nothing was written)")
     if not rd.is_dir():
         return
     for name in ("index.json", "manifest.json"):
         if (rd / name).is_file():
-            raise RunDirError(f"--run-dir {run_dir} holds {name}: it is a dataset folder, not a run directory; "
-                              "choose another --run-dir (nothing was written)")
+            raise RunDirError(f"{flag} {run_dir} holds {name}: it is a dataset folder, not "
+                              f"{'a run directory' if flag == '--run-dir' else 'an output folder'}; "
+                              f"choose another {flag} (nothing was written)")
     raw = rd / "data"
     if raw.is_dir() and any(f.name.endswith((".jsonl", ".jsonl.gz")) for pattern in ("*/*", "*/*/*")
                             for f in raw.glob(pattern)):
-        raise RunDirError(f"--run-dir {run_dir} holds a raw text tree ({raw}/<source>/…/*.jsonl): choose another "
-                          "--run-dir (nothing was written)")
+        raise RunDirError(f"{flag} {run_dir} holds a raw text tree ({raw}/<source>/…/*.jsonl): choose another "
+                          f"{flag} (nothing was written)")
 
 
 def check_fresh_start(ckpt: CheckpointManager, run_dir: Path) -> None:

@@ -15,15 +15,19 @@ from typing import Any
 from megaloop.config_utils import ConfigError
 
 
-RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock",
+             # what lr-screen / reproduce keep in a run: logs, launch record, exit status
+             "train.log", "after.log", "sweep_run.json", "screen_exit", "repro_exit")
+RUN_FOLDERS = ("checkpoints", "eval", "wandb")  # a run's checkpoints, reproduce's evaluation, wandb's files
 
 
 def is_run_file(path: str | Path, run_dir: str | Path) -> bool:
     """Whether ``path`` is one of ``run_dir``'s own files (its metrics log and rotated copies, config,
-    data record, tokenizer, lock, anything under checkpoints/): what a tool must not write over."""
+    data record, tokenizer, lock, the sweep commands' logs and records, anything under checkpoints/,
+    eval/ or wandb/): what a tool must not write over."""
     target, run = Path(path).resolve(), Path(run_dir).resolve()
     own = {(run / n).resolve() for n in RUN_FILES} | {p.resolve() for p in run.glob("metrics.jsonl*")}
-    return target in own or (run / "checkpoints").resolve() in target.parents
+    return target in own or any((run / d).resolve() in target.parents for d in RUN_FOLDERS)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -234,3 +234,16 @@ def test_render_with_an_experiment_leaves_out_the_claims_of_arms_not_held(tool, 
     assert tool.main(["--render", str(a), "--experiment", "tbptt"]) == 0
     assert "claims C2, C3" in capsys.readouterr().out
     assert {c["id"] for c in json.loads(a.read_text())["claims"]} == {"C1"}
+
+
+def test_render_with_another_experiment_is_refused(tool, tmp_path: Path, capsys) -> None:
+    """--render TBPTT --experiment depth kept tbptt's title but swapped in depth's claims (none held),
+    dropping tbptt's own C1-C3 and their verdicts without a word."""
+    src = ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json"
+    a = tmp_path / "a" / "results.json"
+    a.parent.mkdir()
+    a.write_bytes(src.read_bytes())
+    assert tool.main(["--render", str(a), "--experiment", "depth", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--experiment: depth (experiment 'depth') has no arm huginn_b2, huginn_b4" in err and "(experiment 'tbptt')" in err, err
+    assert not (tmp_path / "x").exists() and a.read_bytes() == src.read_bytes()

@@ -268,7 +268,9 @@ def test_sweep_array_script_trains_then_evaluates(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("argv, words", [
     (["--depths", "0,5"], "--depths: expected comma-separated integers >= 1, got '0,5'"),
-    (["--depths", ","], "--depths: expected comma-separated integers >= 1"),
+    (["--depths", ","], "--depths: expected comma-separated integers (no empty entries), got ','"),
+    (["--depths", "5,,64"], "--depths: expected comma-separated integers (no empty entries), got '5,,64'"),
+    (["--seeds", "1,,2"], "--seeds: expected comma-separated integers (no empty entries), got '1,,2'"),
     (["--depths", "a"], "--depths: expected comma-separated integers, got 'a'"),
     (["--arms", ","], "--arms: expected comma-separated arm names (no empty entries), got ','"),
     (["--arms", "full,,b1"], "--arms: expected comma-separated arm names (no empty entries)"),
@@ -281,6 +283,43 @@ def test_bad_flags_are_named(tool, user_yaml: Path, tmp_path: Path, capsys, argv
     captured = capsys.readouterr()
     assert words in captured.err and "would run" not in captured.out, captured.err
     assert not out.exists()
+
+
+def test_seedless_and_seeded_runs_do_not_share_an_out(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    """--seeds 1234 into an OUT holding a seedless run retrained arms/full as arms/full.seed1234 and
+    each report dropped the other mode's runs; refused both ways before anything runs."""
+    from megaloop.repro.runs import write_plan
+
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test")
+    _done_arm(out, plan, "full")
+    write_plan(out, plan)
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    base = ["--experiment", str(user_yaml), "--scale", "test", "--out", str(out)]
+    assert tool.main([*base, "--seeds", "1234"]) == 2
+    err = capsys.readouterr().err
+    assert "holds one run per arm without --seeds; runs with --seeds cannot join them" in err and "--merge" in err, err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    seeded = tmp_path / "seeded"
+    seeded.mkdir()
+    write_plan(seeded, load_plan(str(user_yaml), "test", seeds=[1, 2]))
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(seeded), "--dry-run"]) == 2
+    assert "holds --seeds runs [1, 2]; runs without --seeds cannot join them" in capsys.readouterr().err
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(seeded), "--seeds", "3",
+                      "--dry-run"]) == 0  # more seeds into a seeded OUT stay allowed
+
+
+def test_out_inside_a_dataset_is_refused(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    """--out inside data.path wrote plan.json, arms/ and the report into the training set."""
+    data = tmp_path / "train"
+    data.mkdir()
+    (data / "index.json").write_text('{"shards": [], "version": 2}')
+    for out in (data, data / "repro"):
+        assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--",
+                          f"data.path={data}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is" in err and f"the dataset data.path={data}" in err and "nothing was written" in err, err
+    assert [p.name for p in data.iterdir()] == ["index.json"]
 
 
 def test_a_subset_run_reports_every_arm_the_out_holds(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:

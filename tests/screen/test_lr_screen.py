@@ -242,6 +242,55 @@ def test_diverged_top_point_brackets_the_optimum() -> None:
     assert sel["best_index"] == 2 and sel["interior"] and sel["complete"]
 
 
+def test_a_screen_whose_every_point_diverged_proposes_a_lower_grid() -> None:
+    sel = select_best(_pts([float("nan")] * 3, ["diverged"] * 3))
+    assert sel["best_index"] is None and sel["complete"] and sel["all_diverged"]
+    assert sel["edge"] == "lower" and sel["interior"] is False and sel["proposed_grid"] == [0.0005, 0.001, 0.002, 0.004]
+    one = select_best(_pts([float("nan")], ["diverged"]))
+    assert one["all_diverged"] and one["ratio"] == 10.0 and one["proposed_grid"] == [0.0001, 0.001]
+    assert not select_best(_pts([3.0, float("nan")], ["done", "diverged"]))["all_diverged"]
+
+
+def test_collect_of_an_all_diverged_screen_exits_non_zero(tmp_path: Path, capsys) -> None:
+    """Every point diverged: it exited 0 ("no finished point yet", best None), with --fail-on-edge too."""
+    out = tmp_path / "scr"
+    grid = [1e-1, 1.0, 10.0]
+    for lr in grid:
+        _metrics(out / f"lr_{lr_tag(lr)}", [{"step": 6, "loss": float("nan"), "val_ce": float("nan")}])
+    argv = ["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6", "--out", str(out), "--collect"]
+    assert cli.main(argv) == 1
+    text = capsys.readouterr().out
+    assert "every point of the grid DIVERGED" in text and "proposed grid: 0.01,0.1,1,10" in text, text
+    assert "no finished point yet" not in text
+    res = json.loads((out / "results.json").read_text())
+    assert res["best"] is None and res["all_diverged"] is True and res["edge"] == "lower"
+    assert res["proposed_grid"] == [0.01, 0.1, 1.0, 10.0] and "--grid 0.01,0.1,1,10" in res["proposed_command"]
+    assert cli.main([*argv, "--fail-on-edge"]) == 3
+
+
+def test_out_inside_a_dataset_is_refused_before_anything_is_written(tmp_path: Path, capsys) -> None:
+    """--out inside the --screen-set (or data.path) wrote screen.json, lr_*/ and results into the MDS
+    set, and every point then failed on its own run dir check (exit 1)."""
+    screen_set = tmp_path / "screen"
+    screen_set.mkdir()
+    (screen_set / "index.json").write_text('{"shards": [], "version": 2}')
+    (screen_set / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 128, "num_sequences": 20}))
+    before = sorted(p.name for p in screen_set.iterdir())
+    for out, words in ((screen_set, f"--out {screen_set} is the dataset --screen-set={screen_set}"),
+                       (screen_set / "scr", f"--out {screen_set / 'scr'} is inside the dataset --screen-set")):
+        for dry in ([], ["--dry-run"]):
+            assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "2", "--out", str(out),
+                             "--screen-set", str(screen_set), *dry]) == 2
+            err = capsys.readouterr().err
+            assert words in err and "nothing was written" in err and err.count("\n") == 1, err
+    train = tmp_path / "train"
+    train.mkdir()
+    assert cli.main(["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "2", "--out", str(train / "s"),
+                     "--screen-set", str(screen_set), "--", f"data.path={train}"]) == 2
+    assert f"is inside the dataset data.path={train}" in capsys.readouterr().err
+    assert sorted(p.name for p in screen_set.iterdir()) == before and list(train.iterdir()) == []
+
+
 def test_unfinished_points_make_selection_provisional() -> None:
     # a missing point may move the optimum: a provisional best, but no edge / interior verdict and no
     # proposed grid (an incomplete screen claimed an edge and proposed a grid)

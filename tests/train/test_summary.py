@@ -65,6 +65,9 @@ def test_a_json_that_is_a_run_file_or_cannot_be_written_is_refused_first(tmp_pat
     before = (run / "metrics.jsonl").read_text()
     for out, says in ((run / "metrics.jsonl", "is one of the run's own files"),
                       (run / "checkpoints" / "x.json", "is one of the run's own files"),
+                      # the sweep commands' files in a run: its log and reproduce's evaluation record
+                      (run / "train.log", "is one of the run's own files"),
+                      (run / "eval" / "summary.json", "is one of the run's own files"),
                       (tmp_path, "is a directory, not a file path")):
         (run / "checkpoints").mkdir(exist_ok=True)
         proc = _tool(run, "--json", out)
