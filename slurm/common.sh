@@ -12,7 +12,10 @@
 #                                          megaloop_launch `-m megaloop.cli train --config CONFIG
 #                                          --run-dir RUN_DIR --resume auto KEY=VALUE ...`
 #   megaloop_scale_overrides               TP/PP/VPP/DATA_PATH/VAL_PATH/WANDB_*/EXTRA_ARGS knobs of
-#                                          slurm/train_*.sh -> the array OVERRIDES
+#                                          slurm/train_*.sh -> the array OVERRIDES (only the knobs set:
+#                                          the config's own settings stand otherwise)
+#   megaloop_user_file VALUE DEFAULT       a CONFIG / DS_CONFIG knob: a given VALUE (a file there wins)
+#                                          or the built-in DEFAULT as it is
 #   megaloop_preflight CONFIG WORLD GPUS_PER_NODE [KEY=VALUE ...]
 #                                          `megaloop plan --preflight`: exit 2 (one line) if the layout
 #                                          is predicted not to fit in GPU memory or the configuration is
@@ -45,11 +48,12 @@
 #
 # Knobs (environment, all optional):
 #   NODES            nodes to use (default: all of the allocation, $SLURM_NNODES)
-#   GPUS_PER_NODE    processes per node (default $SLURM_GPUS_ON_NODE, else 8)
+#   GPUS_PER_NODE    processes per node, >= 1 (default $SLURM_GPUS_ON_NODE, else 8)
 #   RDZV             c10d (default: torchrun --rdzv_backend c10d on MASTER_ADDR:MASTER_PORT)
 #                    or static (--master_addr/--master_port/--node_rank)
-#   MASTER_ADDR      default: first host of $SLURM_JOB_NODELIST
-#   MASTER_PORT      default: 20000 + SLURM_JOB_ID % 20000
+#   MASTER_ADDR      default: first host of $SLURM_JOB_NODELIST; a loopback one (localhost, 127.*, ::1,
+#                    e.g. exported in the submitting shell) is refused when NODES > 1
+#   MASTER_PORT      1-65535; default: 20000 + SLURM_JOB_ID % 20000
 #   LOG_DIR          default logs/ (in MEGALOOP_START_DIR, beside slurm-*.out); per job:
 #                    $LOG_DIR/$SLURM_JOB_ID/ (node<i>.log, launch.txt, exit_code, trainer_exit)
 #   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH)
@@ -122,6 +126,17 @@ megaloop_abspath_file() {
   esac
 }
 
+# megaloop_user_file VALUE DEFAULT: a knob naming a preset or a file (CONFIG, DS_CONFIG): VALUE, when given,
+# as megaloop_abspath_file makes it (a file of that name in MEGALOOP_START_DIR wins); else DEFAULT as it is,
+# the built-in preset or shipped file, even where a file or directory of that name lies there.
+megaloop_user_file() {
+  if [ -n "$1" ]; then
+    megaloop_abspath_file "$1"
+  else
+    printf '%s\n' "$2"
+  fi
+}
+
 megaloop_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || megaloop_die "SLURM_JOB_ID is not set: submit this script with sbatch"
   [ -n "${SLURM_JOB_NODELIST:-}" ] || megaloop_die "SLURM_JOB_NODELIST is not set (not inside an allocation?)"
@@ -146,10 +161,24 @@ megaloop_setup() {
   [ "$NODES" -le "${#hosts[@]}" ] ||
     megaloop_die "NODES=$NODES but the allocation has ${#hosts[@]} node(s) (sbatch --nodes=$NODES ...)"
   NODE_LIST="$(IFS=,; echo "${hosts[*]:0:$NODES}")"
+  local gpn_from=GPUS_PER_NODE
+  [ -n "${GPUS_PER_NODE:-}" ] || gpn_from="GPUS_PER_NODE (from SLURM_GPUS_ON_NODE)"
   GPUS_PER_NODE="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}"
-  case "$GPUS_PER_NODE" in '' | *[!0-9]*) megaloop_die "GPUS_PER_NODE must be a positive integer, got '$GPUS_PER_NODE'" ;; esac
+  case "$GPUS_PER_NODE" in '' | *[!0-9]*) megaloop_die "$gpn_from must be a positive integer, got '$GPUS_PER_NODE'" ;; esac
+  GPUS_PER_NODE="$((10#$GPUS_PER_NODE))"
+  [ "$GPUS_PER_NODE" -ge 1 ] || megaloop_die "$gpn_from must be a positive integer, got '$GPUS_PER_NODE'"
   MASTER_ADDR="${MASTER_ADDR:-${hosts[0]}}"
+  if [ "$NODES" -gt 1 ]; then
+    case "$MASTER_ADDR" in
+      localhost | localhost.* | ip6-localhost | 127.* | ::1 | '[::1]' | 0:0:0:0:0:0:0:1)
+        megaloop_die "MASTER_ADDR=$MASTER_ADDR is a loopback address, but the job spans $NODES nodes (each would wait at its own rendezvous): unset MASTER_ADDR (default: the first host, ${hosts[0]})" ;;
+    esac
+  fi
   MASTER_PORT="${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}"
+  case "$MASTER_PORT" in '' | *[!0-9]* | ???????*) megaloop_die "MASTER_PORT must be a port number (1-65535), got '$MASTER_PORT'" ;; esac
+  MASTER_PORT="$((10#$MASTER_PORT))"
+  [ "$MASTER_PORT" -ge 1 ] && [ "$MASTER_PORT" -le 65535 ] ||
+    megaloop_die "MASTER_PORT must be a port number (1-65535), got '$MASTER_PORT'"
   RDZV="${RDZV:-c10d}"
   case "$RDZV" in c10d | static) ;; *) megaloop_die "RDZV must be c10d or static, got '$RDZV'" ;; esac
   SHUTDOWN_TIMEOUT="${SHUTDOWN_TIMEOUT:-110}"
@@ -192,7 +221,8 @@ megaloop_train() {
 
 # megaloop_post_main VERB DS_CONFIG SAVE_EVERY ARGS...: a DeepSpeed post-training command (`megaloop rl`,
 # `megaloop distill-prefill`) on every node, writing to $OUT, resumed from $OUT/checkpoints when a
-# checkpoint is there; EXTRA_ARGS (word-split) are appended. Exits with the command's status.
+# checkpoint is there; EXTRA_ARGS (word-split) are appended. Exits with the command's status. DS_CONFIG
+# as passed to --deepspeed (the caller makes a user's file absolute: megaloop_user_file).
 megaloop_post_main() {
   [ "$#" -ge 3 ] || megaloop_die "megaloop_post_main VERB DS_CONFIG SAVE_EVERY [ARGS...]"
   local verb="$1" ds="$2" every="$3" rc=0
@@ -200,7 +230,6 @@ megaloop_post_main() {
   shift 3
   case "$every" in '' | *[!0-9]*) megaloop_die "SAVE_EVERY must be a non-negative integer, got '$every'" ;; esac
   OUT="$(megaloop_abspath "$OUT")"
-  ds="$(megaloop_abspath_file "$ds")"
   megaloop_setup
   cmd=(-m megaloop.cli "$verb" "$@" --out "$OUT" --deepspeed "$ds" --save-every "$every")
   if [ -f "$OUT/checkpoints/latest" ]; then
@@ -320,34 +349,119 @@ megaloop_launch() {
   return "$rc"
 }
 
-# The knobs of slurm/train_*.sh as dotlist overrides, in the array OVERRIDES.
+# megaloop_config_facts CONFIG GIVEN: what CONFIG (a preset or a YAML file, `base:` followed, read by
+# megaloop's own loader here, in the directory the trainer runs in) sets itself, for the knobs whose default
+# only fills a gap: MEGALOOP_CFG_DATA (its data.path; `default` where it sets none, megaloop's default),
+# MEGALOOP_CFG_VAL and MEGALOOP_CFG_WANDB (1 where it sets data.val_path / logging.wandb, else 0). Where it
+# cannot be read (no python with megaloop on this node, e.g. a container in SRUN_ARGS; a broken file, which
+# the preflight or the trainer names): the built-in preset (GIVEN=0) is taken to set none of them (the
+# shipped S, M, L and tiny set none), a CONFIG the user gave (GIVEN=1) to set them all (so no default is
+# put over its settings), with a warning.
+megaloop_config_facts() {
+  local config="$1" given="$2" out rc=0
+  local -a facts
+  out="$(python -W ignore - "$config" 2>&1 <<'PY'
+import sys
+
+from megaloop.config import resolve_config_path
+from megaloop.config_utils import load_yaml
+
+data = load_yaml(resolve_config_path(sys.argv[1]))
+
+
+def get(key):
+    node = data
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+has_path, path = get("data.path")
+print(path if has_path and path is not None else "default")
+print(int(get("data.val_path")[0]))
+print(int(get("logging.wandb")[0]))
+PY
+)" || rc=$?
+  mapfile -t facts <<<"$out"
+  if [ "$rc" -eq 0 ] && [ "${#facts[@]}" -eq 3 ]; then
+    MEGALOOP_CFG_DATA="${facts[0]}" MEGALOOP_CFG_VAL="${facts[1]}" MEGALOOP_CFG_WANDB="${facts[2]}"
+  elif [ "$given" = 1 ]; then
+    megaloop_log "warning: could not read CONFIG=$config here ($(printf '%s\n' "$out" | tail -n 1)): its data and" \
+      "logging settings stand; no VAL_PATH or WANDB_MODE default is added (set them to choose)"
+    MEGALOOP_CFG_DATA="?" MEGALOOP_CFG_VAL=1 MEGALOOP_CFG_WANDB=1
+  else
+    MEGALOOP_CFG_DATA=default MEGALOOP_CFG_VAL=0 MEGALOOP_CFG_WANDB=0
+  fi
+}
+
+# The knobs of slurm/train_*.sh as dotlist overrides, in the array OVERRIDES. A knob is passed only where it
+# is set (non-empty), so a CONFIG file's own settings stand otherwise (the preflight gets the same
+# overrides); two defaults fill gaps: data.val_path=default:val where the run trains on the embedded corpus
+# (data.path `default`, from DATA_PATH, EXTRA_ARGS, the config or megaloop's default) and nothing sets a
+# validation set, and logging.wandb=offline where neither WANDB_MODE, the config nor EXTRA_ARGS sets it.
+# Needs CONFIG and MEGALOOP_CONFIG_GIVEN (1: CONFIG was the user's) and runs after megaloop_setup.
 megaloop_scale_overrides() {
   local -a extra
-  OVERRIDES=("parallel.tp=$TP" "parallel.pp=$PP")
+  local ov data val_set=0 wandb_set=0
+  megaloop_config_facts "$CONFIG" "${MEGALOOP_CONFIG_GIVEN:-0}"
+  data="$MEGALOOP_CFG_DATA"
+  [ "$MEGALOOP_CFG_VAL" != 1 ] || val_set=1
+  [ "$MEGALOOP_CFG_WANDB" != 1 ] || wandb_set=1
+  OVERRIDES=()
+  if [ -n "$TP" ]; then
+    OVERRIDES+=("parallel.tp=$TP")
+  fi
+  if [ -n "$PP" ]; then
+    OVERRIDES+=("parallel.pp=$PP")
+  fi
   if [ -n "$VPP" ]; then
     OVERRIDES+=("parallel.vpp=$VPP")
   fi
-  OVERRIDES+=("data.path=$DATA_PATH")
+  if [ -n "$DATA_PATH" ]; then
+    OVERRIDES+=("data.path=$DATA_PATH")
+    data="$DATA_PATH"
+  fi
   if [ -n "$VAL_PATH" ]; then
     OVERRIDES+=("data.val_path=$VAL_PATH")
-  elif [ "$DATA_PATH" = default ]; then
-    OVERRIDES+=("data.val_path=default:val")
+    val_set=1
   fi
-  if [ "$DATA_PATH" = default ]; then
-    megaloop_log "warning: DATA_PATH is not set: training on the small embedded corpus (a smoke test)"
+  read -r -a extra <<<"$EXTRA_ARGS"
+  for ov in "${extra[@]}"; do  # EXTRA_ARGS come last: they win
+    case "$ov" in
+      data.path=*) data="${ov#*=}" ;;
+      data.val_path=*) val_set=1 ;;
+      logging.wandb=*) wandb_set=1 ;;
+    esac
+  done
+  case "$data" in
+    default | default:*)
+      megaloop_log "warning: training on the small embedded corpus (data.path=$data; set DATA_PATH): a smoke test"
+      if [ "$val_set" = 0 ] && { [ "$data" = default ] || [ "$data" = default:train ]; }; then
+        OVERRIDES+=("data.val_path=default:val")
+      fi
+      ;;
+  esac
+  if [ -n "$WANDB_MODE" ]; then
+    export WANDB_MODE
+    OVERRIDES+=("logging.wandb=$WANDB_MODE")
+  elif [ "$wandb_set" = 0 ]; then
+    export WANDB_MODE=offline
+    OVERRIDES+=("logging.wandb=offline")
   fi
-  export WANDB_MODE WANDB_PROJECT
-  OVERRIDES+=("logging.wandb=$WANDB_MODE" "logging.project=$WANDB_PROJECT" "logging.progress=false")
+  if [ -n "$WANDB_PROJECT" ]; then
+    export WANDB_PROJECT
+    OVERRIDES+=("logging.project=$WANDB_PROJECT")
+  fi
+  OVERRIDES+=("logging.progress=false")
   if [ -n "${WANDB_NAME:-}" ]; then
     OVERRIDES+=("logging.name=$WANDB_NAME")
   fi
-  read -r -a extra <<<"$EXTRA_ARGS"
-  local ov
   for ov in "${extra[@]}"; do
     OVERRIDES+=("$(megaloop_abspath_override "$ov")")
   done
 }
-
 
 # Predicted memory per GPU of the layout (megaloop/plan): refuse, exit 2 with one line, a layout
 # predicted not to fit. A configuration `megaloop plan` refuses (its exit 2: bad input, one line
@@ -394,16 +508,21 @@ megaloop_scale_main() {
       *) megaloop_die "unknown argument '$arg' (the only one is --no-preflight; settings are environment knobs)" ;;
     esac
   done
-  set -- "$preset"
-  CONFIG="$(megaloop_abspath_file "${CONFIG:-$1}")"
-  RUN_DIR="$(megaloop_abspath "${RUN_DIR:-runs/$1}")"
-  TP="${TP:-1}"
-  PP="${PP:-1}"
+  # A CONFIG the user gives: a file there wins over a preset of that name (megaloop_abspath_file); the
+  # script's own preset stays the preset, whatever lies in the submission directory.
+  MEGALOOP_CONFIG_GIVEN=0
+  [ -z "${CONFIG:-}" ] || MEGALOOP_CONFIG_GIVEN=1
+  CONFIG="$(megaloop_user_file "${CONFIG:-}" "$preset")"
+  RUN_DIR="$(megaloop_abspath "${RUN_DIR:-runs/$preset}")"
+  # Unset (empty) knobs leave the config's settings (or megaloop's defaults: TP 1, PP 1, the embedded
+  # corpus, project megaloop) in place: megaloop_scale_overrides.
+  TP="${TP:-}"
+  PP="${PP:-}"
   VPP="${VPP:-}"
-  DATA_PATH="$(megaloop_abspath_data "${DATA_PATH:-default}")"
+  DATA_PATH="$(megaloop_abspath_data "${DATA_PATH:-}")"
   VAL_PATH="$(megaloop_abspath_data "${VAL_PATH:-}")"
-  WANDB_MODE="${WANDB_MODE:-offline}"
-  WANDB_PROJECT="${WANDB_PROJECT:-megaloop}"
+  WANDB_MODE="${WANDB_MODE:-}"
+  WANDB_PROJECT="${WANDB_PROJECT:-}"
   EXTRA_ARGS="${EXTRA_ARGS:-}"
   megaloop_setup
   megaloop_scale_overrides

@@ -55,5 +55,5 @@ DATA="${DATA:-default}"
 if [ "$DATA" != default ]; then
   DATA="$(megaloop_abspath "$DATA")"
 fi
-megaloop_post_main distill-prefill "${DS_CONFIG:-zero3}" "${SAVE_EVERY:-200}" \
+megaloop_post_main distill-prefill "$(megaloop_user_file "${DS_CONFIG:-}" zero3)" "${SAVE_EVERY:-200}" \
   --teacher "$(megaloop_abspath "$TEACHER")" --data "$DATA"

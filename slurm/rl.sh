@@ -51,4 +51,4 @@ source "$ROOT/slurm/common.sh"
 OUT="${OUT:-runs/rl}"
 TASK="${TASK:-arithmetic}"
 TASK="$(megaloop_post_task "$TASK")"  # the file of gsm8k:/exact:/mbpp:PATH: relative to where the job started
-megaloop_post_main rl "${DS_CONFIG:-zero2}" "${SAVE_EVERY:-50}" --model "$(megaloop_abspath "$MODEL")" --task "$TASK"
+megaloop_post_main rl "$(megaloop_user_file "${DS_CONFIG:-}" zero2)" "${SAVE_EVERY:-50}" --model "$(megaloop_abspath "$MODEL")" --task "$TASK"

@@ -7,6 +7,9 @@
 # PP (1) VPP (unset) DATA_PATH (default = embedded corpus) VAL_PATH (unset; default:val with the
 # embedded corpus) RUN_DIR (runs/S) WANDB_MODE (offline) WANDB_PROJECT (megaloop) WANDB_NAME
 # EXTRA_ARGS (more dotlist overrides, word-split) CONFIG (S); rendezvous, logs, venv: slurm/common.sh.
+# Only the knobs you set are passed: otherwise the config decides (a CONFIG file's parallel.*, data.*,
+# logging.*; the defaults above are the preset's), and default:val / offline are added only where neither
+# the config nor EXTRA_ARGS sets data.val_path / logging.wandb (default:val: when training on the embedded corpus).
 # Submit from anywhere (sbatch /path/to/repo/slurm/THIS.sh; MEGALOOP_ROOT=/path/to/repo overrides): relative paths
 # (DATA_PATH, VAL_PATH, RUN_DIR, LOG_DIR, CONFIG/PLAN_CLUSTER files, the data.path, data.val_path,
 # data.cache_dir, train.init_weights overrides in EXTRA_ARGS) are relative to the directory you submit

@@ -119,8 +119,9 @@ def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
         assert _flag(argv, "--nproc_per_node") == "4"
         assert _flag(argv, "--config") == "M"
         assert "parallel.vpp=2" in argv and "parallel.pp=4" in argv
-        # no DATA_PATH: the embedded corpus and its validation split
-        assert "data.path=default" in argv and "data.val_path=default:val" in argv
+        # no DATA_PATH: the preset's embedded corpus (no data.path passed) and its validation split
+        assert "data.val_path=default:val" in argv
+        assert not any(a.startswith("data.path=") for a in argv)
 
 
 def test_nodes_knob_uses_part_of_allocation(tmp_path: Path) -> None:
