@@ -13,6 +13,8 @@ import os
 import sys
 import warnings
 
+from megaloop.runtime.files import nonempty_path
+
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|apex).*")
@@ -39,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")
     t.add_argument("--config", default="tiny", help="preset name (tiny, S, M, L, untied4, ...) or YAML path")
-    t.add_argument("--run-dir", default="runs/default", help="metrics.jsonl, config.yaml, checkpoints/")
+    t.add_argument("--run-dir", default="runs/default", type=nonempty_path, help="metrics.jsonl, config.yaml, checkpoints/")
     t.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint in RUN_DIR, or a path")
     t.add_argument("--arm", default=None,
                    help="a paper arm from megaloop/configs/arms.yaml (fixed5, pln5, learned, u64, untied12, ...), "
@@ -124,6 +126,12 @@ def main(argv: list[str] | None = None) -> None:
         setup_stop.restore(previous)
 
 
+class _NotRaised(Exception):
+    """Stands for NonFiniteLossError until its (heavy) module is imported: a SIGTERM during that
+    import raised StopDuringSetup through ``except NonFiniteLossError`` on an unbound name
+    (UnboundLocalError, a traceback and exit 1 in place of the one line and 75)."""
+
+
 def _main(argv: list[str], verb: str | None) -> None:
     try:  # Ctrl-C while torch and the parsers load: one line, no traceback
         _quiet()
@@ -143,6 +151,7 @@ def _main(argv: list[str], verb: str | None) -> None:
         sys.exit(130)
     from megaloop.errors import UserError, report
 
+    NonFiniteLossError = _NotRaised  # bound before the import: a stop signal may land inside it
     try:
         from megaloop.train.trainer import NonFiniteLossError  # heavy (megatron): inside, for Ctrl-C
 

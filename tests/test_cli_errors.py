@@ -54,3 +54,25 @@ def test_user_error_is_one_line_and_exit_2(name, monkeypatch, capsys):
     prog = PREFIX.get(name, f"megaloop {name}")
     assert err[0] == (f"{prog}: error: model.hidden_size: must be a multiple of model.num_heads; "
                       "(second line of detail)"), err
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "tiny", "--run-dir", ""],
+    ["lr-screen", "--config", "tiny", "--out", "", "--dry-run"],
+    ["reproduce", "--experiment", "tbptt", "--out", " ", "--dry-run"],
+    ["rl", "--model", "m", "--out", ""],
+    ["distill-prefill", "--teacher", "t", "--out", ""],
+    ["convert", "--checkpoint", "c", "--out", ""],
+], ids=lambda a: a[0])
+def test_an_empty_output_folder_is_refused(argv, tmp_path, monkeypatch, capsys):
+    """--run-dir "" (an unset $RUN_DIR) trained into the working directory; lr-screen --out "" wrote its
+    points there; reproduce --out "" fell back on its default folder."""
+    import megaloop.cli
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as code:
+        megaloop.cli.main(argv)
+    assert code.value.code == 2
+    flag = "--run-dir" if argv[0] == "train" else "--out"
+    assert f"argument {flag}: empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

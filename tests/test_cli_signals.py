@@ -57,9 +57,22 @@ def test_ctrl_c_while_loading_is_one_line_in_every_verb(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+# while megaloop.cli imports the trainer module (megatron): the signal landed in `except
+# NonFiniteLossError` with the name still unbound (UnboundLocalError, exit 1, no status file)
+AT_TRAINER_IMPORT = textwrap.dedent("""
+    class _SignalOnImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "megaloop.train.trainer":
+                sys.meta_path.remove(self)
+                os.kill(os.getpid(), SIG)
+            return None
+    sys.meta_path.insert(0, _SignalOnImport())
+""")
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_during_set_up_exits_for_a_requeue(tmp_path, sig):
-    for hook in (AT_IMPORT, AT_TRAINER):
+    for hook in (AT_IMPORT, AT_TRAINER_IMPORT, AT_TRAINER):
         rc, err, status = _run(tmp_path, sig, hook, _train(tmp_path))
         assert rc == 75 and status == "75", (hook, rc, err)
         assert "Traceback" not in err

@@ -26,7 +26,7 @@ from megaloop.data.streaming import EVAL_SEQ_LEN, World, _Collate, _release, _So
 STATE_VERSION = 1
 
 
-def _resolve_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
+def resolve_data_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
     """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged."""
     name = embedded_split(path, split)
     if name is not None:
@@ -117,7 +117,7 @@ class TrainLoader:
                  dp_size: int, seed: int, hashes_verified: bool = False) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
         self.cfg = cfg
-        self.path = _resolve_path(cfg.path, seq_len, cfg.cache_dir, "train")
+        self.path = resolve_data_path(cfg.path, seq_len, cfg.cache_dir, "train")
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.shuffle_seed = (cfg.shuffle_seed + seed) % (1 << 31)
@@ -351,7 +351,7 @@ class EvalLoader:
                  indices: Sequence[int] | None = None, validate_hash: bool = True,
                  hashes_verified: bool = False) -> None:
         _check_dp(dp_rank, dp_size, micro_batch_size)
-        self.path = _resolve_path(path, seq_len, cache_dir, "val")
+        self.path = resolve_data_path(path, seq_len, cache_dir, "val")
         src = _Source(self.path, seq_len, cache_dir, validate_hash=validate_hash, hashes_verified=hashes_verified,
                       seq_len_field=EVAL_SEQ_LEN)
         self.manifest: dict = src.manifest

@@ -43,6 +43,7 @@ from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
+from megaloop.runtime.files import nonempty_path
 from megaloop.sweep import (Run, add_launch_args, check_out_dir, check_out_kind, check_out_outside_data, execute,
                             launch_from_args, pending, run_cli, slurm_active)
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "Overrides for every arm go after --.")
     p.add_argument("--experiment", help="shipped experiment name or a YAML path")
     p.add_argument("--scale", default="tiny", help="scale of the experiment file (tiny, S, M, L, ...; default tiny)")
-    p.add_argument("--out", help="experiment directory (default runs/repro_<experiment>_<scale>)")
+    p.add_argument("--out", type=nonempty_path, help="experiment directory (default runs/repro_<experiment>_<scale>)")
     p.add_argument("--arms", help="comma-separated subset of the arms to train/evaluate/report")
     p.add_argument("--seeds", help="comma-separated training seeds: every arm once per seed (replaces the file's "
                    "`seeds:`); cells become mean ± sd and verdicts use the spread")

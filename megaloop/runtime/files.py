@@ -16,6 +16,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 
+def nonempty_path(text: str) -> str:
+    """argparse ``type`` of an output folder option: an empty value (``--out "$OUT"`` with the
+    variable unset) would mean the working directory and scatter a run or a sweep into it."""
+    if not text.strip():
+        import argparse
+
+        raise argparse.ArgumentTypeError("empty path (an unset shell variable?); give a folder")
+    return text
+
+
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file in the same directory, fsync, rename. The file
     gets the mode a plain ``open`` would give it (0666 less the umask), not mkstemp's 0600."""

@@ -35,7 +35,7 @@ import sys
 from pathlib import Path
 
 from megaloop.errors import UserError
-from megaloop.runtime.files import atomic_write_json
+from megaloop.runtime.files import atomic_write_json, nonempty_path
 from megaloop.screen import report as rep
 from megaloop.screen.core import (SCALE_DEFAULTS, TERMINAL, WHOLE_SET, build_screen, check_fixed_settings, finite,
                                   log, lr_tag, point_state, select_best)
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grid", help="comma-separated learning rates, e.g. 5e-4,1e-3,2e-3")
     g.add_argument("--range", help="LO,HI: log-spaced grid of --points values from LO to HI")
     p.add_argument("--points", type=int, help="number of grid points for --range (>= 3)")
-    p.add_argument("--out", required=True, help="screen directory (run dirs, results.csv/json, screen.png)")
+    p.add_argument("--out", required=True, type=nonempty_path, help="screen directory (run dirs, results.csv/json, screen.png)")
     p.add_argument("--stop-after", type=int, help="updates per screen run (absolute step count)")
     p.add_argument("--screen-set", help="MDS LR-screen set (default: the embedded corpus's 'default:screen' "
                    "when data.path is the embedded default; required otherwise)")

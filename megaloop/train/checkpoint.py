@@ -486,13 +486,18 @@ class CheckpointManager:
         return check_meta(path)
 
     @staticmethod
-    def saved_model_config(path: Path) -> dict:
-        """The ``model`` section of the run config stored with checkpoint ``path`` ({} if unreadable)."""
+    def saved_config(path: Path) -> dict:
+        """The run config stored with checkpoint ``path`` ({} if unreadable: the load names why)."""
         try:
             common = dist_checkpointing.load_common_state_dict(str(path)).get("common") or {}
-        except Exception:  # noqa: BLE001 - only used to explain a load that already failed
+        except Exception:  # noqa: BLE001 - only used to explain or pre-check a load
             return {}
-        return (common.get("config") or {}).get("model") or {}
+        return common.get("config") or {}
+
+    @classmethod
+    def saved_model_config(cls, path: Path) -> dict:
+        """The ``model`` section of the run config stored with checkpoint ``path`` ({} if unreadable)."""
+        return cls.saved_config(path).get("model") or {}
 
     def load(self, path: Path, model_chunks: list, optimizer=None, strict: bool = True) -> dict:
         """Load model (and optimizer) state in place; returns the ``common`` dict."""

@@ -222,6 +222,38 @@ def set_aside_metrics(run_dir: Path, source: Path) -> Path | None:
     return target
 
 
+def check_saved_layout(path: Path, saved: dict, cfg) -> None:
+    """The settings a resume's load would fail on without naming them, checked before it
+    (``saved``: the checkpoint's run config, {} when unreadable: the load names why)."""
+    check_saved_optimizer_layout(path, saved.get("parallel") or {}, cfg.parallel)
+    check_saved_seq_len(path, saved.get("model") or {}, cfg.model)
+
+
+def check_saved_seq_len(path: Path, saved: dict, model) -> None:
+    """Refuse, before loading, a resume under another ``model.seq_len``: the data position counts
+    samples of the checkpoint's length (it failed as "data loader state was saved on a different
+    dataset", not naming the field). ``saved``: the checkpoint's ``model`` section."""
+    old = saved.get("seq_len")
+    if old is not None and int(old) != int(model.seq_len):
+        raise ConfigError(f"checkpoint {path} was trained with model.seq_len={old} (this run: {model.seq_len}); its "
+                          f"data position counts {old}-token samples: resume with model.seq_len={old}, or start a "
+                          f"new run from its weights with train.init_weights={path}")
+
+
+def check_saved_optimizer_layout(path: Path, saved: dict, parallel) -> None:
+    """Refuse, before loading, a resume that switches ``parallel.distributed_optimizer``: megatron
+    stores the distributed optimizer's state by flattened buffer, the plain one by parameter, and
+    neither loads the other (a KeyError traceback one way, a misleading "damaged file" the other).
+    ``saved``: the checkpoint's ``parallel`` section ({} for a checkpoint without one: not checked)."""
+    old = saved.get("distributed_optimizer")
+    if old is not None and bool(old) != bool(parallel.distributed_optimizer):
+        raise ConfigError(f"checkpoint {path} holds {'distributed' if old else 'plain'} optimizer state "
+                          f"(parallel.distributed_optimizer={str(bool(old)).lower()}; this run: "
+                          f"{str(bool(parallel.distributed_optimizer)).lower()}), which the other optimizer cannot "
+                          f"load; resume with parallel.distributed_optimizer={str(bool(old)).lower()}, or start a "
+                          f"new run from its weights with train.init_weights={path}")
+
+
 def check_saved_optim(path: Path, saved: dict, optim) -> None:
     """Refuse a resume whose ``optim.*`` differs from the checkpoint's in a field the checkpoint's
     optimizer/scheduler state would override (the new value would be silently ignored)."""

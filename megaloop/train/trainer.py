@@ -41,7 +41,7 @@ from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
-                                    check_saved_optim, set_aside_newer)
+                                    check_saved_layout, check_saved_optim, set_aside_newer)
 from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 
@@ -228,18 +228,23 @@ class Trainer:
         against the training data (:mod:`megaloop.train.val_set`)."""
         if not path:
             return None, self.seq
-        if str(path).startswith("default"):
-            return str(path), self.seq
         from megaloop.data.errors import DataError
+        from megaloop.data.loaders import resolve_data_path
         from megaloop.data.streaming import load_manifest
         from megaloop.train.val_set import check_val_manifest
 
-        try:
-            manifest = load_manifest(str(path), self.cfg.data.cache_dir)
+        embedded = str(path).startswith("default")
+        if embedded and str(self.cfg.data.path).startswith("default"):
+            return str(path), self.seq
+        try:  # an embedded split beside another training set: its tokenizer is checked (it scored other ids)
+            where = resolve_data_path(str(path), self.seq, self.cfg.data.cache_dir, "val") if embedded else str(path)
+            manifest = load_manifest(where, self.cfg.data.cache_dir)
         except DataError as err:
             raise DataError(f"data.val_path={path}: {err}") from None
         seq, warnings = check_val_manifest(str(path), manifest, str(self.cfg.data.path), train_manifest,
                                            seq_len=self.seq, micro_batch_size=self.mbs, fp8=self.cfg.model.fp8)
+        if embedded:
+            return str(path), self.seq  # another corpus: the holdout warnings do not apply
         if warnings and self.rank == 0:
             print("\n".join(f"warning: {line}" for line in warnings), file=sys.stderr, flush=True)
         return str(path), seq
@@ -271,6 +276,7 @@ class Trainer:
     def _load(self, path: Path) -> None:
         from megaloop.train.checkpoint import CheckpointError
 
+        check_saved_layout(path, self.ckpt.saved_config(path), self.cfg)  # what the load would fail on unnamed
         try:
             common = self.ckpt.load(path, self.model, self.optimizer)
         except CheckpointError:

@@ -90,6 +90,17 @@ def test_changed_optim_settings_on_resume_are_refused(tmp_path):
                                      resume="auto", expect=2))
     assert "optim.lr=0.003" in line and "optim.schedule='wsd'" in line and "this run: 0.001" in line
     assert _snapshot(tmp_path) == before
+    # the optimizer's layout: the plain optimizer crashed on the distributed one's state (KeyError
+    # 'pre_wd_mult' traceback, exit 1); named before loading now
+    line = _one_error_line(run_train(tmp_path, "train.max_steps=4", "parallel.distributed_optimizer=false",
+                                     resume="auto", expect=2))
+    assert "holds distributed optimizer state (parallel.distributed_optimizer=true; this run: false)" in line, line
+    assert "resume with parallel.distributed_optimizer=true" in line and "train.init_weights=" in line, line
+    assert _snapshot(tmp_path) == before
+    # another seq_len: "data loader state was saved on a different dataset (94298 vs 47147 samples)"
+    line = _one_error_line(run_train(tmp_path, "train.max_steps=4", "model.seq_len=64", resume="auto", expect=2))
+    assert "was trained with model.seq_len=128 (this run: 64)" in line and "resume with model.seq_len=128" in line, line
+    assert _snapshot(tmp_path) == before
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path):

@@ -78,3 +78,27 @@ def test_validation_masks_document_boundaries_as_training_does(megatron_world, t
             t.close()
     assert seen == [False, True]
     assert val[True] != val[False]  # the same weights (init seed) and sequences: only the targets differ
+
+
+def test_the_embedded_validation_split_beside_another_tokenizers_data_is_refused(megatron_world, tmp_path):
+    """data.path=OWN data.val_path=default:val (what slurm/train_*.sh passed for EXTRA_ARGS="data.path=...")
+    skipped the tokenizer check: validation scored the embedded corpus's ids under another vocabulary
+    (an IndexError at the first evaluation for a smaller one, silently wrong CE for a larger one)."""
+    import json
+
+    from megaloop.config import load_config
+    from megaloop.data.synthetic import write_synthetic_mds
+    from megaloop.train.trainer import Trainer
+
+    own = tmp_path / "own"
+    write_synthetic_mds(own, num_sequences=64, seq_len=128, vocab_size=400, size_limit=1 << 14)
+    manifest = json.loads((own / "manifest.json").read_text())
+    (own / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "b" * 64}))
+    t = Trainer(load_config("tiny", ["train.max_steps=4", "optim.warmup_steps=1", "logging.progress=false", f"data.path={own}",
+                                     "data.val_path=default:val", "train.save_interval=0"]), tmp_path / "run")
+    try:
+        with pytest.raises(ConfigError, match=r"data.val_path: default:val was tokenised with tokenizer sha256 "
+                                              r"\w{12}…, the training data \(.*own\) with bbbbbbbbbbbb…"):
+            t.setup()
+    finally:
+        t.close()

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from megaloop.post.runs import DISTILL_SIDECAR as RUN_FILE  # next to each checkpoint: its step, σ_T², the flags
+from megaloop.runtime.files import nonempty_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaloop distill-prefill", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="megaloop checkpoint or HF folder")
-    p.add_argument("--out", required=True, help="output folder for the student")
+    p.add_argument("--out", required=True, type=nonempty_path, help="output folder for the student")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the teacher's)")
     p.add_argument("--data", default="default", help="'default' (embedded corpus), FILE.txt or FILE.jsonl ({'text': ...})")
     p.add_argument("--max-chars", type=int, default=4_000_000,

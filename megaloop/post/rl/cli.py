@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from megaloop.post.rl.reuse import ARMS
+from megaloop.runtime.files import nonempty_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megaloop rl", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="megaloop checkpoint or HF folder")
-    p.add_argument("--out", required=True, help="output HF folder")
+    p.add_argument("--out", required=True, type=nonempty_path, help="output HF folder")
     p.add_argument("--task", default="arithmetic",
                    help="arithmetic | arithmetic-pm | gsm8k:PATH.jsonl | exact:PATH.jsonl | mbpp:PATH.jsonl | mbpp:tiny")
     p.add_argument("--tokenizer", default=None, help="tokenizer.json / dir, 'default' or 'bytes' (default: the model's)")
