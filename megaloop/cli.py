@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(argv, verb)
     except setup_stop.StopDuringSetup as stop:
-        code = setup_stop.stopped_line(verb, stop.signum)
+        code = setup_stop.stopped_line(verb, stop.signum, argv)
         _record_exit(code)
         sys.exit(code)
     finally:

@@ -106,6 +106,16 @@ def test_a_sigterm_outside_a_sweeps_runs_is_one_line_and_130(tmp_path):
     assert not (tmp_path / "scr").exists() and not (tmp_path / "rep").exists()
 
 
+def test_the_evaluation_child_of_a_sweep_says_what_it_is(capsys):
+    """reproduce's pool stops its --evaluate-arm child with SIGTERM: its after.log said "outside its local
+    runs ... submitted slurm jobs keep running", words for the sweep itself."""
+    from megaloop.runtime.setup_stop import stopped_line
+
+    assert stopped_line("reproduce", signal.SIGTERM, ["reproduce", "--evaluate-arm", "a", "--out", "o"]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("megaloop reproduce --evaluate-arm: stopped by SIGTERM") and "slurm" not in err, err
+
+
 def test_other_verbs_keep_the_default_sigterm(tmp_path):
     rc, err, _ = _run(tmp_path, signal.SIGTERM, AT_IMPORT, ["plan", "--config", "tiny", "--gpus", "1"])
     assert rc == -signal.SIGTERM, (rc, err)

@@ -42,7 +42,7 @@ from megaloop.config_utils import ConfigError
 from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.eval.text_data import (JSONL_SUFFIXES, PARQUET_SUFFIXES, PLAIN_SUFFIXES, EvalData, load_text_data,
                                      shifted_targets, text_format)
-from megaloop.inference.kv_cache import check_depth, check_mode
+from megaloop.inference.kv_cache import check_depth, check_mode, held_depth
 
 PROTOCOLS = ("native", "terminal", "per_visit")
 PAPER_SEQ_LEN = 8192  # the paper's PPL sequences ...
@@ -356,9 +356,8 @@ def evaluate_ppl(engine, data: EvalData, *, depth: Optional[int] = None, prefill
                     tokens_scored=int(max(sums["terminal"][1], sums["per_visit"][1], sums["native_half"][1])),
                     native_ppl=_ppl(*sums["native"]), native_ppl_second_half=_ppl(*sums["native_half"]),
                     terminal_ppl=_ppl(*sums["terminal"]), per_visit_ppl=_ppl(*sums["per_visit"]),
-                    kv_bytes_per_token={m: engine.kv_bytes_per_token(  # the deepest pass the cache holds
-                        m, max(pdepth, policy.max_depth if policy is not None else depth))
-                        for m in ("terminal", "per_visit")})
+                    kv_bytes_per_token={m: engine.kv_bytes_per_token(m, held_depth(pdepth, depth, policy))
+                                        for m in ("terminal", "per_visit")})
     if logs:
         res.adaptive_depths = {m: {"criterion": policy.spec, "min_depth": policy.min_depth,
                                    "max_depth": policy.max_depth, **log.to_dict()} for m, log in logs.items()}

@@ -43,7 +43,7 @@ import torch
 from megaloop.config_utils import ConfigError
 from megaloop.hf.load import load_model
 from megaloop.inference.adaptive import DepthLog, ExitPolicy, adaptive_decode, exit_policy
-from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, kv_bytes_per_token,
+from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, held_depth, kv_bytes_per_token,
                                          memory_report, select_rows)
 from megaloop.inference.sampling import SamplingParams, pick_tokens
 
@@ -488,7 +488,7 @@ class InferenceEngine:
                                             out_depths[row] if policy is not None else None))
         generated = sum(len(r.token_ids) for r in results)
         measured = cache_stats(state.cache).bytes_per_token
-        held = max(state.prefill_depth, policy.max_depth if policy is not None else state.decode_depth)
+        held = held_depth(state.prefill_depth, state.decode_depth, policy)
         stats = GenerationStats(
             cache_mode=mode, prefill_depth=state.prefill_depth, decode_depth=state.decode_depth, batch_size=n,
             prompt_tokens=sum(prompt_lens), generated_tokens=generated, decode_steps=steps,
@@ -521,9 +521,8 @@ class InferenceEngine:
                 "exit": None if self.exit is None else {"criterion": self.exit.spec, "min_depth": self.exit.min_depth,
                                                         "max_depth": self.exit.max_depth,
                                                         "compaction": self.exit.compaction},
-                "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, max(
-                    self.prefill_depth, self.exit.max_depth if self.exit is not None else self.decode_depth))
-                    for m in MODES}}
+                "kv_bytes_per_token": {m: self.kv_bytes_per_token(m, held_depth(self.prefill_depth, self.decode_depth,
+                                                                                self.exit)) for m in MODES}}
 
 
 __all__ = ["DecodeState", "GenerationOutput", "GenerationResult", "GenerationStats", "InferenceEngine",

@@ -71,6 +71,12 @@ def _layers(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, 0, 0  # untied: every layer is a plain (prelude-like) bank
 
 
+def held_depth(prefill_depth: int, decode_depth: int, policy=None) -> int:
+    """The deepest pass a per-visit cache holds a bank of: the prefill's or the decode's, whose cap
+    is an exit policy's ``max_depth`` when one decides the depth."""
+    return max(int(prefill_depth), int(policy.max_depth if policy is not None else decode_depth))
+
+
 def kv_bytes_per_token(config, mode: str, R: int, dtype: torch.dtype = torch.float32) -> int:
     """Predicted KV bytes per cached token of one sequence for an HF ``MegaloopConfig``:
     banks × 2 (K and V) × kv_heads × head_dim × element size."""
@@ -157,5 +163,5 @@ def select_rows(cache, rows: torch.Tensor | list[int]):
 
 
 __all__ = ["MODES", "CacheStats", "MemoryReport", "banks_per_token", "cache_stats", "check_depth", "check_mode",
-           "clone_cache", "kv_bytes_per_token", "memory_report", "new_cache", "select_rows",
+           "clone_cache", "held_depth", "kv_bytes_per_token", "memory_report", "new_cache", "select_rows",
            "terminal_over_per_visit"]

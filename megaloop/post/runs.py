@@ -103,7 +103,7 @@ def folder_holds(out: str | Path) -> tuple[str, str] | None:
     return None
 
 
-# the markers of `megaloop lr-screen` / `reproduce` folders (megaloop.sweep.folder_kind reads them too)
+# the markers of `megaloop lr-screen` / `reproduce` folders (megaloop.sweep_out.folder_kind reads them too)
 SWEEP_MARKERS = (("lr-screen", "screen.json", "an LR screen"), ("reproduce", "plan.json", "a reproduce experiment"))
 
 

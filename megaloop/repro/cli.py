@@ -44,8 +44,8 @@ from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_di
                                  screen_sweep, screened_groups, write_plan)
 from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
 from megaloop.runtime.files import nonempty_path
-from megaloop.sweep import (Run, add_launch_args, check_out_dir, check_out_kind, check_out_outside_data, execute,
-                            launch_from_args, pending, run_cli, slurm_active)
+from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
+from megaloop.sweep_out import check_out_dir, check_out_kind, check_out_outside_data
 
 PROG = "megaloop reproduce"
 
@@ -239,8 +239,11 @@ def _data_paths(plan: Plan) -> dict[str, str | None]:
     them, the evaluation set and the LR-screen set), by the field that names each."""
     from megaloop.config import load_config
 
-    cfg = load_config(plan.config, plan.arms[0].overrides)  # validated once already by load_plan
-    paths = {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path, "eval.data": plan.eval.data}
+    paths = {"eval.data": plan.eval.data, "eval.synth": plan.eval.synth}
+    for arm in plan.arms:  # every arm trains on one data.path (load_plan checks); each has its val_path
+        cfg = load_config(plan.config, arm.overrides)  # validated once already by load_plan
+        paths.setdefault("data.path", cfg.data.path)
+        paths.setdefault(f"data.val_path (arm {arm.name})", cfg.data.val_path)
     if plan.screen is not None:
         paths["screen.screen_set"] = plan.screen.screen_set
     return paths
@@ -292,7 +295,11 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
             write_plan(out, plan)
             waiting = still
     for name in waiting:
+        sc = screens.get(plan.arm(name).lr_source) or {}
         log(f"{name}: waiting for its LR screen" + (" (dry run: its rate is not known yet)" if args.dry_run else
+                                                    f": every point of its screen diverged; extend the grid below "
+                                                    f"in the experiment file (proposed {sc.get('proposed_grid')})"
+                                                    if sc.get("all_diverged") else
                                                     ": rerun this command when the screen's runs are done"))
     if not code:
         sweep, states = plan_sweep(out, plan, skip=waiting)

@@ -107,10 +107,13 @@ def check_out(out: Path, plan: Plan, skip: list[str] = ()) -> None:
         raise SpecError(f"--out: {out} holds experiment {old.get('experiment')!r} at scale {old.get('scale')!r}, "
                         f"not {plan.experiment!r} at {plan.scale!r}; use another --out")
     if "seeds" in old and (old["seeds"] is None) != (plan.seeds is None):
-        held = "one run per arm without --seeds" if old["seeds"] is None else f"--seeds runs {old['seeds']}"
+        seeds = sorted({a["seed"] for a in old.get("arms", []) if isinstance(a.get("seed"), int)})
+        held = "one run per arm without --seeds" if old["seeds"] is None else f"runs at --seeds {seeds}"
+        again = f"give --seeds {','.join(map(str, seeds))} to continue them, or " if seeds else ""
         raise SpecError(f"--out: {out} holds {held}; runs {'with' if plan.seeds is not None else 'without'} "
                         "--seeds cannot join them (an arm would be trained twice under two names and each report "
-                        "would drop the others): use another --out and combine the two with --render A --merge B")
+                        f"would drop the others): {again}use another --out and combine the two with "
+                        "--render A --merge B")
     for arm in plan.arms:
         if arm.name not in skip:
             check_identity(out, plan, arm)

@@ -67,9 +67,13 @@ def restore(previous: dict[int, object]) -> None:
         signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-def stopped_line(verb: str, signum: int) -> int:
-    """Print the one line of a stop in set-up; the exit status."""
+def stopped_line(verb: str, signum: int, argv: list[str] = ()) -> int:
+    """Print the one line of a stop in set-up (``argv``: the command's arguments); the exit status."""
     name = signal.Signals(signum).name
+    if verb == "reproduce" and "--evaluate-arm" in argv:  # the child a sweep starts after an arm's training
+        print(f"megaloop reproduce --evaluate-arm: stopped by {name} (the arm is evaluated again on the next "
+              "run of the experiment)", file=sys.stderr)
+        return 130
     if verb in SWEEPS:  # as their Ctrl-C: 130 (README); their runs checkpoint in the pool's own handler
         print(f"megaloop {verb}: stopped by {name} outside its local runs (finished runs and results are kept, "
               "submitted slurm jobs keep running; rerun the same command to continue)", file=sys.stderr)

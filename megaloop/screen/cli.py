@@ -25,7 +25,8 @@ point reuses every finished run in OUT (the run directories are keyed by LR).
 Exit status: 0 screen complete (an edge optimum is reported loudly but is not an error unless
 ``--fail-on-edge``: 3); 1 some point failed or is unfinished (with ``--fail-on-edge`` also while
 points are still queued under slurm: an incomplete screen has no edge verdict, and never exits 3);
-2 bad arguments / config; 130 interrupted.
+2 bad arguments / config; 130 interrupted. A complete screen whose every point diverged selected
+nothing: 1 (3 with ``--fail-on-edge``), with a grid one log step lower proposed.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from megaloop.runtime.files import atomic_write_json, nonempty_path
 from megaloop.screen import report as rep
 from megaloop.screen.core import (SCALE_DEFAULTS, TERMINAL, WHOLE_SET, build_screen, check_fixed_settings, finite,
                                   log, lr_tag, point_state, select_best)
-from megaloop.sweep import (Run, add_launch_args, check_out_kind, check_out_outside_data, execute, launch_from_args,
-                            pending, run_cli, slurm_active)
+from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
+from megaloop.sweep_out import check_out_kind, check_out_outside_data
 
 PROG = "megaloop lr-screen"
 

@@ -237,7 +237,7 @@ def check_saved_seq_len(path: Path, saved: dict, model) -> None:
     if old is not None and int(old) != int(model.seq_len):
         raise ConfigError(f"checkpoint {path} was trained with model.seq_len={old} (this run: {model.seq_len}); its "
                           f"data position counts {old}-token samples: resume with model.seq_len={old}, or start a "
-                          f"new run from its weights with train.init_weights={path}")
+                          f"new run from its weights in a new --run-dir with train.init_weights={path}")
 
 
 def check_saved_optimizer_layout(path: Path, saved: dict, parallel) -> None:
@@ -251,7 +251,7 @@ def check_saved_optimizer_layout(path: Path, saved: dict, parallel) -> None:
                           f"(parallel.distributed_optimizer={str(bool(old)).lower()}; this run: "
                           f"{str(bool(parallel.distributed_optimizer)).lower()}), which the other optimizer cannot "
                           f"load; resume with parallel.distributed_optimizer={str(bool(old)).lower()}, or start a "
-                          f"new run from its weights with train.init_weights={path}")
+                          f"new run from its weights in a new --run-dir with train.init_weights={path}")
 
 
 def check_saved_optim(path: Path, saved: dict, optim) -> None:

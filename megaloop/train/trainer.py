@@ -228,13 +228,14 @@ class Trainer:
         against the training data (:mod:`megaloop.train.val_set`)."""
         if not path:
             return None, self.seq
+        from megaloop.data.config import embedded_split
         from megaloop.data.errors import DataError
         from megaloop.data.loaders import resolve_data_path
         from megaloop.data.streaming import load_manifest
         from megaloop.train.val_set import check_val_manifest
 
-        embedded = str(path).startswith("default")
-        if embedded and str(self.cfg.data.path).startswith("default"):
+        embedded = embedded_split(str(path), "val") is not None  # not a folder named default_...
+        if embedded and embedded_split(str(self.cfg.data.path), "train") is not None:
             return str(path), self.seq
         try:  # an embedded split beside another training set: its tokenizer is checked (it scored other ids)
             where = resolve_data_path(str(path), self.seq, self.cfg.data.cache_dir, "val") if embedded else str(path)
@@ -243,11 +244,9 @@ class Trainer:
             raise DataError(f"data.val_path={path}: {err}") from None
         seq, warnings = check_val_manifest(str(path), manifest, str(self.cfg.data.path), train_manifest,
                                            seq_len=self.seq, micro_batch_size=self.mbs, fp8=self.cfg.model.fp8)
-        if embedded:
-            return str(path), self.seq  # another corpus: the holdout warnings do not apply
-        if warnings and self.rank == 0:
+        if warnings and self.rank == 0 and not embedded:  # another corpus: the holdout warnings do not apply
             print("\n".join(f"warning: {line}" for line in warnings), file=sys.stderr, flush=True)
-        return str(path), seq
+        return str(path), self.seq if embedded else seq
 
     def _end_step(self) -> int:
         t = self.cfg.train

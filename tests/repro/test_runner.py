@@ -304,7 +304,9 @@ def test_seedless_and_seeded_runs_do_not_share_an_out(tool, user_yaml: Path, tmp
     seeded.mkdir()
     write_plan(seeded, load_plan(str(user_yaml), "test", seeds=[1, 2]))
     assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(seeded), "--dry-run"]) == 2
-    assert "holds --seeds runs [1, 2]; runs without --seeds cannot join them" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds runs at --seeds [1, 2]; runs without --seeds cannot join them" in err, err
+    assert "give --seeds 1,2 to continue them" in err, err
     assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(seeded), "--seeds", "3",
                       "--dry-run"]) == 0  # more seeds into a seeded OUT stay allowed
 

@@ -48,7 +48,7 @@ def test_every_output_check_refuses_a_dangling_link(tmp_path: Path, link: Path) 
     from megaloop.hf.convert_cli import _check_args
     from megaloop.inference.generate_cli import check_out_file
     from megaloop.post.runs import check_writable
-    from megaloop.sweep import check_out_dir
+    from megaloop.sweep_out import check_out_dir
 
     onto = tmp_path / "out.json"  # a file link whose target's folder is missing: written through, it fails
     onto.symlink_to(tmp_path / "gone" / "out.json")
@@ -74,7 +74,7 @@ def test_every_output_check_refuses_a_dangling_link(tmp_path: Path, link: Path) 
 
 
 def test_sweep_out_in_a_folder_no_file_can_be_created_in(tmp_path: Path) -> None:
-    from megaloop.sweep import check_out_dir
+    from megaloop.sweep_out import check_out_dir
 
     with pytest.raises(UserError, match=r"--out: /proc/self/megaloop-screen: no file can be created in /proc/self"):
         check_out_dir("/proc/self/megaloop-screen")

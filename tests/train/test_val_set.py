@@ -80,7 +80,8 @@ def test_validation_masks_document_boundaries_as_training_does(megatron_world, t
     assert val[True] != val[False]  # the same weights (init seed) and sequences: only the targets differ
 
 
-def test_the_embedded_validation_split_beside_another_tokenizers_data_is_refused(megatron_world, tmp_path):
+def test_the_embedded_validation_split_beside_another_tokenizers_data_is_refused(megatron_world, tmp_path,
+                                                                                 monkeypatch):
     """data.path=OWN data.val_path=default:val (what slurm/train_*.sh passed for EXTRA_ARGS="data.path=...")
     skipped the tokenizer check: validation scored the embedded corpus's ids under another vocabulary
     (an IndexError at the first evaluation for a smaller one, silently wrong CE for a larger one)."""
@@ -90,15 +91,17 @@ def test_the_embedded_validation_split_beside_another_tokenizers_data_is_refused
     from megaloop.data.synthetic import write_synthetic_mds
     from megaloop.train.trainer import Trainer
 
-    own = tmp_path / "own"
+    own = tmp_path / "default_own"  # a folder whose name starts with "default" is not the embedded corpus
     write_synthetic_mds(own, num_sequences=64, seq_len=128, vocab_size=400, size_limit=1 << 14)
     manifest = json.loads((own / "manifest.json").read_text())
     (own / "manifest.json").write_text(json.dumps({**manifest, "tokenizer_sha256": "b" * 64}))
-    t = Trainer(load_config("tiny", ["train.max_steps=4", "optim.warmup_steps=1", "logging.progress=false", f"data.path={own}",
-                                     "data.val_path=default:val", "train.save_interval=0"]), tmp_path / "run")
+    monkeypatch.chdir(tmp_path)
+    t = Trainer(load_config("tiny", ["train.max_steps=4", "optim.warmup_steps=1", "logging.progress=false",
+                                     "data.path=default_own", "data.val_path=default:val", "train.save_interval=0"]),
+                tmp_path / "run")
     try:
         with pytest.raises(ConfigError, match=r"data.val_path: default:val was tokenised with tokenizer sha256 "
-                                              r"\w{12}…, the training data \(.*own\) with bbbbbbbbbbbb…"):
+                                              r"\w{12}…, the training data \(default_own\) with bbbbbbbbbbbb…"):
             t.setup()
     finally:
         t.close()
