@@ -92,10 +92,14 @@ def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int
     ent = np.array([r.get("prior_entropy", _entropy(r["prior_probs"])) for r in rows], dtype=float)
 
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    x0, x1 = (steps[0], steps[-1]) if len(steps) > 1 and steps[-1] > steps[0] else (steps[0] - 0.5, steps[0] + 0.5)
+    # one column per logged step, centred on it and reaching halfway to its neighbours (steps may be
+    # unevenly spaced: log_interval, a resume; uniform columns drifted off their steps)
+    xs = np.asarray(steps, dtype=float)
+    mids = (xs[1:] + xs[:-1]) / 2
+    edges = np.concatenate([[xs[0] - (mids[0] - xs[0] if len(xs) > 1 else 0.5)], mids,
+                            [xs[-1] + (xs[-1] - mids[-1] if len(xs) > 1 else 0.5)]])
     img = np.log10(np.clip(probs, 1e-8, None)) if log_scale else probs
-    im = ax.imshow(img.T, origin="lower", aspect="auto", interpolation="nearest",
-                   extent=(x0, x1, 0.5, r_max + 0.5), cmap="viridis")
+    im = ax.pcolormesh(edges, np.arange(r_max + 1) + 0.5, img.T, cmap="viridis", shading="flat")
     cax = ax.inset_axes((1.01, 0.0, 0.02, 1.0))  # an inset keeps both panels' x-axes aligned
     fig.colorbar(im, cax=cax, label="log10 p(r)" if log_scale else "p(r)")
     ax.plot(steps, mean, color="white", lw=1.5, label="mean depth")

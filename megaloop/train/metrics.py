@@ -14,13 +14,38 @@ from typing import Any
 from megaloop.config import LoggingConfig
 
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "mean_depth", "prior_mean_depth", "tokens_per_s", "tflops", "mfu")
+WANDB_ID_FILE = "wandb_id"  # RUN/wandb_id: the wandb run this run directory's log continues
+
+
+def wandb_run_id(run_dir: Path, name: str | None, *, new: bool) -> str:
+    """The wandb run id of ``run_dir``: the one recorded in ``RUN/wandb_id`` (a resume continues it),
+    or, when ``new`` (a fresh start, a resume from an older checkpoint) or without the file, a new one,
+    ``<name or folder>-<8 hex>``, recorded.
+    Two run directories never share an id (reproduce's seeds of one arm share ``logging.name``)."""
+    import re
+    import secrets
+
+    from megaloop.runtime.files import atomic_write_text
+
+    path = run_dir / WANDB_ID_FILE
+    if not new and path.is_file() and (held := path.read_text().strip()):
+        return held
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name or run_dir.resolve().name)[:96] or "run"
+    run_id = f"{stem}-{secrets.token_hex(4)}"
+    atomic_write_text(path, run_id + "\n")
+    return run_id
 
 
 class MetricsLogger:
     """Append-only JSONL + console + wandb sink for per-step metrics."""
 
     def __init__(self, run_dir: Path, cfg: LoggingConfig, *, enabled: bool, total_steps: int,
-                 start_step: int, config_dict: dict):
+                 start_step: int, config_dict: dict, rewound: bool = False):
+        """``rewound``: the run resumed from an older checkpoint than its newest (those set aside):
+        its later steps are redone with other values, so wandb gets a new run (a run keeps only
+        increasing steps). A resume from the newest checkpoint continues the recorded wandb run;
+        steps logged after that checkpoint (a kill between saves) are redone identically and wandb
+        online keeps its first copy of them."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self._wandb = None
@@ -37,9 +62,9 @@ class MetricsLogger:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(project=cfg.project, name=cfg.name, mode=cfg.wandb,
-                                     dir=str(run_dir), config=config_dict, resume="allow",
-                                     id=(cfg.name or run_dir.name).replace("/", "_"))
+            run_id = wandb_run_id(run_dir, cfg.name, new=start_step == 0 or rewound)
+            self._wandb = wandb.init(project=cfg.project, name=cfg.name or run_dir.resolve().name, mode=cfg.wandb,
+                                     dir=str(run_dir), config=config_dict, resume="allow", id=run_id)
         if cfg.progress and sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

@@ -17,7 +17,7 @@ from megaloop.config_utils import ConfigError
 
 RUN_FILES = ("metrics.jsonl", "config.yaml", "data.json", "tokenizer.json", ".megaloop.lock",
              # what lr-screen / reproduce keep in a run: logs, launch record, exit status
-             "train.log", "after.log", "sweep_run.json", "screen_exit", "repro_exit")
+             "train.log", "after.log", "sweep_run.json", "screen_exit", "repro_exit", "wandb_id")
 RUN_FOLDERS = ("checkpoints", "eval", "wandb")  # a run's checkpoints, reproduce's evaluation, wandb's files
 
 

@@ -197,7 +197,7 @@ class Trainer:
         self.peak = device_peak_tflops(cfg.train.peak_tflops)
         self.metrics = MetricsLogger(self.run_dir, cfg.logging, enabled=self.rank == 0,
                                      total_steps=self._end_step(), start_step=self.step,
-                                     config_dict=cfg.to_dict())
+                                     config_dict=cfg.to_dict(), rewound=getattr(self, "rewound", False))
         self.loader_iter = iter(self.loader)
 
     def _verify_data(self) -> None:
@@ -320,6 +320,7 @@ class Trainer:
         self.last_saved = self.step
         if self.rank == 0:
             for moved in set_aside_newer(self.ckpt, path):
+                self.rewound = True  # wandb: a new run (MetricsLogger)
                 print(f"resuming from an older step: {moved.name} moved to {moved.parent} (kept, not pruned)",
                       flush=True)
         if torch.distributed.is_initialized():

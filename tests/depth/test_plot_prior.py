@@ -88,3 +88,27 @@ def test_plot_prior_refuses_outputs_it_must_not_write(tmp_path: Path, capsys: py
             tool.main(["--metrics", str(log), "--out", str(tmp_path / "p.png"), "--max-depth", bad])
         assert stop.value.code == 2 and "--max-depth" in capsys.readouterr().err
     assert not list(tmp_path.glob(".p.tmp-*"))
+
+
+def test_heatmap_columns_sit_on_their_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unevenly logged steps (log_interval, a resume) were drawn as uniform columns from the first to the
+    last step, so a column drifted off its step (step 12 over 10.4-12.3 in a run logged at 3, 6, 8, 9, 12)."""
+    import matplotlib.axes
+
+    tool = _load_tool()
+    seen = []
+    real = matplotlib.axes.Axes.pcolormesh
+
+    def spy(self, *args, **kw):
+        if len(args) == 3 and getattr(args[0], "ndim", 2) == 1:  # the heatmap (the colorbar's mesh is 2-D)
+            seen.append((list(args[0]), list(args[1]), args[2].shape))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "pcolormesh", spy)
+    p = pln_probs(5.0, 0.5, 8).tolist()
+    for steps, edges in (([3, 6, 8, 9, 12], [1.5, 4.5, 7.0, 8.5, 10.5, 13.5]), ([7], [6.5, 7.5])):
+        log = tmp_path / f"m{len(steps)}.jsonl"
+        log.write_text("".join(json.dumps({"step": s, "prior_probs": p}) + "\n" for s in steps))
+        assert tool.main(["--metrics", str(log), "--out", str(tmp_path / f"p{len(steps)}.png")]) == 0
+        x, y, shape = seen[-1]
+        assert x == pytest.approx(edges) and y == pytest.approx([r + 0.5 for r in range(9)]) and shape == (8, len(steps))

@@ -133,11 +133,23 @@ def test_bad_config_fails_before_compute(tmp_path):
 
 
 def test_wandb_offline_logging(tmp_path):
-    """logging.wandb=offline writes a local wandb run beside metrics.jsonl (no network)."""
-    run_train(tmp_path, "train.max_steps=2", "train.save_interval=0", "logging.wandb=offline")
-    assert [r["step"] for r in metrics(tmp_path)] == [1, 2]
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    """logging.wandb=offline writes a local wandb run beside metrics.jsonl (no network). Its id is the
+    run directory's (RUN/wandb_id), continued by a resume: it was ``logging.name`` or the folder's name,
+    so reproduce's seeds of one arm (one logging.name) and runs/a/x beside runs/b/x were one wandb run;
+    a resume from an older checkpoint (later steps redone with other values) gets a new one."""
+    a, b = tmp_path / "a" / "x", tmp_path / "b" / "x"
+    common = ("train.max_steps=4", "train.save_interval=2", "logging.wandb=offline", "logging.name=arm")
+    run_train(a, *common, "train.stop_after=2")
+    run_train(b, *common, "train.stop_after=2", "train.seed=2")
+    assert [r["step"] for r in metrics(a)] == [1, 2]
+    runs = list((a / "wandb").glob("offline-run-*"))
     assert runs and any(p.suffix == ".wandb" for p in runs[0].iterdir())
+    first = (a / "wandb_id").read_text().strip()
+    assert first.startswith("arm-") and first != (b / "wandb_id").read_text().strip()
+    run_train(a, *common, resume="auto")  # steps 3-4: the same wandb run
+    assert (a / "wandb_id").read_text().strip() == first and [r["step"] for r in metrics(a)] == [1, 2, 3, 4]
+    run_train(a, *common, "optim.clip_grad=0.5", resume=str(a / "checkpoints" / "step_00000002"))
+    assert (a / "wandb_id").read_text().strip() not in ("", first)  # steps 3-4 again, other values: a new run
 
 
 def test_extending_the_horizon_continues_the_stable_phase(tmp_path):
