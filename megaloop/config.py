@@ -20,6 +20,7 @@ from megaloop.model.config import ModelConfig, with_legacy_defaults
 CONFIG_DIR = Path(__file__).parent / "configs"
 ARMS_FILE = CONFIG_DIR / "arms.yaml"  # the paper's arms: override sets, not a preset
 SCHEDULES = ("wsd", "cosine", "constant")
+DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")  # megatron's WSD decay shapes
 NONFINITE = ("skip", "abort")
 WANDB_MODES = ("disabled", "offline", "online")
 
@@ -71,6 +72,11 @@ class OptimConfig:
         require(self.schedule in SCHEDULES, "optim.schedule", f"one of {SCHEDULES}")
         require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         require(0 <= self.decay_fraction <= 1, "optim.decay_fraction", "must be in [0, 1]")
+        # a typo here failed at the first decay step (megatron's assert), 80 % into the run
+        require(self.decay_style in DECAY_STYLES, "optim.decay_style", f"one of {DECAY_STYLES}, got {self.decay_style!r}")
+        require(0 <= self.beta1 < 1, "optim.beta1", f"must be in [0, 1), got {self.beta1}")
+        require(0 <= self.beta2 < 1, "optim.beta2", f"must be in [0, 1), got {self.beta2}")
+        require(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
 
 
 @dataclass
@@ -108,9 +114,10 @@ class TrainConfig:
         require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
                 f"{self.global_batch_size} is not a multiple of micro_batch_size {self.micro_batch_size}")
         require(self.max_steps >= 1, "train.max_steps", "must be >= 1")
-        require(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
-        require(self.init_seed is None or self.init_seed >= 0, "train.init_seed",
-                f"must be >= 0 or null (= train.seed), got {self.init_seed}")
+        require(0 <= self.seed < 2 ** 64, "train.seed", f"must be in [0, 2**64), got {self.seed}")
+        require(self.init_seed is None or 0 <= self.init_seed < 2 ** 64, "train.init_seed",
+                f"must be in [0, 2**64) or null (= train.seed), got {self.init_seed}")
+        require(self.peak_tflops >= 0, "train.peak_tflops", f"must be >= 0 (0 = the device's default), got {self.peak_tflops}")
         require(self.stop_after is None or self.stop_after >= 1, "train.stop_after", "must be >= 1 or null")
         require(self.nonfinite in NONFINITE, "train.nonfinite", f"one of {NONFINITE}")
         require(self.save_interval >= 0, "train.save_interval", "must be >= 0")
@@ -170,6 +177,14 @@ class RunConfig:
 
     def check_trainable(self) -> None:
         """Checks that apply to starting training (not to loading an old run's config for evaluation)."""
+        t, o = self.train, self.optim
+        require(t.stop_after is None or t.stop_after <= t.max_steps, "train.stop_after",
+                f"{t.stop_after} is past train.max_steps={t.max_steps}, the schedule horizon (the run would stop "
+                "at the horizon); raise train.max_steps or lower train.stop_after")
+        decay = max(1, round(o.decay_fraction * t.max_steps)) if o.schedule == "wsd" and o.decay_fraction > 0 else 0
+        require(o.warmup_steps + decay <= t.max_steps, "optim.warmup_steps",
+                f"{o.warmup_steps} warm-up steps and the WSD decay's {decay} (optim.decay_fraction={o.decay_fraction} "
+                f"of train.max_steps={t.max_steps}) overlap: the LR would jump down mid-warm-up; shorten either")
         # an untied model has no recurrence: a sampled or learned depth would only feed the prior noise
         require(self.model.looped or self.depth.kind == "fixed", "depth.kind",
                 f"model.arch=untied has no recurrence depth; use depth.kind=fixed (got {self.depth.kind!r})")
@@ -218,6 +233,8 @@ def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str 
     """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
     overrides -> validated RunConfig."""
     data = load_yaml(resolve_config_path(name_or_path))
+    if arm is not None and not str(arm).strip():
+        raise ConfigError("--arm: empty name (an unset shell variable?); give an arm of megaloop/configs/arms.yaml")
     dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])
     apply_dotlist(data, use_new_names(data, dotlist, renamed_paths(RunConfig)))
     return from_dict(RunConfig, data)

@@ -80,6 +80,24 @@ def test_malformed_yaml_files_and_values_are_named(tmp_path):
     ("train.eval_interval=-1", "train.eval_interval: must be >= 0 (0 = only at the end), got -1"),
     ("train.log_interval=0", "train.log_interval: must be >= 1, got 0"),
     ("train.max_nonfinite=-2", "train.max_nonfinite: must be >= 0 (0 = stop at the first), got -2"),
+    # accepted, then failed later: at the first decay step (decay_style), in torch's Adam (betas, eps), as NaN
+    # from step 1 (rope_base, norm_eps), in streaming (predownload hung, cache_limit), or out of memory/time
+    ("optim.decay_style=cosin", "optim.decay_style: one of ('linear', 'cosine', 'exponential', 'minus_sqrt')"),
+    ("optim.beta1=1.5", "optim.beta1: must be in [0, 1), got 1.5"),
+    ("optim.beta2=1.0", "optim.beta2: must be in [0, 1), got 1.0"),
+    ("optim.eps=-1", "optim.eps: must be > 0, got -1"),
+    ("model.rope_base=0", "model.rope_base: must be > 0, got 0"),
+    ("model.norm_eps=-1", "model.norm_eps: must be > 0, got -1"),
+    ("model.state_init_std=-1", "model.state_init_std: must be >= 0, got -1"),
+    ("model.deq_std=-1", "model.deq_std: must be >= 0, got -1"),
+    ("model.seq_len=10000000", "model.seq_len: must be in [2, 4194304], got 10000000"),
+    ("data.predownload=-5", "data.predownload: must be >= 1 or null"),
+    ("data.cache_limit=10zz", "data.cache_limit: expected a size such as 50gb"),
+    ("train.peak_tflops=-5", "train.peak_tflops: must be >= 0"),
+    ("train.seed=18446744073709551616", "train.seed: must be in [0, 2**64)"),
+    ("depth.cap=100000", "depth.cap: must be in [1, 1024], got 100000"),
+    ("depth.sigma=100", "depth.sigma: must be in (0, 3], got 100"),
+    ("depth.r_max=5000", "depth.r_max: must be in [1, 1024], got 5000"),
 ])
 def test_bad_numbers_are_refused_naming_the_field(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -101,3 +119,27 @@ def test_embedded_splits_are_checked_with_the_config(overrides, message):
     # held-out or other splits pass
     for ok in (["data.val_path=default:val"], ["data.val_path=default:screen"], ["data.path=/x", "data.val_path=default:train"]):
         assert load_config("tiny", ok).data.val_path == ok[-1].split("=", 1)[1]
+
+
+def test_values_a_training_run_would_ignore_or_jump_over_are_refused():
+    """stop_after past the horizon trained to the horizon without a word; a warm-up overlapping the WSD
+    decay made the LR jump down mid-warm-up (0.0015, 0.003, 0.001, 0 over four steps)."""
+    for overrides, message in ((["train.max_steps=4", "optim.warmup_steps=1", "train.stop_after=5"],
+                                "train.stop_after: 5 is past train.max_steps=4"),
+                               (["train.max_steps=4", "optim.warmup_steps=2", "optim.decay_fraction=0.75"],
+                                "optim.warmup_steps: 2 warm-up steps and the WSD decay's 3")):
+        cfg = load_config("tiny", overrides)  # an old run's config still loads (evaluation)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            cfg.check_trainable()
+    load_config("tiny", ["train.max_steps=4", "optim.warmup_steps=3", "train.stop_after=4"]).check_trainable()
+    assert load_config("tiny", ["data.cache_limit=50gb", "data.predownload=8"]).data.cache_limit == "50gb"
+
+
+def test_an_empty_arm_and_the_learned_arms_warm_up():
+    """--arm "" (an unset $ARM) trained the preset's own depth prior; on tiny the learned arms other than
+    `learned` kept the preset's 10 prior warm-up updates, not SPEC §5's 32."""
+    with pytest.raises(ConfigError, match="--arm: empty name"):
+        load_config("tiny", arm="")
+    learned = [a for a in ("learned", "learned_h0", "learned_h005", "learned_h01", "learned_raw_ce", "learned_step",
+                           "u64", "u10")]
+    assert {load_config("tiny", arm=a).depth.warmup_updates for a in learned} == {32}

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megaloop.config_utils import require
 
 EMBEDDED_SPLITS = ("train", "val", "screen")
+
+
+# what mosaicml-streaming's cache_limit accepts: a byte count, or a number with a b/kb/mb/.../yb unit
+_BYTES = re.compile(r"\d+b?|\d+(\.\d+)?\s*[kmgtpezy]b", re.IGNORECASE)
 
 
 def embedded_split(path: str | None, default: str) -> str | None:
@@ -63,5 +68,9 @@ class DataConfig:
                 "data.num_canonical_nodes", f"must be >= 1 or null, got {self.num_canonical_nodes}")
         require(self.shuffle_algo in ("py1e", "py1b", "py1br", "py1s", "py2s", "naive"),
                 "data.shuffle_algo", f"unknown algorithm {self.shuffle_algo!r}")
+        require(self.predownload is None or self.predownload >= 1, "data.predownload",
+                f"must be >= 1 or null (8 x micro-batch size), got {self.predownload}")  # -5 hung in set-up
+        require(self.cache_limit is None or _BYTES.fullmatch(str(self.cache_limit).strip()) is not None,
+                "data.cache_limit", f"expected a size such as 50gb, 512mb or a byte count, got {self.cache_limit!r}")
         require(self.shuffle_block_size is None or self.shuffle_block_size >= 1,
                 "data.shuffle_block_size", f"must be >= 1 or null, got {self.shuffle_block_size}")

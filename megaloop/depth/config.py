@@ -11,6 +11,7 @@ PRIOR_INITS = ("pln", "uniform", "uniform_1_10")  # or "from:PATH" (another run'
 INIT_FROM = "from:"
 REWARD_ARMS = ("exp", "neglog", "negexp", "raw_ce")
 CORRELATIONS = ("microbatch", "step")
+MAX_DEPTH = 1024  # bound on depth.cap, depth.r_max and depth.depth (a choice: see __post_init__)
 
 
 @dataclass
@@ -25,7 +26,7 @@ class DepthConfig:
 
     kind: str = "pln"
     depth: int = 5  # fixed depth
-    mean: float = 5.0  # PLN mean after capping (poisson: the rate); also the prior's target mean R̄ unless set below
+    mean: float = 5.0  # PLN mean after capping (poisson: the rate; learned init=pln: the init's mean)
     sigma: float = 0.5  # PLN log-normal std
     cap: int = 64  # PLN / poisson cap
     r_max: int = 64  # learned prior support 1..r_max
@@ -47,15 +48,18 @@ class DepthConfig:
     def __post_init__(self) -> None:
         require(self.kind in DEPTH_KINDS, "depth.kind", f"unknown kind {self.kind!r}; one of {DEPTH_KINDS}")
         require(self.depth >= 1, "depth.depth", f"must be >= 1, got {self.depth}")
-        require(self.cap >= 1, "depth.cap", f"must be >= 1, got {self.cap}")
-        require(self.sigma > 0, "depth.sigma", f"must be > 0, got {self.sigma}")
+        # bounds (choices): a training depth past 1024 recurrences, or a lognormal spread past 3 (SPEC: 0.5),
+        # only made the sampler's tables and PLN's mean solve run out of memory or time
+        require(1 <= self.cap <= MAX_DEPTH, "depth.cap", f"must be in [1, {MAX_DEPTH}], got {self.cap}")
+        require(0 < self.sigma <= 3, "depth.sigma", f"must be in (0, 3], got {self.sigma}")
+        require(self.depth <= MAX_DEPTH, "depth.depth", f"must be <= {MAX_DEPTH}, got {self.depth}")
         # PLN needs mean > 1 strictly: mean 1 is a point mass (use kind=fixed), and every mass must be > 0.
         require(1.0 < self.mean < self.cap or self.kind != "pln", "depth.mean",
                 f"must lie in (1, cap={self.cap}), got {self.mean}")
         require(self.mean > 0 or self.kind != "poisson", "depth.mean",
                 f"poisson: the rate must be > 0, got {self.mean}")
         require(self.cap >= 2 or self.kind != "poisson", "depth.cap", f"poisson: must be >= 2, got {self.cap}")
-        require(self.r_max >= 1, "depth.r_max", f"must be >= 1, got {self.r_max}")
+        require(1 <= self.r_max <= MAX_DEPTH, "depth.r_max", f"must be in [1, {MAX_DEPTH}], got {self.r_max}")
         require(self.init in PRIOR_INITS or (self.init_from is not None and self.init_from != ""), "depth.init",
                 f"unknown init {self.init!r}; one of {PRIOR_INITS} or {INIT_FROM}PATH (a run dir or checkpoint)")
         require(self.init_from is None or self.kind == "learned", "depth.init",

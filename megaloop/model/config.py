@@ -168,7 +168,11 @@ class ModelConfig:
                 "model.adapter_init", f"adapter_init/adapter_bias apply to huginn_linear's adapter only "
                 f"(injection={self.injection!r})")
         require(self.bptt_window >= 1, "model.bptt_window", f"must be >= 1, got {self.bptt_window}")
-        require(self.seq_len >= 2, "model.seq_len", f"must be >= 2, got {self.seq_len}")
+        require(2 <= self.seq_len <= 1 << 22, "model.seq_len", f"must be in [2, 4194304], got {self.seq_len}")
+        require(self.rope_base > 0, "model.rope_base", f"must be > 0, got {self.rope_base}")
+        require(self.norm_eps > 0, "model.norm_eps", f"must be > 0, got {self.norm_eps}")
+        require(self.state_init_std >= 0, "model.state_init_std", f"must be >= 0, got {self.state_init_std}")
+        require(self.deq_std >= 0, "model.deq_std", f"must be >= 0, got {self.deq_std}")
         require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0 = from tokenizer)")
         require(self.vocab_pad_multiple >= 1, "model.vocab_pad_multiple", "must be >= 1")
         require(self.transformer_impl in IMPLS, "model.transformer_impl", f"one of {IMPLS}")
