@@ -236,5 +236,5 @@ def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str 
     if arm is not None and not str(arm).strip():
         raise ConfigError("--arm: empty name (an unset shell variable?); give an arm of megaloop/configs/arms.yaml")
     dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])
-    apply_dotlist(data, use_new_names(data, dotlist, renamed_paths(RunConfig)))
+    apply_dotlist(data, use_new_names(data, dotlist, renamed_paths(RunConfig)), cls=RunConfig)
     return from_dict(RunConfig, data)

@@ -35,9 +35,40 @@ def require(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"{field}: {msg}")
 
 
+class _DuplicateKeyError(yaml.YAMLError):
+    """A mapping names a key twice (YAML would silently keep the last value)."""
+
+    def __init__(self, key: Any, mark: Any, first: Any) -> None:
+        super().__init__()
+        self.key, self.mark, self.first = key, mark, first
+
+    def __str__(self) -> str:
+        return (f"duplicate key {self.key!r} (line {self.mark.line + 1}, column {self.mark.column + 1}; "
+                f"first given on line {self.first.line + 1})")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (``_DuplicateKeyError``)."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue  # `<<: *anchor` merges; keys given beside it override the merged ones
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark)
+                except TypeError:
+                    continue  # unhashable key: SafeLoader names it below
+                if first is not key_node.start_mark:
+                    raise _DuplicateKeyError(key, key_node.start_mark, first)
+        return super().construct_mapping(node, deep)
+
+
 def _parse_scalar(text: str) -> Any:
     """Parse a dotlist value with YAML rules (``1e-3`` -> float, ``[1,2]`` -> list, ``null``)."""
-    value = yaml.safe_load(text)
+    value = yaml.load(text, Loader=_UniqueKeyLoader)
     # YAML 1.1 reads "1e-3" as a string; accept it as a float like every other CLI does.
     if isinstance(value, str):
         try:
@@ -45,6 +76,29 @@ def _parse_scalar(text: str) -> Any:
         except ValueError:
             return value
     return value
+
+
+_NULLS = ("", "~", "null", "Null", "NULL")
+
+
+def _is_text_field(tp: Any) -> bool:
+    """``str`` or ``str | None``: a field whose override keeps its text."""
+    if tp is str:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)] == [str]
+    return False
+
+
+def _override_text(text: str, parsed: Any) -> Any:
+    """A ``str`` field's value from its override text: the text, less one pair of matching quotes;
+    ``None`` where YAML reads it as null (``null``, ``~``, nothing)."""
+    text = text.strip()
+    if parsed is None and text in _NULLS:
+        return None
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1]
+    return text
 
 
 def _coerce(value: Any, tp: Any, field: str) -> Any:
@@ -165,23 +219,55 @@ def use_new_names(data: dict, dotlist: list[str], renames: dict[str, str]) -> li
     return out
 
 
-def apply_dotlist(data: dict, dotlist: list[str]) -> dict:
-    """Apply ``a.b=c`` overrides to a nested dict (in place) and return it."""
+def _set_override(node: dict, key: str, value: Any) -> None:
+    """Set ``node[key]`` to an override's value; a mapping given for a section merges into it key by
+    key (``train={max_steps: 40}`` keeps the section's other keys)."""
+    if isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _set_override(node[key], k, v)
+    else:
+        node[key] = value
+
+
+def _field_type(cls: Any, parts: list[str]) -> Any:
+    """The annotated type of the field ``parts`` names under dataclass ``cls`` (None: not known)."""
+    for i, part in enumerate(parts):
+        if cls is None or not dataclasses.is_dataclass(cls):
+            return None
+        renamed = getattr(cls, "RENAMED", {})
+        tp = typing.get_type_hints(cls).get(renamed.get(part, part))
+        if i == len(parts) - 1:
+            return tp
+        cls = tp
+    return None
+
+
+def apply_dotlist(data: dict, dotlist: list[str], cls: Any = None) -> dict:
+    """Apply ``a.b=c`` overrides to a nested dict (in place) and return it. Values read as YAML
+    (``1e-3`` -> float, ``[1,2]`` -> list, ``null``), except that a ``str`` field of dataclass
+    ``cls`` keeps the text as typed (``logging.name=0123`` is "0123", not 83); a mapping given for a
+    section merges into it."""
     for item in dotlist:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value (e.g. train.max_steps=20)")
         key, text = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(p.strip() for p in parts):
+            what = "has no key" if not key.strip() else f"has an empty name in key {key.strip()!r}"
+            raise ConfigError(f"override {item!r} {what}: expected section.key=value (e.g. train.max_steps=20)")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {key}: {p} is not a section")
         try:
-            node[parts[-1]] = _parse_scalar(text)
+            value = _parse_scalar(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: {text!r} is not a valid YAML value "
                               f"({str(e).splitlines()[0]})") from None
+        if _is_text_field(_field_type(cls, parts)):
+            value = _override_text(text, value)  # the override as typed, not as YAML reads it
+        _set_override(node, parts[-1], value)
     return data
 
 
@@ -206,15 +292,19 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit."""
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit.
+    A key given twice in one mapping, a ``base`` that is not a file name, names no file, or leads
+    back to a file already on the chain (a cycle) are ``ConfigError``s naming the file."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+    except _DuplicateKeyError as e:
+        raise ConfigError(f"config file {path}: {e}; give each key once") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
@@ -225,5 +315,18 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)
     if base:
-        data = merge(load_yaml(path.parent / base), data)
+        if not isinstance(base, str):
+            raise ConfigError(f"config file {path}: base: expected a YAML file name (resolved beside it), "
+                              f"got {base!r}")
+        chain = (*_chain, path)
+        parent = path.parent / base
+        resolved = [p.resolve() for p in chain]
+        if parent.resolve() in resolved:  # the files from the first repeated one, in order
+            cycle = (*chain[resolved.index(parent.resolve()):], parent)
+            raise ConfigError(f"config file {path}: base: cycle {' -> '.join(map(str, cycle))}")
+        if not parent.is_file():
+            what = "a directory" if parent.is_dir() else "no such file"
+            raise ConfigError(f"config file {path}: base: {base!r} is {what} (looked for {parent}, "
+                              f"beside {path.name}; give a YAML file's name or path)")
+        data = merge(load_yaml(parent, chain), data)
     return data
