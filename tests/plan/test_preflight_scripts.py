@@ -6,14 +6,13 @@ config itself). A relative PLAN_CLUSTER file is the submission directory's."""
 
 from __future__ import annotations
 
-import hashlib
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, install_stubs, stub_env
+from tests.slurm.stubs import calls, fake_venv, stub_env
 
 TOO_BIG = "train.micro_batch_size=64 train.global_batch_size=1024"
 
@@ -98,14 +97,7 @@ def test_slurm_unknown_argument(tmp_path: Path) -> None:
 
 def _fake_venv(tmp: Path) -> Path:
     """A venv launch/_setup.sh accepts as installed: python = this interpreter, torchrun = the stub."""
-    venv = tmp / "venv"
-    (venv / "bin").mkdir(parents=True)
-    stubs = install_stubs(tmp)
-    _python_on_path(venv / "bin")
-    (venv / "bin" / "torchrun").symlink_to(stubs / "torchrun")
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "launch" / "constraints.txt").read_bytes())
-    (venv / ".megaloop-install-stamp").write_text(want.hexdigest() + "\n")
-    return venv
+    return fake_venv(tmp, _python_on_path)
 
 
 def _single(tmp: Path, *args: str, expect: int) -> subprocess.CompletedProcess:

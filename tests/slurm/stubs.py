@@ -169,3 +169,32 @@ def calls(directory: Path, name: str | None = None) -> list[dict]:
         return []
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     return [r for r in rows if name is None or r["name"] == name]
+
+
+def run_script(script: str, env: dict, expect: int, timeout: int = 60):
+    """``bash slurm/SCRIPT`` in ``env`` (from :func:`stub_env`), run in its STUB_DIR; asserts the exit status."""
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def fake_venv(tmp: Path, put_python) -> Path:
+    """A venv launch/_setup.sh accepts as installed: ``put_python(bin_dir)`` writes its python, torchrun
+    is the stub."""
+    import hashlib
+
+    from tests.conftest import ROOT
+
+    venv = tmp / "venv"
+    (venv / "bin").mkdir(parents=True)
+    stubs = install_stubs(tmp)
+    put_python(venv / "bin")
+    (venv / "bin" / "torchrun").symlink_to(stubs / "torchrun")
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "launch" / "constraints.txt").read_bytes())
+    (venv / ".megaloop-install-stamp").write_text(want.hexdigest() + "\n")
+    return venv

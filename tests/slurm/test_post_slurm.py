@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, repo_copy, stub_env
+from tests.slurm.stubs import calls, repo_copy, run_script, stub_env
 
 HOSTS = "gpu-a01 gpu-a02"
 
@@ -21,13 +21,6 @@ def _env(tmp: Path, **extra: str) -> dict:
                    LOG_DIR=str(tmp / "logs"), OUT=str(tmp / "out"))
     env.update(extra)
     return env
-
-
-def _run(script: str, env: dict, expect: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -58,7 +51,7 @@ def _check_launch(tmp: Path, command: str) -> list[list[str]]:
 def test_rl_two_nodes(tmp_path: Path) -> None:
     env = _env(tmp_path, MODEL="/ckpt/hf/S", GPUS_PER_NODE="4", TASK="mbpp:tiny",
                EXTRA_ARGS="--arm recompute --steps 7")
-    _run("rl.sh", env, expect=0)
+    run_script("rl.sh", env, expect=0)
     for cmd in _check_launch(tmp_path, "rl"):
         assert _flag(cmd, "--model") == "/ckpt/hf/S" and _flag(cmd, "--task") == "mbpp:tiny"
         assert _flag(cmd, "--deepspeed") == "zero2" and _flag(cmd, "--save-every") == "50"
@@ -70,22 +63,22 @@ def test_distill_resumes_when_a_checkpoint_exists(tmp_path: Path) -> None:
     (tmp_path / "out" / "checkpoints").mkdir(parents=True)
     (tmp_path / "out" / "checkpoints" / "latest").write_text("step000200")
     env = _env(tmp_path, TEACHER="/ckpt/hf/L", GPUS_PER_NODE="4", DATA="/data/val.jsonl", DS_CONFIG="zero2")
-    _run("distill.sh", env, expect=0)
+    run_script("distill.sh", env, expect=0)
     for cmd in _check_launch(tmp_path, "distill-prefill"):
         assert _flag(cmd, "--teacher") == "/ckpt/hf/L" and _flag(cmd, "--data") == "/data/val.jsonl"
         assert _flag(cmd, "--deepspeed") == "zero2" and "--resume" in cmd
 
 
 def test_failures_and_bad_knobs(tmp_path: Path) -> None:
-    proc = _run("rl.sh", _env(tmp_path), expect=2)
+    proc = run_script("rl.sh", _env(tmp_path), expect=2)
     assert "MODEL is not set" in proc.stderr
-    proc = _run("distill.sh", _env(tmp_path), expect=2)
+    proc = run_script("distill.sh", _env(tmp_path), expect=2)
     assert "TEACHER is not set" in proc.stderr
-    proc = _run("rl.sh", _env(tmp_path, MODEL="m", SAVE_EVERY="x"), expect=2)
+    proc = run_script("rl.sh", _env(tmp_path, MODEL="m", SAVE_EVERY="x"), expect=2)
     assert "SAVE_EVERY" in proc.stderr
     (tmp_path / "f").mkdir()
     env = _env(tmp_path / "f", MODEL="m", STUB_TORCHRUN="exit:3")
-    _run("rl.sh", env, expect=3)
+    run_script("rl.sh", env, expect=3)
     assert (tmp_path / "f" / "logs" / "4242" / "exit_code").read_text().strip() == "3"
 
 
@@ -135,10 +128,10 @@ def test_preemption_signal_and_requeue(tmp_path: Path, script: str) -> None:
     head = [line.strip() for line in (ROOT / "slurm" / script).read_text().splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --signal=B:USR1@120" in head and "#SBATCH --requeue" in head
     knob = {"MODEL": "/ckpt/hf/S"} if script == "rl.sh" else {"TEACHER": "/ckpt/hf/L"}
-    _run(script, _env(tmp_path, **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:75"), expect=75)
+    run_script(script, _env(tmp_path, **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:75"), expect=75)
     assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
     assert (tmp_path / "logs" / "4242" / "exit_code").read_text().strip() == "75"
     (tmp_path / "int").mkdir()
     env = _env(tmp_path / "int", **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:130")  # Ctrl-C: no requeue
-    _run(script, env, expect=130)
+    run_script(script, env, expect=130)
     assert not [c for c in calls(tmp_path / "int", "scontrol") if c["argv"][:1] == ["requeue"]]

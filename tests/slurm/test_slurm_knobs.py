@@ -13,7 +13,6 @@ rendezvous knobs (stub srun / scontrol / torchrun from tests/slurm/stubs.py; no 
 
 from __future__ import annotations
 
-import hashlib
 import stat
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, install_stubs, stub_env
+from tests.slurm.stubs import calls, fake_venv, run_script, stub_env
 
 HOSTS = "gpu-a01 gpu-a02"
 # knobs the test runner's own environment may hold (WANDB_MODE=offline is usual): unset unless a test sets them
@@ -53,13 +52,6 @@ def _env(tmp: Path, **extra: str) -> dict:
     return env
 
 
-def _run(script: str, env: dict, expect: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
 def _train_args(tmp: Path) -> list[str]:
     """The `-m megaloop.cli ...` part of node 0's torchrun (both nodes run the same)."""
     tr = calls(tmp, "torchrun")
@@ -88,22 +80,22 @@ def _one_line(proc: subprocess.CompletedProcess) -> str:
 def test_extra_args_data_path_gets_no_embedded_validation_set(tmp_path: Path) -> None:
     """EXTRA_ARGS="data.path=..." without DATA_PATH (found: data.val_path=default:val added and the 'training on
     the small embedded corpus' warning; validation on another tokenizer's corpus)."""
-    proc = _run("train_L.sh", _env(tmp_path, EXTRA_ARGS="data.path=/lustre/mds optim.lr=4e-4"), expect=0)
+    proc = run_script("train_L.sh", _env(tmp_path, EXTRA_ARGS="data.path=/lustre/mds optim.lr=4e-4"), expect=0)
     argv = _train_args(tmp_path)
     assert _scale(argv) == ["logging.wandb=offline", "data.path=/lustre/mds"], argv
     assert "embedded corpus" not in proc.stdout
     # a relative one (the submission directory's) likewise
-    _run("train_L.sh", _env(tmp_path / "rel", EXTRA_ARGS="data.path=mds"), expect=0)
+    run_script("train_L.sh", _env(tmp_path / "rel", EXTRA_ARGS="data.path=mds"), expect=0)
     assert _scale(_train_args(tmp_path / "rel")) == ["logging.wandb=offline", f"data.path={tmp_path}/rel/mds"]
 
 
 def test_a_config_or_preset_with_its_own_dataset_gets_no_embedded_validation_set(tmp_path: Path) -> None:
     """A CONFIG file (or the synth preset) training on its own data: no default:val beside it."""
     (tmp_path / "my.yaml").write_text(f"base: {ROOT}/megaloop/configs/S.yaml\ndata:\n  path: /lustre/mds\n")
-    proc = _run("train_S.sh", _env(tmp_path, CONFIG="my.yaml"), expect=0)
+    proc = run_script("train_S.sh", _env(tmp_path, CONFIG="my.yaml"), expect=0)
     assert _scale(_train_args(tmp_path)) == ["logging.wandb=offline"]
     assert "embedded corpus" not in proc.stdout
-    _run("train_S.sh", _env(tmp_path / "synth", CONFIG="synth"), expect=0)
+    run_script("train_S.sh", _env(tmp_path / "synth", CONFIG="synth"), expect=0)
     argv = _train_args(tmp_path / "synth")
     assert _flag(argv, "--config") == "synth" and _scale(argv) == ["logging.wandb=offline"]
 
@@ -111,13 +103,13 @@ def test_a_config_or_preset_with_its_own_dataset_gets_no_embedded_validation_set
 def test_the_embedded_corpus_still_gets_its_validation_split(tmp_path: Path) -> None:
     """As documented: no DATA_PATH with a preset trains on the embedded corpus, validates on default:val,
     logs to wandb offline (and warns that it is a smoke test); a given VAL_PATH, or one in EXTRA_ARGS, wins."""
-    proc = _run("train_M.sh", _env(tmp_path), expect=0)
+    proc = run_script("train_M.sh", _env(tmp_path), expect=0)
     assert _scale(_train_args(tmp_path)) == ["data.val_path=default:val", "logging.wandb=offline"]
     assert "training on the small embedded corpus" in proc.stdout
     assert {rec["env"].get("WANDB_MODE") for rec in calls(tmp_path, "torchrun")} == {"offline"}
-    _run("train_M.sh", _env(tmp_path / "x", EXTRA_ARGS="data.val_path=default:screen"), expect=0)
+    run_script("train_M.sh", _env(tmp_path / "x", EXTRA_ARGS="data.val_path=default:screen"), expect=0)
     assert _scale(_train_args(tmp_path / "x")) == ["logging.wandb=offline", "data.val_path=default:screen"]
-    _run("train_M.sh", _env(tmp_path / "v", DATA_PATH="default", VAL_PATH="/v"), expect=0)
+    run_script("train_M.sh", _env(tmp_path / "v", DATA_PATH="default", VAL_PATH="/v"), expect=0)
     assert _scale(_train_args(tmp_path / "v")) == ["data.path=default", "data.val_path=/v", "logging.wandb=offline"]
 
 
@@ -140,7 +132,7 @@ def test_a_config_files_settings_stand_and_the_preflight_plans_them(tmp_path: Pa
     """CONFIG=myL.yaml with parallel.tp/pp, data.path/val_path, logging.wandb/project (found: TP1 PP1 on the
     embedded corpus, offline, project megaloop); the preflight gets the same overrides as the launch."""
     (tmp_path / "myL.yaml").write_text(MY_L)
-    _run("train_L.sh", _env(tmp_path, CONFIG="myL.yaml", PREFLIGHT="1", PLAN_CLUSTER="h100"), expect=0)
+    run_script("train_L.sh", _env(tmp_path, CONFIG="myL.yaml", PREFLIGHT="1", PLAN_CLUSTER="h100"), expect=0)
     argv = _train_args(tmp_path)
     assert _flag(argv, "--config") == str(tmp_path / "myL.yaml")
     assert _scale(argv) == [], argv
@@ -153,7 +145,7 @@ def test_a_config_files_settings_stand_and_the_preflight_plans_them(tmp_path: Pa
 
 def test_knobs_that_are_set_still_win_over_the_config(tmp_path: Path) -> None:
     (tmp_path / "myL.yaml").write_text(MY_L)
-    _run("train_L.sh", _env(tmp_path, CONFIG="myL.yaml", TP="4", PP="1", DATA_PATH="/d", VAL_PATH="/v",
+    run_script("train_L.sh", _env(tmp_path, CONFIG="myL.yaml", TP="4", PP="1", DATA_PATH="/d", VAL_PATH="/v",
                             WANDB_MODE="disabled", WANDB_PROJECT="p", PREFLIGHT="1"), expect=0)
     argv = _train_args(tmp_path)
     assert _scale(argv) == ["parallel.tp=4", "parallel.pp=1", "data.path=/d", "data.val_path=/v",
@@ -164,7 +156,7 @@ def test_knobs_that_are_set_still_win_over_the_config(tmp_path: Path) -> None:
 
 
 def test_extra_args_logging_wandb_gets_no_offline_default(tmp_path: Path) -> None:
-    _run("train_S.sh", _env(tmp_path, EXTRA_ARGS="logging.wandb=online"), expect=0)
+    run_script("train_S.sh", _env(tmp_path, EXTRA_ARGS="logging.wandb=online"), expect=0)
     assert _scale(_train_args(tmp_path)) == ["data.val_path=default:val", "logging.wandb=online"]
 
 
@@ -174,11 +166,11 @@ def test_an_unreadable_config_gets_no_defaults_over_it(tmp_path: Path) -> None:
     env = _env(tmp_path, CONFIG="myL.yaml")
     (tmp_path / "myL.yaml").write_text(MY_L)
     (tmp_path / "bin" / "python").write_text("#!/bin/sh\necho 'No module named megaloop' >&2\nexit 1\n")
-    proc = _run("train_L.sh", env, expect=0)
+    proc = run_script("train_L.sh", env, expect=0)
     assert _scale(_train_args(tmp_path)) == []
     assert "could not read CONFIG" in proc.stdout
     del env["CONFIG"]
-    _run("train_L.sh", dict(env, LOG_DIR=str(tmp_path / "logs2")), expect=0)
+    run_script("train_L.sh", dict(env, LOG_DIR=str(tmp_path / "logs2")), expect=0)
     argv = [a for a in calls(tmp_path, "torchrun")[-1]["argv"] if a.startswith(SCALE_KEYS)]
     assert argv == ["data.val_path=default:val", "logging.wandb=offline"]
 
@@ -194,7 +186,7 @@ def test_the_scripts_own_preset_is_never_a_file_of_that_name(tmp_path: Path, kin
     else:
         tmp_path.mkdir(parents=True, exist_ok=True)
         (tmp_path / "L").write_text("model:\n  hidden_size: 64\n")
-    _run("train_L.sh", _env(tmp_path, PREFLIGHT="1", PLAN_CLUSTER="h100"), expect=0)
+    run_script("train_L.sh", _env(tmp_path, PREFLIGHT="1", PLAN_CLUSTER="h100"), expect=0)
     assert _flag(_train_args(tmp_path), "--config") == "L"
     assert _flag((tmp_path / "plan_argv").read_text().splitlines(), "--config") == "L"
 
@@ -203,7 +195,7 @@ def test_a_given_config_name_still_prefers_the_file(tmp_path: Path) -> None:
     """A CONFIG the user gives: a file of that name in the submission directory wins (unchanged)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "mine").write_text(f"base: {ROOT}/megaloop/configs/S.yaml\n")
-    _run("train_S.sh", _env(tmp_path, CONFIG="mine"), expect=0)
+    run_script("train_S.sh", _env(tmp_path, CONFIG="mine"), expect=0)
     assert _flag(_train_args(tmp_path), "--config") == str(tmp_path / "mine")
 
 
@@ -212,11 +204,11 @@ def test_a_given_config_name_still_prefers_the_file(tmp_path: Path) -> None:
 def test_the_shipped_deepspeed_config_is_never_a_file_of_that_name(tmp_path: Path, script: str, name: str,
                                                                     required: str) -> None:
     (tmp_path / name).mkdir(parents=True)
-    _run(script, _env(tmp_path, **{required: "/ckpt/hf"}), expect=0)
+    run_script(script, _env(tmp_path, **{required: "/ckpt/hf"}), expect=0)
     assert _flag(_train_args(tmp_path), "--deepspeed") == name
     (tmp_path / "given").mkdir()
     (tmp_path / "given" / "ds").write_text("{}")  # DS_CONFIG given: the submission directory's file
-    _run(script, _env(tmp_path / "given", **{required: "/ckpt/hf", "DS_CONFIG": "ds"}), expect=0)
+    run_script(script, _env(tmp_path / "given", **{required: "/ckpt/hf", "DS_CONFIG": "ds"}), expect=0)
     assert _flag(_train_args(tmp_path / "given"), "--deepspeed") == str(tmp_path / "given" / "ds")
 
 
@@ -224,16 +216,16 @@ def test_the_shipped_deepspeed_config_is_never_a_file_of_that_name(tmp_path: Pat
 
 def test_zero_gpus_per_node_is_refused(tmp_path: Path) -> None:
     """GPUS_PER_NODE=0 or SLURM_GPUS_ON_NODE=0 (found: torchrun --nproc_per_node 0)."""
-    line = _one_line(_run("train_S.sh", _env(tmp_path, GPUS_PER_NODE="0"), expect=2))
+    line = _one_line(run_script("train_S.sh", _env(tmp_path, GPUS_PER_NODE="0"), expect=2))
     assert line == "megaloop-slurm: error: GPUS_PER_NODE must be a positive integer, got '0'"
-    line = _one_line(_run("rl.sh", _env(tmp_path, SLURM_GPUS_ON_NODE="0", MODEL="/m"), expect=2))
+    line = _one_line(run_script("rl.sh", _env(tmp_path, SLURM_GPUS_ON_NODE="0", MODEL="/m"), expect=2))
     assert "SLURM_GPUS_ON_NODE" in line and "positive integer, got '0'" in line
     assert not calls(tmp_path, "srun")
 
 
 @pytest.mark.parametrize("port", ["abc", "0", "65536", "123456789012", "29500x"])
 def test_a_bad_master_port_is_refused(tmp_path: Path, port: str) -> None:
-    line = _one_line(_run("train_S.sh", _env(tmp_path, MASTER_PORT=port), expect=2))
+    line = _one_line(run_script("train_S.sh", _env(tmp_path, MASTER_PORT=port), expect=2))
     assert line.startswith("megaloop-slurm: error: MASTER_PORT must be a port number (1-65535), got ")
     assert not calls(tmp_path, "srun")
 
@@ -242,33 +234,25 @@ def test_a_bad_master_port_is_refused(tmp_path: Path, port: str) -> None:
 def test_a_loopback_master_addr_on_several_nodes_is_refused(tmp_path: Path, addr: str) -> None:
     """MASTER_ADDR=localhost carried from the submitting shell (sbatch --export=ALL): every node would host its
     own rendezvous and wait there until the timeout."""
-    line = _one_line(_run("train_S.sh", _env(tmp_path, MASTER_ADDR=addr), expect=2))
+    line = _one_line(run_script("train_S.sh", _env(tmp_path, MASTER_ADDR=addr), expect=2))
     assert f"MASTER_ADDR={addr}" in line and "unset MASTER_ADDR" in line and "gpu-a01" in line
     assert not calls(tmp_path, "srun")
 
 
 def test_rendezvous_knobs_that_are_fine(tmp_path: Path) -> None:
     """One node at localhost, and a valid port: as given."""
-    _run("train_S.sh", _env(tmp_path, MASTER_ADDR="localhost", MASTER_PORT="29500", NODES="1"), expect=0)
+    run_script("train_S.sh", _env(tmp_path, MASTER_ADDR="localhost", MASTER_PORT="29500", NODES="1"), expect=0)
     (tr,) = calls(tmp_path, "torchrun")
     assert _flag(tr["argv"], "--rdzv_endpoint") == "localhost:29500"
-    _run("train_S.sh", _env(tmp_path / "b", MASTER_ADDR="gpu-a02", MASTER_PORT="65535"), expect=0)
+    run_script("train_S.sh", _env(tmp_path / "b", MASTER_ADDR="gpu-a02", MASTER_PORT="65535"), expect=0)
     assert {_flag(r["argv"], "--rdzv_endpoint") for r in calls(tmp_path / "b", "torchrun")} == {"gpu-a02:65535"}
 
 
 # --- launch/train_single_node.sh: the same knob rules ---------------------------------------------------------
 
 def _fake_venv(tmp: Path) -> Path:
-    """A venv launch/_setup.sh accepts as installed: python records the preflight (else this interpreter),
-    torchrun = the stub."""
-    venv = tmp / "venv"
-    (venv / "bin").mkdir(parents=True)
-    stubs = install_stubs(tmp)
-    _python_recording_plan(venv / "bin")
-    (venv / "bin" / "torchrun").symlink_to(stubs / "torchrun")
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "launch" / "constraints.txt").read_bytes())
-    (venv / ".megaloop-install-stamp").write_text(want.hexdigest() + "\n")
-    return venv
+    """A venv launch/_setup.sh accepts as installed: python records the preflight (else this interpreter)."""
+    return fake_venv(tmp, _python_recording_plan)
 
 
 def _single(tmp: Path, *args: str, expect: int = 0, **extra: str) -> list[str]:

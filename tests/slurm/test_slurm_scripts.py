@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT
-from tests.slurm.stubs import calls, repo_copy, stub_env
+from tests.slurm.stubs import calls, repo_copy, run_script, stub_env
 
 SCRIPTS = sorted((ROOT / "slurm").glob("*.sh")) + [ROOT / "launch" / n for n in ("train_single_node.sh", "torchrun.sh",
                                                                                  "_local_run.sh")]
@@ -58,13 +58,6 @@ def _slurm_env(tmp: Path, **extra: str) -> dict:
     return env
 
 
-def _run(script: str, env: dict, expect: int) -> subprocess.CompletedProcess:
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    return proc
-
-
 def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
@@ -73,7 +66,7 @@ def test_train_L_two_nodes_c10d(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, TP="2", PP="2", GPUS_PER_NODE="8", DATA_PATH="/lustre/mds",
                      VAL_PATH="/lustre/val", EXTRA_ARGS="train.save_interval=500 optim.lr=4e-4",
                      WANDB_MODE="offline")
-    _run("train_L.sh", env, expect=0)
+    run_script("train_L.sh", env, expect=0)
     (srun,) = calls(tmp_path, "srun")
     assert "--nodes=2" in srun["argv"] and "--ntasks=2" in srun["argv"]
     assert "--ntasks-per-node=1" in srun["argv"]
@@ -110,7 +103,7 @@ def test_train_L_two_nodes_c10d(tmp_path: Path) -> None:
 def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
     # (pp=4: interleaving needs pp > 2, and the preflight refuses a configuration the trainer would)
     env = _slurm_env(tmp_path, RDZV="static", MASTER_PORT="29555", PP="4", VPP="2", GPUS_PER_NODE="4")
-    _run("train_M.sh", env, expect=0)
+    run_script("train_M.sh", env, expect=0)
     for rec in calls(tmp_path, "torchrun"):
         argv = rec["argv"]
         assert _flag(argv, "--master_addr") == "gpu-a01"
@@ -126,7 +119,7 @@ def test_static_rendezvous_and_vpp(tmp_path: Path) -> None:
 
 def test_nodes_knob_uses_part_of_allocation(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, NODES="1")
-    _run("train_S.sh", env, expect=0)
+    run_script("train_S.sh", env, expect=0)
     (srun,) = calls(tmp_path, "srun")
     assert "--nodes=1" in srun["argv"] and "--nodelist=gpu-a01" in srun["argv"]
     (tr,) = calls(tmp_path, "torchrun")
@@ -135,35 +128,35 @@ def test_nodes_knob_uses_part_of_allocation(tmp_path: Path) -> None:
 
 def test_bad_inputs(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, NODES="3")
-    proc = _run("train_L.sh", env, expect=2)
+    proc = run_script("train_L.sh", env, expect=2)
     assert "NODES=3" in proc.stderr and "2 node(s)" in proc.stderr
     env = _slurm_env(tmp_path)
     del env["SLURM_JOB_ID"]
-    proc = _run("train_L.sh", env, expect=2)
+    proc = run_script("train_L.sh", env, expect=2)
     assert "sbatch" in proc.stderr
     assert not calls(tmp_path, "srun")
 
 
 def test_exit_75_requeues(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:75")
-    _run("train_L.sh", env, expect=75)
+    run_script("train_L.sh", env, expect=75)
     assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
 
 
 def test_the_trainers_exit_75_through_torchrun_requeues(tmp_path: Path) -> None:
     # torchrun reports a worker's 75 as 1: the trainer's own status comes back through the status file
     env = _slurm_env(tmp_path, STUB_TORCHRUN="worker:75")
-    _run("train_L.sh", env, expect=75)
+    run_script("train_L.sh", env, expect=75)
     assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
     assert (tmp_path / "logs" / "4242" / "exit_code").read_text().strip() == "75"
     env = _slurm_env(tmp_path / "refused", STUB_TORCHRUN="worker:2")  # a refusal: its status, no requeue
-    _run("train_L.sh", env, expect=2)
+    run_script("train_L.sh", env, expect=2)
     assert not [c for c in calls(tmp_path / "refused", "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
 def test_failure_does_not_requeue(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:1")
-    _run("train_L.sh", env, expect=1)
+    run_script("train_L.sh", env, expect=1)
     assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
@@ -231,7 +224,7 @@ def test_sweep_array_point(tmp_path: Path) -> None:
         f"tiny\n{run_dir}\noptim.lr=0.002\ntrain.stop_after=6\ndata.val_path=default:screen\n")
     env = _slurm_env(tmp_path, SWEEP_DIR=str(screen), SWEEP_EXIT_FILE="screen_exit", SLURM_ARRAY_TASK_ID="1",
                      SLURM_NNODES="1", SLURM_JOB_NODELIST="gpu-a01", STUB_HOSTS="gpu-a01", GPUS_PER_NODE="2")
-    _run("sweep_array.sh", env, expect=0)
+    run_script("sweep_array.sh", env, expect=0)
     (tr,) = calls(tmp_path, "torchrun")
     argv = tr["argv"]
     assert _flag(argv, "--nnodes") == "1" and _flag(argv, "--nproc_per_node") == "2"
@@ -242,9 +235,9 @@ def test_sweep_array_point(tmp_path: Path) -> None:
     # outside an array job / without the screen directory: clear errors
     env2 = dict(env)
     del env2["SLURM_ARRAY_TASK_ID"]
-    assert "array job" in _run("sweep_array.sh", env2, expect=2).stderr
+    assert "array job" in run_script("sweep_array.sh", env2, expect=2).stderr
     env3 = dict(env, SLURM_ARRAY_TASK_ID="9")
-    assert "task_9.args" in _run("sweep_array.sh", env3, expect=2).stderr
+    assert "task_9.args" in run_script("sweep_array.sh", env3, expect=2).stderr
 
 
 def _submit_from_elsewhere(tmp: Path, script: str, expect: int, **extra: str) -> tuple[Path, Path]:
@@ -307,7 +300,7 @@ def test_a_repository_path_with_a_space_and_script_arguments(tmp_path: Path, rel
 def test_a_megaloop_root_that_is_not_a_repository_is_refused(tmp_path: Path) -> None:
     """A MEGALOOP_ROOT without slurm/common.sh (a typo) used to be passed over for the script's own checkout."""
     env = _slurm_env(tmp_path, MEGALOOP_ROOT=str(tmp_path / "typo"))
-    proc = _run("train_S.sh", env, expect=2)
+    proc = run_script("train_S.sh", env, expect=2)
     assert proc.stderr.strip().splitlines() == [
         f"megaloop-slurm: error: MEGALOOP_ROOT={tmp_path / 'typo'} holds no slurm/common.sh: not a megaloop repository"]
     assert not calls(tmp_path, "srun")
