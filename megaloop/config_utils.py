@@ -48,21 +48,40 @@ class _DuplicateKeyError(yaml.YAMLError):
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (``_DuplicateKeyError``)."""
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (``_DuplicateKeyError``). Each
+    mapping node is checked once, before ``<<:`` merge keys rewrite it in place (a shared anchor used
+    through a nested merge would otherwise show the merged keys beside its own)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def _check_unique(self, node: Any) -> None:
+        if not isinstance(node, yaml.MappingNode) or id(node) in self._checked:
+            return
+        self._checked.add(id(node))
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges; keys given beside it override the merged ones
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:
+                continue  # unhashable key: SafeLoader names it below
+            if first is not key_node.start_mark:
+                raise _DuplicateKeyError(key, key_node.start_mark, first)
+
+    def flatten_mapping(self, node: Any) -> None:
+        self._check_unique(node)
+        for key_node, value_node in node.value:  # merged mappings before they are flattened themselves
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                for sub in (value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]):
+                    self._check_unique(sub)
+        super().flatten_mapping(node)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue  # `<<: *anchor` merges; keys given beside it override the merged ones
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.setdefault(key, key_node.start_mark)
-                except TypeError:
-                    continue  # unhashable key: SafeLoader names it below
-                if first is not key_node.start_mark:
-                    raise _DuplicateKeyError(key, key_node.start_mark, first)
+        self._check_unique(node)
         return super().construct_mapping(node, deep)
 
 

@@ -63,6 +63,11 @@ def test_yaml_merge_keys_and_existing_errors_still_work(tmp_path):
     f = tmp_path / "anchors.yaml"
     f.write_text("x: &d {a: 1, b: 2}\ny:\n  <<: *d\n  b: 3\n")
     assert load_yaml(f) == {"x": {"a": 1, "b": 2}, "y": {"a": 1, "b": 3}}
+    # a shared anchor used through a nested merge before its own mapping is built (PyYAML rewrites
+    # it in place): its merged keys are not its own duplicates
+    chain = tmp_path / "chain.yaml"
+    chain.write_text("x: &A {lr: 0.001}\ngroup:\n  b: &B\n    <<: *A\n    lr: 0.002\nc:\n  <<: *B\n  warmup: 3\n")
+    assert load_yaml(chain)["c"] == {"lr": 0.002, "warmup": 3}
     top = tmp_path / "list.yaml"
     top.write_text("- 1\n")
     with pytest.raises(ConfigError, match=rf"^config file {top}: top level must be a mapping$"):

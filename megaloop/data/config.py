@@ -11,7 +11,7 @@ EMBEDDED_SPLITS = ("train", "val", "screen")
 
 
 # what mosaicml-streaming's cache_limit accepts: a byte count, or a number with a b/kb/mb/.../yb unit
-_BYTES = re.compile(r"\d+b?|\d+(\.\d+)?\s*[kmgtpezy]b", re.IGNORECASE)
+_BYTES = re.compile(r"\d+b?|(\d+\.?\d*|\.\d+)\s*[kmgtpezy]b", re.IGNORECASE)
 
 
 def embedded_split(path: str | None, default: str) -> str | None:

@@ -497,7 +497,9 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
 
     def load(where: str, overrides: list[str]):
         try:
-            return load_config(config, overrides)
+            cfg = load_config(config, overrides)
+            cfg.check_trainable()  # what each run's `megaloop train` refuses: named while planning
+            return cfg
         except ConfigError as err:
             raise SpecError(f"{where}: {err}") from None
         except (OSError, ValueError) as err:  # e.g. a preset YAML that does not parse

@@ -254,7 +254,9 @@ def _load_config(config: str, overrides: list[str]):
     from megaloop.config_utils import ConfigError
 
     try:
-        return load_config(config, overrides)
+        cfg = load_config(config, overrides)
+        cfg.check_trainable()  # what each point's `megaloop train` refuses: named before anything runs
+        return cfg
     except ConfigError as err:
         raise UserError(f"--config {config}: {err}") from None
     except FileNotFoundError as err:

@@ -30,6 +30,10 @@ def wandb_run_id(run_dir: Path, name: str | None, *, new: bool) -> str:
     path = run_dir / WANDB_ID_FILE
     if not new and path.is_file() and (held := path.read_text().strip()):
         return held
+    legacy = (name or run_dir.name).replace("/", "_")  # the id of a run started before RUN/wandb_id
+    if not new and any((run_dir / "wandb").glob(f"*run-*-{legacy}")):
+        atomic_write_text(path, legacy + "\n")
+        return legacy
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", name or run_dir.resolve().name)[:96] or "run"
     run_id = f"{stem}-{secrets.token_hex(4)}"
     atomic_write_text(path, run_id + "\n")
@@ -58,6 +62,8 @@ class MetricsLogger:
         elif self.path.exists():
             self._truncate_after(start_step)
         self._file = open(self.path, "a")
+        if cfg.wandb == "disabled" and (start_step == 0 or rewound):  # a later wandb resume must not continue
+            (run_dir / WANDB_ID_FILE).unlink(missing_ok=True)            # the run the redone steps left behind
         if cfg.wandb != "disabled":
             import wandb
 

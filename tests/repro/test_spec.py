@@ -180,3 +180,10 @@ def test_synth_eval_plan_fields_and_digest_stability() -> None:
                       ({"sweep": False, "harness": []}, "nothing to evaluate")):
         with pytest.raises(ConfigError, match=field):
             EvalPlan(**kw)
+
+
+def test_a_run_train_would_refuse_is_named_while_planning() -> None:
+    """The warm-up/WSD-decay overlap and stop_after past the horizon are refused when a run starts; a
+    plan (and with slurm, every queued job) only met them there."""
+    with pytest.raises(SpecError, match=r"arm 'huginn_bR': optim.warmup_steps: 30 warm-up steps and the WSD decay"):
+        load_plan("tbptt", "tiny", ["train.max_steps=32"])
