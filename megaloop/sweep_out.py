@@ -69,12 +69,11 @@ def check_out_kind(out: str | Path | None, kind: str, flag: str = "--out") -> No
 
 
 def check_out_outside_data(out: str | Path, data_paths: dict[str, str | None], flag: str = "--out") -> None:
-    """Refuse an ``out`` that is a dataset or lies inside one of ``data_paths`` (field -> path)."""
-    from megaloop.train.run_dir import RunDirError, check_run_dir_location
-    try:
-        check_run_dir_location(Path(out), data_paths, flag=flag, writes="the runs and reports are written there")
-    except RunDirError as err:
-        raise UserError(str(err)) from None
+    """Refuse an ``out`` that is a dataset or lies inside one of ``data_paths`` (field -> path); the
+    ``RunDirError`` is a ``UserError``: one line, exit 2, from the sweep's ``run_cli``."""
+    from megaloop.train.run_dir import check_run_dir_location
+
+    check_run_dir_location(Path(out), data_paths, flag=flag, writes="the runs and reports are written there")
 
 
 __all__ = ["check_out_dir", "check_out_kind", "check_out_outside_data", "folder_kind"]
