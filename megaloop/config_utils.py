@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -120,6 +121,18 @@ def _override_text(text: str, parsed: Any) -> Any:
     return text
 
 
+# a number in exponent form that YAML 1.1 (PyYAML) reads as text: 1e-3, 3E4, 1.0e3, -2.5e+2
+_EXPONENT_NUMBER = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
+
+
+def _number(value: Any) -> Any:
+    """``value``, or the float an exponent-form text means (``lr: 1e-3`` in a YAML file or a section
+    mapping override reaches a number field as the string "1e-3")."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
 def _coerce(value: Any, tp: Any, field: str) -> Any:
     """Coerce a YAML/dotlist value to the annotated type ``tp`` or raise naming ``field``."""
     origin = typing.get_origin(tp)
@@ -151,6 +164,8 @@ def _coerce(value: Any, tp: Any, field: str) -> Any:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{field}: expected true/false, got {value!r}")
+    if tp in (int, float):
+        value = _number(value)
     if tp is int:
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or int(value) != value):
@@ -261,6 +276,21 @@ def _field_type(cls: Any, parts: list[str]) -> Any:
     return None
 
 
+def _new_names(value: dict, cls: type, where: str) -> dict:
+    """A mapping given for section ``cls`` (dotted path ``where``) with renamed fields under their new
+    names, nested sections too."""
+    renamed, hints = getattr(cls, "RENAMED", {}), typing.get_type_hints(cls)
+    old_of = {new: old for old, new in renamed.items()}
+    out = {}
+    for k, v in value.items():
+        new = renamed.get(k, k)
+        if new in out:
+            raise ConfigError(f"{where}.{old_of[new]}: renamed to {where}.{new}; give only one of them")
+        tp = hints.get(new)
+        out[new] = _new_names(v, tp, f"{where}.{new}") if isinstance(v, dict) and dataclasses.is_dataclass(tp) else v
+    return out
+
+
 def apply_dotlist(data: dict, dotlist: list[str], cls: Any = None) -> dict:
     """Apply ``a.b=c`` overrides to a nested dict (in place) and return it. Values read as YAML
     (``1e-3`` -> float, ``[1,2]`` -> list, ``null``), except that a ``str`` field of dataclass
@@ -284,8 +314,11 @@ def apply_dotlist(data: dict, dotlist: list[str], cls: Any = None) -> dict:
         except yaml.YAMLError as e:
             raise ConfigError(f"override {key}: {text!r} is not a valid YAML value "
                               f"({str(e).splitlines()[0]})") from None
-        if _is_text_field(_field_type(cls, parts)):
+        tp = _field_type(cls, parts)
+        if _is_text_field(tp):
             value = _override_text(text, value)  # the override as typed, not as YAML reads it
+        elif isinstance(value, dict) and dataclasses.is_dataclass(tp):
+            value = _new_names(value, tp, key.strip())  # merges into the section, whose keys already have the new names
         _set_override(node, parts[-1], value)
     return data
 

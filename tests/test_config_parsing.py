@@ -106,6 +106,32 @@ def test_section_mapping_override_merges_into_the_section():
     assert apply_dotlist({"a": {"b": {"c": 1, "d": 2}}}, ["a={b: {c: 5}}"]) == {"a": {"b": {"c": 5, "d": 2}}}
 
 
+def test_exponent_numbers_in_yaml_files_and_section_mappings(tmp_path):
+    """YAML 1.1 reads ``1e-3`` as text: ``lr: 1e-3`` in a config file and ``optim={lr: 1e-3}`` were refused
+    ("expected a finite number, got '1e-3'"); number fields read it as the number, text fields keep it."""
+    f = tmp_path / "run.yaml"
+    f.write_text(f"base: {resolve_config_path('tiny')}\noptim:\n  lr: 1e-3\n  min_lr: 1.0E-5\n"
+                 "train:\n  max_steps: 2e3\nlogging:\n  name: 1e3\n")
+    cfg = load_config(str(f))
+    assert (cfg.optim.lr, cfg.optim.min_lr, cfg.train.max_steps, cfg.logging.name) == (1e-3, 1e-5, 2000, "1e3")
+    cfg = load_config("tiny", ["optim={lr: 1e-3}", "depth={sigma: 5e-1}"])
+    assert (cfg.optim.lr, cfg.depth.sigma) == (1e-3, 0.5)
+    with pytest.raises(ConfigError, match=r"^train.max_steps: expected an integer, got 2.5$"):
+        load_config("tiny", ["train={max_steps: 25e-1}"])
+    with pytest.raises(ConfigError, match=r"^optim.lr: expected a finite number, got '1e-3x'$"):
+        load_config("tiny", ["optim={lr: 1e-3x}"])
+
+
+def test_section_mapping_override_reads_renamed_fields():
+    """``model={b_max: 3}`` merged the old name beside the preset's new one and was refused as given twice."""
+    assert load_config("tiny", ["model={b_max: 3}"]).model.bptt_window == 3
+    assert load_config("tiny", ["model.b_max=2"]).model.bptt_window == 2
+    for both in ("model={b_max: 3, bptt_window: 2}", "model={bptt_window: 2, b_max: 3}"):
+        with pytest.raises(ConfigError) as err:
+            load_config("tiny", [both])
+        assert _one_line(err) == "model.b_max: renamed to model.bptt_window; give only one of them"
+
+
 @pytest.mark.parametrize("override,message", [
     ("=1", "override '=1' has no key: expected section.key=value (e.g. train.max_steps=20)"),
     (".x=1", "override '.x=1' has an empty name in key '.x': expected section.key=value"),
