@@ -112,8 +112,9 @@ def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 def _ensure_adam_state(optimizer) -> None:
     """Give a fresh optimizer zero Adam state without stepping it. megatron-core 0.16.1's
     distributed optimizer asserts one shared ``step`` value when building the state dict it
-    loads into, which a never-stepped torch Adam does not have (and its own dummy step would
-    apply weight decay to the parameters)."""
+    loads into or saves, which a never-stepped torch Adam does not have (and its own dummy step
+    would apply weight decay to the parameters). Step 0 and zero moments are what torch's Adam
+    creates at its first step, so the next update is the same as from a fresh optimizer."""
     for opt in _torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -400,6 +401,8 @@ class CheckpointManager:
                 failed = err
         if not agree(failed is None):  # collective: every rank raises, none waits in the save
             self._save_failed(step, tmp, failed)
+        if optimizer is not None:
+            _ensure_adam_state(optimizer)  # no update applied yet (every step non-finite): the state before one
         sd = sharded_state(model_chunks, optimizer, is_loading=False)
         sd["common"] = common
         try:

@@ -57,3 +57,22 @@ def test_abort_keeps_a_checkpoint_of_the_same_step(tmp_path):
     assert ckpts == ["step_00000002"]
     common = _common(tmp_path / "checkpoints" / "step_00000002")
     assert common["scheduler"]["num_steps"] == 2 and [s["sample_in_epoch"] for s in common["loader"]] == [16]
+
+
+def test_abort_at_the_first_step_with_the_distributed_optimizer_saves_and_resumes_exactly(tmp_path):
+    """No update applied yet: megatron's distributed optimizer asserted on the never-stepped torch Adam
+    (`assert len(steps) == 1`, a traceback) when saving the step-0 state. It is saved with the zero Adam
+    state torch creates at its first step, so resuming from it trains as a fresh run does."""
+    from tests.train.helpers import run_train
+
+    same = ["train.max_steps=5", "train.save_interval=0", "train.nonfinite=abort", "train.max_nonfinite=1",
+            "parallel.distributed_optimizer=true"]
+    proc = _run(tmp_path / "a", "abort", "1", "depth.warmup_updates=0", "parallel.distributed_optimizer=true")
+    assert proc.returncode == 3 and "AssertionError" not in proc.stderr, proc.stderr[-3000:]
+    assert (tmp_path / "a" / "checkpoints" / "step_00000000" / "megaloop.json").is_file()
+    assert _common(tmp_path / "a" / "checkpoints" / "step_00000000")["step"] == 0
+    run_train(tmp_path / "a", *same, resume="auto")
+    run_train(tmp_path / "b", *same)
+    resumed = [r["loss"] for r in metrics(tmp_path / "a") if "loss" in r and r.get("skipped") is None]
+    fresh = [r["loss"] for r in metrics(tmp_path / "b") if "loss" in r]
+    assert len(fresh) == 5 and resumed[-5:] == fresh, (resumed, fresh)
