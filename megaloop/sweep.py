@@ -519,7 +519,8 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
 def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, list[str]], int],
             argv: list[str] | None) -> int:
     """``main`` of a sweep command: parse ``argv`` (dotlist overrides for every run after ``--``),
-    check ``--out`` (also for ``--dry-run``) and run ``body(args, overrides)``; a :class:`UserError`
+    check ``--out``'s shape (also for ``--dry-run``) and run ``body(args, overrides)``, which checks it
+    lies outside the datasets before probing that a file can be created there; a :class:`UserError`
     is one line and exit 2, a refused submission one line and exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extras: list[str] = []
@@ -528,7 +529,7 @@ def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse
         argv, extras = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     try:
-        check_out_dir(getattr(args, "out", None), probe=not getattr(args, "dry_run", False))
+        check_out_dir(getattr(args, "out", None), probe=False)  # the body probes it after the dataset check
         return body(args, extras)
     except UserError as err:
         return report(err, prog)

@@ -41,7 +41,7 @@ from megaloop.screen import report as rep
 from megaloop.screen.core import (SCALE_DEFAULTS, TERMINAL, WHOLE_SET, build_screen, check_fixed_settings, finite,
                                   log, lr_tag, point_state, select_best)
 from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
-from megaloop.sweep_out import check_out_kind, check_out_outside_data
+from megaloop.sweep_out import check_out_dir, check_out_kind, check_out_outside_data
 
 PROG = "megaloop lr-screen"
 
@@ -86,6 +86,7 @@ def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
     screen = build_screen(args, extras)
     check_out_kind(screen.out, "lr-screen")
     check_out_outside_data(screen.out, {"data.path": screen.data_path, "--screen-set": screen.screen_set})
+    check_out_dir(str(screen.out), probe=not args.dry_run)  # after: inside a read-only dataset is named as such
     launch = launch_from_args(args, default_parallel=1)
     if args.collect and not ((screen.out / "screen.json").is_file() or any(screen.run_dir(lr).is_dir()
                                                                           for lr in screen.lrs)):

@@ -324,6 +324,25 @@ def test_out_inside_a_dataset_is_refused(tool, user_yaml: Path, tmp_path: Path, 
     assert [p.name for p in data.iterdir()] == ["index.json"]
 
 
+def test_out_inside_a_read_only_dataset_is_named_as_inside_it(tool, user_yaml: Path, tmp_path: Path, capsys,
+                                                              monkeypatch) -> None:
+    """The write probe ran first: inside a read-only dataset read "no file can be created" (root ignores
+    file modes, so the probe is made to fail)."""
+    import megaloop.runtime.files as files
+
+    monkeypatch.setattr(files, "cannot_create_in", lambda p: "Read-only file system")
+    data = tmp_path / "train"
+    data.mkdir()
+    (data / "index.json").write_text('{"shards": [], "version": 2}')
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(data / "repro"), "--",
+                      f"data.path={data}"]) == 2
+    err = capsys.readouterr().err
+    assert f"the dataset data.path={data}" in err and "no file can be created" not in err, err
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(tmp_path / "o"), "--",
+                      f"data.path={data}"]) == 2
+    assert "no file can be created in" in capsys.readouterr().err
+
+
 def test_a_subset_run_reports_every_arm_the_out_holds(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
     """--arms b1 on an OUT where both arms ran: results.json / report.md keep 'full' too."""
     out = tmp_path / "out"

@@ -291,6 +291,27 @@ def test_out_inside_a_dataset_is_refused_before_anything_is_written(tmp_path: Pa
     assert sorted(p.name for p in screen_set.iterdir()) == before and list(train.iterdir()) == []
 
 
+def test_out_inside_a_read_only_dataset_is_named_as_inside_it(tmp_path: Path, capsys, monkeypatch) -> None:
+    """The write probe ran before the dataset check: an --out inside a read-only dataset got "no file can
+    be created" instead of "inside the dataset". (Root ignores file modes, so the probe is made to fail.)"""
+    import megaloop.runtime.files as files
+
+    monkeypatch.setattr(files, "cannot_create_in", lambda p: "Read-only file system")
+    screen_set = tmp_path / "screen"
+    screen_set.mkdir()
+    (screen_set / "index.json").write_text('{"shards": [], "version": 2}')
+    (screen_set / "manifest.json").write_text(json.dumps({"kind": "screen", "seq_len": 128, "num_sequences": 20}))
+    train = tmp_path / "train"
+    train.mkdir()
+    argv = ["--config", "tiny", "--grid", "1e-3,2e-3,4e-3", "--stop-after", "2", "--screen-set", str(screen_set)]
+    assert cli.main([*argv, "--out", str(train / "s"), "--", f"data.path={train}"]) == 2
+    err = capsys.readouterr().err
+    assert f"is inside the dataset data.path={train}" in err and "no file can be created" not in err, err
+    assert cli.main([*argv, "--out", str(tmp_path / "elsewhere"), "--", f"data.path={train}"]) == 2
+    assert "no file can be created in" in capsys.readouterr().err
+    assert list(train.iterdir()) == [] and not (tmp_path / "elsewhere").exists()
+
+
 def test_unfinished_points_make_selection_provisional() -> None:
     # a missing point may move the optimum: a provisional best, but no edge / interior verdict and no
     # proposed grid (an incomplete screen claimed an edge and proposed a grid)
