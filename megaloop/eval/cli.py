@@ -367,7 +367,10 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
         for mode, stats in (r.get("adaptive_depths") or {}).items():
             print(f"R={r['depth']} adaptive decode ({stats['criterion']}, max depth {stats['max_depth']}, {mode} "
                   f"cache): {_depth_summary(stats)}")
-    print(f"extrapolation: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
+    what = ("extrapolation" if res["deepest"] > res["reference_depth"] else
+            f"no extrapolation (the deepest swept R={res['deepest']} is not past the reference R="
+            f"{res['reference_depth']})")
+    print(f"{what}: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
           f"{res['extrapolation_pct']:+.3f} %")
     res["plot"] = str(plot)
     trained = int(engine.config.max_position_embeddings)
@@ -517,7 +520,8 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     _table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
            ["check", "value"], rows)
     if "per_source" in rep:
-        _table(f"Fixed points per source ({per_source} spans per source)",
+        cap = f", {len(rows_idx)} in all by --max-seqs {args.max_seqs}" if args.max_seqs else ""
+        _table(f"Fixed points per source (up to {per_source} spans per source{cap})",
                ["source", "spans", "qualified", "joint depth median", "state gap median / max", "KL median / max"],
                [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
                  f"{_fmt(r['state_gap']['median'])} / {_fmt(r['state_gap']['max'])}",

@@ -38,18 +38,22 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
 
     code, out, _ = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1,4", "--sharing",
                        "--prefix-len", "32", "--json", str(tmp_path / "sweep.json"))
-    assert code == 0 and "extrapolation" in out and (tmp_path / "sweep.png").is_file()
+    assert code == 0 and "\nextrapolation: PPL(R=4) / PPL(R=3)" in out and (tmp_path / "sweep.png").is_file()
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["depth"] for r in sweep["rows"]] == [1, 4] and sweep["prefix_len"] == 32
     assert (sweep["seq_len"], sweep["training_seq_len"], sweep["rope_extrapolated"]) == (128, 128, False)
-    code, _, err = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1", "--seq-len", "160",
-                       "--json", str(tmp_path / "s160.json"), "--plot", str(tmp_path / "s160.png"))
+    code, out, err = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1", "--seq-len", "160",
+                         "--json", str(tmp_path / "s160.json"), "--plot", str(tmp_path / "s160.png"))
     long = json.loads((tmp_path / "s160.json").read_text())
     assert code == 0 and (long["seq_len"], long["rope_extrapolated"]) == (160, True) and "extrapolated" in err
+    # a sweep that stops below the reference depth is not an extrapolation (it was printed as one)
+    assert "no extrapolation (the deepest swept R=1 is not past the reference R=3): PPL(R=1)" in out, out
 
     code, out, _ = cli("eval", "fixed-point", "--checkpoint", ck, "--max-seqs", "1", "--prefix-len", "12",
                        "--json", str(tmp_path / "fp.json"))
     assert code == 0 and "spans qualified" in out
+    # the per-source title said "16 spans per source" beside one span in all
+    assert "Fixed points per source (up to 16 spans per source, 1 in all by --max-seqs 1)" in out, out
     fp = json.loads((tmp_path / "fp.json").read_text())
     assert fp["num_spans"] == 1 and fp["prefix_len"] == 12 and fp["criteria"]["max_steps"] == 1024
 
