@@ -421,13 +421,30 @@ class CheckpointManager:
         if not agree(failed is None):
             self._save_failed(step, tmp, failed)
         if _rank() == 0:
-            # keep the newest `keep` up to this step; never delete one newer than the checkpoint
-            # just written (a resume from an older step sets those aside first: run_dir.py)
-            older = [p for p in self.complete_checkpoints() if step_of(p) <= step]
-            for old in older[:-self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            self._prune(step)
         _barrier()
         return final
+
+    def _prune(self, step: int) -> None:
+        """Rank 0: keep the newest ``keep`` complete checkpoints up to ``step``; never delete one newer
+        than the checkpoint just written (a resume from an older step sets those aside first:
+        run_dir.py). Each goes by a rename to a hidden ``.pruned_step_*`` first, so a kill during the
+        deletion leaves no half-deleted ``step_*`` that looks like a checkpoint; a ``.pruned_step_*`` a
+        kill left behind, and an incomplete ``step_*`` older than every kept checkpoint (a deletion
+        interrupted before this release), are removed here too."""
+        kept = [p for p in self.complete_checkpoints() if step_of(p) <= step][-self.keep:]
+        oldest = step_of(kept[0]) if kept else step
+        doomed = [p for p in self.all_step_dirs() if step_of(p) < oldest]
+        for old in doomed:
+            gone = self.root / f".pruned_{old.name}"
+            try:
+                if gone.exists():
+                    shutil.rmtree(gone)
+                os.rename(old, gone)
+            except OSError:
+                continue  # left as it was: the next save tries again
+        for gone in self.root.glob(".pruned_step_*"):
+            shutil.rmtree(gone, ignore_errors=True)
 
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: ``megaloop.json`` into ``tmp``, ``tmp`` renamed to ``final`` (an older copy of

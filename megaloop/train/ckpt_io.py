@@ -149,8 +149,20 @@ def explain_save_failure(err: BaseException, where) -> str | None:
     if writing and _received_from_coordinator(err):
         return "the write failed on a rank; the error is named on rank 0, which gathered the ranks' results"
     if writing:
-        return f"the write failed: {_first_failure(err)}"
+        return f"the write failed: {_first_failure(err)}{_size_limit_hint()}"
     return None
+
+
+def _size_limit_hint() -> str:
+    """Why a zip write failed without an errno, when this process cannot write large files: its
+    file-size limit (``ulimit -f``; a file past it fails with EFBIG, which torch's writer drops)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft == resource.RLIM_INFINITY:
+        return " (torch's writer does not name the OS error; a disk quota reads this way too)"
+    return (f" (this process's file-size limit, `ulimit -f`, is {soft / 2**20:.1f} MiB: a checkpoint "
+            "file larger than that cannot be written)")
 
 
 def _received_from_coordinator(err: BaseException) -> bool:

@@ -5,6 +5,7 @@ Only global rank 0 writes. ``RUN/metrics.jsonl`` gets one JSON object per optimi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -12,9 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from megaloop.config import LoggingConfig
+from megaloop.errors import UserError
 
 CONSOLE_KEYS = ("loss", "lr", "grad_norm", "mean_depth", "prior_mean_depth", "tokens_per_s", "tflops", "mfu")
 WANDB_ID_FILE = "wandb_id"  # RUN/wandb_id: the wandb run this run directory's log continues
+
+
+class MetricsWriteError(UserError):
+    """``RUN/metrics.jsonl`` could not be written (a full disk, a quota): one line, training stops."""
 
 
 def wandb_run_id(run_dir: Path, name: str | None, *, new: bool) -> str:
@@ -61,7 +67,7 @@ class MetricsLogger:
             self.path.unlink()
         elif self.path.exists():
             self._truncate_after(start_step)
-        self._file = open(self.path, "a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # a line: one unbuffered write
         if cfg.wandb == "disabled" and (start_step == 0 or rewound):  # a later wandb resume must not continue
             (run_dir / WANDB_ID_FILE).unlink(missing_ok=True)            # the run the redone steps left behind
         if cfg.wandb != "disabled":
@@ -80,21 +86,49 @@ class MetricsLogger:
             self._progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """On resume drop log lines of steps after the checkpoint (they will be redone)."""
-        keep = []
-        for line in self.path.read_text().splitlines():
+        """On resume drop log lines of steps after the checkpoint (they will be redone) and a line a
+        kill cut short. The file is rewritten whole or not at all (a kill during the rewrite lost the
+        whole history), and only when a line goes."""
+        from megaloop.runtime.files import atomic_write_file
+
+        def kept(line: str) -> bool:
             try:
-                if json.loads(line).get("step", 0) <= step:
-                    keep.append(line)
-            except json.JSONDecodeError:
-                continue
-        self.path.write_text("".join(x + "\n" for x in keep))
+                return line.endswith("\n") and json.loads(line).get("step", 0) <= step
+            except (json.JSONDecodeError, AttributeError):
+                return False
+
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            if all(kept(line) for line in f):
+                return
+
+        def write(tmp: str) -> None:
+            with open(self.path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as dst:
+                dst.writelines(line for line in src if kept(line))
+
+        try:
+            atomic_write_file(self.path, write)
+        except OSError as err:
+            from megaloop.train.ckpt_io import describe_os_error
+
+            raise MetricsWriteError(f"{self.path}: cannot drop the steps after the checkpoint ({describe_os_error(err)}); "
+                                    "the file is as it was") from None
 
     def log(self, rec: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        data = (json.dumps(rec) + "\n").encode()
+        pos = os.fstat(self._fd).st_size
+        try:
+            done = 0
+            while done < len(data):  # a short write (a disk filling up) continues; a failed one raises
+                done += os.write(self._fd, data[done:])
+        except OSError as err:  # no torn line left behind, one line for the user
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, pos)
+            from megaloop.train.ckpt_io import describe_os_error
+
+            raise MetricsWriteError(f"{self.path}: step {rec.get('step')} could not be logged "
+                                    f"({describe_os_error(err)}); training stops, the last checkpoint is kept") from None
         if self._wandb is not None:
             flat = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
             self._wandb.log(flat, step=rec["step"])
@@ -117,7 +151,7 @@ class MetricsLogger:
             return
         if self._progress is not None:
             self._progress.stop()
-        self._file.close()
+        os.close(self._fd)
         if self._wandb is not None:
             self._wandb.finish()
 

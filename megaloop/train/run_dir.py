@@ -173,17 +173,31 @@ def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
     moved = []
     if newer:
         dest = ckpt.root / SUPERSEDED
-        dest.mkdir(exist_ok=True)
-        for p in newer:
-            target = dest / p.name
-            if target.exists():
-                target = dest / f"{p.name}.{int(time.time())}"
-            shutil.move(str(p), str(target))
-            moved.append(target)
-    if moved or (ckpt.root / "latest").is_file():
+        try:
+            dest.mkdir(exist_ok=True)
+            for p in newer:
+                target = dest / p.name
+                if target.exists():
+                    target = dest / f"{p.name}.{int(time.time())}"
+                os.rename(p, target)  # same filesystem: a folder moves whole or not at all
+                moved.append(target)
+        except OSError as err:
+            from megaloop.train.ckpt_io import describe_os_error
+
+            done = f" ({', '.join(m.name for m in moved)} already moved there)" if moved else ""
+            raise RunDirError(f"--resume {path}: the newer checkpoints could not be set aside in {dest}{done}: "
+                              f"{describe_os_error(err)}") from None
+    latest = ckpt.root / "latest"
+    if moved or latest.is_file():
         from megaloop.runtime.files import atomic_write_text
 
-        atomic_write_text(ckpt.root / "latest", path.name)
+        try:
+            if moved or latest.read_text().strip() != path.name:  # rewritten only when it changes
+                atomic_write_text(latest, path.name)
+        except OSError as err:  # informative only (resume reads the folders): a full or read-only disk
+            from megaloop.train.ckpt_io import describe_os_error  # fails the first save, with its own line
+
+            print(f"warning: {latest} could not be updated to {path.name} ({describe_os_error(err)})", flush=True)
     log = ckpt.root.parent / "metrics.jsonl"
     if moved and log.is_file():  # the log's lines after `step` go with the set-aside line of history
         from megaloop.runtime.files import atomic_write_file

@@ -219,3 +219,114 @@ def test_a_save_that_fails_on_one_rank_fails_on_every_rank(tmp_path):
         assert "no space left on device (ENOSPC" in lines[0], lines[0]
         assert "the error is named on rank 0" in lines[1] and "newest step_00000001" in lines[1], lines[1]
         assert f"tp{tp} names: ['latest', 'step_00000001']" in out
+
+
+# ---------------------------------------------------------------- 7: kills and full disks around the saves
+def _logger(run: Path, start_step: int):
+    from megaloop.config import LoggingConfig
+    from megaloop.train.metrics import MetricsLogger
+
+    return MetricsLogger(run, LoggingConfig(wandb="disabled", progress=False), enabled=True, total_steps=9,
+                         start_step=start_step, config_dict={})
+
+
+def test_resume_rewrites_the_metrics_log_whole_and_only_when_a_line_goes(tmp_path):
+    """Every resume rewrote metrics.jsonl in place (truncate, then write): a kill during it left the whole
+    history at 0 bytes. Now untouched when nothing goes; otherwise a new file renamed over the old one."""
+    log = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3))
+    log.write_text(rows)
+    before = log.stat()
+    _logger(tmp_path, 3).close()
+    after = log.stat()
+    assert log.read_text() == rows and (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    log.write_text(rows + json.dumps({"step": 4, "loss": 9.0}) + "\n" + '{"step": 5, "lo')  # a kill mid-line
+    ino = log.stat().st_ino
+    _logger(tmp_path, 3).close()
+    assert log.read_text() == rows and log.stat().st_ino != ino
+    assert not [p for p in tmp_path.iterdir() if p.name != "metrics.jsonl"]
+
+
+def test_a_metrics_line_the_disk_refuses_stops_in_one_line_without_a_torn_line(tmp_path, monkeypatch):
+    """A disk filling between saves: chained tracebacks and a metrics.jsonl ending mid-record."""
+    from megaloop.train import metrics as metrics_mod
+
+    logger = _logger(tmp_path, 0)
+    logger.log({"step": 1, "loss": 9.0})
+    good = (tmp_path / "metrics.jsonl").read_bytes()
+    real = os.write
+
+    def short_then_full(fd, data):
+        if len(data) > 10:
+            return real(fd, data[:10])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(metrics_mod.os, "write", short_then_full)
+    with pytest.raises(metrics_mod.MetricsWriteError) as info:
+        logger.log({"step": 2, "loss": 8.0})
+    msg = str(info.value)
+    assert "\n" not in msg and "step 2 could not be logged (no space left on device (ENOSPC))" in msg, msg
+    monkeypatch.undo()
+    logger.close()
+    assert (tmp_path / "metrics.jsonl").read_bytes() == good
+
+
+def test_resume_on_a_read_only_checkpoints_folder_does_not_fail_on_latest(tmp_path, monkeypatch, capsys):
+    """Every resume rewrote `latest` (informative only) and a read-only or full disk raised a traceback."""
+    from megaloop.runtime import files
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 2)
+    newest = _fake_checkpoint(root, 4)
+    (root / "latest").write_text(newest.name)
+    calls = []
+
+    def refuse(path, text):
+        calls.append(path)
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+    monkeypatch.setattr(files, "atomic_write_text", refuse)
+    assert set_aside_newer(CheckpointManager(root), newest) == [] and calls == []  # unchanged: not rewritten
+    (root / "latest").write_text("step_00000002")  # lagging after a kill
+    assert set_aside_newer(CheckpointManager(root), newest) == [] and len(calls) == 1
+    assert "could not be updated to step_00000004 (read-only file system (EROFS" in capsys.readouterr().out
+
+
+def test_pruning_renames_before_deleting_and_clears_what_a_kill_left(tmp_path, monkeypatch):
+    """A kill while an old checkpoint was deleted left a half-deleted step_* (sometimes still holding
+    megaloop.json, so it counted as complete) that no later save removed."""
+    root = tmp_path / "checkpoints"
+    half = _fake_checkpoint(root, 1, complete=False)  # a deletion interrupted before this release
+    for s in (2, 3, 4):
+        _fake_checkpoint(root, s)
+    leftover = root / ".pruned_step_00000000"
+    leftover.mkdir()
+    (leftover / "common.pt").write_bytes(b"c")
+    ckpt = CheckpointManager(root, keep=2)
+    seen = []
+
+    def interrupted(path, *a, **k):  # the kill lands during the deletion of step 2
+        seen.append(Path(path).name)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(shutil, "rmtree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt._prune(4)
+    monkeypatch.undo()
+    assert len(seen) == 1 and seen[0].startswith(".pruned_step_"), seen
+    assert [p.name for p in ckpt.all_step_dirs()] == ["step_00000003", "step_00000004"]  # renamed away first
+    ckpt._prune(4)
+    assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"] and not half.exists()
+
+
+def test_a_zip_write_failure_names_a_file_size_limit(tmp_path, monkeypatch):
+    """`ulimit -f`: torch's writer fails with no errno, on a filesystem with space left; name the limit."""
+    import resource
+
+    from megaloop.train import ckpt_io
+
+    err = RuntimeError("Worker failure: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    monkeypatch.setattr(ckpt_io, "_free_bytes", lambda where: 2**40)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (8000 * 1024, resource.RLIM_INFINITY))
+    msg = ckpt_io.explain_save_failure(err, tmp_path)
+    assert "the write failed:" in msg and "file-size limit, `ulimit -f`, is 7.8 MiB" in msg, msg
+    monkeypatch.undo()
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY:
+        assert "a disk quota reads this way too" in ckpt_io.explain_save_failure(err, tmp_path)
