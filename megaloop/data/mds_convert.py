@@ -52,7 +52,7 @@ from megaloop.data._fsutil import atomic_write_json, check_out_writable, file_lo
 from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, check_out_outside_input, copies_per_doc, \
-    discover, doc_rank_key, read_jsonl
+    discover, doc_rank_key, part_dirname, read_jsonl
 
 FORMAT = "megaloop-mds-v1"
 DONE = "_done.json"
@@ -263,11 +263,6 @@ def _process_part(task: _Task) -> dict:
     return done
 
 
-def part_dirname(part: str) -> str:
-    """Flat directory name of a partition (``src/1-1/0_1`` -> ``src__1-1__0_1``)."""
-    return part.replace("/", "__")
-
-
 def _load_done(path: Path) -> dict | None:
     import json
 
@@ -330,10 +325,12 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
                            cfg.seq_len, cfg.seed, cfg.holdout, dtype, cfg.compression,
                            cfg.shard_size_limit, cfg.packing, pad_id))
     fingerprint = json_sha(common | {"parts": [t.fingerprint for t in tasks]})
+    selection = {"input": str(cfg.input), "selected_sources": sorted(cfg.sources) if cfg.sources else None,
+                 "mix": cfg.mix.to_dict()}
     if out.is_dir() and not cfg.overwrite:  # before the lock file: refuse a folder without touching it
         old = _load_json(out / "manifest.json")
         if not (old and old.get("fingerprint") == fingerprint):
-            _refuse_foreign(out, old, common | {"input": str(cfg.input)})
+            _refuse_foreign(out, old, common | selection)
     out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".lock", busy=f"--out {out} is in use by another conversion"):
         manifest_path = out / "manifest.json"
@@ -343,7 +340,7 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
             return old | {"_run": {"parts_total": len(tasks), "parts_skipped": len(tasks),
                                    "seconds": time.time() - t0}}
         if not cfg.overwrite:
-            _refuse_foreign(out, old, common | {"input": str(cfg.input)})
+            _refuse_foreign(out, old, common | selection)
         # A dataset already published here stays published (index.json, manifest.json and the parts they
         # list untouched) until every new part is converted: those wait in OUT/.staged/ and replace their
         # old parts in the publish step below. Without one, parts go straight to parts/.
@@ -379,6 +376,7 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
                                    for t, d in zip(tasks, ordered)])
             manifest = {
                 **common, "kind": "train", "fingerprint": fingerprint, "input": str(cfg.input),
+                "selected_sources": selection["selected_sources"],
                 "tokenizer": tok.describe(), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
                 "pad_id": tok.pad_id, "columns": mds_columns(cfg.seq_len, dtype, cfg.packing),
                 "packing": cfg.packing, "pad_fill_id": pad_id,
@@ -401,6 +399,9 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
 
 _SETTINGS = ("input", "seq_len", "tokenizer_sha256", "eos_id", "seed", "holdout", "compression", "dtype",
              "packing")
+# compared where the old manifest records them (a dataset converted before they were recorded: not compared);
+# a narrower --sources removed the other sources' finished parts as if their files were gone
+_RECORDED = {"selected_sources": "--sources", "mix": "the mix (--weights/--source-weights/--bucket-upsample)"}
 
 
 def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
@@ -418,6 +419,9 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
     diff = [f"{k}: {old.get(k, 'concat' if k == 'packing' else None)!r} -> {new.get(k)!r}" for k in _SETTINGS
             if old.get(k, "concat" if k == "packing" else None) != new.get(k)
             and not (k == "input" and Path(str(old.get(k))).resolve() == Path(str(new.get(k))).resolve())]
+    if "mix" in old:  # written by every release that records the selection below
+        diff += [f"{name}: {old.get(k)!r} -> {new.get(k)!r}" for k, name in _RECORDED.items()
+                 if old.get(k) != new.get(k) and not (k == "selected_sources" and k not in old)]
     if diff:
         raise DataError(f"--out {out} holds a dataset converted with other settings ({'; '.join(diff)}); "
                         "pass --overwrite to replace it, or choose another --out")

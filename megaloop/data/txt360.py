@@ -133,12 +133,16 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
             stem = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.name[: -len(".jsonl")]
             part = "/".join((sdir.name, *rel[:-1], stem))
             found.append(InputFile(path=f, source=sdir.name, bucket=bucket, part=part))
-    seen: dict[str, Path] = {}
+    seen: dict[str, InputFile] = {}
     for f in found:
-        if f.part in seen:
-            raise DataError(f"{seen[f.part]} and {f.path} would be the same partition {f.part!r} "
-                            "(the same name with and without .gz); keep one of them")
-        seen[f.part] = f.path
+        flat = part_dirname(f.part)  # the converter's parts/<flat>/ folder of the file
+        if flat in seen:
+            other = seen[flat]
+            why = ("the same name with and without .gz" if other.part == f.part else
+                   f"{other.part!r} and {f.part!r} both flatten to the folder name {flat!r}, as '/' becomes '__'")
+            raise DataError(f"{other.path} and {f.path} would be the same partition ({why}); keep one of them "
+                            "or rename one")
+        seen[flat] = f
     if not found:
         raise DataError(f"no .jsonl or .jsonl.gz files under {data} "
                         f"(expected data/<source>/<bucket>/<i>_<n>.jsonl[.gz])")
@@ -309,10 +313,18 @@ def _read_files_once(out: dict[Path, list[Path]]) -> dict[Path, list[Path]]:
     return kept
 
 
+def part_dirname(part: str) -> str:
+    """Flat directory name of a partition (``src/1-1/0_1`` -> ``src__1-1__0_1``)."""
+    return part.replace("/", "__")
+
+
 def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
     """``(line_number, text)`` of each record; malformed records raise naming ``path:line``."""
-    opener: Any = gzip.open if path.name.endswith(".gz") else open
+    gz = path.name.endswith(".gz")
+    opener: Any = gzip.open if gz else open
     try:
+        if gz and path.stat().st_size == 0:  # gzip reads it as empty; a gzip of nothing is 20 bytes
+            raise DataError(f"{path}: empty (0 bytes), not a gzip file (an interrupted download?)")
         with opener(path, "rt", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -338,7 +350,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                                         f"character {err.start})") from None
                 yield lineno, rec["text"]
     except UnicodeDecodeError as err:
-        if _head(path) == GZIP_MAGIC:
+        if not gz and _head(path) == GZIP_MAGIC:
             raise DataError(f"{path}: looks gzip-compressed (it starts with the gzip bytes 1f 8b) but is named "
                             f"{path.suffix}; rename it to {path.name}.gz") from None
         raise DataError(_not_utf8(path, err)) from None

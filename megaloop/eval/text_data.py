@@ -101,6 +101,11 @@ def _jsonl_documents(path: Path, field: str) -> list[str]:
                 raise DataError(f"--data: {path}:{n}: invalid JSON ({err.msg})") from None
             if not isinstance(rec, dict) or not isinstance(rec.get(field), str):
                 raise DataError(f"--text-field: {path}:{n} has no string field {field!r}")
+            try:
+                rec[field].encode("utf-8")  # a JSON escape can make a lone surrogate, which no tokenizer takes
+            except UnicodeEncodeError as err:
+                raise DataError(f"--data: {path}:{n}: {field!r} is not valid Unicode ({err.reason} at character "
+                                f"{err.start})") from None
             docs.append(rec[field])
     return docs
 

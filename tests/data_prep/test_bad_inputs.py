@@ -41,6 +41,13 @@ def test_tree_shapes_that_would_be_misread(tmp_path, fixture_tokenizer, capsys):
     with pytest.raises(DataError, match=r"0_1\.jsonl and .*0_1\.jsonl\.gz would be the same partition"):
         _convert(both, fixture_tokenizer, tmp_path / "o1")
     assert not (tmp_path / "o1").exists()
+    # x__y.jsonl beside x/y.jsonl: one parts/ folder (src__1-1__x__y); both were published, index.json
+    # listed that folder's shard twice and the data of one file was lost
+    flat = _tree(tmp_path / "flat", {"web/1-1/x__y.jsonl": DOC * 40, "web/1-1/x/y.jsonl": DOC * 40})
+    with pytest.raises(DataError, match=r"x/y\.jsonl and .*x__y\.jsonl would be the same partition \('web/1-1/x/y' "
+                                        r"and 'web/1-1/x__y' both flatten to the folder name 'web__1-1__x__y'"):
+        _convert(flat, fixture_tokenizer, tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
     # a source folder passed as --input: its buckets would become sources, the upsampling lost
     src = _tree(tmp_path / "src", {"web/1-1/0_1.jsonl": DOC * 40, "web/2-5/0_1.jsonl": DOC * 40})
     with pytest.raises(DataError, match=r"bucket folders \['1-1', '2-5'\], so it is one source's folder"):
@@ -137,6 +144,27 @@ def test_an_out_holding_something_else_is_not_replaced(tmp_path, txt360_tree, fi
     with pytest.raises(DataError, match=r"is not empty and holds no converted dataset \(\['notes.txt'\]\)"):
         _convert(tree, fixture_tokenizer, tmp_path / "home")
     assert sorted(p.name for p in (tmp_path / "home").iterdir()) == ["notes.txt"]  # untouched
+
+
+def test_another_source_selection_or_mix_is_refused_not_pruned(tmp_path, fixture_tokenizer, capsys):
+    """Converting source by source into one --out removed the earlier sources' finished parts ("note:
+    removing 2 part(s) ... whose input file is no longer in ...", their files still there), and another
+    --source-weights rewrote the published dataset in place; both are other settings now."""
+    tree = _tree(tmp_path / "t", {"arxiv/1-1/0_1.jsonl": DOC * 40, "wiki/1-1/0_1.jsonl": DOC * 40})
+    out = tmp_path / "out"
+    _convert(tree, fixture_tokenizer, out, sources=["arxiv"])
+    before = sorted(p.name for p in (out / "parts").iterdir())
+    index = (out / "index.json").read_text()
+    with pytest.raises(DataError, match=r"other settings \(--sources: \['arxiv'\] -> \['wiki'\]\); pass --overwrite"):
+        _convert(tree, fixture_tokenizer, out, sources=["wiki"])
+    with pytest.raises(DataError, match=r"other settings \(the mix \(--weights/--source-weights/--bucket-upsample\): "):
+        _convert(tree, fixture_tokenizer, out, sources=["arxiv"], mix=MixSpec(source_weights={"arxiv": 2.0}))
+    assert sorted(p.name for p in (out / "parts").iterdir()) == before and (out / "index.json").read_text() == index
+    assert "removing" not in capsys.readouterr().err
+    again = _convert(tree, fixture_tokenizer, out, sources=["arxiv"])  # the same selection: nothing to do
+    assert again["_run"]["parts_skipped"] == again["_run"]["parts_total"] == 1
+    both = _convert(tree, fixture_tokenizer, out, overwrite=True)  # widened on purpose: arxiv's part is reused
+    assert set(both["sources"]) == {"arxiv", "wiki"} and both["_run"]["parts_skipped"] == 1
 
 
 def test_nothing_packable_publishes_nothing(tmp_path, fixture_tokenizer):

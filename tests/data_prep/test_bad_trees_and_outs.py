@@ -133,6 +133,23 @@ def test_files_that_are_not_jsonl_say_what_they_are(tools, fixture_tokenizer, tm
                                    "array, not an object with a 'text' field")
 
 
+def test_a_gzip_file_with_bad_bytes_or_no_bytes_says_so(tools, fixture_tokenizer, tmp_path, capsys):
+    """Before: a .jsonl.gz holding a non-UTF-8 byte was told to be renamed to .jsonl.gz.gz (TxT360 ships
+    .jsonl.gz), and a 0-byte .jsonl.gz (an interrupted download) was read as an empty file."""
+    tree = _tree(tmp_path / "t", {"web/1-1/0_1.jsonl": ""})
+    f = tree / "data" / "web" / "1-1" / "0_1.jsonl.gz"
+    os.rename(tree / "data" / "web" / "1-1" / "0_1.jsonl", f)
+    f.write_bytes(gzip.compress(DOC.encode() + b'{"text": "bad \xff"}\n'))
+    for tool in tools:
+        assert _run(tools, tool, tree, tmp_path / f"o_{tool}", fixture_tokenizer) == 2
+        err = _error_line(capsys)
+        assert err.startswith(f"error: {f}:2: not UTF-8: byte 0xff at byte ") and ".gz.gz" not in err, err
+    f.write_bytes(b"")
+    for tool in tools:
+        assert _run(tools, tool, tree, tmp_path / f"p_{tool}", fixture_tokenizer) == 2
+        assert _error_line(capsys) == f"error: {f}: empty (0 bytes), not a gzip file (an interrupted download?)"
+
+
 def test_bad_flags_are_one_line(tools, txt360_tree, fixture_tokenizer, tmp_path, capsys):
     """Before: a --weights file that is not YAML printed PyYAML's multi-line dump; ``--workers -4`` silently
     ran one worker; ``--train-manifest OUT/index.json`` (an MDS index) said "holdout spec ... differs"."""

@@ -64,6 +64,9 @@ def test_bad_text_inputs_name_the_file_and_option(tmp_path):
     bad.write_text('{"text": "a"}\nnot json\n')
     with pytest.raises(DataError, match=rf"--data: {bad}:2: invalid JSON"):
         read_documents(bad)
+    bad.write_text('{"text": "a"}\n{"text": "lone \\ud800 x"}\n')  # the tokenizer raised a TypeError traceback
+    with pytest.raises(DataError, match=rf"--data: {bad}:2: 'text' is not valid Unicode \(surrogates not allowed"):
+        read_documents(bad)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
