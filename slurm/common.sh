@@ -237,6 +237,20 @@ megaloop_post_main() {
   fi
   read -r -a extra <<<"${EXTRA_ARGS:-}"
   megaloop_post_extra "${extra[@]}"
+  if [ -f "$OUT/checkpoints/latest" ]; then
+    # --overwrite restarts a run that stopped before its first checkpoint; once that run has checkpointed,
+    # a requeued job (same EXTRA_ARGS) resumes it, and --resume with --overwrite is refused
+    local -a kept=()
+    local arg
+    for arg in "${POST_EXTRA[@]}"; do
+      if [ "$arg" = "--overwrite" ]; then
+        megaloop_log "$OUT holds a checkpoint: resuming it; EXTRA_ARGS' --overwrite (for a run with none) is not passed"
+      else
+        kept+=("$arg")
+      fi
+    done
+    POST_EXTRA=("${kept[@]}")
+  fi
   cmd+=("${POST_EXTRA[@]}")
   megaloop_launch "${cmd[@]}" || rc=$?
   exit "$rc"

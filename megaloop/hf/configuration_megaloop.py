@@ -104,6 +104,7 @@ class MegaloopConfig(PreTrainedConfig):
         tie_word_embeddings: bool = False,
         embedding_multiplier: float = 1.0,
         qk_norm: bool = False,
+        qk_norm_gain: bool = True,
         qk_bias: bool = False,
         adapter_init: str = "torch",
         adapter_bias: bool = True,
@@ -151,6 +152,7 @@ class MegaloopConfig(PreTrainedConfig):
         self.deq_std = float(deq_std)
         self.embedding_multiplier = float(embedding_multiplier)  # on the embedding output (not on inputs_embeds)
         self.qk_norm = bool(qk_norm)  # RMSNorm on each head's q and k before RoPE
+        self.qk_norm_gain = bool(qk_norm_gain)  # false: its gains stay at 1, untrained (Parcae's F.rms_norm)
         self.qk_bias = bool(qk_bias)  # learned per-head q and k biases before RoPE (Huginn's)
         self.adapter_init = adapter_init  # huginn_linear adapter's init: torch (default Linear) | normal
         self.adapter_bias = bool(adapter_bias)  # huginn_linear adapter has a bias

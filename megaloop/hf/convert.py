@@ -308,7 +308,8 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         state_init=mcfg.state_init, state_init_std=mcfg.state_init_std, eval_state_init=mcfg.eval_state_init,
         eval_seed=mcfg.eval_seed, num_recurrences=num_recurrences, initializer_range=mcfg.init_std_value,
         deq_std=mcfg.deq_std, tie_word_embeddings=mcfg.tie_embeddings,
-        embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, qk_bias=mcfg.qk_bias,
+        embedding_multiplier=mcfg.embedding_multiplier, qk_norm=mcfg.qk_norm, qk_norm_gain=mcfg.qk_norm_gain,
+        qk_bias=mcfg.qk_bias,
         input_norm=mcfg.input_norm, sandwich_norm=mcfg.sandwich_norm, state_readout=mcfg.state_readout,
         state_final_norm=mcfg.state_final_norm,
         adapter_init=mcfg.adapter_init, adapter_bias=mcfg.adapter_bias,
@@ -320,24 +321,38 @@ def native_config_from_hf(cfg: MegaloopConfig):
     """``ModelConfig`` equivalent to an HF config (for HF → megaloop)."""
     from megaloop.model.config import ModelConfig
 
-    pad = cfg.vocab_size  # the HF vocab is already padded; pad multiple keeps it as is
+    vocab, multiple = _native_vocab(cfg)
     return ModelConfig(
         arch=cfg.arch, hidden_size=cfg.hidden_size, num_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_key_value_heads if cfg.num_key_value_heads != cfg.num_attention_heads else None,
         ffn_hidden_size=cfg.intermediate_size, n_prelude=cfg.n_prelude, n_core=cfg.n_core, n_coda=cfg.n_coda,
-        num_layers=cfg.num_hidden_layers, vocab_size=cfg.vocab_size,
-        vocab_pad_multiple=_pad_multiple(pad), seq_len=max(2, cfg.max_position_embeddings),
+        num_layers=cfg.num_hidden_layers, vocab_size=vocab,
+        vocab_pad_multiple=multiple, seq_len=max(2, cfg.max_position_embeddings),
         injection=cfg.injection, exit_norm=bool(getattr(cfg, "exit_norm", True)),
         state_init=cfg.state_init, state_init_std=cfg.state_init_std,
         eval_state_init=cfg.eval_state_init, eval_seed=cfg.eval_seed, init_std=cfg.initializer_range,
         deq_std=cfg.deq_std, rope_base=cfg.rope_theta, tie_embeddings=cfg.tie_word_embeddings,
         norm_eps=cfg.rms_norm_eps, transformer_impl="local",
         embed_scale=float(getattr(cfg, "embedding_multiplier", 1.0)), qk_norm=bool(getattr(cfg, "qk_norm", False)),
+        qk_norm_gain=bool(getattr(cfg, "qk_norm_gain", True)),
         input_norm=bool(getattr(cfg, "input_norm", False)), qk_bias=bool(getattr(cfg, "qk_bias", False)),
         sandwich_norm=bool(getattr(cfg, "sandwich_norm", False)),
         state_readout=bool(getattr(cfg, "state_readout", False)),
         state_final_norm=bool(getattr(cfg, "state_final_norm", False)),
         adapter_init=getattr(cfg, "adapter_init", "torch"), adapter_bias=bool(getattr(cfg, "adapter_bias", True)))
+
+
+def _native_vocab(cfg: MegaloopConfig) -> tuple[int, int]:
+    """``(model.vocab_size, model.vocab_pad_multiple)`` of an HF config: the tokenizer's own vocabulary
+    (``tokenizer_vocab_size``, the ids generation may emit) padded to the HF embedding's rows (the round
+    trip kept the padded size as the vocabulary, and generation then sampled ids no tokenizer has)."""
+    padded = cfg.vocab_size
+    real = int(getattr(cfg, "tokenizer_vocab_size", None) or padded)
+    if real < padded:
+        for m in (128, 64, 32, 16, 8, 4, 2, 1):
+            if padded % m == 0 and -(-real // m) * m == padded:
+                return real, m
+    return padded, _pad_multiple(padded)
 
 
 def _pad_multiple(v: int) -> int:

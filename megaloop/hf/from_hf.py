@@ -39,20 +39,41 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     cfg = model.config
     mcfg = native_config_from_hf(cfg)
     init_distributed(ParallelDims(world=1), seed)
-    chunks, _ = build_model(mcfg, vocab_size=cfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,
+    chunks, _ = build_model(mcfg, vocab_size=mcfg.vocab_size, tp=1, pp=1, vpp=None, sequence_parallel=False,
                             seed=seed, ddp=False)
     native = unwrap(chunks[0])
     sd = hf_to_native_state_dict(model.state_dict(), cfg)
     load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
     run = RunConfig(model=mcfg)
     run.train.eval_depth = int(cfg.num_recurrences)  # the folder's default depth stays the default
-    if tok_home is not None:  # before the checkpoint, which then never exists without it
-        tok_home.mkdir(parents=True, exist_ok=True)
-        for name in TOKENIZER_FILES:
-            if (hf_dir / name).is_file():
-                shutil.copyfile(hf_dir / name, tok_home / name)
-    return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
-                                                                         "source": str(hf_dir)})
+    made_root = not out_root.exists()
+    made: list[Path] = []  # tokenizer files this call wrote: removed again if it does not finish
+    try:
+        if tok_home is not None:  # before the checkpoint, which then never exists without it
+            if not tok_home.exists():
+                tok_home.mkdir(parents=True)
+                made.append(tok_home)
+            for name in TOKENIZER_FILES:
+                if (hf_dir / name).is_file() and not (tok_home / name).is_file():
+                    made.append(tok_home / name)
+                    shutil.copyfile(hf_dir / name, tok_home / name)
+        return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
+                                                                             "source": str(hf_dir)})
+    except BaseException:  # an interrupt or a failure: --out as it was, so the same command can run again
+        for p in reversed(made):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        if out_root.is_dir():  # it was empty or new: what is in it now is this call's
+            for p in out_root.iterdir():
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+            if made_root:
+                out_root.rmdir()
+        raise
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

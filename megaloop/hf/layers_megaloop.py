@@ -70,6 +70,9 @@ class MegaloopAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
             self.k_norm = MegaloopRMSNorm(hd, config.rms_norm_eps)
+            if not getattr(config, "qk_norm_gain", True):  # weightless QK-norm: the gains stay at 1, untrained
+                self.q_norm.weight.requires_grad_(False)
+                self.k_norm.weight.requires_grad_(False)
         self.qk_bias = bool(getattr(config, "qk_bias", False))
         if self.qk_bias:  # Huginn's per-head query/key biases, added before RoPE
             self.q_bias = nn.Parameter(torch.zeros(self.num_heads, hd))

@@ -11,7 +11,11 @@ the single-process run with the same global batch:
   an ``optimizer`` or ``scheduler`` section is rejected rather than silently ignored;
 * the precision — the model's own dtype (FP32 by default): an ``fp16`` / ``bf16`` / ``amp`` section that
   is enabled would change the numerics and the saved dtype (``fp16`` even skips steps on its loss
-  scaler's overflow), so it is rejected naming the section (``"enabled": false`` is accepted).
+  scaler's overflow), so it is rejected naming the section (``"enabled": false`` is accepted); so are an
+  enabled ``torch_autocast``, a ``communication_data_type`` or ``data_types.grad_accum_dtype`` other than
+  FP32, ``prescale_gradients``, a ``gradient_predivide_factor`` other than 1 and ``gradient_allreduce_op: sum``;
+* ZeRO-Offload of the optimizer or parameters (it needs DeepSpeed's CPU Adam) and ``steps_per_print`` < 1 (a
+  division by zero at the first step) are rejected before the model loads.
 
 ``zero_optimization.stage`` must be 0–3 (and among the stages the command supports). Shipped configs:
 ``megaloop/configs/deepspeed/zero{1,2,3}.json`` (``--deepspeed zero2`` names one of them).
@@ -105,7 +109,44 @@ def load_ds_config(spec: str | Path, *, global_batch: int, world: int, clip_grad
     cfg.setdefault("steps_per_print", 10**9)
     cfg["zero_optimization"] = {**zero, "stage": stage}
     _check_value_types(label, raw, cfg)
+    _check_numerics(label, raw, zero)
     return cfg
+
+
+# settings that change the numerics (or the gradient's scale) with their no-op values; "auto" / absent: the default
+_NUMERIC_DEFAULTS = {"communication_data_type": (None, "fp32", "float32"),
+                     "seq_parallel_communication_data_type": (None, "fp32", "float32"),
+                     "prescale_gradients": (False,), "gradient_predivide_factor": (1, 1.0),
+                     "gradient_allreduce_op": ("mean",)}
+
+
+def _check_numerics(label: str, cfg: dict, zero: dict) -> None:
+    """Refuse, before the model loads, the other keys that would change the numerics (the command line
+    owns them; accepted before, they trained in another precision or gradient scale without a word) and
+    values that fail only inside ``deepspeed.initialize`` or at the first step."""
+    autocast = cfg.get("torch_autocast")
+    if isinstance(autocast, dict) and autocast.get("enabled", False) not in (False, "false"):
+        raise ConfigError(f"{label}: torch_autocast: mixed precision is not supported (the command line owns the "
+                          'numerics: the model trains in its own dtype); remove this section or set "enabled": false')
+    for key, fine in _NUMERIC_DEFAULTS.items():
+        if key in cfg and cfg[key] != "auto" and cfg[key] not in fine:
+            raise ConfigError(f"{label}: {key}: {cfg[key]!r} would change the numerics of the update (the command "
+                              f"line owns them; the run equals the single-process one); remove it")
+    grad_dtype = (cfg.get("data_types") or {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), dict) \
+        else None
+    if grad_dtype not in (None, "fp32", "float32"):
+        raise ConfigError(f"{label}: data_types.grad_accum_dtype: {grad_dtype!r} would change the numerics of the "
+                          "update (gradients accumulate in the model's dtype); remove it")
+    spp = cfg.get("steps_per_print", 1)  # its type is checked with the others' (1e9 is taken)
+    if isinstance(spp, (int, float)) and not isinstance(spp, bool) and spp < 1:
+        raise ConfigError(f"{label}: steps_per_print: must be >= 1 (DeepSpeed divides by it), got {spp!r}")
+    for key in ("offload_optimizer", "offload_param"):
+        body = zero.get(key)
+        device = body.get("device") if isinstance(body, dict) else None
+        if device not in (None, "none"):
+            raise ConfigError(f"{label}: zero_optimization.{key}: device {device!r} is not supported (the command "
+                              "builds torch's AdamW from --lr/--weight-decay, which ZeRO-Offload does not take); "
+                              'remove it or set "device": "none"')
 
 
 def _check_zero_section(label: str, zero: dict) -> None:

@@ -191,4 +191,33 @@ def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path
     capsys.readouterr()
     assert _main(_args(teacher, text, out, "--steps", "2", "--warmup", "0", "--resume")) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "does not fit the model being trained" in err[0] and "size mismatch" in err[0], err
+    # the weights digest, compared after the teacher loads, names it first (the shape check: a checkpoint without one)
+    assert len(err) == 1 and f"--teacher {teacher} holds other weights than the teacher" in err[0], err
+
+
+def test_resume_on_a_teacher_replaced_in_place_by_other_weights_is_refused(tiny_teacher, tmp_path, capsys):
+    """The --teacher files replaced by another model of the same shape: the resume went on silently with
+    the old σ_T² against the new teacher (loss 12 -> 10710). Its weights digest is compared now."""
+    import shutil
+
+    import torch
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    _, hf_dir = tiny_teacher
+    teacher = tmp_path / "t"
+    shutil.copytree(hf_dir, teacher)
+    text = tmp_path / "data.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "stud"
+    assert _main(_args(teacher, text, out, "--steps", "1", "--warmup", "0", "--save-every", "1")) == 0
+    other = MegaloopForCausalLM.from_pretrained(str(teacher))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    other.save_pretrained(str(teacher))
+    capsys.readouterr()
+    assert _main(_args(teacher, text, out, "--steps", "2", "--warmup", "0", "--resume")) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and f"--teacher {teacher} holds other weights than the teacher" in err[0], err

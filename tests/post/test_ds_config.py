@@ -183,3 +183,30 @@ def test_values_deepspeed_takes_are_not_refused(tmp_path):
     p.write_text(json.dumps({"zero_optimization": {"stage": 2}, "steps_per_print": 1e9, "wall_clock_breakdown": 0}))
     cfg = load_ds_config(str(p), global_batch=4, world=1, clip_grad=1.0)
     assert cfg["steps_per_print"] == 1e9 and cfg["wall_clock_breakdown"] == 0
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}, "torch_autocast: mixed precision is not supported"),
+    ({"communication_data_type": "fp16"}, "communication_data_type: 'fp16' would change the numerics"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "data_types.grad_accum_dtype: 'bf16' would change the numerics"),
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op: 'sum' would change the numerics"),
+    ({"prescale_gradients": True}, "prescale_gradients: True would change the numerics"),
+    ({"gradient_predivide_factor": 2.0}, "gradient_predivide_factor: 2.0 would change the numerics"),
+    ({"steps_per_print": 0}, "steps_per_print: must be >= 1 (DeepSpeed divides by it), got 0"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "zero_optimization.offload_optimizer: device 'cpu' is not supported"),
+])
+def test_settings_that_change_the_numerics_or_fail_later_are_refused(tmp_path, body, words):
+    """Accepted before: autocast / fp16 communication / sum all-reduce changed the update silently (student
+    max|diff| 0.02 after two steps); ZeRO-Offload and steps_per_print 0 failed after the teacher loaded."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **body}))
+    with pytest.raises(ConfigError) as err:
+        load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
+    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value), err.value
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}},
+                                "torch_autocast": {"enabled": False}, "communication_data_type": None,
+                                "data_types": {"grad_accum_dtype": "fp32"}, "gradient_allreduce_op": "mean",
+                                "gradient_predivide_factor": 1.0, "steps_per_print": 1}))
+    assert load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)["steps_per_print"] == 1

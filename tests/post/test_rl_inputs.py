@@ -152,3 +152,35 @@ def test_rope_extrapolation_is_warned(capsys):
     assert capsys.readouterr().err == ("warning: completions of --max-new-tokens 200 reach 201 positions, past the "
                                        "training seq_len 128: RoPE positions 128..200 were never trained and are "
                                        "extrapolated\n")
+
+
+def test_resume_on_a_model_replaced_in_place_by_other_weights_is_refused(tiny_teacher, tmp_path, capsys):
+    """--model is the KL reference: its files replaced by another model of the same shape were resumed
+    silently (the path alone was recorded). Its weights digest is compared now."""
+    import shutil
+
+    import torch
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    _, hf_dir = tiny_teacher
+    model = tmp_path / "m"
+    shutil.copytree(hf_dir, model)
+    out = tmp_path / "rl"
+
+    def run(steps, *extra):
+        return rl_main(["--model", str(model), "--out", str(out), "--steps", str(steps), "--group-size", "2",
+                        "--prompts", "1", "--max-new-tokens", "3", "--depth", "2", "--neumann-b", "2",
+                        "--device", "cpu", "--save-every", "1", *extra])
+
+    assert run(1) == 0
+    other = MegaloopForCausalLM.from_pretrained(str(model))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    other.save_pretrained(str(model))
+    capsys.readouterr()
+    assert run(2, "--resume") == 2
+    line = one_error_line(capsys)
+    assert f"--model {str(model.resolve())!r} (weights sha256 " in line and "→" in line, line

@@ -192,14 +192,15 @@ def test_rl_resume_checks_model_and_steps_first_and_counts_earlier_seconds(tiny_
     mode = (out / "model.safetensors").stat().st_mode & 0o777  # was 0600 (safetensors' temp file)
     assert mode == (out / "config.json").stat().st_mode & 0o777 == 0o666 & ~_umask(), oct(mode)
 
-    # the model at --model replaced by one of another shape: one line, not a size-mismatch traceback
+    # the model at --model replaced by one of another shape: one line, not a size-mismatch traceback (named by
+    # its weights digest, compared once it loads; a checkpoint without one meets the shape check)
     shutil.rmtree(model)
     MegaloopForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).save_pretrained(str(model))
     (model / "megaloop_tokenizer.json").write_text('{"spec": "bytes"}')
     capsys.readouterr()
     assert _rl(model, out, 3, "--resume") == 2
     line = one_error_line(capsys)
-    assert "does not fit --model" in line and "size mismatch" in line, line
+    assert f"--model '{model.resolve()}' (weights sha256 " in line and "→" in line, line
 
 
 @pytest.mark.parametrize("which", ["rl", "distill"])
@@ -261,6 +262,18 @@ def test_gsm8k_answer_without_a_number_is_refused(tmp_path, capsys):
     rc = rl_main(["--model", str(tmp_path / "unused"), "--out", str(tmp_path / "o"), "--task", f"gsm8k:{path}"])
     line = one_error_line(capsys)
     assert rc == 2 and f"{path}:2: answer 'Some of them' is not a number" in line, line
+
+
+def test_exact_answer_that_could_never_match_is_refused(tmp_path, capsys):
+    """ExactMatchReward compares the completion's first line: a several-line answer could never earn 1 (it was
+    accepted; gsm8k's non-number answer was refused). An empty answer stays allowed (an empty first line)."""
+    path = tmp_path / "ex.jsonl"
+    for answer, words in (("a\nb", "answer 'a\\nb' spans several lines"), ("x\n\ny", "answer 'x\\n\\ny' spans")):
+        path.write_text(json.dumps({"prompt": "x", "answer": "ok"}) + "\n"
+                        + json.dumps({"prompt": "y", "answer": answer}) + "\n")
+        rc = rl_main(["--model", str(tmp_path / "unused"), "--out", str(tmp_path / "o"), "--task", f"exact:{path}"])
+        line = one_error_line(capsys)
+        assert rc == 2 and f"{path}:2: {words}" in line, line
 
 
 @pytest.mark.parametrize("record,msg", [

@@ -69,6 +69,23 @@ def test_distill_resumes_when_a_checkpoint_exists(tmp_path: Path) -> None:
         assert _flag(cmd, "--deepspeed") == "zero2" and "--resume" in cmd
 
 
+def test_a_requeued_overwrite_job_resumes_its_checkpoint(tmp_path: Path) -> None:
+    """README: EXTRA_ARGS=--overwrite restarts a run that stopped before its first checkpoint. Once that job
+    checkpointed and was requeued (same EXTRA_ARGS), it got --resume --overwrite, which the command refuses
+    (exit 2): the job was never resumed. With a checkpoint there, --overwrite is not passed."""
+    env = _env(tmp_path, MODEL="/ckpt/hf/S", GPUS_PER_NODE="4", TASK="mbpp:tiny", EXTRA_ARGS="--overwrite --steps 7")
+    run_script("rl.sh", env, expect=0)
+    for cmd in _check_launch(tmp_path, "rl"):
+        assert "--overwrite" in cmd and "--resume" not in cmd  # no checkpoint yet: the restart
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step000050")
+    (tmp_path / "calls.jsonl").unlink()  # the stubs' record of the first job
+    proc = run_script("rl.sh", env, expect=0)
+    for cmd in _check_launch(tmp_path, "rl"):
+        assert "--resume" in cmd and "--overwrite" not in cmd and _flag(cmd, "--steps") == "7"
+    assert "holds a checkpoint: resuming it; EXTRA_ARGS' --overwrite" in proc.stdout + proc.stderr
+
+
 def test_failures_and_bad_knobs(tmp_path: Path) -> None:
     proc = run_script("rl.sh", _env(tmp_path), expect=2)
     assert "MODEL is not set" in proc.stderr

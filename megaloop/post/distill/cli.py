@@ -139,6 +139,8 @@ def _run(args: argparse.Namespace) -> int:
     if tok is None:
         raise ConfigError(f"--teacher {args.teacher}: no tokenizer found; pass --tokenizer")
     teacher.to(device).eval()
+    digest = weights_digest(teacher)
+    _check_same_teacher(stored.get("teacher_digest"), digest, args.teacher, ckpt)
     try:
         read: dict = {}
         ids = token_stream(tok, args.data, args.max_chars or None, info=read)
@@ -182,6 +184,8 @@ def _run(args: argparse.Namespace) -> int:
             from megaloop.post.runs import latest_tag
 
             _compare_runs(client["run"], record, f"{ckpt}/{latest_tag(ckpt)}")
+        if not stored.get("teacher_digest"):  # no sidecar read before the load
+            _check_same_teacher(client.get("teacher_digest"), digest, args.teacher, ckpt)
         start = int(client["step"])
         if client.get("sigma2") is not None:
             sigma2 = float(client["sigma2"])
@@ -204,7 +208,8 @@ def _run(args: argparse.Namespace) -> int:
         from megaloop.post.runs import sidecar_fields, write_sidecar
 
         tag = f"step{step:06d}"
-        state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0}
+        state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0,
+                 "teacher_digest": digest}
         engine.save(ckpt, tag, state)
         if lead:  # readable before anything is loaded, so --resume checks its flags first
             write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
@@ -235,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
         if lead:
             save_student(final.cpu(), args_out, meta={
                 "depth": cfg.depth, "sigma2": sigma2, "lambda_kl": cfg.lambda_kl, "hidden_loss": cfg.hidden_loss,
-                "student_init": args.student_init, "teacher": source, "teacher_digest": weights_digest(teacher),
+                "student_init": args.student_init, "teacher": source, "teacher_digest": digest,
                 "data": args.data, "config": config_dict(cfg),
                 "run": record, "world_size": info.world, "deepspeed": None if ds_config is None else
                 {"config": args.deepspeed, "zero_stage": engine.stage},
@@ -309,6 +314,17 @@ def _compare_runs(old: dict, new: dict, where: str) -> None:
     if diffs:
         raise ConfigError(f"--resume: {where} was trained with other flags: {', '.join(diffs)}; resume with the "
                           "same flags (only --steps may grow) or start a fresh --out")
+
+
+def _check_same_teacher(saved: str | None, digest: str, teacher: str, ckpt: Path) -> None:
+    """Refuse a --resume whose --teacher holds other weights than the run's (its files replaced in
+    place: the path alone was compared, and the student kept the old σ_T² against the new teacher)."""
+    from megaloop.config_utils import ConfigError
+
+    if saved and saved != digest:
+        raise ConfigError(f"--resume: --teacher {teacher} holds other weights than the teacher the checkpoints in "
+                          f"{ckpt} were trained against (weights digest {saved[:12]} -> {digest[:12]}); resume "
+                          "with that teacher, or start a new --out")
 
 
 def _check_resume(ckpt: Path, record: dict, deepspeed: str | None) -> dict:

@@ -180,6 +180,12 @@ def _run(args: argparse.Namespace) -> int:
         tokenizer_meta(tok)
     source = {**source, "path": str(Path(source["path"]).resolve()), "tokenizer": meta["tokenizer"],
               "tokenizer_spec": args.tokenizer}  # the tokenizer used (absolute, or bytes) and as given
+    from megaloop.post.distill.student_lm import weights_digest
+
+    meta["model_digest"] = weights_digest(model)  # the KL reference and the start: by content, not by path
+    if args.resume:
+        refuse_changes({**(stored.get("config") or {}), **(stored.get("meta") or {})}, meta,
+                       f"the checkpoint {ckpt}/{resume_tag(ckpt)}")
     warn_prompt_lengths(model, tok, task, args.task, args.max_new_tokens)
     model.to(device)
     lead = info.rank == 0

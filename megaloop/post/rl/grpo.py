@@ -307,6 +307,7 @@ class GRPOTrainer:
         self.tokenizer, self.task, self.cfg = tokenizer, task, cfg
         self.log = log
         self.meta = dict(meta or {})
+        self._warned_timeouts = False
         self.record = dict(record or {})
         self.step_no = 0
         self.seconds = 0.0  # training time of the steps done, over every launch (restored by load)
@@ -368,6 +369,8 @@ class GRPOTrainer:
         examples = self.task.sample(cfg.prompts_per_step, random.Random(f"{cfg.seed}:{self.step_no}"))
         rows = self.local_rows()
         gens = [row_generator(cfg.seed, self.step_no, j) for j in rows]
+        counts = getattr(self.task, "run_counts", None)
+        before = counts() if counts else (0, 0)
         batches = rollout(self.model, self.tokenizer, self.task, examples, cfg, rows=rows, row_generators=gens)
         t_roll = time.perf_counter() - t0
         local_r = torch.zeros(len(rows))
@@ -387,6 +390,19 @@ class GRPOTrainer:
                "completion_len": float(lengths.mean()), "rollout_s": t_roll}
         if getattr(self.task, "isolation", None):  # code-execution rewards: how completions were run
             out["reward_isolation"] = self.task.isolation
+        if counts:  # runs killed at the sandbox's wall limit score 0: on a loaded host that is the load, not the code
+            from megaloop.post.engine import all_reduce_sum
+
+            after = counts()
+            runs, hits = all_reduce_sum([after[0] - before[0], after[1] - before[1]], self.engine.world)
+            out["reward_timeouts"] = int(hits)
+            if hits and self.log and not self._warned_timeouts:
+                self._warned_timeouts = True
+                limit = getattr(getattr(self.task, "config", None), "limits", None)
+                self.log(f"warning: {int(hits)} of {int(runs)} sandboxed runs at step {self.step_no} were killed at the "
+                         f"{getattr(limit, 'timeout_s', '?')} s wall-clock limit and scored 0; on a loaded host a "
+                         "correct program can time out, so rewards depend on the load and --reward-workers "
+                         "(each step's count: reward_timeouts in metrics.jsonl)")
         out.update(self.update(batches))
         first = next(b for b in batches if b.rows)
         out["sample"] = {"prompt": first.examples[0].prompt, "completion": first.completions[0]}
@@ -488,8 +504,9 @@ FLAGS = {"prompts_per_step": "--prompts", "scale_rewards": "--no-scale-rewards",
 
 
 # settings identified by their content: the fingerprint recorded beside each (SHA-256 of the file read;
-# "bytes" for the byte tokenizer). When both runs recorded one, it decides (with the task's kind), not the path
-FINGERPRINTS = {"task": "task_sha256", "tokenizer": "tokenizer_sha256"}
+# "bytes" for the byte tokenizer; the model's: of its weights, post.distill.student_lm.weights_digest).
+# When both runs recorded one, it decides (with the task's kind), not the path
+FINGERPRINTS = {"task": "task_sha256", "tokenizer": "tokenizer_sha256", "model": "model_digest"}
 
 
 def resume_changes(old: dict, new: dict) -> list[str]:
@@ -501,9 +518,11 @@ def resume_changes(old: dict, new: dict) -> list[str]:
     def norm(v):
         return list(v) if isinstance(v, tuple) else v
 
-    def shown(record: dict, key: str) -> str:
-        fp = record.get(FINGERPRINTS[key]) if key in FINGERPRINTS else None
-        return f"{record[key]!r}" + (f" (sha256 {fp[:12]})" if fp and fp != record[key] else "")
+    def shown(record: dict, key: str) -> str:  # the fingerprints where both sides have one (they decided)
+        fp = record.get(FINGERPRINTS[key]) if key in FINGERPRINTS and old.get(FINGERPRINTS[key]) \
+            and new.get(FINGERPRINTS[key]) else None
+        what = "weights sha256" if key == "model" else "sha256"
+        return f"{record[key]!r}" + (f" ({what} {fp[:12]})" if fp and fp != record[key] else "")
 
     out = []
     for key, value in new.items():

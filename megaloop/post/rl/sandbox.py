@@ -314,3 +314,8 @@ class CodeTask:
 
     def reward_many(self, pairs: list[tuple[Example, str]]) -> list[float]:
         return self._reward.many(pairs)
+
+    def run_counts(self) -> tuple[int, int]:
+        """``(sandboxed runs, runs killed at the wall-clock limit)`` so far in this process."""
+        st = self._reward.stats
+        return st["runs"], st["timed_out"]

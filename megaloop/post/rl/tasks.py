@@ -193,6 +193,15 @@ def gsm8k_answer_problem(answer: str) -> str | None:
             "it, so it could never be 1): give the final number, or GSM8K's solution ending '#### 72'")
 
 
+def exact_answer_problem(answer: str) -> str | None:
+    """Why an ``exact:`` answer can never earn reward 1 (None when it can): the reward compares the
+    completion's first line, stripped, with the stripped answer."""
+    if "\n" in answer.strip():
+        return (f"answer {answer[:60]!r} spans several lines (the reward compares the completion's first line "
+                "with it, so it could never be 1): give a one-line answer")
+    return None
+
+
 class Gsm8kTask(JsonlTask):
     """GSM8K records as megaloop writes them (``prompt``, ``answer`` = the final number) or as the
     dataset is published (``question``, ``answer`` = the worked solution ending ``#### 72``). A record
@@ -239,7 +248,7 @@ def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = Fa
     if kind == "gsm8k" and path:
         return Gsm8kTask(path)
     if kind == "exact" and path:
-        return JsonlTask(path, ExactMatchReward())
+        return JsonlTask(path, ExactMatchReward(), answer_check=exact_answer_problem)
     raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "
                      "mbpp:PATH.jsonl")
 

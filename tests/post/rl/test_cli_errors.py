@@ -105,6 +105,7 @@ def test_rl_on_code_task_records_isolation_and_overwrite(tiny_teacher, tmp_path,
     recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in recs] == [0.0, 0.0]
     assert all(r["reward_isolation"].startswith("bwrap") for r in recs)
+    assert [r["reward_timeouts"] for r in recs] == [0, 0]
     summary = json.loads((out / "megaloop_rl.json").read_text())
     sandbox = summary["reward_sandbox"]
     assert sandbox["isolation"].startswith("bwrap") and sandbox["unsafe_code_exec"] is False
@@ -113,6 +114,25 @@ def test_rl_on_code_task_records_isolation_and_overwrite(tiny_teacher, tmp_path,
     assert rl_main(argv(2)) == 2 and "already holds" in one_error_line(capsys)
     assert rl_main(argv(1, "--overwrite")) == 0
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_rl_reports_completions_killed_at_the_wall_limit(tiny_teacher, tmp_path, capsys):
+    """A run killed at the sandbox's wall-clock limit scores 0 whatever the code: with more --reward-workers
+    on a loaded host a correct program did, and nothing said so. Counted per step and warned once."""
+    from tests.post.rl.sandbox_checks import real_backend
+
+    real_backend()
+    _, hf_dir = tiny_teacher
+    task = tmp_path / "slow.jsonl"
+    task.write_text(json.dumps({"prompt": "import time\ntime.sleep(60)\ndef f():\n    return 1\n#",
+                                "tests": ["assert f() == 1"]}) + "\n")
+    assert rl_main(["--model", str(hf_dir), "--out", str(tmp_path / "rl"), "--task", f"mbpp:{task}", "--steps", "1",
+                    "--group-size", "2", "--prompts", "1", "--max-new-tokens", "1", "--depth", "2",
+                    "--neumann-b", "2", "--device", "cpu", "--reward-workers", "2"]) == 0
+    (rec,) = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rec["reward_mean"] == 0.0 and rec["reward_timeouts"] == 2, rec
+    out = capsys.readouterr().out
+    assert "warning: 2 of 2 sandboxed runs at step 0 were killed at the 5.0 s wall-clock limit" in out, out
 
 
 def test_rl_without_sandbox_refuses_in_one_line(tmp_path, capsys, monkeypatch):

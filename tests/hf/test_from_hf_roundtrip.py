@@ -1,0 +1,77 @@
+"""HF → megaloop (``convert --from-hf``) keeps what the export records: the tokenizer's own vocabulary
+(not the padded embedding rows) and a weightless QK-norm; an interrupted conversion leaves --out as it was."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def exported(megatron_world, tmp_path_factory):
+    """A checkpoint with a 250-token vocabulary (embedding padded to 256) and weightless QK-norm, exported."""
+    from megaloop.config import RunConfig
+    from megaloop.data.config import DataConfig
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.model.build import build_model
+    from megaloop.model.config import ModelConfig
+    from megaloop.train.checkpoint import CheckpointManager
+
+    root = tmp_path_factory.mktemp("roundtrip")
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=250, qk_norm=True, qk_norm_gain=False,
+                      transformer_impl="local")
+    chunks, _ = build_model(cfg, vocab_size=250, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=5, ddp=False)
+    conf = RunConfig(model=cfg, data=DataConfig(path=str(root / "no-data"))).to_dict()
+    CheckpointManager(root / "run" / "checkpoints").save(3, chunks, None, common={"step": 3, "config": conf})
+    from tokenizers import Tokenizer, models
+
+    tok = root / "tokenizer.json"  # 250 tokens, as the model's vocabulary
+    vocab = {f"t{i}": i for i in range(249)} | {"</s>": 249}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(tok))
+    convert_to_hf(root / "run", root / "hf", validate=False, tokenizer=tok, log=lambda *_: None)
+    return root
+
+
+def test_the_round_trip_keeps_the_real_vocabulary_and_a_weightless_qk_norm(megatron_world, exported):
+    """Before: the way back recorded the padded 256 rows as the vocabulary (a re-export's
+    tokenizer_vocab_size 256, generation free to sample the 6 padding ids) and dropped qk_norm_gain=false
+    (train.init_weights then refused the original config)."""
+    from megaloop.hf.convert import convert_to_hf
+    from megaloop.hf.from_hf import convert_from_hf
+    from megaloop.train.checkpoint import CheckpointManager
+
+    hf = json.loads((exported / "hf" / "config.json").read_text())
+    assert (hf["vocab_size"], hf["tokenizer_vocab_size"], hf["qk_norm_gain"]) == (256, 250, False)
+    back = convert_from_hf(exported / "hf", exported / "back" / "checkpoints")
+    model = CheckpointManager.saved_model_config(back)
+    assert (model["vocab_size"], model["qk_norm_gain"]) == (250, False), model
+    convert_to_hf(exported / "back", exported / "hf2", validate=False, log=lambda *_: None)
+    again = json.loads((exported / "hf2" / "config.json").read_text())
+    assert (again["vocab_size"], again["tokenizer_vocab_size"], again["qk_norm_gain"]) == (256, 250, False)
+
+
+def test_an_interrupted_from_hf_leaves_out_as_it_was(megatron_world, exported, monkeypatch):
+    """Ctrl-C / SIGTERM during the save: the tokenizer files (and the step's temporary folder) stayed in
+    --out, and running the same command again was refused as "not empty"."""
+    from megaloop.hf.from_hf import convert_from_hf
+    from megaloop.train import checkpoint
+
+    hf = exported / "hf"
+    assert (hf / "tokenizer.json").is_file()
+    real = checkpoint.CheckpointManager.save
+
+    def interrupted(self, *a, **k):
+        (self.root / ".tmp_step_00000000").mkdir(parents=True)
+        raise KeyboardInterrupt
+    for out, empty_before in ((exported / "new_out", False), (exported / "empty_out", True)):
+        if empty_before:
+            out.mkdir()
+        monkeypatch.setattr(checkpoint.CheckpointManager, "save", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            convert_from_hf(hf, out)
+        assert (list(out.iterdir()) == [] if empty_before else not out.exists())
+        monkeypatch.setattr(checkpoint.CheckpointManager, "save", real)
+        assert convert_from_hf(hf, out) == out / "step_00000000" and (out / "tokenizer.json").is_file()
