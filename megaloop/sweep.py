@@ -519,8 +519,8 @@ def execute(sweep: Sweep, todo: list[Run], launch: Launch, active: dict[str, str
 def run_cli(prog: str, parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace, list[str]], int],
             argv: list[str] | None) -> int:
     """``main`` of a sweep command: parse ``argv`` (dotlist overrides for every run after ``--``),
-    check ``--out``'s shape (also for ``--dry-run``) and run ``body(args, overrides)``, which checks it
-    lies outside the datasets before probing that a file can be created there; a :class:`UserError`
+    check ``--out``'s shape (also for ``--dry-run``) and run ``body(args, overrides)``, which probes that a
+    file can be created there (after checking that it lies outside the datasets, where it has any); a :class:`UserError`
     is one line and exit 2, a refused submission one line and exit 1."""
     argv = list(sys.argv[1:] if argv is None else argv)
     extras: list[str] = []

@@ -10,12 +10,12 @@ and, with ``--json OUT``, writes the full result. Bad inputs raise
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from megaloop.config_utils import ConfigError
+from megaloop.eval.tables import depth_summary, fmt, lengths, table
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, add_student_option, build_engine,
                                              check_engine_args, check_outputs_not_inputs, check_plot_path,
                                              write_json)
@@ -254,36 +254,6 @@ def _memory_check(args: argparse.Namespace, engine, data, depths, protocols) -> 
                       depths=[check_depth(d, "--depth") for d in depths], prefill_depth=pdepth, protocols=protocols)
 
 
-def _fmt(x: Any, digits: int = 4) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, float):
-        if math.isnan(x) or math.isinf(x):
-            return str(x)
-        return f"{x:.{digits}g}" if abs(x) < 1e-3 or abs(x) >= 1e5 else f"{x:.{digits}f}".rstrip("0").rstrip(".")
-    return str(x)
-
-
-def _depth_summary(stats: dict) -> str:
-    """One line of a protocol's adaptive depths (``PPLResult.adaptive_depths[mode]``): scored tokens only."""
-    if not stats.get("tokens"):
-        return "no scored tokens"
-    hist = " ".join(f"{d}:{c}" for d, c in stats["histogram"].items())
-    return f"mean depth {stats['mean_depth']:.2f} over {stats['tokens']} scored tokens; depth:tokens {hist}"
-
-
-def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=title)
-    for c in columns:
-        t.add_column(c)
-    for r in rows:
-        t.add_row(*[_fmt(x) for x in r])
-    Console().print(t)
-
-
 # ----------------------------------------------------------------------------- commands
 def cmd_eval_ppl(args: argparse.Namespace) -> int:
     from megaloop.eval.ppl import evaluate_ppl, protocols_for
@@ -311,14 +281,14 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
         if value is not None:
             rows.append([f"{mode} cache (prefill {res.prefix_len} at P={res.prefill_depth})", value, res.tokens_scored,
                          res.kv_bytes_per_token[mode]])
-    _table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
+    table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
            f"({data.source})",
            ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
     if res.sharing_penalty_pct is not None:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
     for mode, stats in (res.adaptive_depths or {}).items():
         print(f"adaptive decode ({stats['criterion']}, {mode} cache, second half scored token by token): "
-              f"{_depth_summary(stats)}")
+              f"{depth_summary(stats)}")
     write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
                             **res.to_dict()})
     return 0
@@ -362,19 +332,18 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
     cols = ["R", "native PPL"] + (["terminal PPL", "per-visit PPL", "penalty %"] if args.sharing else [])
     rows = [[r["depth"], r["native_ppl"]] + ([r["terminal_ppl"], r["per_visit_ppl"], r["sharing_penalty_pct"]]
                                              if args.sharing else []) for r in res["rows"]]
-    _table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, rows)
+    table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, rows)
     for r in res["rows"]:
         for mode, stats in (r.get("adaptive_depths") or {}).items():
             print(f"R={r['depth']} adaptive decode ({stats['criterion']}, max depth {stats['max_depth']}, {mode} "
-                  f"cache): {_depth_summary(stats)}")
+                  f"cache): {depth_summary(stats)}")
     what = ("extrapolation" if res["deepest"] > res["reference_depth"] else
             f"no extrapolation (the deepest swept R={res['deepest']} is not past the reference R="
             f"{res['reference_depth']})")
     print(f"{what}: PPL(R={res['deepest']}) / PPL(R={res['reference_depth']}) − 1 = "
           f"{res['extrapolation_pct']:+.3f} %")
     res["plot"] = str(plot)
-    trained = int(engine.config.max_position_embeddings)
-    res.update(seq_len=data.seq_len, training_seq_len=trained, rope_extrapolated=data.seq_len > trained)
+    res.update(lengths(engine, data.seq_len))
     write_json(args.json, {"command": "eval sweep", "engine": engine.describe(), "data": data.source, **res})
     print(f"wrote {plot_sweep(res, plot)}")  # after the JSON: a failing plot loses no result
     return 0
@@ -398,11 +367,11 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     ids = data.tokens.to(engine.device)
     diag = state_diagnostics(mask=data.loss_mask.to(engine.device),
                              **trace_export(engine.model, ids, depth))
-    _table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
-           f"RMS(e) = {_fmt(diag['rms_e'])}",
+    table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
+           f"RMS(e) = {fmt(diag['rms_e'])}",
            ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))
     write_json(args.json, {"command": "eval states", "engine": engine.describe(), "data": data.source,
-                            "depth": depth, **diag})
+                            "depth": depth, "num_seqs": data.num_seqs, **lengths(engine, data.seq_len), **diag})
     return 0
 
 
@@ -451,11 +420,11 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
                          exclude=sorted(special))
         res[str(r)] = out
         rows.append([r, out["loss_first"], out["loss_repeat"], out["copy_gain"]])
-    _table(f"In-context copying — {args.num_seqs} × {half} random tokens, repeated once",
+    table(f"In-context copying — {args.num_seqs} × {half} random tokens, repeated once",
            ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
     write_json(args.json, {"command": "eval copying", "engine": engine.describe(), "half_len": half,
                            "num_seqs": args.num_seqs, "seed": args.seed, "excluded_ids": sorted(special),
-                           "seq_len": 2 * half, "training_seq_len": trained, "rope_extrapolated": 2 * half > trained,
+                           **lengths(engine, 2 * half),
                            "depths": res})
     return 0
 
@@ -504,28 +473,28 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
     rows = [["spans qualified (prefix, joint, current all qualify)", f"{rep['num_qualified']} / {rep['num_spans']}"]]
     for k in ("prefix", "joint", "current"):
         d = rep["depth"][k]
-        rows.append([f"{k} solve depth median / max", f"{_fmt(d['median'])} / {_fmt(d['max'])}"])
+        rows.append([f"{k} solve depth median / max", f"{fmt(d['median'])} / {fmt(d['max'])}"])
     rows.append(["relative state gap joint vs frozen-prefix median / max",
-                 f"{_fmt(rep['state_gap']['median'])} / {_fmt(rep['state_gap']['max'])}"])
-    rows.append(["prediction KL(joint ‖ frozen) median / max", f"{_fmt(rep['kl']['median'])} / {_fmt(rep['kl']['max'])}"])
+                 f"{fmt(rep['state_gap']['median'])} / {fmt(rep['state_gap']['max'])}"])
+    rows.append(["prediction KL(joint ‖ frozen) median / max", f"{fmt(rep['kl']['median'])} / {fmt(rep['kl']['max'])}"])
     if "zero_init_state_gap" in rep:
-        rows.append(["state gap from zero current-token init (max)", _fmt(rep["zero_init_state_gap"]["max"])])
+        rows.append(["state gap from zero current-token init (max)", fmt(rep["zero_init_state_gap"]["max"])])
     if "control" in rep:
         c = rep["control"]
         rows.append([f"control: depth-{c['depth']} prefix state gap median / max",
-                     f"{_fmt(c['state_gap']['median'])} / {_fmt(c['state_gap']['max'])}"])
+                     f"{fmt(c['state_gap']['median'])} / {fmt(c['state_gap']['max'])}"])
     for k, reasons in rep["rejections"].items():
         for reason, n in reasons.items():
             rows.append([f"rejected {k} solves: {reason}", n])
-    _table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
+    table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
            ["check", "value"], rows)
     if "per_source" in rep:
         cap = f", {len(rows_idx)} in all by --max-seqs {args.max_seqs}" if args.max_seqs else ""
-        _table(f"Fixed points per source (up to {per_source} spans per source{cap})",
+        table(f"Fixed points per source (up to {per_source} spans per source{cap})",
                ["source", "spans", "qualified", "joint depth median", "state gap median / max", "KL median / max"],
                [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
-                 f"{_fmt(r['state_gap']['median'])} / {_fmt(r['state_gap']['max'])}",
-                 f"{_fmt(r['kl']['median'])} / {_fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
+                 f"{fmt(r['state_gap']['median'])} / {fmt(r['state_gap']['max'])}",
+                 f"{fmt(r['kl']['median'])} / {fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
     write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
                             "prefix_len": plen, "per_source_k": per_source or None, **rep})
     return 0
@@ -567,7 +536,7 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
         how = f"adaptive depth token by token ({policy.spec}, depth {policy.min_depth}..{policy.max_depth})"
     else:
         how = f"D={c['decode_depth']} token by token"
-    _table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
+    table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
            ["task", "metric", "value", "n"], rows)
     extra = {}
     if policy is not None:  # every adaptive decode step of the run (scoring and generate_until)

@@ -77,7 +77,7 @@ class MegaloopLM(LM):
                  depth: Optional[int] = None, prefill_depth: Optional[int] = None,
                  decode_depth: Optional[int] = None, cache_mode: str = "terminal",
                  scoring: Optional[str] = None, batch_size: int = 16,
-                 max_gen_toks: int = 64, device: str = "cpu", dtype: str = "fp32", memory_check: bool = True,
+                 max_gen_toks: int = 64, device: str = "auto", dtype: str = "fp32", memory_check: bool = True,
                  max_batch_size: Optional[int] = None, policy: Any = "engine", **unknown):
         super().__init__()
         del max_batch_size  # lm-eval passes it with batch_size and device; batches here are fixed-size
@@ -103,7 +103,7 @@ class MegaloopLM(LM):
         self.decode_depth = check_depth(_first(decode_depth, default, engine.decode_depth), "--decode-depth")
         self.cache_mode = cache_mode
         self.scoring = check_scoring(scoring or ("parallel" if cache_mode == "none" else "decode"), cache_mode)
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 16
+        self.batch_size = _batch_size(batch_size)
         self.max_gen_toks = int(max_gen_toks)
         self.memory_check = memory_check not in (False, "false", "False", 0, "0")
         if isinstance(policy, str):  # "engine", or a criterion such as latent:1e-3 (model_args) capped at D
@@ -118,8 +118,13 @@ class MegaloopLM(LM):
         args = {}
         for part in filter(None, (arg_string or "").split(",")):
             key, _, value = part.partition("=")
-            args[key.strip()] = _parse(value.strip())
-        args.update({k: v for k, v in (additional_config or {}).items() if v is not None and k != "device"})
+            key = key.strip()  # text fields keep "none" (cache_mode=none is a mode, dtype=none is no dtype)
+            args[key] = value.strip() if key in _TEXT_ARGS else _parse(value.strip())
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "device" in extra and "device" in args and str(args["device"]) != str(extra["device"]):
+            raise ConfigError(f"megaloop lm-eval model: device={args['device']} in model_args and "
+                              f"device={extra['device']} from lm-eval's --device; give one")
+        args.update(extra)  # lm-eval's --device / simple_evaluate(device=...) was dropped (results named it)
         return cls(**args)
 
     # ------------------------------------------------------------ properties used by lm-eval
@@ -264,6 +269,21 @@ class MegaloopLM(LM):
             out.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
+
+
+# model_args read as text (a "none" here is a value, not Python's None)
+_TEXT_ARGS = ("checkpoint", "hf", "cache_mode", "scoring", "device", "dtype", "policy")
+
+
+def _batch_size(value: Any) -> int:
+    """Rows per forward from model_args / lm-eval's --batch-size: an integer >= 1; lm-eval's ``auto`` (its
+    own search for the largest batch) is the default 16 here, whose batches are fixed-size."""
+    if isinstance(value, str) and value.strip().lower().startswith("auto"):
+        return 16
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.strip().isdigit())) \
+            or int(value) < 1:
+        raise ConfigError(f"--batch-size: must be an integer >= 1 (or lm-eval's auto), got {value!r}")
+    return int(value)
 
 
 def _first(*values):

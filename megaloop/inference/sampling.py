@@ -34,7 +34,10 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optiona
     """Next tokens [b] from logits [b, V] (the real vocabulary)."""
     if params.greedy:
         return logits.argmax(-1)
-    scores = logits.float() / params.temperature
+    logits = logits.double()  # FP64: a temperature below FP32's range (5e-324) is not a division by zero
+    # shifted so the best is 0 before dividing: a tiny temperature (1e-39) sent logits / T to ±inf and the
+    # softmax to NaN (a multinomial traceback); shifted, the others go to -inf and the best keeps it all
+    scores = (logits - logits.max(-1, keepdim=True).values) / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))

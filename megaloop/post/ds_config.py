@@ -140,7 +140,11 @@ def _check_numerics(label: str, cfg: dict, zero: dict) -> None:
     spp = cfg.get("steps_per_print", 1)  # its type is checked with the others' (1e9 is taken)
     if isinstance(spp, (int, float)) and not isinstance(spp, bool) and spp < 1:
         raise ConfigError(f"{label}: steps_per_print: must be >= 1 (DeepSpeed divides by it), got {spp!r}")
-    for key in ("offload_optimizer", "offload_param"):
+    for old_key, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        if zero.get(old_key):  # DeepSpeed's deprecated spelling of the same (device cpu)
+            raise ConfigError(f"{label}: zero_optimization.{old_key}: ZeRO-Offload is not supported (the command "
+                              "builds torch's AdamW from --lr/--weight-decay, which ZeRO-Offload does not take); "
+                              "remove it")
         body = zero.get(key)
         device = body.get("device") if isinstance(body, dict) else None
         if device not in (None, "none"):

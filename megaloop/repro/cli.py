@@ -253,6 +253,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     """The experiment: launch the unfinished arms, then collect, render and report."""
     if args.merge and not args.render:
         raise UserError("--merge: goes with --render (the first results.json) and --out")
+    if args.render or args.evaluate_arm:  # they write into --out at once: probe it here (run_cli checked its shape)
+        check_out_dir(args.out)
     if args.render:
         return render(args)
     if args.evaluate_arm:

@@ -123,6 +123,23 @@ def _ensure_adam_state(optimizer) -> None:
                                     "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _refuse_unstepped_fused(optimizer, step: int) -> None:
+    """A distributed optimizer over an optimizer other than torch's Adam (Transformer Engine's or apex's
+    FusedAdam, the GPU default) that has never stepped holds no state megatron could save (it fails on
+    the missing moments); :func:`_ensure_adam_state` fills torch's only. Refused in one line, before
+    anything is written (collective: every rank decides the same)."""
+    for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(o, "optimizer", None)
+        if type(o).__name__ != "DistributedOptimizer" or inner is None or _is_torch_adam(inner):
+            continue
+        if not any(inner.state.get(p) for g in inner.param_groups for p in g["params"]):
+            raise CheckpointSaveError(
+                f"checkpoint step {step}: no update has been applied yet (every step so far was non-finite) and "
+                f"{type(inner).__name__} creates its state at its first update, so the distributed optimizer has "
+                "nothing to save; nothing was written (the initial weights follow from train.seed): fix the "
+                "cause of the non-finite loss and start the run again")
+
+
 def _unshare_adam_steps(optimizer) -> None:
     """megatron-core 0.16.1 loads one ``step`` tensor into every parameter's state; torch Adam
     increments it in place once per parameter, so give each parameter its own copy."""
@@ -388,6 +405,9 @@ class CheckpointManager:
         A save the filesystem refuses (disk full, no permission) removes its temporary directory,
         leaves the previous checkpoints and ``latest`` as they were and raises
         :class:`CheckpointSaveError` naming the directory and the OS error."""
+        if optimizer is not None:
+            _ensure_adam_state(optimizer)  # no update applied yet (every step non-finite): the state before one
+            _refuse_unstepped_fused(optimizer, step)
         final = _step_dir(self.root, step)
         tmp = self.root / f".tmp_step_{step:08d}"
         failed: BaseException | None = None
@@ -401,8 +421,6 @@ class CheckpointManager:
                 failed = err
         if not agree(failed is None):  # collective: every rank raises, none waits in the save
             self._save_failed(step, tmp, failed)
-        if optimizer is not None:
-            _ensure_adam_state(optimizer)  # no update applied yet (every step non-finite): the state before one
         sd = sharded_state(model_chunks, optimizer, is_loading=False)
         sd["common"] = common
         try:

@@ -149,7 +149,8 @@ def explain_save_failure(err: BaseException, where) -> str | None:
     if writing and _received_from_coordinator(err):
         return "the write failed on a rank; the error is named on rank 0, which gathered the ranks' results"
     if writing:
-        return f"the write failed: {_first_failure(err)}{_size_limit_hint()}"
+        zip_write = any("inline_container" in str(e) or "unexpected pos" in str(e) for e in _chain(err))
+        return f"the write failed: {_first_failure(err)}{_size_limit_hint() if zip_write else ''}"
     return None
 
 

@@ -87,3 +87,19 @@ def test_no_git_message_outside_a_checkout(trained_engine, tmp_path, monkeypatch
     run_harness(MegaloopLM(trained_engine, cache_mode="terminal"), ["megaloop_toy_mc"], limit=2)
     assert "fatal" not in capfd.readouterr().err
     assert evaluator.get_git_commit_hash is original
+
+
+def test_model_args_and_lm_eval_options_are_honoured(megatron_world, trained_run):
+    """lm-eval's API path: `cache_mode=none` became Python None ("--cache: ... got None"), a bad batch_size
+    was replaced by 16 in silence, and simple_evaluate(device=...) was dropped while the results named it."""
+    lm = MegaloopLM.create_from_arg_string(f"checkpoint={trained_run},cache_mode=none", {"device": "cpu"})
+    assert lm.cache_mode == "none" and lm.scoring == "parallel" and str(lm.engine.device) == "cpu"
+    assert MegaloopLM.create_from_arg_string(f"checkpoint={trained_run}", {"batch_size": "auto"}).batch_size == 16
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(ConfigError, match=r"--batch-size: must be an integer >= 1"):
+            MegaloopLM.create_from_arg_string(f"checkpoint={trained_run},batch_size={bad}")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="--device cuda:0: CUDA is not available"):
+            MegaloopLM.create_from_arg_string(f"checkpoint={trained_run}", {"device": "cuda:0"})
+    with pytest.raises(ConfigError, match=r"device=cpu in model_args and device=cuda from lm-eval's --device"):
+        MegaloopLM.create_from_arg_string(f"checkpoint={trained_run},device=cpu", {"device": "cuda"})

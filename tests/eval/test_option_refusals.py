@@ -311,8 +311,13 @@ def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp
         assert code == 2 and "evaluation sequence has 48 tokens, longer than the model's context of 40 tokens" \
             in err, (verb, err)
     code, _ = cli("eval", "states", "--checkpoint", str(hf), "--data", str(text), "--seq-len", "48",
-                  "--max-context", "48", "--max-seqs", "1", "--depth", "2", "--device", "cpu")
+                  "--max-context", "48", "--max-seqs", "1", "--depth", "2", "--device", "cpu",
+                  "--json", str(tmp_path / "st.json"))
     assert code == 0
+    import json
+
+    st = json.loads((tmp_path / "st.json").read_text())  # the protocol the table printed (it was left out)
+    assert (st["num_seqs"], st["seq_len"], st["rope_extrapolated"]) == (1, 48, st["training_seq_len"] < 48), st
     from megaloop.cli import main
 
     with pytest.raises(SystemExit):  # fixed-point refuses --depth, so its help does not offer it

@@ -195,6 +195,7 @@ def test_values_deepspeed_takes_are_not_refused(tmp_path):
     ({"steps_per_print": 0}, "steps_per_print: must be >= 1 (DeepSpeed divides by it), got 0"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "zero_optimization.offload_optimizer: device 'cpu' is not supported"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "zero_optimization.cpu_offload: ZeRO-Offload is not"),
 ])
 def test_settings_that_change_the_numerics_or_fail_later_are_refused(tmp_path, body, words):
     """Accepted before: autocast / fp16 communication / sum all-reduce changed the update silently (student

@@ -247,3 +247,16 @@ def test_render_with_another_experiment_is_refused(tool, tmp_path: Path, capsys)
     err = capsys.readouterr().err
     assert "--experiment: depth (experiment 'depth') has no arm huginn_b2, huginn_b4" in err and "(experiment 'tbptt')" in err, err
     assert not (tmp_path / "x").exists() and a.read_bytes() == src.read_bytes()
+
+
+def test_render_into_an_out_no_file_can_be_created_in_is_one_line(tool, tmp_path: Path, capsys, monkeypatch) -> None:
+    """The write probe moved after the dataset check left --render (and --evaluate-arm) unprobed: a
+    PermissionError traceback from the report's temporary folder instead of one line (review)."""
+    import megaloop.runtime.files as files
+
+    a = _file(tmp_path, "a", None, {"orthoinj": [100.0], "parcae_decay": [110.0]})
+    monkeypatch.setattr(files, "cannot_create_in", lambda p: "Permission denied")
+    assert tool.main(["--render", str(a), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--out: " in err and "no file can be created in" in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "r").exists()

@@ -330,3 +330,32 @@ def test_a_zip_write_failure_names_a_file_size_limit(tmp_path, monkeypatch):
     monkeypatch.undo()
     if resource.getrlimit(resource.RLIMIT_FSIZE)[0] == resource.RLIM_INFINITY:
         assert "a disk quota reads this way too" in ckpt_io.explain_save_failure(err, tmp_path)
+    other = RuntimeError("Worker failure: KeyError: 'exp_avg'")  # not the zip writer's: no hint (review)
+    want = "the write failed: RuntimeError: Worker failure: KeyError: 'exp_avg'"
+    assert ckpt_io.explain_save_failure(other, tmp_path) == want
+
+
+def test_a_never_stepped_fused_adam_under_the_distributed_optimizer_is_refused_in_one_line():
+    """Transformer Engine's FusedAdam (the GPU default) creates its state at its first update; megatron's
+    distributed optimizer then fails on the missing moments (review: KeyError 'exp_avg'). One line instead,
+    before anything is written; a stepped one, and torch's Adam (filled with its zero state), pass."""
+    import torch
+
+    from megaloop.train.checkpoint import _refuse_unstepped_fused
+
+    p = torch.nn.Parameter(torch.zeros(3))
+
+    class FusedAdam:  # the shape of TE's: state filled lazily by step()
+        def __init__(self):
+            self.state, self.param_groups = {}, [{"params": [p]}]
+
+    class DistributedOptimizer:
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    fused = FusedAdam()
+    with pytest.raises(CheckpointSaveError, match=r"^checkpoint step 0: no update has been applied yet .*FusedAdam"):
+        _refuse_unstepped_fused(DistributedOptimizer(fused), 0)
+    fused.state[p] = {"exp_avg": torch.zeros(3)}
+    _refuse_unstepped_fused(DistributedOptimizer(fused), 1)
+    _refuse_unstepped_fused(DistributedOptimizer(torch.optim.AdamW([p])), 0)
