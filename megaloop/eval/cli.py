@@ -282,8 +282,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
             rows.append([f"{mode} cache (prefill {res.prefix_len} at P={res.prefill_depth})", value, res.tokens_scored,
                          res.kv_bytes_per_token[mode]])
     table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
-           f"({data.source})",
-           ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
+          f"({data.source})",
+          ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
     if res.sharing_penalty_pct is not None:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
     for mode, stats in (res.adaptive_depths or {}).items():
@@ -368,8 +368,8 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
     diag = state_diagnostics(mask=data.loss_mask.to(engine.device),
                              **trace_export(engine.model, ids, depth))
     table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
-           f"RMS(e) = {fmt(diag['rms_e'])}",
-           ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))
+          f"RMS(e) = {fmt(diag['rms_e'])}",
+          ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))
     write_json(args.json, {"command": "eval states", "engine": engine.describe(), "data": data.source,
                             "depth": depth, "num_seqs": data.num_seqs, **lengths(engine, data.seq_len), **diag})
     return 0
@@ -421,7 +421,7 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
         res[str(r)] = out
         rows.append([r, out["loss_first"], out["loss_repeat"], out["copy_gain"]])
     table(f"In-context copying — {args.num_seqs} × {half} random tokens, repeated once",
-           ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
+          ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
     write_json(args.json, {"command": "eval copying", "engine": engine.describe(), "half_len": half,
                            "num_seqs": args.num_seqs, "seed": args.seed, "excluded_ids": sorted(special),
                            **lengths(engine, 2 * half),
@@ -487,14 +487,14 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
         for reason, n in reasons.items():
             rows.append([f"rejected {k} solves: {reason}", n])
     table(f"Fixed points (prefix {plen} + 1 current token, ≤ {criteria.max_steps} recurrences, FP32, math attention)",
-           ["check", "value"], rows)
+          ["check", "value"], rows)
     if "per_source" in rep:
         cap = f", {len(rows_idx)} in all by --max-seqs {args.max_seqs}" if args.max_seqs else ""
         table(f"Fixed points per source (up to {per_source} spans per source{cap})",
-               ["source", "spans", "qualified", "joint depth median", "state gap median / max", "KL median / max"],
-               [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
-                 f"{fmt(r['state_gap']['median'])} / {fmt(r['state_gap']['max'])}",
-                 f"{fmt(r['kl']['median'])} / {fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
+              ["source", "spans", "qualified", "joint depth median", "state gap median / max", "KL median / max"],
+              [[name, r["num_spans"], r["num_qualified"], r["depth"]["joint"]["median"],
+                f"{fmt(r['state_gap']['median'])} / {fmt(r['state_gap']['max'])}",
+                f"{fmt(r['kl']['median'])} / {fmt(r['kl']['max'])}"] for name, r in rep["per_source"].items()])
     write_json(args.json, {"command": "eval fixed-point", "engine": engine.describe(), "data": data.source,
                             "prefix_len": plen, "per_source_k": per_source or None, **rep})
     return 0
@@ -537,7 +537,7 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     else:
         how = f"D={c['decode_depth']} token by token"
     table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
-           ["task", "metric", "value", "n"], rows)
+          ["task", "metric", "value", "n"], rows)
     extra = {}
     if policy is not None:  # every adaptive decode step of the run (scoring and generate_until)
         extra["adaptive_depths"] = {"criterion": policy.spec, "min_depth": policy.min_depth,
