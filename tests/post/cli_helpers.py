@@ -21,3 +21,17 @@ def one_error_line(capsys) -> str:
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1, err
     return err[0]
+
+
+def replace_weights(model_dir: Path, seed: int = 7) -> None:
+    """Overwrite the HF model in ``model_dir`` in place with other weights of the same shape."""
+    import torch
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+
+    other = MegaloopForCausalLM.from_pretrained(str(model_dir))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    other.save_pretrained(str(model_dir))

@@ -170,13 +170,9 @@ def test_resume_checks_flags_reuses_sigma2_and_cuts_metrics(tiny_teacher, tmp_pa
     assert not list(out.glob(".*tmp"))
 
 
-def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path, capsys):
-    """The --teacher at the checkpoint's path replaced by a model of another shape: the student
-    checkpoint no longer fits; one line from the engine's load, not load_state_dict's traceback."""
+def _student_run(tiny_teacher, tmp_path):
+    """A one-step student of a copy of the tiny teacher, checkpointed: (teacher copy, data file, --out)."""
     import shutil
-
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-    from tests.post.rl.helpers import tiny_config
 
     _, hf_dir = tiny_teacher
     teacher = tmp_path / "t"
@@ -185,12 +181,28 @@ def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "stud"
     assert _main(_args(teacher, text, out, "--steps", "1", "--warmup", "0", "--save-every", "1")) == 0
+    return teacher, text, out
+
+
+def _resume_error(teacher, text, out, capsys) -> list[str]:
+    capsys.readouterr()
+    assert _main(_args(teacher, text, out, "--steps", "2", "--warmup", "0", "--resume")) == 2
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path, capsys):
+    """The --teacher at the checkpoint's path replaced by a model of another shape: the student
+    checkpoint no longer fits; one line, not load_state_dict's traceback."""
+    import shutil
+
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from tests.post.rl.helpers import tiny_config
+
+    teacher, text, out = _student_run(tiny_teacher, tmp_path)
     shutil.rmtree(teacher)
     MegaloopForCausalLM(tiny_config(hidden_size=32, intermediate_size=64)).save_pretrained(str(teacher))
     (teacher / "megaloop_tokenizer.json").write_text('{"spec": "bytes"}')
-    capsys.readouterr()
-    assert _main(_args(teacher, text, out, "--steps", "2", "--warmup", "0", "--resume")) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    err = _resume_error(teacher, text, out, capsys)
     # the weights digest, compared after the teacher loads, names it first (the shape check: a checkpoint without one)
     assert len(err) == 1 and f"--teacher {teacher} holds other weights than the teacher" in err[0], err
 
@@ -198,26 +210,9 @@ def test_resume_on_a_teacher_of_another_shape_is_one_line(tiny_teacher, tmp_path
 def test_resume_on_a_teacher_replaced_in_place_by_other_weights_is_refused(tiny_teacher, tmp_path, capsys):
     """The --teacher files replaced by another model of the same shape: the resume went on silently with
     the old σ_T² against the new teacher (loss 12 -> 10710). Its weights digest is compared now."""
-    import shutil
+    from tests.post.cli_helpers import replace_weights
 
-    import torch
-
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
-
-    _, hf_dir = tiny_teacher
-    teacher = tmp_path / "t"
-    shutil.copytree(hf_dir, teacher)
-    text = tmp_path / "data.txt"
-    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    out = tmp_path / "stud"
-    assert _main(_args(teacher, text, out, "--steps", "1", "--warmup", "0", "--save-every", "1")) == 0
-    other = MegaloopForCausalLM.from_pretrained(str(teacher))
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p))
-    other.save_pretrained(str(teacher))
-    capsys.readouterr()
-    assert _main(_args(teacher, text, out, "--steps", "2", "--warmup", "0", "--resume")) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    teacher, text, out = _student_run(tiny_teacher, tmp_path)
+    replace_weights(teacher)
+    err = _resume_error(teacher, text, out, capsys)
     assert len(err) == 1 and f"--teacher {teacher} holds other weights than the teacher" in err[0], err

@@ -118,6 +118,18 @@ def test_cli_bad_deepspeed_config_exits_2(tmp_path, cmd):
     assert len(lines) == 1 and "train_batch_size: 5 contradicts the command line" in lines[0], proc.stderr
 
 
+def _refused_in_one_line(tmp_path, body: dict, words: str):
+    """``body`` (on top of ZeRO-2) refused by load_ds_config in one line naming the file and ``words``;
+    returns the config's path."""
+    pytest.importorskip("deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **body}))
+    with pytest.raises(ConfigError) as err:
+        load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
+    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value), err.value
+    return path
+
+
 @pytest.mark.parametrize("body,words", [
     ({"wall_clock_breakdown": "yes"}, "wall_clock_breakdown: must be true or false (a JSON boolean), got 'yes'"),
     ({"memory_breakdown": 2}, "memory_breakdown: must be true or false (a JSON boolean), got 2"),
@@ -130,12 +142,7 @@ def test_cli_bad_deepspeed_config_exits_2(tmp_path, cmd):
 def test_wrongly_typed_top_level_values_name_the_key(tmp_path, body, words):
     """A wrongly typed top-level value was DeepSpeed's TypeError traceback from deepspeed.initialize, after
     the model loaded (or a failure later in training); now one line naming the key, from the file alone."""
-    pytest.importorskip("deepspeed")
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **body}))
-    with pytest.raises(ConfigError) as err:
-        load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
-    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value), err.value
+    path = _refused_in_one_line(tmp_path, body, words)
     # the same keys with the right types pass
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "wall_clock_breakdown": False,
                                 "memory_breakdown": False, "steps_per_print": 5, "prescale_gradients": False,
@@ -200,12 +207,7 @@ def test_values_deepspeed_takes_are_not_refused(tmp_path):
 def test_settings_that_change_the_numerics_or_fail_later_are_refused(tmp_path, body, words):
     """Accepted before: autocast / fp16 communication / sum all-reduce changed the update silently (student
     max|diff| 0.02 after two steps); ZeRO-Offload and steps_per_print 0 failed after the teacher loaded."""
-    pytest.importorskip("deepspeed")
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 2}, **body}))
-    with pytest.raises(ConfigError) as err:
-        load_ds_config(path, global_batch=8, world=2, clip_grad=1.0)
-    assert str(err.value).startswith(f"{path}: ") and words in str(err.value) and "\n" not in str(err.value), err.value
+    path = _refused_in_one_line(tmp_path, body, words)
     path.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}},
                                 "torch_autocast": {"enabled": False}, "communication_data_type": None,
                                 "data_types": {"grad_accum_dtype": "fp32"}, "gradient_allreduce_op": "mean",

@@ -104,14 +104,18 @@ def test_resume_changes_lists_training_fields_only():
     assert resume_changes({"lr": 1e-5}, new) == ["--lr 1e-05 → 0.001"]  # keys an old checkpoint lacks: skipped
 
 
+def _rl_run(model, out, steps, *extra) -> int:
+    return rl_main(["--model", str(model), "--out", str(out), "--steps", str(steps), "--group-size", "2",
+                    "--prompts", "1", "--max-new-tokens", "3", "--depth", "2", "--neumann-b", "2",
+                    "--device", "cpu", "--save-every", "1", *extra])
+
+
 def test_resume_refuses_changed_flags_and_cuts_metrics(tiny_teacher, tmp_path, capsys):
     _, hf_dir = tiny_teacher
     out = tmp_path / "rl"
 
     def run(steps, *extra):
-        return rl_main(["--model", str(hf_dir), "--out", str(out), "--steps", str(steps), "--group-size", "2",
-                        "--prompts", "1", "--max-new-tokens", "3", "--depth", "2", "--neumann-b", "2",
-                        "--device", "cpu", "--save-every", "1", *extra])
+        return _rl_run(hf_dir, out, steps, *extra)
 
     assert run(2) == 0
     metrics = out / "metrics.jsonl"
@@ -159,28 +163,14 @@ def test_resume_on_a_model_replaced_in_place_by_other_weights_is_refused(tiny_te
     silently (the path alone was recorded). Its weights digest is compared now."""
     import shutil
 
-    import torch
-
-    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from tests.post.cli_helpers import replace_weights
 
     _, hf_dir = tiny_teacher
-    model = tmp_path / "m"
+    model, out = tmp_path / "m", tmp_path / "rl"
     shutil.copytree(hf_dir, model)
-    out = tmp_path / "rl"
-
-    def run(steps, *extra):
-        return rl_main(["--model", str(model), "--out", str(out), "--steps", str(steps), "--group-size", "2",
-                        "--prompts", "1", "--max-new-tokens", "3", "--depth", "2", "--neumann-b", "2",
-                        "--device", "cpu", "--save-every", "1", *extra])
-
-    assert run(1) == 0
-    other = MegaloopForCausalLM.from_pretrained(str(model))
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn_like(p))
-    other.save_pretrained(str(model))
+    assert _rl_run(model, out, 1) == 0
+    replace_weights(model)
     capsys.readouterr()
-    assert run(2, "--resume") == 2
+    assert _rl_run(model, out, 2, "--resume") == 2
     line = one_error_line(capsys)
     assert f"--model {str(model.resolve())!r} (weights sha256 " in line and "→" in line, line
