@@ -11,6 +11,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 [ -z "${DATA_DIR:-}" ] || DATA_DIR="$(realpath -m -- "$DATA_DIR")"
 [ -z "${RUN_DIR:-}" ] || RUN_DIR="$(realpath -m -- "$RUN_DIR")"
+# the eval knobs, checked before the data build and the training they would otherwise follow
+case "${THREADS:-1}" in '' | *[!0-9]* | 0) echo "launch/synth.sh: THREADS must be an integer >= 1, got '${THREADS:-}'" >&2; exit 2 ;; esac
+if ! [[ "${DEPTHS:-1}" =~ ^[0-9]+(,[0-9]+)*$ ]]; then
+  echo "launch/synth.sh: DEPTHS must be comma-separated integers (e.g. 1,2,4,8), got '${DEPTHS:-}'" >&2
+  exit 2
+fi
 source "$ROOT/launch/_setup.sh"
 cd "$ROOT"
 export WANDB_MODE="${WANDB_MODE:-offline}" OMP_NUM_THREADS="${THREADS:-1}"

@@ -316,8 +316,11 @@ def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True
     taken = [n for n in ("heldout.jsonl", "synth.json", "tokenizer") if (root / n).exists()]
     if taken:
         raise ConfigError(f"--out: {root} already holds {taken}; write to a fresh directory")
-    src_dir.mkdir(parents=True, exist_ok=True)
-    held = heldout_problems(spec.synth, spec.eval_ks, spec.eval_per_k, spec.eval_seed)
+    held = heldout_problems(spec.synth, spec.eval_ks, spec.eval_per_k, spec.eval_seed)  # its refusals first
+    try:
+        src_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file on the way, /proc, no permission: it was a traceback
+        raise ConfigError(f"--out: {root}: cannot create {src_dir} ({err.strerror or err})") from None
     exclude = frozenset(p.prompt for p in held)
     per_file = [spec.num_docs // spec.num_files + (i < spec.num_docs % spec.num_files)
                 for i in range(spec.num_files)]

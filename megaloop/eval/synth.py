@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -42,17 +43,24 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
     per k); errors name ``file:line`` and the field."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"--problems: {path} does not exist")
+        raise ConfigError(f"--problems: {path} " + ("is a directory, not a JSONL file" if path.is_dir() else
+                                                     "does not exist"))
     if limit_per_k is not None and limit_per_k < 1:
         raise ConfigError(f"--limit: must be >= 1, got {limit_per_k}")
     out, per_k = [], {}
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--problems: {path}: not UTF-8 ({err.reason} at byte {err.start})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as err:
             raise ConfigError(f"--problems: {path}:{n}: invalid JSON ({err.msg})") from None
+        if not isinstance(rec, dict):
+            raise ConfigError(f"--problems: {path}:{n}: a record is a JSON object with k, prompt and target")
         for key, typ in (("k", int), ("prompt", str), ("target", str)):
             if not isinstance(rec.get(key), typ) or (typ is str and not rec[key]):
                 raise ConfigError(f"--problems: {path}:{n}: field {key!r} missing or not a "
@@ -65,13 +73,35 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
         out.append(rec)
     if not out:
         raise ConfigError(f"--problems: {path} holds no problem" + (f" with k in {list(ks)}" if ks else ""))
+    if ks is not None and (absent := sorted(set(ks) - set(per_k))):
+        print(f"note: --problems {path} holds no problem with k in {absent}: scoring k in {sorted(per_k)}",
+              file=sys.stderr)
     return out
 
 
 def _encode(lm, problems: Sequence[dict]) -> list[tuple[list[int], list[int]]]:
     """``problems`` as :class:`MegaloopLM` ``lm``'s (context, continuation) token pairs (the same at
-    every depth)."""
-    return [lm._truncate(*lm._encode_pair(p["prompt"], p["target"])) for p in problems]
+    every depth). A problem longer than the context is refused: cutting its start (what the adapter
+    does for lm-eval tasks) drops the assignment its answer depends on, and was silent; one past the
+    training length is warned about (RoPE extrapolation)."""
+    pairs = [lm._encode_pair(p["prompt"], p["target"]) for p in problems]
+    lengths = [len(c) + len(t) - 1 for c, t in pairs]  # model inputs: context + answer[:-1]
+    longest = max(lengths, default=0)
+    if longest > lm.max_length:
+        ks = sorted({p["k"] for p, n in zip(problems, lengths) if n > lm.max_length})
+        raise ConfigError(f"--problems: {sum(n > lm.max_length for n in lengths)} problem(s) (k in {ks}) are longer "
+                          f"than the model's context of {lm.max_length} tokens (longest {longest}): their start, "
+                          f"which the answer depends on, would be cut; pass --max-context {longest} or leave "
+                          "those k out (--ks)")
+    trained = int(lm.engine.config.max_position_embeddings)
+    if longest > trained and (trained, longest) not in _WARNED:
+        _WARNED.add((trained, longest))
+        print(f"warning: problems of up to {longest} tokens exceed the training seq_len {trained}: RoPE positions "
+              f"{trained}..{longest - 1} were never trained and are extrapolated", file=sys.stderr)
+    return pairs
+
+
+_WARNED: set = set()
 
 
 def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",

@@ -50,12 +50,15 @@ def _parse_ks(text: str | None) -> list[int] | None:
     if not text:
         return None
     out: set[int] = set()
-    for part in filter(None, (s.strip() for s in text.split(","))):
+    for part in (s.strip() for s in text.split(",")):
         lo, _, hi = part.partition("-")
         try:
-            out.update(range(int(lo), int(hi or lo) + 1))
+            first, last = int(lo), int(hi or lo)
         except ValueError:
-            raise ConfigError(f"--ks: {part!r} is not k or k1-k2") from None
+            raise ConfigError(f"--ks: {part!r} is not k or k1-k2 (in {text!r})") from None
+        if last < first:  # it selected nothing and the shipped file was blamed for holding no problem
+            raise ConfigError(f"--ks: the range {part!r} runs backwards")
+        out.update(range(first, last + 1))
     return sorted(out)
 
 

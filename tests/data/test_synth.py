@@ -218,3 +218,10 @@ def test_make_synth_cli_writes_the_txt360_layout(tmp_path, capsys):
     assert "already holds files" in capsys.readouterr().err
     assert make_synth.main(["--out", str(tmp_path / "x"), "--modulus", "1"]) == 2
     assert "synth.modulus" in capsys.readouterr().err
+    # an --out that cannot be created was a NotADirectoryError traceback; a refused held-out setting left an
+    # empty data/synth-programs/1-1 behind
+    (tmp_path / "afile").write_text("")
+    assert make_synth.main(["--out", str(tmp_path / "afile" / "x"), "--num-docs", "5"]) == 2
+    assert f"--out: {tmp_path / 'afile' / 'x'}: cannot create" in capsys.readouterr().err
+    assert make_synth.main(["--out", str(tmp_path / "y"), "--num-docs", "5", "--eval-per-k", "0"]) == 2
+    assert "per_k" in capsys.readouterr().err and not (tmp_path / "y").exists()

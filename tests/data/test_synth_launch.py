@@ -40,3 +40,16 @@ def test_synth_launcher_builds_trains_and_prints_the_table(tmp_path: Path) -> No
     again = _run(tmp_path)  # data and the finished run are reused: no programs written, no step trained
     assert '"heldout"' not in again.stdout and not re.search(r"^step\s+\d+ loss=", again.stdout, re.M)
     assert json.loads((tmp_path / "run" / "synth_table.json").read_text())["acc"] == table["acc"]
+
+
+def test_bad_eval_knobs_are_refused_before_anything_is_built(tmp_path: Path) -> None:
+    """DEPTHS=1,x or THREADS=0 was refused by the final `eval synth`, after the data build and the training
+    (about 15 minutes at the defaults)."""
+    for knob, words in (("DEPTHS=1,x", "DEPTHS must be comma-separated integers"),
+                        ("THREADS=0", "THREADS must be an integer >= 1")):
+        key, value = knob.split("=")
+        env = {**os.environ, "MEGALOOP_VENV": sys.prefix, "DATA_DIR": "data", "RUN_DIR": "run", key: value}
+        proc = subprocess.run(["bash", str(ROOT / "launch" / "synth.sh")], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and words in proc.stderr, (knob, proc.stderr)
+        assert list(tmp_path.iterdir()) == []

@@ -125,6 +125,33 @@ def test_load_problems_errors_name_the_line(tmp_path):
     with pytest.raises(ConfigError, match="no problem with k in"):
         load_problems(SHIPPED, ks=[99])
     assert [p["k"] for p in load_problems(SHIPPED, ks=[3], limit_per_k=4)] == [3] * 4
+    # a line that is JSON but not an object, a file that is not UTF-8, a directory: tracebacks or "does not exist"
+    bad.write_text("5\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl:1: a record is a JSON object with k, prompt and target"):
+        load_problems(bad)
+    bad.write_bytes(b"caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"p.jsonl: not UTF-8"):
+        load_problems(bad)
+    with pytest.raises(ConfigError, match="is a directory, not a JSONL file"):
+        load_problems(tmp_path)
+
+
+def test_ks_and_problems_longer_than_the_context(engine, tmp_path, capsys):
+    """--ks 4-2 blamed the problems file ("holds no problem"); --ks 1,9 dropped 9 silently; a problem longer
+    than the context lost its start (the assignment its answer needs) and was scored without a word."""
+    from megaloop.eval.synth import score_problems
+    from megaloop.eval.synth_cli import _parse_ks
+
+    with pytest.raises(ConfigError, match=r"--ks: the range '4-2' runs backwards"):
+        _parse_ks("4-2")
+    with pytest.raises(ConfigError, match=r"--ks: '' is not k or k1-k2"):
+        _parse_ks(",")
+    assert {p["k"] for p in load_problems(SHIPPED, ks=[1, 99])} == {1}
+    assert "holds no problem with k in [99]: scoring k in [1]" in capsys.readouterr().err
+    long = {"k": 30, "prompt": "x=1\n" + "y=y+1\n" * 40 + "print(x)\n", "target": "1\n"}
+    with pytest.raises(ConfigError, match=r"1 problem\(s\) \(k in \[30\]\) are longer than the model's context "
+                                          r"of 128 tokens .*pass --max-context"):
+        score_problems(engine, [long], depth=1)
 
 
 def test_plot_and_format(engine, tmp_path):
