@@ -93,6 +93,10 @@ def _check_flags(args) -> None:
         raise ConfigError(f"--min-pp: {args.min_pp} excludes the --pp {args.pp} the search is held to")
     if args.json_out is not None:
         _check_json_out(args.json_out)
+        inputs = {"--config": args.config, "--cluster": args.cluster}
+        for flag, given in inputs.items():  # the command's own input files were overwritten
+            if given and Path(given).is_file() and Path(given).resolve() == Path(args.json_out).resolve():
+                raise ConfigError(f"--json-out: {args.json_out} is the {flag} file this command reads; give another path")
 
 
 def _check_json_out(path: str) -> None:
@@ -108,6 +112,14 @@ def _check_json_out(path: str) -> None:
         raise ConfigError(f"--json-out: folder {parent} is not writable")
     if p.exists() and not p.is_file():
         raise ConfigError(f"--json-out: {path} exists and is not a regular file")
+    if p.is_file() and p.stat().st_size:  # replace an earlier report, not another file (a metrics.jsonl, a YAML)
+        try:
+            earlier = json.loads(p.read_text())
+        except (OSError, ValueError):
+            earlier = None
+        if not isinstance(earlier, dict):
+            raise ConfigError(f"--json-out: {path} exists and is not a JSON report (an earlier --json-out); "
+                              "give a new path")
 
 
 def _cluster(args, cluster_ov: list[str]):

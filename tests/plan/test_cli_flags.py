@@ -89,9 +89,28 @@ def test_json_out_is_checked_first_and_written_atomically(capsys, tmp_path: Path
     _one_error(err, "--json-out", "is a directory")
 
 
+def test_json_out_never_replaces_an_input_or_another_file(capsys, tmp_path: Path, no_compute) -> None:
+    """`--config my.yaml --json-out my.yaml` replaced the config with the report (and a metrics.jsonl went too)."""
+    cfg = tmp_path / "my.yaml"
+    cfg.write_text("model:\n  hidden_size: 128\n")
+    code, _, err = _run(capsys, "--config", str(cfg), "--gpus", "8", "--json-out", str(cfg))
+    assert code == 2
+    _one_error(err, "--json-out", "is not a JSON report")
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n{"step": 2}\n')
+    code, _, err = _run(capsys, "--config", "S", "--gpus", "8", "--json-out", str(log))
+    assert code == 2 and log.read_text() == '{"step": 1}\n{"step": 2}\n'
+    _one_error(err, "--json-out", "is not a JSON report")
+    cluster = tmp_path / "c.json"
+    cluster.write_text('{"gpu_mem_gib": 80}')  # valid JSON, but the --cluster file itself
+    code, _, err = _run(capsys, "--config", "S", "--gpus", "8", "--cluster", str(cluster), "--json-out", str(cluster))
+    assert code == 2
+    _one_error(err, "--json-out", "is the --cluster file this command reads")
+
+
 def test_json_out_replaces_the_file(capsys, tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
-    target.write_text("old")
+    target.write_text('{"an": "earlier report"}')
     code, out, _ = _run(capsys, "--config", "tiny", "--gpus", "1", "--steps", "2", "--json-out", str(target))
     assert code == 0 and out.startswith("megaloop plan: tiny")
     rep = json.loads(target.read_text())

@@ -64,7 +64,7 @@ def _refused(proc: subprocess.CompletedProcess, script: str, message: str) -> No
     ("bench_loader.py", ("--workers", "0,-1"), "argument --workers: must be comma-separated integers >= 0"),
     ("bench_loader.py", ("--synthetic-sequences", "4", "--mbs", "8"),
      "--synthetic-sequences 4: fewer than one micro-batch (--mbs 8)"),
-    ("bench_loader_vs_train.py", ("--steps", "2"), "argument --steps: must be an integer >= 3"),
+    ("bench_loader_vs_train.py", ("--steps", "11"), "argument --steps: must be an integer >= 12"),
     ("bench_rewards.py", ("--rounds", "0"), "argument --rounds: must be an integer >= 1"),
     ("bench_rewards.py", ("--workers", "0"), "argument --workers: must be comma-separated integers >= 1"),
     ("bench_eval_memory.py", ("--cases", "nope"), "argument --cases: unknown ['nope']"),

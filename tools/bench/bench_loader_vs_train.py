@@ -23,7 +23,9 @@ from bench_loader import bench_one
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int_at_least(3), default=12, help="training steps (the median skips the first 2)")
+    p.add_argument("--steps", type=int_at_least(12), default=12,
+                   help="training steps (the median skips the first 2; at least 12: the tiny preset warms up for "
+                        "10 steps and its WSD decay must not overlap the warm-up)")
     p.add_argument("--seconds", type=positive_float, default=5.0)
     args = p.parse_args()
     from megaloop.config import load_config

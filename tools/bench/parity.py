@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402
 
 import torch  # noqa: E402
+from parity_args import check_args, masked_command, reference_mean_recurrence  # noqa: E402
 from parity_copying import add_copying, copying_lines, megaloop_copying, probe_depths  # noqa: E402
 
 # megaloop configurations the harness knows by name: preset + overrides. "default" is the tiny
@@ -202,20 +203,6 @@ def run_reference(args, out_dir: Path) -> dict:
             "copying": copying, "train_wall_s": wall, "reference_commit": ref.commit, "reference_path_name": Path(args.ref_path).name,
             "reference_mean_recurrence": mean_rec,
             "huginn_mean": args.huginn_mean if args.system == "huginn" else None}
-
-
-def reference_mean_recurrence(args) -> int:
-    """The reference's ``mean_recurrence`` setting for a training mean depth of ``--mean-depth``.
-    Parcae's sampler has that mean; Huginn's ``poisson-lognormal-filling`` draws Poisson(λ) + 1 with
-    E[λ] = mean_recurrence, so ``--huginn-mean matched`` passes one less (see ``--huginn-mean``)."""
-    mean = int(args.mean_depth)
-    if mean != args.mean_depth:
-        raise SystemExit(f"--mean-depth: the references take an integer mean depth, got {args.mean_depth}")
-    if args.system == "huginn" and args.huginn_mean == "matched":
-        if mean < 2:
-            raise SystemExit(f"--mean-depth: Huginn's sampler has E[R] >= 2 (Poisson + 1), got {args.mean_depth}")
-        return mean - 1
-    return mean
 
 
 def check_forward(args, out_dir: Path) -> tuple[dict, bool]:
@@ -413,7 +400,12 @@ def render(out_dir: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    res = [json.loads(p.read_text()) for p in sorted(out_dir.glob("*.json"))]
+    res = []
+    for path in sorted(out_dir.glob("*.json")):
+        try:
+            res.append(json.loads(path.read_text()))
+        except ValueError as err:
+            raise SystemExit(f"--report {out_dir}: {path.name} is not valid JSON ({err})") from None
     res = [r for r in res if "losses" in r]  # not --check-forward/--check-training results
     if not res:
         raise SystemExit(f"--report {out_dir}: no training results there (*.json written by a training run)")
@@ -551,19 +543,19 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--check-forward: {args.check_forward} does not exist")
     if args.preset not in MEGALOOP_CONFIGS:
         p.error(f"--preset: unknown {args.preset!r}; one of {sorted(MEGALOOP_CONFIGS)}")
+    check_args(p, args, MEGALOOP_CONFIGS)
     torch.set_num_threads(args.threads)
     init_given = args.init_seed is not None
     args.init_seed = args.init_seed if init_given else args.seed
     args.label = args.label or (args.system if args.system != "megaloop" else f"megaloop_{args.preset}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cmd = " ".join(["python tools/bench/parity.py"] + [a if " " not in a else repr(a) for a in
-                                                       (argv if argv is not None else sys.argv[1:])])
+    argv = list(argv if argv is not None else sys.argv[1:])
     if args.check_forward:
         args.label = args.label if args.label != args.system else f"forward_{args.system}"
         res, agree = check_forward(args, out)
         res.update(label=args.label, system=args.system, check="forward", seed=args.seed,
-                   command=cmd.replace(str(args.ref_path), "REF_PATH").replace(str(args.check_forward), "MODEL"))
+                   command=masked_command(argv, REF_PATH=args.ref_path, MODEL=args.check_forward))
         _write_result(out, args.label, res)
         print("\n".join(_forward_lines(res, args.system)))
         return 0 if agree else 1
@@ -576,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
             res = check_training(args, _trainer, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides),
                                  Path(scratch))
         res.update(label=args.label, system=args.system, check="training", preset=args.preset, seed=args.seed,
-                   command=cmd.replace(str(args.ref_path), "REF_PATH"))
+                   command=masked_command(argv, REF_PATH=args.ref_path))
         _write_result(out, args.label, res)
         print("\n".join(summary_lines(res)))
         return 0 if res["agree"] else 1
@@ -587,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
         res = run_reference(args, out)
     res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
                seed=args.seed, init_seed=args.init_seed,
-               command=cmd.replace(str(args.ref_path or "\0"), "REF_PATH"))
+               command=masked_command(argv, REF_PATH=args.ref_path))
     _write_result(out, args.label, res)
     v = res["val_ppl"]
     print(f"{args.label}: train loss (last 10) {_mean_last(res['losses']):.4f}  val PPL " +

@@ -70,7 +70,7 @@ def copying_lines(res: list[dict]) -> list[str]:
         c = r["copying"]
         cells = " | ".join(f"{c[str(d)]['loss_first']:.2f} → {c[str(d)]['loss_repeat']:.2f} "
                            f"(**{c[str(d)]['copy_gain']:.2f}**)" for d in DEPTHS)
-        rows.append(f"| {r['label']} | {r['system']} | {r['steps']} | {sum(r['losses'][-10:]) / 10:.3f} | {cells} |")
+        rows.append(f"| {r['label']} | {r['system']} | {r['steps']} | {sum(r['losses'][-10:]) / len(r['losses'][-10:]):.3f} | {cells} |")
     if not rows:
         return []
     half = next(r for r in res if r.get("copying"))["copying"][str(DEPTHS[0])].get("half_len", "n")
