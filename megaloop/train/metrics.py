@@ -93,17 +93,17 @@ class MetricsLogger:
 
         def kept(line: str) -> bool:
             try:
-                return line.endswith("\n") and json.loads(line).get("step", 0) <= step
+                return json.loads(line).get("step", 0) <= step
             except (json.JSONDecodeError, AttributeError):
                 return False
 
         with open(self.path, encoding="utf-8", errors="replace") as f:
-            if all(kept(line) for line in f):
+            if all(kept(line) and line.endswith("\n") for line in f):
                 return
 
         def write(tmp: str) -> None:
             with open(self.path, encoding="utf-8", errors="replace") as src, open(tmp, "w", encoding="utf-8") as dst:
-                dst.writelines(line for line in src if kept(line))
+                dst.writelines(line if line.endswith("\n") else line + "\n" for line in src if kept(line))
 
         try:
             atomic_write_file(self.path, write)
