@@ -419,9 +419,8 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
     diff = [f"{k}: {old.get(k, 'concat' if k == 'packing' else None)!r} -> {new.get(k)!r}" for k in _SETTINGS
             if old.get(k, "concat" if k == "packing" else None) != new.get(k)
             and not (k == "input" and Path(str(old.get(k))).resolve() == Path(str(new.get(k))).resolve())]
-    if "mix" in old:  # written by every release that records the selection below
-        diff += [f"{name}: {old.get(k)!r} -> {new.get(k)!r}" for k, name in _RECORDED.items()
-                 if old.get(k) != new.get(k) and not (k == "selected_sources" and k not in old)]
+    diff += [f"{name}: {old[k]!r} -> {new.get(k)!r}" for k, name in _RECORDED.items()
+             if k in old and old[k] != new.get(k)]
     if diff:
         raise DataError(f"--out {out} holds a dataset converted with other settings ({'; '.join(diff)}); "
                         "pass --overwrite to replace it, or choose another --out")

@@ -93,15 +93,10 @@ def _encode(lm, problems: Sequence[dict]) -> list[tuple[list[int], list[int]]]:
                           f"than the model's context of {lm.max_length} tokens (longest {longest}): their start, "
                           f"which the answer depends on, would be cut; pass --max-context {longest} or leave "
                           "those k out (--ks)")
-    trained = int(lm.engine.config.max_position_embeddings)
-    if longest > trained and (trained, longest) not in _WARNED:
-        _WARNED.add((trained, longest))
-        print(f"warning: problems of up to {longest} tokens exceed the training seq_len {trained}: RoPE positions "
-              f"{trained}..{longest - 1} were never trained and are extrapolated", file=sys.stderr)
+    from megaloop.post.rl.io import warn_rope_extrapolation
+
+    warn_rope_extrapolation(lm.engine, longest, "the longest problems")
     return pairs
-
-
-_WARNED: set = set()
 
 
 def score_problems(engine, problems: Sequence[dict], depth: int, *, cache_mode: str = "terminal",

@@ -60,19 +60,14 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
         return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                              "source": str(hf_dir)})
     except BaseException:  # an interrupt or a failure: --out as it was, so the same command can run again
-        for p in reversed(made):
+        gone = [*reversed(made), *(out_root.iterdir() if out_root.is_dir() else ())]  # out_root was empty or new
+        for p in gone:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:
                 p.unlink(missing_ok=True)
-        if out_root.is_dir():  # it was empty or new: what is in it now is this call's
-            for p in out_root.iterdir():
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
-            if made_root:
-                out_root.rmdir()
+        if made_root and out_root.is_dir():
+            out_root.rmdir()
         raise
 
 

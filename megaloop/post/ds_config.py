@@ -132,8 +132,8 @@ def _check_numerics(label: str, cfg: dict, zero: dict) -> None:
         if key in cfg and cfg[key] != "auto" and cfg[key] not in fine:
             raise ConfigError(f"{label}: {key}: {cfg[key]!r} would change the numerics of the update (the command "
                               f"line owns them; the run equals the single-process one); remove it")
-    grad_dtype = (cfg.get("data_types") or {}).get("grad_accum_dtype") if isinstance(cfg.get("data_types"), dict) \
-        else None
+    types = cfg.get("data_types")
+    grad_dtype = types.get("grad_accum_dtype") if isinstance(types, dict) else None
     if grad_dtype not in (None, "fp32", "float32"):
         raise ConfigError(f"{label}: data_types.grad_accum_dtype: {grad_dtype!r} would change the numerics of the "
                           "update (gradients accumulate in the model's dtype); remove it")
@@ -141,15 +141,13 @@ def _check_numerics(label: str, cfg: dict, zero: dict) -> None:
     if isinstance(spp, (int, float)) and not isinstance(spp, bool) and spp < 1:
         raise ConfigError(f"{label}: steps_per_print: must be >= 1 (DeepSpeed divides by it), got {spp!r}")
     for old_key, key in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+        why = "the command builds torch's AdamW from --lr/--weight-decay, which ZeRO-Offload does not take"
         if zero.get(old_key):  # DeepSpeed's deprecated spelling of the same (device cpu)
-            raise ConfigError(f"{label}: zero_optimization.{old_key}: ZeRO-Offload is not supported (the command "
-                              "builds torch's AdamW from --lr/--weight-decay, which ZeRO-Offload does not take); "
-                              "remove it")
+            raise ConfigError(f"{label}: zero_optimization.{old_key}: ZeRO-Offload is not supported ({why}); remove it")
         body = zero.get(key)
         device = body.get("device") if isinstance(body, dict) else None
         if device not in (None, "none"):
-            raise ConfigError(f"{label}: zero_optimization.{key}: device {device!r} is not supported (the command "
-                              "builds torch's AdamW from --lr/--weight-decay, which ZeRO-Offload does not take); "
+            raise ConfigError(f"{label}: zero_optimization.{key}: device {device!r} is not supported ({why}); "
                               'remove it or set "device": "none"')
 
 

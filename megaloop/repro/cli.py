@@ -265,7 +265,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     only = _arms(args)
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
-    check_out_dir(str(out), probe=False)  # run_cli checked an explicit --out's shape; the default is checked here
+    if not args.out:  # run_cli checked an explicit --out's shape; the default is checked here
+        check_out_dir(str(out), probe=False)
     check_out_kind(out, "reproduce")
     check_out_outside_data(out, _data_paths(base))
     check_out_dir(str(out), probe=not launch.dry_run)  # after: inside a read-only dataset is named as such

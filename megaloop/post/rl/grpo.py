@@ -398,9 +398,8 @@ class GRPOTrainer:
             out["reward_timeouts"] = int(hits)
             if hits and self.log and not self._warned_timeouts:
                 self._warned_timeouts = True
-                limit = getattr(getattr(self.task, "config", None), "limits", None)
                 self.log(f"warning: {int(hits)} of {int(runs)} sandboxed runs at step {self.step_no} were killed at the "
-                         f"{getattr(limit, 'timeout_s', '?')} s wall-clock limit and scored 0; on a loaded host a "
+                         f"{self.task.config.limits.timeout_s} s wall-clock limit and scored 0; on a loaded host a "
                          "correct program can time out, so rewards depend on the load and --reward-workers "
                          "(each step's count: reward_timeouts in metrics.jsonl)")
         out.update(self.update(batches))
