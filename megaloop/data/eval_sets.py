@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -35,6 +34,7 @@ from typing import Iterator
 import numpy as np
 
 from megaloop.data._fsutil import atomic_write_json, file_lock, init_pool_worker, json_sha, rmtree_quiet
+from megaloop.data._pool import ForkPool
 from megaloop.data.errors import DataError
 from megaloop.data.mds_convert import FORMAT, check_compression, check_out_dir, mds_columns, token_dtype, \
     write_sequences_mds
@@ -320,25 +320,22 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
     from tqdm import tqdm
 
     tasks = [(f, cfg.holdout) for f in files]
-    results: Iterator[list[tuple[str, str, str]]]
-    if cfg.workers > 1 and len(tasks) > 1:
-        # as the converter's workers: Ctrl-C is left to this process, and they end with it (killed,
-        # even with SIGKILL) instead of scanning on as orphans
-        pool = mp.get_context("fork").Pool(min(cfg.workers, len(tasks)), init_pool_worker, (os.getpid(),))
-        results = pool.imap(_scan, tasks)
-    else:
-        pool, results = None, map(_scan, tasks)
     srcs = sorted({f.source for f in files})
     found: dict[str, dict[str, dict[bytes, str]]] = {b: {s: {} for s in srcs} for b in ("val", "screen")}
-    try:
+
+    def collect(results: Iterator[list[tuple[str, str, str]]]) -> None:
         for recs in tqdm(results, total=len(tasks), unit="file", desc="eval-sets scan",
                          disable=not cfg.progress):
             for band, source, text in recs:
                 found[band].setdefault(source, {})[_order_key(text, cfg.seed)] = text
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+
+    if cfg.workers > 1 and len(tasks) > 1:
+        # as the converter's workers: Ctrl-C is left to this process, and they end with it (killed,
+        # even with SIGKILL) instead of scanning on as orphans
+        with ForkPool(min(cfg.workers, len(tasks)), init_pool_worker, (os.getpid(),)) as pool:
+            collect(pool.imap(_scan, tasks))
+    else:
+        collect(map(_scan, tasks))
     return {band: {s: [d[k] for k in sorted(d)] for s, d in sorted(by_src.items())}
             for band, by_src in found.items()}
 

@@ -35,7 +35,6 @@ do not inherit the lock and end when the converter process dies, however it dies
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -49,6 +48,7 @@ import numpy as np
 
 from megaloop.data._fsutil import atomic_write_json, check_out_writable, file_lock, init_pool_worker, json_sha, \
     rmtree_quiet
+from megaloop.data._pool import ForkPool
 from megaloop.data.errors import DataError, NothingPackedError
 from megaloop.data.tokenizer import Tokenizer
 from megaloop.data.txt360 import HoldoutSpec, InputFile, MixSpec, check_out_outside_input, copies_per_doc, \
@@ -499,28 +499,26 @@ def _run_tasks(todo: list[_Task], cfg: ConvertConfig, tok: Tokenizer, dones: dic
     bar = tqdm(total=total, initial=total - len(todo), unit="file", desc="txt360->mds",
                disable=not cfg.progress, dynamic_ncols=True)
     tokens = 0
+
+    def record(results: Iterator[dict]) -> None:
+        nonlocal tokens
+        for done in results:
+            dones[done["part"]] = done
+            tokens += done["stats"]["packed_tokens"]
+            bar.update(1)
+            bar.set_postfix(tokens=f"{tokens:,}")
+
     try:
         if cfg.workers <= 1 or len(todo) <= 1:
             global _WORKER_TOK
             _WORKER_TOK = tok
-            results: Iterator[dict] = map(_process_part, todo)
-            pool = None
+            record(map(_process_part, todo))
         else:
             from megaloop.data._streaming_compat import ensure_streaming_importable
 
             ensure_streaming_importable()  # import once here; forked workers inherit it
-            pool = mp.get_context("fork").Pool(min(cfg.workers, len(todo)), _init_worker,
-                                               (str(tok.path), cfg.eos_token, os.getpid()))
-            results = pool.imap_unordered(_process_part, todo)
-        try:
-            for done in results:
-                dones[done["part"]] = done
-                tokens += done["stats"]["packed_tokens"]
-                bar.update(1)
-                bar.set_postfix(tokens=f"{tokens:,}")
-        finally:
-            if pool is not None:
-                pool.terminate()
-                pool.join()
+            with ForkPool(min(cfg.workers, len(todo)), _init_worker,
+                          (str(tok.path), cfg.eos_token, os.getpid())) as pool:
+                record(pool.imap(_process_part, todo, ordered=False))
     finally:
         bar.close()

@@ -1,0 +1,101 @@
+"""ForkPool: the data-prep worker pool that stops after an error without ``Pool.terminate``."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from megaloop.data._pool import ForkPool
+
+_MARKS: Path | None = None
+
+
+def _work(i: int) -> int:
+    assert _MARKS is not None
+    (_MARKS / f"started_{i}").touch()
+    if i == 1:
+        raise ValueError("task 1 is bad")
+    time.sleep(0.05 * (3 - i % 3))  # finish out of order
+    (_MARKS / f"finished_{i}").touch()
+    return i * i
+
+
+def _marks(kind: str) -> set[int]:
+    assert _MARKS is not None
+    return {int(p.name.split("_")[1]) for p in _MARKS.glob(f"{kind}_*")}
+
+
+@pytest.fixture(autouse=True)
+def marks(tmp_path):
+    global _MARKS
+    _MARKS = tmp_path
+    yield tmp_path
+    _MARKS = None
+
+
+def test_results_come_in_task_order_or_as_they_finish():
+    tasks = [0, 2, 3, 4, 5, 6, 7]
+    with ForkPool(3) as pool:
+        assert list(pool.imap(_work, tasks)) == [t * t for t in tasks]
+    with ForkPool(3) as pool:
+        got = list(pool.imap(_work, tasks, ordered=False))
+    assert sorted(got) == sorted(t * t for t in tasks)
+
+
+def test_an_error_stops_dispatch_and_the_running_tasks_finish_before_it_is_raised():
+    # The old code (imap_unordered + terminate) queued every task at once and killed workers that
+    # might be sending a result; here at most `workers` tasks were ever handed out, the one still
+    # running when task 1 failed completes, and nothing after it starts.
+    with pytest.raises(ValueError, match="task 1 is bad"):
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_work, range(40)):
+                pass
+    started = _marks("started")
+    assert 1 in started and len(started) <= 4, started
+    assert _marks("finished") == started - {1}
+    assert not pool._inflight
+
+
+def test_an_error_in_the_callers_loop_also_drains_the_pool():
+    with pytest.raises(RuntimeError, match="caller"):
+        with ForkPool(2) as pool:
+            for r in pool.imap(_work, [0, 2, 3, 4, 5, 6]):
+                raise RuntimeError("caller")
+    assert _marks("finished") == _marks("started")
+    assert not pool._inflight
+
+
+def _sleep_forever(i: int) -> int:
+    time.sleep(600)
+    return i
+
+
+def test_an_interrupt_terminates_the_workers_at_once():
+    def interrupt(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ForkPool(2) as pool:
+                pids = [p.pid for p in pool._pool._pool]
+                signal.setitimer(signal.ITIMER_REAL, 0.5)
+                for _ in pool.imap(_sleep_forever, range(4)):
+                    pass
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.monotonic() - t0 < 60
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_workers_must_be_positive():
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        ForkPool(0)
