@@ -71,6 +71,9 @@ def _refused(proc: subprocess.CompletedProcess, script: str, message: str) -> No
     ("bench_eval_memory.py", ("--cases", ","), "argument --cases: no case"),
     ("bench_eval_memory.py", ("--speed", "nope"), "argument --speed: 'nope' is not an evaluate_ppl case"),
     ("bench_eval_memory.py", ("--mmap-threshold", "-1"), "argument --mmap-threshold: must be an integer >= 1"),
+    # --name is the result's file name: a folder in it failed when the result was written, after the timing
+    ("bench_vs_refs.py", ("--parcae", "{tmp}/parcae", "--name", "sub/x"), "argument --name: must be a file name"),
+    ("bench_rl_reuse.py", ("--name", ".."), "argument --name: must be a file name"),
 ])
 def test_bad_option_is_one_line_naming_it(tmp_path, script, argv, message):
     marker = tmp_path / "parcae" / "parcae_lm" / "models" / "parcae" / "parcae.py"  # what --parcae checks for
@@ -103,3 +106,16 @@ def test_option_checks_accept_the_defaults_and_return_list_options_unchanged():
     for bad in ("0", "nan", "inf", "-1", "x"):
         with pytest.raises(argparse.ArgumentTypeError, match="must be a number > 0"):
             common.positive_float(bad)
+
+
+@pytest.mark.parametrize("where", ["file", "under_file", "dangling"])
+def test_an_unusable_results_folder_is_refused_before_any_timing(tmp_path, where):
+    """``MEGALOOP_BENCH_RESULTS`` naming a file (or a folder below one, or a dangling link) used to fail
+    when the result was written, after the whole benchmark had run."""
+    (tmp_path / "f").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    results = {"file": tmp_path / "f", "under_file": tmp_path / "f" / "r", "dangling": tmp_path / "link" / "r"}[where]
+    env = {**os.environ, "MEGALOOP_BENCH_RESULTS": str(results), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_cpu_compat.py"), "--reps", "1"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env=env)
+    _refused(proc, "bench_cpu_compat.py", f"MEGALOOP_BENCH_RESULTS={results}: ")

@@ -27,7 +27,7 @@ import statistics
 import sys
 
 import torch
-from common import (command, model_args, nonnegative_int, parse_megatron_bench, positive_int, timed, user_errors,
+from common import (command, model_args, nonnegative_int, parse_megatron_bench, positive_int, result_name, timed, user_errors,
                     write_result)
 
 
@@ -57,7 +57,7 @@ def main() -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--huginn", default=None, metavar="PATH", help="root of a recurrent-pretraining checkout")
     p.add_argument("--parcae", default=None, metavar="PATH", help="root of a parcae checkout")
-    p.add_argument("--name", default="vs_refs")
+    p.add_argument("--name", type=result_name, default="vs_refs")
     args, dev, dtype = parse_megatron_bench(p)
     refs = {k: v for k, v in (("huginn", args.huginn), ("parcae", args.parcae)) if v}
     if not refs:

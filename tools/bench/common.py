@@ -21,6 +21,25 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
 
+def _results_dir_problem(folder: Path) -> str | None:
+    """Why no result file can be written under ``folder`` (created when missing), or None."""
+    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
+
+    probe = nearest_existing(folder)
+    if link := dangling_link(probe):
+        return link
+    if not probe.is_dir():
+        return "exists and is not a directory" if probe == folder else f"{probe} is not a directory"
+    why = cannot_create_in(probe)
+    return None if why is None else f"no file can be created in {probe} ({why})"
+
+
+# checked when a benchmark starts, not after minutes of timing when its result is written
+if os.environ.get("MEGALOOP_BENCH_RESULTS") and (_why := _results_dir_problem(RESULTS)):
+    print(f"{Path(sys.argv[0]).name}: error: MEGALOOP_BENCH_RESULTS={RESULTS}: {_why}", file=sys.stderr)
+    sys.exit(2)
+
+
 # Option checks: argparse ``type=`` functions, so that a bad value stops the parse with argparse's
 # one line ``SCRIPT: error: argument --reps: must be an integer >= 1, got '0'`` (exit 2) before
 # anything is built or timed. List options stay the string they were given (results and recorded
@@ -44,6 +63,13 @@ def int_at_least(minimum: int):
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+def result_name(text: str) -> str:
+    """``type=`` for ``--name``: the result's file name under the results folder, not a path."""
+    if not text or text in (".", "..") or "/" in text or os.sep in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"must be a file name (no folder; results go to {RESULTS}), got {text!r}")
+    return text
 
 
 def int_in_range(low: int, high: int):
@@ -187,7 +213,7 @@ def export_model_args(p, name: str) -> None:
 
     p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--injection", default="parcae_nonorm", choices=INJECTIONS)
-    p.add_argument("--name", default=name)
+    p.add_argument("--name", type=result_name, default=name)
 
 
 def export_model(args):
