@@ -298,7 +298,9 @@ class InferenceEngine:
     # ------------------------------------------------------------ passes
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, depth: Optional[int] = None) -> torch.Tensor:
-        """Native parallel forward (no cache) at ``depth``: logits [b, s, V] in FP32."""
+        """Native parallel forward (no cache) at ``depth``: FP32 logits [b, s, V_padded] over the padded
+        head, as training's CE and :meth:`score_with_prefix` see them (rows >= :attr:`vocab_size` are
+        padding; :meth:`prefill` / :meth:`decode`, which feed sampling, drop them)."""
         depth = check_depth(depth if depth is not None else self.depth, "--depth")
         return self.model(ids.to(self.device), use_cache=False, num_recurrences=depth).logits.float()
 
