@@ -47,3 +47,23 @@ def test_the_recorded_command_masks_whole_arguments_only() -> None:
     argv = ["--system", "parcae", "--ref-path", "/tmp", "--steps", "2", "--out", "/tmp/x", "--label", "a b"]
     assert masked_command(argv, REF_PATH="/tmp", MODEL=None) == (
         "python tools/bench/parity.py --system parcae --ref-path REF_PATH --steps 2 --out /tmp/x --label 'a b'")
+
+
+def test_an_incomplete_reference_checkout_is_one_line_naming_it(tmp_path: Path) -> None:
+    """A checkout holding the marker file but not the modules it imports raised ModuleNotFoundError.
+    Run in a subprocess: loading a reference installs a triton stand-in and edits sys.path."""
+    import subprocess
+
+    root = tmp_path / "parcae"
+    marker = root / "parcae_lm" / "models" / "parcae" / "parcae.py"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")  # config.py (imported first) is missing
+    code = ("import sys; sys.path.insert(0, 'tools/bench'); from parity_refs import Shape, load_reference; "
+            "load_reference('parcae', sys.argv[1], Shape(hidden=64, heads=4, ffn=128, n_prelude=1, n_core=1, "
+            "n_coda=1, vocab=256, seq_len=16, mean_depth=2, bptt_window=2), 0)")
+    proc = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    msg = proc.stderr.strip()
+    assert msg.startswith(f"--ref-path: {root}: the parcae reference cannot be imported (ModuleNotFoundError"), msg
+    assert "complete checkout" in msg and "\n" not in msg

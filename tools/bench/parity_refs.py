@@ -327,7 +327,12 @@ def reference_root(name: str, path: str | Path) -> Path:
 
 def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Reference:
     """Import reference ``name`` from the checkout at ``path`` (errors name the path)."""
-    return REFERENCES[name](reference_root(name, path), shape, seed)
+    root = reference_root(name, path)
+    try:
+        return REFERENCES[name](root, shape, seed)
+    except ImportError as err:  # a checkout missing files, or a package the reference needs
+        raise SystemExit(f"--ref-path: {root}: the {name} reference cannot be imported ({type(err).__name__}: "
+                         f"{err}); pass a complete checkout and install what it imports") from None
 
 
 def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: float) -> float:
