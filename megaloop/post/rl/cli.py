@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     add_run_folder_args(p, "zero1 | zero2", "run (its metrics.jsonl)")
-    p.add_argument("--reward-workers", type=int, default=4,
+    p.add_argument("--reward-workers", type=int, default=None,
                    help="mbpp: completions scored in parallel sandboxes (default 4)")
-    p.add_argument("--reward-mode", choices=("all", "fraction"), default="all",
+    p.add_argument("--reward-mode", choices=("all", "fraction"), default=None,
                    help="mbpp: 1.0 only when every test passes (all), or the share of tests passed (fraction)")
     p.add_argument("--unsafe-code-exec", action="store_true",
                    help="mbpp: allow running completions WITHOUT a sandbox when bubblewrap does not work here "
@@ -129,6 +129,13 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.runtime.stop import SignalStop, exit_code, stop_line
 
     try:
+        given = [flag for flag, value in (("--reward-workers", args.reward_workers), ("--reward-mode", args.reward_mode),
+                                          ("--unsafe-code-exec", args.unsafe_code_exec or None)) if value is not None]
+        if given and args.task.partition(":")[0] != "mbpp":  # they were ignored silently
+            raise ValueError(f"{', '.join(given)}: configure the code-execution reward of mbpp: tasks; "
+                             f"--task {args.task} runs no code")
+        args.reward_workers = 4 if args.reward_workers is None else args.reward_workers
+        args.reward_mode = args.reward_mode or "all"
         if args.reward_workers < 1:
             raise ValueError(f"--reward-workers must be >= 1, got {args.reward_workers}")
         if args.threads is not None and args.threads < 1:

@@ -144,3 +144,15 @@ def test_rl_without_sandbox_refuses_in_one_line(tmp_path, capsys, monkeypatch):
     line = one_error_line(capsys)
     assert rc == 2 and "no working sandbox" in line and "--unsafe-code-exec" in line, line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("extra", [["--reward-workers", "8"], ["--reward-mode", "fraction"], ["--unsafe-code-exec"],
+                                   ["--reward-workers", "4", "--reward-mode", "all"]])
+def test_reward_options_of_a_task_that_runs_no_code_are_refused(tmp_path, capsys, extra):
+    """They configure the mbpp sandbox only and were ignored silently by the other tasks."""
+    model = fake_hf(tmp_path / "m", weights=False)
+    rc = rl_main(["--model", str(model), "--out", str(tmp_path / "o"), "--task", "arithmetic", "--device", "cpu",
+                  *extra])
+    line = one_error_line(capsys)
+    assert rc == 2 and line.startswith(f"megaloop rl: error: {extra[0]}") and "--task arithmetic runs no code" in line, line
+    assert not (tmp_path / "o").exists()
