@@ -87,13 +87,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _link_default_corpus(root: Path) -> list[str]:
     """Hard-link (copy if refused) the embedded corpus' sources into ``root/data``."""
     from megaloop.data.default_corpus import ensure_corpus_tree
+    from megaloop.errors import UserError
 
     tree = ensure_corpus_tree()
     names = []
     for src in sorted((tree / "data").iterdir()):
         dst = root / "data" / src.name
         if dst.exists():
-            raise SystemExit(f"error: {dst} already exists")
+            raise UserError(f"--with-default-corpus: {dst} already exists; write to a fresh --out")
 
         def link(a: str, b: str) -> None:
             try:
@@ -120,9 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         eval_ks=parse_ks(args.eval_ks), eval_per_k=args.eval_per_k,
                         eval_seed=args.eval_seed, synth=synth)
         root = Path(args.out)
-        info = write_synth_tree(root, spec, tokenizer=not args.no_tokenizer)
-        if args.with_default_corpus:
-            info["linked_sources"] = _link_default_corpus(root)
+        info = write_synth_tree(root, spec, tokenizer=not args.no_tokenizer,
+                                add_sources=_link_default_corpus if args.with_default_corpus else None)
     except UserError as err:
         return report(err, "make_synth")
     print(json.dumps({"out": str(root), "num_docs": info["num_docs"], "train_chars": info["train_chars"],

@@ -43,9 +43,10 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from megaloop.config_utils import ConfigError, require
+from megaloop.runtime.files import atomic_write_text
 
 SOURCE = "synth-programs"
 BUCKET = "1-1"
@@ -304,9 +305,12 @@ def write_char_tokenizer(out_dir: str | Path) -> Path:
     return train_bytelevel_bpe(iter(()), out_dir, vocab_size=CHAR_VOCAB)
 
 
-def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True) -> dict:
+def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True,
+                     add_sources: Callable[[Path], list[str]] | None = None) -> dict:
     """Write the TxT360 tree, ``heldout.jsonl``, the character tokenizer and ``synth.json``
-    (last). Returns the ``synth.json`` content. ``root`` must not hold another synth tree."""
+    (last, atomically: a tree without it is unfinished). ``add_sources(root)`` puts other sources
+    into ``root/data`` before that and returns their names (``linked_sources``). Returns the
+    ``synth.json`` content. ``root`` must not hold another synth tree."""
     root = Path(root)
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--out: {root} exists and is not a directory")
@@ -344,7 +348,9 @@ def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True
             "heldout": {"file": "heldout.jsonl", "ks": list(spec.eval_ks), "per_k": spec.eval_per_k,
                         "seed": spec.eval_seed, "num": len(held)},
             "tokenizer": "tokenizer/tokenizer.json" if tokenizer else None}
-    (root / "synth.json").write_text(json.dumps(info, indent=2) + "\n")
+    if add_sources is not None:
+        info["linked_sources"] = add_sources(root)
+    atomic_write_text(root / "synth.json", json.dumps(info, indent=2) + "\n")
     return info
 
 

@@ -225,3 +225,30 @@ def test_make_synth_cli_writes_the_txt360_layout(tmp_path, capsys):
     assert f"--out: {tmp_path / 'afile' / 'x'}: cannot create" in capsys.readouterr().err
     assert make_synth.main(["--out", str(tmp_path / "y"), "--num-docs", "5", "--eval-per-k", "0"]) == 2
     assert "per_k" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_with_default_corpus_links_before_synth_json_and_records_the_sources(tmp_path, capsys, monkeypatch):
+    """synth.json (the tree's completion mark, which launch/synth.sh checks) was written before the
+    corpus was linked and without `linked_sources`: a failed or interrupted link left a tree that
+    looked finished."""
+    import make_synth
+
+    import megaloop.data.default_corpus as dc
+
+    corpus = tmp_path / "corpus"
+    for name in ("alpha", "beta"):
+        (corpus / "data" / name / "1-1").mkdir(parents=True)
+        (corpus / "data" / name / "1-1" / "0_1.jsonl").write_text(json.dumps({"text": name}) + "\n")
+    monkeypatch.setattr(dc, "ensure_corpus_tree", lambda: corpus)
+    root = tmp_path / "tree"
+    args = ["--num-docs", "6", "--num-files", "1", "--eval-ks", "1", "--eval-per-k", "2", "--with-default-corpus"]
+    assert make_synth.main(["--out", str(root), *args]) == 0
+    assert json.loads(capsys.readouterr().out.strip())["linked_sources"] == ["alpha", "beta"]
+    assert json.loads((root / "synth.json").read_text())["linked_sources"] == ["alpha", "beta"]
+    assert (root / "data" / "beta" / "1-1" / "0_1.jsonl").read_text() == json.dumps({"text": "beta"}) + "\n"
+    (corpus / "data" / SOURCE).mkdir()  # a corpus source of the synth source's name: refused, no synth.json
+    other = tmp_path / "other"
+    assert make_synth.main(["--out", str(other), *args]) == 2
+    err = capsys.readouterr().err
+    assert f"--with-default-corpus: {other / 'data' / SOURCE} already exists" in err and "Traceback" not in err
+    assert not (other / "synth.json").exists()
