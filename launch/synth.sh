@@ -22,10 +22,19 @@ cd "$ROOT"
 export WANDB_MODE="${WANDB_MODE:-offline}" OMP_NUM_THREADS="${THREADS:-1}"
 DATA_DIR="$(realpath -m "${DATA_DIR:-runs/synth-data}")"
 RUN_DIR="${RUN_DIR:-runs/synth}"
-if [ ! -f "$DATA_DIR/tree/synth.json" ]; then
+# the make_synth.py arguments a tree was built with (tree/make_synth_args): a tree built with other
+# NUM_DOCS / SYNTH_ARGS is refused, not reused (trees of earlier releases recorded none: reused)
+WANT="--num-docs ${NUM_DOCS:-60000} ${SYNTH_ARGS:-}"
+if [ -f "$DATA_DIR/tree/synth.json" ]; then
+  if [ -f "$DATA_DIR/tree/make_synth_args" ] && [ "$(cat "$DATA_DIR/tree/make_synth_args")" != "$WANT" ]; then
+    echo "launch/synth.sh: $DATA_DIR/tree was built with make_synth.py '$(cat "$DATA_DIR/tree/make_synth_args")', not '$WANT' (NUM_DOCS, SYNTH_ARGS): give another DATA_DIR, or remove $DATA_DIR to rebuild it" >&2
+    exit 2
+  fi
+else
   rm -rf "$DATA_DIR/tree.tmp"
   # shellcheck disable=SC2086
   python data_prep/make_synth.py --out "$DATA_DIR/tree.tmp" --num-docs "${NUM_DOCS:-60000}" ${SYNTH_ARGS:-}
+  printf '%s\n' "$WANT" > "$DATA_DIR/tree.tmp/make_synth_args"
   rm -rf "$DATA_DIR/tree" && mv "$DATA_DIR/tree.tmp" "$DATA_DIR/tree"
 fi
 python data_prep/txt360_to_mds.py --input "$DATA_DIR/tree" --out "$DATA_DIR/train" \

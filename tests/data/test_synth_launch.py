@@ -14,15 +14,15 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 
-def _run(tmp: Path) -> subprocess.CompletedProcess:
+def _run(tmp: Path, expect: int = 0, **knobs: str) -> subprocess.CompletedProcess:
     # relative: to the caller's directory (they were the repository's, where the script cds)
     env = {**os.environ, "MEGALOOP_VENV": sys.prefix, "DATA_DIR": "data", "RUN_DIR": "run",
            "NUM_DOCS": "600", "DEPTHS": "1,2", "THREADS": "1", "WANDB_MODE": "offline",
-           "SYNTH_ARGS": "--num-files 2 --eval-ks 1-2 --eval-per-k 3"}
+           "SYNTH_ARGS": "--num-files 2 --eval-ks 1-2 --eval-per-k 3", **knobs}
     proc = subprocess.run(["bash", str(ROOT / "launch" / "synth.sh"), "train.max_steps=3", "train.save_interval=3", "optim.warmup_steps=1",
                            "train.global_batch_size=4", "train.micro_batch_size=4", "train.log_interval=1"],
                           env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
 
@@ -40,6 +40,14 @@ def test_synth_launcher_builds_trains_and_prints_the_table(tmp_path: Path) -> No
     again = _run(tmp_path)  # data and the finished run are reused: no programs written, no step trained
     assert '"heldout"' not in again.stdout and not re.search(r"^step\s+\d+ loss=", again.stdout, re.M)
     assert json.loads((tmp_path / "run" / "synth_table.json").read_text())["acc"] == table["acc"]
+    # other programs asked for: the tree of the first build was reused silently; now refused, nothing touched
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*"))
+    other = _run(tmp_path, expect=2, NUM_DOCS="700")
+    assert other.stderr.strip().splitlines()[-1] == (
+        f"launch/synth.sh: {tmp_path / 'data' / 'tree'} was built with make_synth.py '--num-docs 600 --num-files 2 "
+        "--eval-ks 1-2 --eval-per-k 3', not '--num-docs 700 --num-files 2 --eval-ks 1-2 --eval-per-k 3' (NUM_DOCS, "
+        f"SYNTH_ARGS): give another DATA_DIR, or remove {tmp_path / 'data'} to rebuild it")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
 
 
 def test_bad_eval_knobs_are_refused_before_anything_is_built(tmp_path: Path) -> None:
