@@ -149,3 +149,19 @@ def test_report_tables_the_copying_probe_of_results_that_have_it(tmp_path: Path)
     table = _parity().render(tmp_path).read_text().split("In-context copying")[1].split("Commands:")[0]
     assert "| with | megaloop | 10 | 3.500 | 11.00 → 10.50 (**0.50**) | 11.00 → 8.75 (**2.25**) |" in table
     assert "without" not in table
+
+
+def test_runs_of_other_depths_get_their_own_columns(tmp_path: Path) -> None:
+    """The header was the first run's --depths: a run of other depths put its values under wrong columns
+    (or raised KeyError)."""
+    a = _result("a", "megaloop", 1234, 3.5, 50.0, 48.0)
+    b = {**_result("b", "megaloop", 1, 3.6, 40.0, 39.0), "depths_evaluated": [1, 3, 5],
+         "val_ppl": {"1": 40.0, "3": 39.5, "5": 39.0}}
+    c = {**_result("c", "megaloop", 2, 3.7, 45.0, 44.0), "depths_evaluated": [2], "val_ppl": {"2": 44.0}}
+    for r in (a, b, c):
+        (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
+    md = _parity().render(tmp_path).read_text()
+    assert "| run | system | steps | train loss (mean last 10) | val PPL R=1 | val PPL R=5 | val PPL R=3 | val PPL R=2 |" in md
+    assert "| a | megaloop | 10 | 3.500 | 50.00 | 48.00 | – | – | 4.00 % |" in md
+    assert "| b | megaloop | 10 | 3.600 | 40.00 | 39.00 | 39.50 | – | 2.50 % |" in md
+    assert "| c | megaloop | 10 | 3.700 | – | – | – | 44.00 | nan % |" in md

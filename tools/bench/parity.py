@@ -356,10 +356,12 @@ def _spread_table(res: list[dict]) -> list[str]:
             mean, sd = mean_sd(xs)
             return f"{mean:{fmt}} ± {sd:{fmt}}"
 
+        nan = float("nan")  # a run of other --depths
         gains = [_gain(r["val_ppl"]) for r in g]
         rows.append(f"| {', '.join(r['label'] for r in g)} | {g[0]['system']} | {sorted(inits)} | "
                     f"{cell([_mean_last(r['losses']) for r in g], '.3f')} | "
-                    f"{cell([r['val_ppl']['1'] for r in g], '.2f')} | {cell([r['val_ppl']['5'] for r in g], '.2f')} | "
+                    f"{cell([r['val_ppl'].get('1', nan) for r in g], '.2f')} | "
+                    f"{cell([r['val_ppl'].get('5', nan) for r in g], '.2f')} | "
                     f"{cell(gains, '.2f')} % ({min(gains):.2f}–{max(gains):.2f}) |")
     if not rows:
         return []
@@ -409,14 +411,17 @@ def render(out_dir: Path) -> Path:
     res = [r for r in res if "losses" in r]  # not --check-forward/--check-training results
     if not res:
         raise SystemExit(f"--report {out_dir}: no training results there (*.json written by a training run)")
+    # one column per depth any run evaluated (first seen first); a run that did not evaluate it shows "–"
+    # (the header was the first run's --depths, so runs of other --depths were put under wrong columns)
+    cols = list(dict.fromkeys(d for r in res for d in r["depths_evaluated"]))
     lines = ["| run | system | steps | train loss (mean last 10) | " +
-             " | ".join(f"val PPL R={r}" for r in res[0]["depths_evaluated"]) + " | gain R=1→5 | gain, h^0=0 | mean depth |",
-             "|---" * (7 + len(res[0]["depths_evaluated"])) + "|"]
+             " | ".join(f"val PPL R={r}" for r in cols) + " | gain R=1→5 | gain, h^0=0 | mean depth |",
+             "|---" * (7 + len(cols)) + "|"]
     for r in res:
         v = r["val_ppl"]
         gain, gz = _gain(v), _gain(r.get("val_ppl_zero_init", {}))
         lines.append(f"| {r['label']} | {r['system']} | {r['steps']} | {_mean_last(r['losses']):.3f} | " +
-                     " | ".join(f"{v[str(d)]:.2f}" for d in r["depths_evaluated"]) +
+                     " | ".join(f"{v[str(d)]:.2f}" if str(d) in v else "–" for d in cols) +
                      f" | {gain:.2f} % | {gz:.2f} % | {sum(r['depths']) / len(r['depths']):.2f} |")
     lines += ["", "Recurrence diagnostics (validation sequences, R = trace depth): relative state change "
               "‖h^r−h^{r−1}‖/‖h^r‖ at r = 2/3/4, state share of the injection at r = 2, RMS of e and h^R, "
