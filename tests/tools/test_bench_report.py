@@ -31,3 +31,28 @@ def test_every_result_states_configuration_machine_and_command():
         assert d["config"] and d["machine"] and d["date"], path.name
         script = d["command"].split()[1]
         assert d["command"].startswith("python tools/bench/bench_") and (ROOT / script).is_file(), path.name
+
+
+def test_a_result_its_row_cannot_table_is_one_line_naming_it(tmp_path, monkeypatch):
+    """A result written with options its row does not expect (here: a loop-overhead run without the b=2
+    ratio) raised a KeyError traceback from the rendering."""
+    import pytest
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(BENCH))
+    (tmp_path / "results").mkdir()
+    bad = tmp_path / "results" / "loop_overhead.json"
+    bad.write_text(json.dumps({"benchmark": "loop_overhead", "config": {"hidden": 64, "seq": 16, "batch": 1},
+                               "results": {"ratio_looped_b5_over_gpt12": 1.5}, "command": "python x.py --odd"}))
+    monkeypatch.setattr(report, "HERE", tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        report.render()
+    msg = str(exit_info.value.code)
+    assert msg.startswith(f"report.py: {bad}: its row cannot be made (KeyError: 'ratio_looped_b2_over_gpt12')")
+    assert "`python x.py --odd`" in msg
+    bad.write_text("{")
+    with pytest.raises(SystemExit, match="not valid JSON"):
+        report.render()

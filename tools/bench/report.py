@@ -146,15 +146,23 @@ def _gpu_check_row(d: dict) -> tuple[str, str] | None:
 def render() -> str:
     lines = ["| benchmark | result | machine, date | command |", "|---|---|---|---|"]
     for path in sorted((HERE / "results").glob("*.json")):
-        d = json.loads(path.read_text())
-        if path.stem == "gpu_check":
-            row = _gpu_check_row(d)
-            if row:
-                lines.append(f"| {row[0]} | {row[1]} | {d.get('device_name')}, {str(d.get('date', ''))[:10]} | "
-                             "`bash tools/gpu/fetch_wheels.sh` here, then `bash tools/gpu_check.sh` on the GPU |")
-            continue
-        row = _row(d) if "benchmark" in d else None
+        try:
+            d = json.loads(path.read_text())
+        except ValueError as err:
+            raise SystemExit(f"report.py: {path}: not valid JSON ({err})") from None
+        make_row = _gpu_check_row if path.stem == "gpu_check" else _row if "benchmark" in d else None
+        try:
+            row = make_row(d) if make_row else None
+        except (KeyError, IndexError, TypeError, ValueError, ZeroDivisionError) as err:
+            # a result of options its row does not table (e.g. other --depths): one line naming it
+            raise SystemExit(f"report.py: {path}: its row cannot be made ({type(err).__name__}: {err}); it was "
+                             f"written by `{d.get('command', '?')}`: rerun it with the committed options, or keep "
+                             "ad-hoc runs out of tools/bench/results with MEGALOOP_BENCH_RESULTS=DIR") from None
         if row is None:
+            continue
+        if path.stem == "gpu_check":
+            lines.append(f"| {row[0]} | {row[1]} | {d.get('device_name')}, {str(d.get('date', ''))[:10]} | "
+                         "`bash tools/gpu/fetch_wheels.sh` here, then `bash tools/gpu_check.sh` on the GPU |")
             continue
         m = d.get("machine", {})
         threads = m.get("threads")
