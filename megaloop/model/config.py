@@ -132,6 +132,9 @@ class ModelConfig:
         require(self.num_heads > 0, "model.num_heads", "must be > 0")
         require(self.hidden_size % self.num_heads == 0, "model.num_heads",
                 f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        head = self.hidden_size // self.num_heads  # rotary embeddings rotate pairs of channels
+        require(head % 2 == 0, "model.hidden_size", f"the head size hidden_size/num_heads = {self.hidden_size}/"
+                f"{self.num_heads} = {head} must be even (rotary position embeddings rotate channel pairs)")
         if self.num_query_groups is not None:
             require(self.num_query_groups > 0 and self.num_heads % self.num_query_groups == 0,
                     "model.num_query_groups", f"must divide num_heads {self.num_heads}")

@@ -143,6 +143,9 @@ class Trainer:
         if self.val_path is None and self.rank == 0:
             print(f"note: data.val_path is not set: this run on {cfg.data.path} reports no validation loss "
                   "(build a validation set with data_prep/build_eval_sets.py)", flush=True)
+        if par.sequence_parallel and par.tp == 1 and self.rank == 0:  # as Megatron-LM: dropped with a word
+            print("note: parallel.sequence_parallel=true has no effect at parallel.tp=1 (it splits activations "
+                  "over the tensor-parallel group); training without it", flush=True)
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,

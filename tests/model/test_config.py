@@ -37,3 +37,16 @@ def test_arch_differences_compare_the_resolved_widths():
     assert arch_differences(saved, ModelConfig(hidden_size=64, num_heads=4, num_query_groups=1)) == [
         ("num_query_groups", 4, 1)]
     assert arch_differences({**saved, "ffn_hidden_size": 256}, cfg) == [("ffn_hidden_size", 256, 192)]
+
+
+def test_an_odd_head_size_is_refused_naming_the_field():
+    """hidden_size 132 over 4 heads (head size 33) passed every check and crashed in megatron's rotary
+    embedding at the first step (and `megaloop plan --preflight` said ok)."""
+    import pytest
+
+    from megaloop.config_utils import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.hidden_size: the head size hidden_size/num_heads = 132/4 = 33 "
+                                          r"must be even"):
+        ModelConfig(hidden_size=132, num_heads=4)
+    ModelConfig(hidden_size=136, num_heads=4)  # 34: fine
