@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloop.config_utils import ConfigError  # noqa: E402
-from megaloop.inference.generate_cli import check_out_file  # noqa: E402
+from megaloop.inference.generate_cli import check_out_file, json_safe  # noqa: E402
 from megaloop.runtime.files import atomic_write_text  # noqa: E402
 from megaloop.train.summary import is_run_file, one_line, summarize  # noqa: E402
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_out(args.json, Path(args.run_dir))
         s = summarize(args.run_dir)
-        text = json.dumps(s, indent=1)
+        text = json.dumps(json_safe(s), indent=1, allow_nan=False)  # NaN / inf as null: JSON has neither
         print(text)
         print(one_line(s))
         if args.json:

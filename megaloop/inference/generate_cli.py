@@ -336,6 +336,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
             if given:
                 raise ConfigError(f"{flag}: applies to sampling; add --temperature T (without it decoding is "
                                   "greedy)")
+    if args.temperature is not None:  # checked before the model loads (was after: a load error hid them)
+        from megaloop.inference.sampling import SamplingParams
+
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    for i, prompt in enumerate(args.prompt):  # bytes that are not UTF-8 reach Python as lone surrogates
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            ch = prompt[err.start]
+            what = (f"byte 0x{ord(ch) - 0xDC00:02x}" if 0xDC80 <= ord(ch) <= 0xDCFF else f"U+{ord(ch):04X}")
+            raise ConfigError(f"--prompt (#{i + 1}): not UTF-8 text ({what} at character {err.start})") from None
     check_engine_args(args)
     check_outputs_not_inputs(args, {"--json": args.json})
     if args.max_new_tokens < 1:

@@ -54,8 +54,11 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     counts = {int(k): int(v) for k, v in last.get("depth_counts", {}).items()}
     drawn = sum(counts.values())
     vals = [(r["step"], r["val_ce"]) for r in recs if isinstance(r.get("val_ce"), (int, float))]
-    best = min(vals, key=lambda sv: sv[1]) if vals else None
-    probs = last.get("prior_probs")
+    finite = [sv for sv in vals if math.isfinite(sv[1])]  # a NaN compares false: min() kept whichever came first
+    best = min(finite, key=lambda sv: sv[1]) if finite else None
+    # the prior of the last record that logged one (skipped non-finite steps log none)
+    with_prior = next((r for r in reversed(recs) if r.get("prior_probs")), None)
+    probs = with_prior.get("prior_probs") if with_prior else None
     out: dict[str, Any] = {
         "run_dir": str(run_dir),
         "steps": int(last["step"]),
@@ -76,8 +79,9 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     if "counted_from_step" in last:
         out["counted_from_step"] = int(last["counted_from_step"])
     if probs:
-        out["prior"] = {"mean_depth": last.get("prior_mean_depth"), "entropy": last.get("prior_entropy"),
-                        "p5": probs[4] if len(probs) >= 5 else None, "probs": probs}
+        out["prior"] = {"mean_depth": with_prior.get("prior_mean_depth"), "entropy": with_prior.get("prior_entropy"),
+                        "p5": probs[4] if len(probs) >= 5 else None, "probs": probs,
+                        "step": int(with_prior["step"])}
     return out
 
 
@@ -89,6 +93,8 @@ def one_line(s: dict[str, Any]) -> str:
         p = s["prior"]
         parts.append(f"prior_mean={p['mean_depth']:.3f} p5={p['p5']:.4f} prior_entropy={p['entropy']:.3f}")
     if s["last_val_ce"] is not None:
-        parts.append(f"val_ce={s['last_val_ce']:.4f} (ppl {math.exp(min(s['last_val_ce'], 50)):.2f}) "
-                     f"best={s['best_val_ce']:.4f}@{s['best_val_step']}")
+        ce = s["last_val_ce"]
+        ppl = math.exp(ce) if ce < 700 else math.inf  # NaN stays NaN; beyond exp's range: inf (was exp(50))
+        best = f"{s['best_val_ce']:.4f}@{s['best_val_step']}" if s["best_val_ce"] is not None else "-"
+        parts.append(f"val_ce={ce:.4f} (ppl {ppl:.2f}) best={best}")
     return " ".join(parts)

@@ -323,3 +323,16 @@ def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp
     with pytest.raises(SystemExit):  # fixed-point refuses --depth, so its help does not offer it
         main(["eval", "fixed-point", "--help"])
     assert "--depth " not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, msg", [
+    # bytes that are not UTF-8 (a shell's $'abc\xff') were a tokenizer TypeError traceback after the load
+    (("--prompt", "ok", "--prompt", "abc\udcff"), "--prompt (#2): not UTF-8 text (byte 0xff at character 3)"),
+    # sampling options were checked only when sampling began, after the model loaded (a load error hid them)
+    (("--prompt", "a", "--temperature", "1", "--top-k", "-3"), "--top-k: must be >= 0 (0 = off), got -3"),
+    (("--prompt", "a", "--temperature", "-1"), "--temperature: must be >= 0, got -1.0"),
+    (("--prompt", "a", "--temperature", "1", "--top-p", "2"), "--top-p: must be in (0, 1], got 2.0"),
+])
+def test_generate_refuses_bad_prompts_and_sampling_options_before_loading(cli, hf, no_load, argv, msg):
+    code, err = cli("generate", "--checkpoint", str(hf), *argv)
+    assert (code, err) == (2, f"megaloop: error: {msg}")

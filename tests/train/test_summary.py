@@ -91,3 +91,23 @@ def test_a_json_that_is_a_run_file_or_cannot_be_written_is_refused_first(tmp_pat
     proc = subprocess.run(f"{sys.executable} {ROOT / 'tools' / 'run_summary.py'} {run} --json /dev/stdout | cat",
                           shell=True, capture_output=True, text=True)  # a pipe: written into, not replaced
     assert proc.returncode == 0 and proc.stdout.count('"steps": 10') == 2, proc.stdout + proc.stderr
+
+
+def test_non_finite_values_and_a_run_that_ended_in_skipped_steps(tmp_path):
+    """A diverged run (train.nonfinite=skip) wrote `NaN` into --json (not JSON), a NaN val CE could be
+    the "best", a huge one printed ppl exp(50), and skipped steps (which log no prior) hid the prior."""
+    run = tmp_path / "run"
+    nan, inf = float("nan"), float("inf")
+    skipped = {k: None for k in ("prior_probs", "prior_mean_depth", "prior_entropy")}
+    recs = [_rec(2, val_ce=nan), _rec(10, val_ce=7.0), _rec(18, val_ce=6.5, prior_probs=[0.5, 0.5, 0, 0, 0]),
+            {**_rec(19, loss=nan, val_ce=inf), **skipped}, {**_rec(20, loss=nan), **skipped}]
+    _write(run, recs)
+    proc = _tool(run, "--json", tmp_path / "s.json")
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "s.json").read_text()
+    s = json.loads(text, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))  # strict JSON
+    assert s["final_loss"] is None and s["last_val_ce"] is None and s["last_val_step"] == 19
+    assert (s["best_val_ce"], s["best_val_step"]) == (6.5, 18)
+    assert s["prior"]["step"] == 18 and s["prior"]["probs"] == [0.5, 0.5, 0, 0, 0]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "val_ce=inf (ppl inf) best=6.5000@18" in line and "prior_mean=3.200" in line
