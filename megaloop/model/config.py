@@ -135,6 +135,8 @@ class ModelConfig:
         head = self.hidden_size // self.num_heads  # rotary embeddings rotate pairs of channels
         require(head % 2 == 0, "model.hidden_size", f"the head size hidden_size/num_heads = {self.hidden_size}/"
                 f"{self.num_heads} = {head} must be even (rotary position embeddings rotate channel pairs)")
+        require(self.ffn_hidden_size is None or self.ffn_hidden_size > 0, "model.ffn_hidden_size",
+                f"must be > 0, or null for the SwiGLU width, got {self.ffn_hidden_size}")  # 0 ran at the default
         if self.num_query_groups is not None:
             require(self.num_query_groups > 0 and self.num_heads % self.num_query_groups == 0,
                     "model.num_query_groups", f"must divide num_heads {self.num_heads}")

@@ -50,3 +50,16 @@ def test_an_odd_head_size_is_refused_naming_the_field():
                                           r"must be even"):
         ModelConfig(hidden_size=132, num_heads=4)
     ModelConfig(hidden_size=136, num_heads=4)  # 34: fine
+
+
+def test_a_ffn_width_that_is_not_positive_is_refused():
+    """-64 crashed building the model (negative tensor dimension); 0 ran at the default width while the
+    run recorded 0."""
+    import pytest
+
+    from megaloop.config_utils import ConfigError
+
+    for bad in (-64, 0):
+        with pytest.raises(ConfigError, match=rf"model.ffn_hidden_size: must be > 0, or null for the SwiGLU width, got {bad}"):
+            ModelConfig(hidden_size=64, num_heads=4, ffn_hidden_size=bad)
+    assert ModelConfig(hidden_size=64, num_heads=4, ffn_hidden_size=None).ffn_size == 192

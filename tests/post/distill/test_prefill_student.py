@@ -155,6 +155,19 @@ def test_cli(tiny_teacher, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "warning: --student" in err and "distilled from other weights of the same shape" in err
     assert str(hf_dir) in err
+    # a student.json of the wrong shape was an AttributeError / TypeError traceback in generate
+    import shutil
+
+    from megaloop.config_utils import ConfigError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    for content, words in (([], "not a megaloop"), ({**info, "teacher_config": 5}, "'teacher_config' must be a dict"),
+                           ({**info, "num_layers": "2"}, "'num_layers' must be a int")):
+        (bad / "student.json").write_text(json.dumps(content))
+        with pytest.raises(ConfigError, match=f"^--student: {bad}") as e:
+            load_student_for(model, bad)
+        assert words in str(e.value), e.value
 
 
 def test_token_stream_reports_a_cut_short_read(tmp_path):
