@@ -103,17 +103,18 @@ def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int
                        rasterized=True)  # one image in SVG/PDF, not a shape per cell (94 MB for 8,000 steps)
     cax = ax.inset_axes((1.01, 0.0, 0.02, 1.0))  # an inset keeps both panels' x-axes aligned
     fig.colorbar(im, cax=cax, label="log10 p(r)" if log_scale else "p(r)")
-    ax.plot(steps, mean, color="white", lw=1.5, label="mean depth")
+    dot = "o" if len(steps) == 1 else None  # one logged step: a line of one point draws nothing
+    ax.plot(steps, mean, color="white", lw=1.5, marker=dot, label="mean depth")
     ax.set_ylabel("depth r")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if max_depth:
         ax.set_ylim(0.5, min(max_depth, r_max) + 0.5)
     ax.set_title(f"learned depth prior ({len(rows)} steps, r_max={r_max})")
     ax.legend(loc="upper right")
-    ax2.plot(steps, mean, color="C0", label="mean depth")
+    ax2.plot(steps, mean, color="C0", marker=dot, label="mean depth")
     ax2.set_ylabel("mean depth", color="C0")
     ax3 = ax2.twinx()
-    ax3.plot(steps, ent, color="C1", label="entropy")
+    ax3.plot(steps, ent, color="C1", marker=dot, label="entropy")
     ax3.set_ylabel("entropy (nats)", color="C1")
     ax2.set_xlabel("step")
     fig.subplots_adjust(left=0.11, right=0.88, top=0.94, bottom=0.08, hspace=0.08)

@@ -112,3 +112,23 @@ def test_heatmap_columns_sit_on_their_steps(tmp_path: Path, monkeypatch: pytest.
         assert tool.main(["--metrics", str(log), "--out", str(tmp_path / f"p{len(steps)}.png")]) == 0
         x, y, shape = seen[-1]
         assert x == pytest.approx(edges) and y == pytest.approx([r + 0.5 for r in range(9)]) and shape == (8, len(steps))
+
+
+def test_a_run_of_one_logged_step_draws_its_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A line through one point draws nothing: a 1-step run's mean depth and entropy were invisible."""
+    import matplotlib.axes
+
+    tool = _load_tool()
+    markers = []
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kw):
+        markers.append(kw.get("marker"))
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    for steps, want in (([1], "o"), ([1, 2], None)):
+        log = _metrics(tmp_path / f"run{len(steps)}", range(1, len(steps) + 1))
+        markers.clear()
+        assert tool.main(["--metrics", str(log), "--out", str(tmp_path / f"p{len(steps)}.png")]) == 0
+        assert markers == [want] * 3, markers
