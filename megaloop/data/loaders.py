@@ -146,7 +146,8 @@ class TrainLoader:
         self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
                                            vars(self._ds))
         self._closer = weakref.finalize(self, _stop_streaming, self._ds, self._finalizer)
-        self._collate = _Collate(int(self.manifest["eos_id"]), cfg.mask_document_boundaries)
+        self._collate = _Collate(int(self.manifest["eos_id"]), cfg.mask_document_boundaries,
+                                 vocab_size=self.manifest.get("vocab_size"), where=str(self.path))
         self._epoch = 0
         self._base_samples = 0  # global samples consumed in this epoch before _batches
         self._batches = 0  # batches handed out since the last (re)start of this epoch
@@ -201,14 +202,19 @@ class TrainLoader:
             raise DataError(f"data loader state was saved on a different dataset than {self.path} "
                             f"({sd.get('num_samples')} vs {self.num_samples} samples)")
         saved_content = sd.get("dataset_content_sha256") or recorded_content
-        self.rebuilt = saved_fp != fp and saved_content is not None and saved_content == self.content_sha256()
+        now = self.content_sha256() if saved_content else None
+        self.rebuilt = saved_fp != fp and saved_content is not None and saved_content == now
         if saved_fp != fp and not self.rebuilt:  # same size, other content or build settings
-            why = ("and other shard content" if saved_content and self.content_sha256() else
-                   "and the shards' content could not be compared")
+            why = "and other shard content" if saved_content and now else "and the shards' content could not be compared"
             raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same "
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
                             f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
+        if saved_fp == fp and saved_content and now and saved_content != now:  # edited after the conversion
+            raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same manifest "
+                            f"fingerprint ({_short(fp)}) but other content (shards and index.json: saved sha256 "
+                            f"{_short(saved_content)}, now {_short(now)}), so the saved position would point into "
+                            "another sample order: resume on the data the run trained on, or start a new run")
         saved_order, order = sd.get("order"), self._order()  # no saved order (older states): the trainer adds
         if saved_order is not None and saved_order != order:  # the one of the checkpoint's saved config
             keys = ("shuffle",) if saved_order.get("shuffle") != order["shuffle"] else \
@@ -373,8 +379,8 @@ class EvalLoader:
                                 num_canonical_nodes=1, cfg=None)
         self._finalizer = weakref.finalize(self._ds, _release, fd, self._ds._shm_prefix_int,
                                            vars(self._ds))
-        self._collate = _Collate(int(self.manifest["eos_id"]), mask_document_boundaries,
-                                 with_source)
+        self._collate = _Collate(int(self.manifest["eos_id"]), mask_document_boundaries, with_source,
+                                 vocab_size=self.manifest.get("vocab_size"), where=str(self.path))
         self._loader = DataLoader(_EvalItems(self._ds, self._indices, self._real),
                                   batch_size=micro_batch_size, shuffle=False,
                                   num_workers=num_workers, collate_fn=self._collate,

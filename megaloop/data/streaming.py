@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import struct
 import tempfile
 import threading
 from pathlib import Path
@@ -55,6 +56,25 @@ _PATCH_LOCK = threading.Lock()
 def default_cache_dir() -> Path:
     """``$MEGALOOP_CACHE`` or ``~/.cache/megaloop``."""
     return Path(os.environ.get("MEGALOOP_CACHE") or Path.home() / ".cache" / "megaloop")
+
+
+def check_cache_dir(cache_dir: str | Path | None) -> None:
+    """:class:`ConfigError` naming ``data.cache_dir`` (or ``$MEGALOOP_CACHE``, or the default) when no
+    file can be created under it: it was a ``NotADirectoryError`` / ``FileNotFoundError`` traceback
+    when the first shard was decompressed or the embedded corpus built."""
+    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
+
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    what = ("data.cache_dir" if cache_dir else "$MEGALOOP_CACHE" if os.environ.get("MEGALOOP_CACHE")
+            else "the default cache (set $MEGALOOP_CACHE or data.cache_dir)")
+    probe = nearest_existing(root)
+    why = dangling_link(probe)
+    if why is None and not probe.is_dir():
+        why = "exists and is not a directory" if probe == root else f"{probe} is not a directory"
+    if why is None and (err := cannot_create_in(probe)) is not None:
+        why = f"no file can be created in {probe} ({err})"
+    if why is not None:
+        raise ConfigError(f"{what}: {root}: {why}")
 
 
 def is_remote(path: str) -> bool:
@@ -151,8 +171,16 @@ def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
     m = d / "manifest.json"
     if not m.is_file():
         hint = ""
-        if (d / "index.json").is_file():
+        held = [d / sub for sub in ("val", "screen") if (d / sub / "manifest.json").is_file()]
+        if (d / "index.json").is_file() and d.parent.name == "parts" and (d.parent.parent / "manifest.json").is_file():
+            hint = f" (it is one part of the dataset {d.parent.parent}: give that folder)"
+        elif (d / "index.json").is_file() and (d / "parts").is_dir():
             hint = " (index.json exists: the conversion did not finish; rerun it)"
+        elif (d / "index.json").is_file():  # an MDS set another tool wrote (MDSWriter alone writes no manifest)
+            hint = (" (an MDS set without megaloop's manifest.json, which records seq_len, vocab_size and the "
+                    "tokenizer: convert the text with data_prep/txt360_to_mds.py)")
+        elif held:
+            hint = f" (it holds the held-out sets {', '.join(map(str, held))}: give one of them)"
         elif (d / "data").is_dir() and any((d / "data").rglob("*.jsonl*")):
             hint = (" (it holds a raw TxT360-layout tree, data/<source>/.../*.jsonl: convert it first with "
                     "data_prep/txt360_to_mds.py, README \"Data\")")
@@ -165,6 +193,8 @@ def validate_local_shards(path: str | Path) -> dict:
     d = Path(path)
     index_path = d / "index.json"
     index = _read_json(index_path, f"{index_path} is missing (dataset {d} is incomplete)")
+    if not sum(int(shard.get("samples") or 0) for shard in index.get("shards", [])):  # streaming: a traceback
+        raise DataError(f"dataset {d} is empty: {index_path} lists no samples")  # at the first read (validation)
     for shard in index.get("shards", []):
         infos = [i for i in (shard.get("raw_data"), shard.get("zip_data")) if i]
         present = []
@@ -250,6 +280,8 @@ class _Source:
             self.remote = str(Path(path).resolve()) if compressed else None
             key_src = str(Path(path).resolve()) + json.dumps(index, sort_keys=True)
         self.num_samples = int(self.manifest["num_sequences"])
+        if self.num_samples < 1:
+            raise DataError(f"dataset {path} is empty: {where} records num_sequences={self.num_samples}")
         self.key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
 
     def open(self, *, shuffle: bool, shuffle_seed: int, batch_size: int,
@@ -409,7 +441,22 @@ class _Dataset(streaming.StreamingDataset):
     def get_item(self, sample_id: int, retry: int = 7) -> Any:
         if self._failed() is not None:
             raise self._failed()
-        return super().get_item(sample_id, retry)
+        try:
+            return super().get_item(sample_id, retry)
+        except DataError:
+            raise
+        except (ValueError, IndexError, KeyError, EOFError, struct.error) as err:  # e.g. UnicodeDecodeError
+            # a sample that does not decode: a shard damaged in place (data.validate_hash=false reads it
+            # unchecked); it was the decoder's traceback
+            shard_id, _ = self.spanner[sample_id]
+            stream = self.streams[self.stream_per_shard[shard_id]]
+            raw, zipped = self.shards[shard_id].file_pairs[0]
+            origin = f"{stream.remote.rstrip('/')}/{(zipped or raw).basename}" if stream.remote else \
+                str(Path(stream.local) / raw.basename)
+            raise self._fail(None, DataError(
+                f"MDS shard {origin}: sample {sample_id} cannot be decoded ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:160] if str(err) else ''}); the file is damaged (with "
+                "data.validate_hash=true its hash check names it before training)")) from None
 
     def _prepare_thread(self, it: Any) -> None:
         try:
@@ -523,8 +570,14 @@ def make_batch(tokens: torch.Tensor, eos_id: int, mask_document_boundaries: bool
 
 
 class _Collate:
-    def __init__(self, eos_id: int, mask_doc: bool, with_source: bool = False) -> None:
+    """Samples -> a batch (:func:`make_batch`). ``vocab_size`` (the manifest's): token ids outside
+    ``[0, vocab_size)`` are a :class:`DataError` naming ``where`` (they were an ``IndexError`` in the
+    embedding at the first step, a device-side assert on a GPU)."""
+
+    def __init__(self, eos_id: int, mask_doc: bool, with_source: bool = False, *, vocab_size: int | None = None,
+                 where: str = "") -> None:
         self.eos_id, self.mask_doc, self.with_source = eos_id, mask_doc, with_source
+        self.vocab_size, self.where = vocab_size, where
 
     def __call__(self, samples: list) -> dict:
         valid = None
@@ -532,6 +585,11 @@ class _Collate:
             valid = torch.tensor([ok for _, ok in samples], dtype=torch.float32)
             samples = [s for s, _ in samples]
         arr = np.stack([np.asarray(s["tokens"]) for s in samples]).astype(np.int64)
+        if self.vocab_size and arr.size and (arr.max() >= self.vocab_size or arr.min() < 0):
+            bad = int(arr.max()) if arr.max() >= self.vocab_size else int(arr.min())
+            raise DataError(f"dataset {self.where}: token id {bad} outside the vocabulary [0, {self.vocab_size}) its "
+                            "manifest.json records (vocab_size): a damaged shard (data.validate_hash=true checks "
+                            "the files) or a manifest that understates the tokenizer's vocabulary")
         counts = None  # whole-document packing: real tokens per row, padding after them
         if samples[0].get("num_tokens") is not None:
             counts = torch.tensor([int(s["num_tokens"]) for s in samples], dtype=torch.long)

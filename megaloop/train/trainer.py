@@ -118,6 +118,9 @@ class Trainer:
         from megaloop.data import build_train_loader
         from megaloop.data.errors import DataError
 
+        from megaloop.data.streaming import check_cache_dir
+
+        check_cache_dir(cfg.data.cache_dir)  # before any shard is decompressed or the embedded corpus built
         shield_resource_tracker()  # before the loader registers shared memory with it
         try:
             self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,

@@ -90,3 +90,30 @@ def test_recorded_content_reads_the_runs_data_json_for_its_build_only(tmp_path):
     assert recorded_content(tmp_path, "fp") is None
     (tmp_path / "data.json").write_text("{not json")
     assert recorded_content(tmp_path, "fp") is None
+
+
+def test_content_edited_under_the_same_fingerprint_is_refused(tmp_path):
+    """The content hash was compared only when the manifest's build fingerprint differed: an index.json
+    whose shards were reordered (manifest untouched) resumed silently into another sample order."""
+    import json
+    import shutil
+
+    a, d = tmp_path / "a", tmp_path / "d"
+    write_synthetic_mds(a, num_sequences=40, seq_len=SEQ, vocab_size=512, seed=0, size_limit=1 << 10)
+    shutil.copytree(a, d)
+    index = json.loads((d / "index.json").read_text())
+    assert len(index["shards"]) > 1
+    index["shards"].reverse()
+    (d / "index.json").write_text(json.dumps(index))
+    la = _loader(a)
+    next(iter(la))
+    state = la.state_dict()
+    ld = _loader(d)
+    assert ld.manifest["fingerprint"] == la.manifest["fingerprint"] and ld.num_samples == la.num_samples
+    with pytest.raises(DataError, match=r"the same manifest fingerprint \(.*\) but other content \(shards and "
+                                        r"index.json: saved sha256 .*, now .*\)"):
+        ld.load_state_dict(state)
+    _loader(tmp_path / "a").load_state_dict(state)  # the same data still resumes
+    moved = tmp_path / "moved"
+    shutil.copytree(a, moved)
+    _loader(moved).load_state_dict(state)  # and so does a copy of it elsewhere
