@@ -54,7 +54,10 @@ def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configu
         return None
     if not Path(src).is_absolute() and not Path(src).is_file():
         src = str(Path(str(data_path)) / src)
-    if not Path(src).is_file():
+    if not Path(src).is_file():  # moved or deleted since the conversion: said, as a replaced one is
+        print(f"warning: the tokenizer data.path={configured} was tokenised with ({entry.get('path')}, its "
+              f"manifest.json 'tokenizer') is not there; not copied into {dst}: pass --tokenizer with that file "
+              "to eval, generate and convert", file=sys.stderr, flush=True)
         return None
     want, have = manifest_tokenizer_sha256(manifest), file_sha256(src)
     if want and have != want:

@@ -31,3 +31,10 @@ def test_the_recorded_tokenizer_is_kept_and_a_replaced_one_is_not(tmp_path, caps
     err = capsys.readouterr().err
     assert f"warning: {tok} is not the tokenizer data.path={data} was tokenised with" in err
     assert f"the manifest records {sha[:12]}…" in err and "pass --tokenizer" in err
+    # deleted (or moved) since the conversion: nothing to copy, and it is said (it was silent, and
+    # generate later failed with "this engine has no tokenizer")
+    tok.unlink()
+    assert not _keep(tmp_path, {"tokenizer": {"path": str(tok), "sha256": sha}}, data).exists()
+    err = capsys.readouterr().err
+    assert f"warning: the tokenizer data.path={data} was tokenised with ({tok}, its manifest.json 'tokenizer') " \
+           "is not there" in err
