@@ -273,8 +273,9 @@ def test_caller_memory_and_time_bounded_under_output_flood():
     assert out.returncode == 0, out.stderr[-2000:]
     rec = json.loads(out.stdout.strip().splitlines()[-1])
     assert rec["grew_kib"] < 64 * 1024, rec
-    assert rec["took"] < 4.0 and rec["tail"] <= 4000, rec
-    assert rec["timed_out2"] and rec["took2"] < 4.0, rec  # no output to read: the wall clock still fires
+    # bounds with room for a loaded machine (the 3 s wall limit + 3 s; the second program would sleep 30 s)
+    assert rec["took"] < 6.0 and rec["tail"] <= 4000, rec
+    assert rec["timed_out2"] and rec["took2"] < 6.0, rec  # no output to read: the wall clock still fires
 
 
 def test_wall_limit_end_to_end_with_everything_at_once(task):
