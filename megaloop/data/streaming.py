@@ -214,19 +214,26 @@ def validate_local_shards(path: str | Path) -> dict:
     return index
 
 
+TOKEN_DTYPES = ("uint8", "uint16", "uint32", "uint64", "int8", "int16", "int32", "int64")  # MDS ndarray dtypes
 # what a sequence-length mismatch names: the config field (training) or the caller's length (eval sets)
 TRAIN_SEQ_LEN = ("model.seq_len", "the model uses seq_len=")
 EVAL_SEQ_LEN = ("seq_len", "the evaluation reads sequences of seq_len=")
 
 
 def _check_index_seq_len(index: dict, seq_len: int, root: Path, field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
-    """Raise ConfigError naming the shard if its ``tokens`` column is not ``seq_len`` long."""
+    """Raise ConfigError naming the shard if its ``tokens`` column is not ``seq_len`` long, and
+    :class:`DataError` if it is not a fixed-length integer array at all (a set another tool wrote:
+    float tokens were cast silently, rows of another length trained at it, ragged rows crashed)."""
     for shard in index.get("shards", []):
         names, encs = shard.get("column_names", []), shard.get("column_encodings", [])
-        enc = dict(zip(names, encs)).get("tokens", "")
-        parts = enc.split(":")
-        if len(parts) == 3 and parts[0] == "ndarray" and parts[2] != str(seq_len):
-            f = root / (shard.get("zip_data") or shard["raw_data"])["basename"]
+        enc = dict(zip(names, encs)).get("tokens")
+        f = root / (shard.get("zip_data") or shard.get("raw_data") or {}).get("basename", "?")
+        parts = (enc or "").split(":")
+        if len(parts) != 3 or parts[0] != "ndarray" or parts[1] not in TOKEN_DTYPES or not parts[2].isdigit():
+            raise DataError(f"MDS shard {f} stores tokens as {enc!r} (columns {names}); megaloop reads fixed-length "
+                            f"integer rows, 'ndarray:<{'|'.join(TOKEN_DTYPES)}>:{seq_len}' (data_prep/txt360_to_mds.py "
+                            "writes them)")
+        if parts[2] != str(seq_len):
             raise ConfigError(f"{field[0]}: {field[1]}{seq_len} but shard {f} stores tokens as {enc}")
 
 

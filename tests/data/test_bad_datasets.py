@@ -94,3 +94,23 @@ def test_folders_without_a_manifest_are_told_apart(tmp_path):
         shutil.copytree(ds, held / sub)
     with pytest.raises(DataError, match=rf"it holds the held-out sets {held / 'val'}, {held / 'screen'}: give one"):
         load_manifest(str(held))
+
+
+@pytest.mark.parametrize("encoding", ["ndarray:float32:32", "ndarray:int32", "bytes", None])
+def test_a_tokens_column_that_is_no_fixed_length_integer_array_is_named(tmp_path, encoding):
+    """A set written by another tool with float tokens trained on them cast to int; rows without a fixed
+    length trained at whatever length they had (or crashed in np.stack when ragged)."""
+    d = tmp_path / "foreign"
+    write_synthetic_mds(d, num_sequences=8, seq_len=SEQ, vocab_size=512)
+    index = json.loads((d / "index.json").read_text())
+    for shard in index["shards"]:
+        cols = dict(zip(shard["column_names"], shard["column_encodings"]))
+        if encoding is None:
+            cols.pop("tokens")
+        else:
+            cols["tokens"] = encoding
+        shard["column_names"], shard["column_encodings"] = list(cols), list(cols.values())
+    (d / "index.json").write_text(json.dumps(index))
+    with pytest.raises(DataError, match=rf"^MDS shard {d}/\S+ stores tokens as {encoding!r} .*megaloop reads "
+                                        r"fixed-length integer rows"):
+        _loader(d, validate_hash=False)
