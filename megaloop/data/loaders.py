@@ -205,7 +205,8 @@ class TrainLoader:
         now = self.content_sha256() if saved_content else None
         self.rebuilt = saved_fp != fp and saved_content is not None and saved_content == now
         if saved_fp != fp and not self.rebuilt:  # same size, other content or build settings
-            why = "and other shard content" if saved_content and now else "and the shards' content could not be compared"
+            why = ("and other shard content" if saved_content and now else
+                   "and the shards' content could not be compared")
             raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same "
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
@@ -412,6 +413,9 @@ def build_train_loader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, 
     """
     if not isinstance(cfg, DataConfig):
         raise ConfigError(f"data: expected a DataConfig, got {type(cfg).__name__}")
+    from megaloop.data.dataset_checks import check_cache_dir
+
+    check_cache_dir(cfg.cache_dir)  # before any shard is decompressed or the embedded corpus built
     return TrainLoader(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
                        dp_size=dp_size, seed=seed, hashes_verified=hashes_verified)
 

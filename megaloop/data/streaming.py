@@ -58,25 +58,6 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("MEGALOOP_CACHE") or Path.home() / ".cache" / "megaloop")
 
 
-def check_cache_dir(cache_dir: str | Path | None) -> None:
-    """:class:`ConfigError` naming ``data.cache_dir`` (or ``$MEGALOOP_CACHE``, or the default) when no
-    file can be created under it: it was a ``NotADirectoryError`` / ``FileNotFoundError`` traceback
-    when the first shard was decompressed or the embedded corpus built."""
-    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
-
-    root = Path(cache_dir) if cache_dir else default_cache_dir()
-    what = ("data.cache_dir" if cache_dir else "$MEGALOOP_CACHE" if os.environ.get("MEGALOOP_CACHE")
-            else "the default cache (set $MEGALOOP_CACHE or data.cache_dir)")
-    probe = nearest_existing(root)
-    why = dangling_link(probe)
-    if why is None and not probe.is_dir():
-        why = "exists and is not a directory" if probe == root else f"{probe} is not a directory"
-    if why is None and (err := cannot_create_in(probe)) is not None:
-        why = f"no file can be created in {probe} ({err})"
-    if why is not None:
-        raise ConfigError(f"{what}: {root}: {why}")
-
-
 def is_remote(path: str) -> bool:
     """True for URLs such as ``s3://bucket/x`` (anything with a scheme)."""
     return "://" in str(path)
@@ -170,20 +151,9 @@ def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
                         else f"dataset directory {d} does not exist")
     m = d / "manifest.json"
     if not m.is_file():
-        hint = ""
-        held = [d / sub for sub in ("val", "screen") if (d / sub / "manifest.json").is_file()]
-        if (d / "index.json").is_file() and d.parent.name == "parts" and (d.parent.parent / "manifest.json").is_file():
-            hint = f" (it is one part of the dataset {d.parent.parent}: give that folder)"
-        elif (d / "index.json").is_file() and (d / "parts").is_dir():
-            hint = " (index.json exists: the conversion did not finish; rerun it)"
-        elif (d / "index.json").is_file():  # an MDS set another tool wrote (MDSWriter alone writes no manifest)
-            hint = (" (an MDS set without megaloop's manifest.json, which records seq_len, vocab_size and the "
-                    "tokenizer: convert the text with data_prep/txt360_to_mds.py)")
-        elif held:
-            hint = f" (it holds the held-out sets {', '.join(map(str, held))}: give one of them)"
-        elif (d / "data").is_dir() and any((d / "data").rglob("*.jsonl*")):
-            hint = (" (it holds a raw TxT360-layout tree, data/<source>/.../*.jsonl: convert it first with "
-                    "data_prep/txt360_to_mds.py, README \"Data\")")
+        from megaloop.data.dataset_checks import missing_manifest_hint
+
+        hint = missing_manifest_hint(d)
         raise DataError(f"{m} is missing: {d} is not a complete megaloop MDS dataset{hint}")
     return _read_json(m, f"{m} is missing")
 

@@ -118,9 +118,6 @@ class Trainer:
         from megaloop.data import build_train_loader
         from megaloop.data.errors import DataError
 
-        from megaloop.data.streaming import check_cache_dir
-
-        check_cache_dir(cfg.data.cache_dir)  # before any shard is decompressed or the embedded corpus built
         shield_resource_tracker()  # before the loader registers shared memory with it
         try:
             self.loader = build_train_loader(cfg.data, seq_len=self.seq, micro_batch_size=self.mbs,
@@ -147,8 +144,8 @@ class Trainer:
             print(f"note: data.val_path is not set: this run on {cfg.data.path} reports no validation loss "
                   "(build a validation set with data_prep/build_eval_sets.py)", flush=True)
         if par.sequence_parallel and par.tp == 1 and self.rank == 0:  # as Megatron-LM: dropped with a word
-            print("note: parallel.sequence_parallel=true has no effect at parallel.tp=1 (it splits activations "
-                  "over the tensor-parallel group); training without it", flush=True)
+            print("note: parallel.sequence_parallel=true has no effect at parallel.tp=1; training without it",
+                  flush=True)
 
         self.model, self.tc = build_model(
             cfg.model, vocab_size=self.vocab, tp=par.tp, pp=par.pp, vpp=par.vpp,

@@ -13,7 +13,8 @@ import pytest
 
 from megaloop.config_utils import ConfigError
 from megaloop.data import DataConfig, DataError, build_train_loader
-from megaloop.data.streaming import check_cache_dir, load_manifest
+from megaloop.data.dataset_checks import check_cache_dir
+from megaloop.data.streaming import load_manifest
 from megaloop.data.synthetic import write_synthetic_mds
 
 SEQ = 32

@@ -32,7 +32,8 @@ def test_data_json_records_the_content(tmp_path, capsys) -> None:
     assert "data.val_path is not set" not in capsys.readouterr().out  # the embedded corpus has its own
     b = _record(tmp_path, "b", "train.seed=7", "parallel.sequence_parallel=true")  # another order of the same data
     # sequence parallelism at TP=1 (as Megatron-LM: dropped with a word; it was dropped silently)
-    assert "note: parallel.sequence_parallel=true has no effect at parallel.tp=1" in capsys.readouterr().out
+    assert "note: parallel.sequence_parallel=true has no effect at parallel.tp=1; training without it" in \
+        capsys.readouterr().out
     assert a["content"] == b["content"] == content_fingerprint(a["path"])
     assert a["content"]["samples"] > 0 and a["manifest_fingerprint"]
     write_synthetic_mds(tmp_path / "syn", 64, 128, vocab_size=4096, seed=3)
