@@ -27,7 +27,12 @@ STATE_VERSION = 1
 
 
 def resolve_data_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
-    """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged."""
+    """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged. First the
+    cache folder is checked (:func:`~megaloop.data.dataset_checks.check_cache_dir`): the embedded
+    corpus is built there and compressed shards are copied there."""
+    from megaloop.data.dataset_checks import check_cache_dir
+
+    check_cache_dir(cache_dir)
     name = embedded_split(path, split)
     if name is not None:
         from megaloop.data.default_corpus import ensure_default_dataset
@@ -413,9 +418,6 @@ def build_train_loader(cfg: DataConfig, *, seq_len: int, micro_batch_size: int, 
     """
     if not isinstance(cfg, DataConfig):
         raise ConfigError(f"data: expected a DataConfig, got {type(cfg).__name__}")
-    from megaloop.data.dataset_checks import check_cache_dir
-
-    check_cache_dir(cfg.cache_dir)  # before any shard is decompressed or the embedded corpus built
     return TrainLoader(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
                        dp_size=dp_size, seed=seed, hashes_verified=hashes_verified)
 
