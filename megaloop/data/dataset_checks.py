@@ -15,18 +15,12 @@ def check_cache_dir(cache_dir: str | Path | None) -> None:
     file can be created under it: it was a ``NotADirectoryError`` / ``FileNotFoundError`` traceback
     when the first shard was decompressed or the embedded corpus built."""
     from megaloop.data.streaming import default_cache_dir
-    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
+    from megaloop.runtime.files import folder_problem
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()
     what = ("data.cache_dir" if cache_dir else "$MEGALOOP_CACHE" if os.environ.get("MEGALOOP_CACHE")
             else "the default cache (set $MEGALOOP_CACHE or data.cache_dir)")
-    probe = nearest_existing(root)
-    why = dangling_link(probe)
-    if why is None and not probe.is_dir():
-        why = "exists and is not a directory" if probe == root else f"{probe} is not a directory"
-    if why is None and (err := cannot_create_in(probe)) is not None:
-        why = f"no file can be created in {probe} ({err})"
-    if why is not None:
+    if (why := folder_problem(root)) is not None:
         raise ConfigError(f"{what}: {root}: {why}")
 
 

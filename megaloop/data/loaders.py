@@ -27,15 +27,14 @@ STATE_VERSION = 1
 
 
 def resolve_data_path(path: str, seq_len: int, cache_dir: str | None, split: str) -> str:
-    """``default`` / ``default:<split>`` -> the embedded dataset's directory; else unchanged. First the
-    cache folder is checked (:func:`~megaloop.data.dataset_checks.check_cache_dir`): the embedded
-    corpus is built there and compressed shards are copied there."""
-    from megaloop.data.dataset_checks import check_cache_dir
-
-    check_cache_dir(cache_dir)
+    """``default`` / ``default:<split>`` -> the embedded dataset's directory (built in the cache, which
+    is checked first: :func:`~megaloop.data.dataset_checks.check_cache_dir`); else unchanged."""
     name = embedded_split(path, split)
     if name is not None:
+        from megaloop.data.dataset_checks import check_cache_dir
         from megaloop.data.default_corpus import ensure_default_dataset
+
+        check_cache_dir(cache_dir)
 
         require(name in EMBEDDED_SPLITS, "data.path", f"unknown embedded split {name!r} ({', '.join(EMBEDDED_SPLITS)})")
         return str(ensure_default_dataset(cache_dir=cache_dir, seq_len=seq_len) / name)

@@ -143,6 +143,9 @@ def _fetch_remote(url: str, name: str, cache_root: Path) -> Path:
 def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
     """``manifest.json`` of a dataset directory/URL; errors name the missing/corrupt file."""
     if is_remote(path):
+        from megaloop.data.dataset_checks import check_cache_dir
+
+        check_cache_dir(cache_dir)  # the manifest and the shards are copied there
         local = _fetch_remote(path, "manifest.json", Path(cache_dir or default_cache_dir()))
         return _read_json(local, f"{path}/manifest.json is missing")
     d = Path(path)
@@ -237,6 +240,7 @@ class _Source:
     def __init__(self, path: str, seq_len: int, cache_dir: str | Path | None, *, validate_hash: bool = True,
                  hashes_verified: bool = False, seq_len_field: tuple[str, str] = TRAIN_SEQ_LEN) -> None:
         self.path = path
+        self.cache_dir = cache_dir  # as given (None: $MEGALOOP_CACHE or the default), for its check
         self.cache_root = Path(cache_dir) if cache_dir else default_cache_dir()
         self.manifest = load_manifest(path, self.cache_root)
         self.validate_hash = validate_hash
@@ -267,7 +271,10 @@ class _Source:
         fd = None
         if self.remote is None:
             local = str(Path(self.path).resolve())
-        else:
+        else:  # compressed or remote shards are read from copies in the cache (uncompressed local ones are not)
+            from megaloop.data.dataset_checks import check_cache_dir
+
+            check_cache_dir(self.cache_dir)
             base = (self.cache_root / "streaming" / self.key).resolve()
             base.mkdir(parents=True, exist_ok=True)
             for i in range(4096):

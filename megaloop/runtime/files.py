@@ -108,6 +108,18 @@ def cannot_create_in(folder: str | Path) -> str | None:
     return None
 
 
+def folder_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be, or be created as, a folder that files are written into (a dangling
+    link on the way, a file, a folder no file can be created in), or None when it can."""
+    probe = nearest_existing(path)
+    if link := dangling_link(probe):
+        return link
+    if not probe.is_dir():
+        return "exists and is not a directory" if probe == Path(path) else f"{probe} is not a directory"
+    why = cannot_create_in(probe)
+    return None if why is None else f"no file can be created in {probe} ({why})"
+
+
 def _umask() -> int:
     """The process umask (read once: reading it means setting it, which is process-wide)."""
     mask = os.umask(0o022)

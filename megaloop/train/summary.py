@@ -94,7 +94,7 @@ def one_line(s: dict[str, Any]) -> str:
         parts.append(f"prior_mean={p['mean_depth']:.3f} p5={p['p5']:.4f} prior_entropy={p['entropy']:.3f}")
     if s["last_val_ce"] is not None:
         ce = s["last_val_ce"]
-        ppl = math.exp(ce) if ce < 700 else math.inf  # NaN stays NaN; beyond exp's range: inf (was exp(50))
+        ppl = math.inf if ce >= 700 else math.exp(ce)  # beyond exp's range: inf (was exp(50)); NaN stays NaN
         best = f"{s['best_val_ce']:.4f}@{s['best_val_step']}" if s["best_val_ce"] is not None else "-"
         parts.append(f"val_ce={ce:.4f} (ppl {ppl:.2f}) best={best}")
     return " ".join(parts)

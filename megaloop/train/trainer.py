@@ -190,6 +190,15 @@ class Trainer:
                 self.loader.warm()
             except DataError as err:
                 raise DataError(f"data.path={cfg.data.path}: {err}") from None
+            if self.val_path is not None:  # and the validation batches (bad ids, undecodable samples)
+                loader = self._val_loader()
+                try:
+                    for _ in loader:
+                        pass
+                except DataError as err:
+                    raise DataError(f"data.val_path={cfg.data.val_path}: {err}") from None
+                finally:
+                    loader.close()
 
         on_every_rank(first_batch)
         if self.rank == 0:
@@ -484,35 +493,30 @@ class Trainer:
 
     # ================================================================ eval
     def _val_plan(self) -> tuple[list[int], list[str], list[int]]:
-        """MixVal order (computed once): the global sample indices to evaluate, the sorted source
-        names and each index's source id. Sources are interleaved round-robin (each source's samples
-        in file order), and the first ``train.eval_batches × global_batch_size`` of that order are
-        evaluated (0, or a set smaller than that: the whole set) — the same sequences at every
-        TP/PP/DP layout and micro-batch size."""
+        """The MixVal plan (:func:`megaloop.train.val_set.mixval_plan`), computed once."""
         if getattr(self, "_val_cache", None) is None:
-            from megaloop.data.loaders import read_sources, source_balanced_order
+            from megaloop.train.val_set import mixval_plan
 
-            sources = read_sources(self.val_path, seq_len=self.val_seq, cache_dir=self.cfg.data.cache_dir,
-                                   hashes_verified=True)  # by _verify_data
-            names = sorted(set(sources))
-            order = source_balanced_order(sources)
-            k = self.cfg.train.eval_batches * self.cfg.train.global_batch_size
-            order = order[:k] if k > 0 else order
-            self._val_cache = (order, names, [names.index(sources[i]) for i in order])
+            self._val_cache = mixval_plan(self.val_path, self.val_seq, self.cfg.data.cache_dir,
+                                          self.cfg.train.eval_batches * self.cfg.train.global_batch_size)
         return self._val_cache
+
+    def _val_loader(self):
+        from megaloop.data import build_eval_loader
+
+        return build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
+                                 dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
+                                 mask_document_boundaries=self.cfg.data.mask_document_boundaries,  # as trained
+                                 indices=self._val_plan()[0], hashes_verified=True)  # by _verify_data
 
     def evaluate(self, depth: int | None = None) -> dict:
         """Validation CE at ``depth`` (default ``train.eval_depth``) on the MixVal plan, with its
         per-source breakdown (``val_ce_per_source``, token-weighted within each source)."""
         if self.val_path is None:
             return {}
-        from megaloop.data import build_eval_loader
         depth = depth or self.cfg.train.eval_depth
         order, names, src_ids = self._val_plan()
-        loader = build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
-                                   dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
-                                   mask_document_boundaries=self.cfg.data.mask_document_boundaries,  # as trained
-                                   indices=order, hashes_verified=True)  # by _verify_data
+        loader = self._val_loader()
         mbs = []
         for i, (batch, rows) in enumerate(zip(loader, loader.rank_rows())):
             ids = torch.tensor([src_ids[j] if j >= 0 else -1 for j in rows], dtype=torch.long)

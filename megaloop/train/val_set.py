@@ -59,3 +59,18 @@ def _same_folder(a: str, b: str) -> bool:
         return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
     except OSError:
         return False
+
+
+def mixval_plan(val_path: str, seq_len: int, cache_dir: str | None, k: int) -> tuple[list[int], list[str], list[int]]:
+    """MixVal order of validation set ``val_path``: the global sample indices to evaluate, the sorted
+    source names and each index's source id. Sources are interleaved round-robin (each source's
+    samples in file order), and the first ``k`` (``train.eval_batches × global_batch_size``) of that
+    order are evaluated (0, or a set smaller than that: the whole set) — the same sequences at every
+    TP/PP/DP layout and micro-batch size."""
+    from megaloop.data.loaders import read_sources, source_balanced_order
+
+    sources = read_sources(val_path, seq_len=seq_len, cache_dir=cache_dir, hashes_verified=True)  # by the trainer
+    names = sorted(set(sources))
+    order = source_balanced_order(sources)
+    order = order[:k] if k > 0 else order
+    return order, names, [names.index(sources[i]) for i in order]

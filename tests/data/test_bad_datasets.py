@@ -70,6 +70,15 @@ def test_an_unusable_cache_folder_is_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^\$MEGALOOP_CACHE: /proc/megaloop-cache: no file can be created in /proc"):
         check_cache_dir(None)
     check_cache_dir(str(tmp_path / "new" / "cache"))  # a folder that can be created is fine
+    # a loader checks the cache only where it uses it: compressed (or remote) shards and the embedded corpus
+    raw, packed = tmp_path / "raw", tmp_path / "packed"
+    write_synthetic_mds(raw, num_sequences=16, seq_len=SEQ, vocab_size=512, compression=None)
+    write_synthetic_mds(packed, num_sequences=16, seq_len=SEQ, vocab_size=512)
+    assert next(iter(_loader(raw, cache_dir=str(tmp_path / "f"))))["tokens"].shape == (4, SEQ)
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir: {tmp_path / 'f'}: exists and is not a directory$"):
+        _loader(packed, cache_dir=str(tmp_path / "f"))
+    with pytest.raises(ConfigError, match=rf"^data.cache_dir: {tmp_path / 'f'}: exists and is not a directory$"):
+        _loader("default", cache_dir=str(tmp_path / "f"))
 
 
 def test_folders_without_a_manifest_are_told_apart(tmp_path):

@@ -161,7 +161,7 @@ def test_runs_of_other_depths_get_their_own_columns(tmp_path: Path) -> None:
     for r in (a, b, c):
         (tmp_path / f"{r['label']}.json").write_text(json.dumps(r))
     md = _parity().render(tmp_path).read_text()
-    assert "| run | system | steps | train loss (mean last 10) | val PPL R=1 | val PPL R=5 | val PPL R=3 | val PPL R=2 |" in md
-    assert "| a | megaloop | 10 | 3.500 | 50.00 | 48.00 | – | – | 4.00 % |" in md
-    assert "| b | megaloop | 10 | 3.600 | 40.00 | 39.00 | 39.50 | – | 2.50 % |" in md
-    assert "| c | megaloop | 10 | 3.700 | – | – | – | 44.00 | nan % |" in md
+    assert "| run | system | steps | train loss (mean last 10) | val PPL R=1 | val PPL R=2 | val PPL R=3 | val PPL R=5 |" in md
+    assert "| a | megaloop | 10 | 3.500 | 50.00 | – | – | 48.00 | 4.00 % |" in md
+    assert "| b | megaloop | 10 | 3.600 | 40.00 | – | 39.50 | 39.00 | 2.50 % |" in md
+    assert "| c | megaloop | 10 | 3.700 | – | 44.00 | – | – | nan % |" in md

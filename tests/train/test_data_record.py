@@ -67,3 +67,27 @@ def test_a_validation_set_of_another_tokenizer_is_refused(tmp_path) -> None:
         Trainer._resolve_val(fake, str(val), {"tokenizer": {"sha256": "a" * 64}})
     assert Trainer._resolve_val(fake, str(val), {"tokenizer_sha256": "b" * 64}) == (str(val), 64)
     assert Trainer._resolve_val(fake, str(val), {}) == (str(val), 64)  # training data without a record: no check
+
+
+def test_a_validation_set_that_cannot_be_read_stops_the_set_up(tmp_path) -> None:
+    """The validation batches were first read at the first evaluation: a bad token id there ended the run
+    after its first steps, with nothing saved. They are read once at set-up now, before the run dir."""
+    import json
+
+    from megaloop.data.errors import DataError
+    from megaloop.data.synthetic import write_synthetic_mds
+    from megaloop.train.trainer import Trainer
+
+    write_synthetic_mds(tmp_path / "train", 64, 128, vocab_size=4096, seed=3)
+    write_synthetic_mds(tmp_path / "val", 16, 128, vocab_size=4096, seed=4)
+    man = json.loads((tmp_path / "val" / "manifest.json").read_text())
+    (tmp_path / "val" / "manifest.json").write_text(json.dumps({**man, "vocab_size": 100}))
+    cfg = load_config("tiny", [*SMALL, f"data.path={tmp_path / 'train'}", f"data.val_path={tmp_path / 'val'}",
+                               "model.vocab_size=4096"])
+    t = Trainer(cfg, tmp_path / "run")
+    with pytest.raises(DataError, match=rf"^data.val_path={tmp_path / 'val'}: dataset {tmp_path / 'val'}: token id "
+                                        r"\d+ outside the vocabulary \[0, 100\)"):
+        t.setup()
+    t.loader.close()
+    t.close(refused=True)  # what Trainer.run does when the set-up fails
+    assert not (tmp_path / "run").exists()

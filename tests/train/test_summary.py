@@ -111,3 +111,11 @@ def test_non_finite_values_and_a_run_that_ended_in_skipped_steps(tmp_path):
     assert s["prior"]["step"] == 18 and s["prior"]["probs"] == [0.5, 0.5, 0, 0, 0]
     line = proc.stdout.strip().splitlines()[-1]
     assert "val_ce=inf (ppl inf) best=6.5000@18" in line and "prior_mean=3.200" in line
+
+
+def test_the_line_of_a_nan_validation_ce_says_nan():
+    from megaloop.train.summary import one_line
+
+    s = {"steps": 3, "tokens": 10, "model_flops": 1.0, "mean_depth_drawn": None, "last_val_ce": float("nan"),
+         "best_val_ce": None, "best_val_step": None}
+    assert one_line(s).endswith("val_ce=nan (ppl nan) best=-")

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from common import (RESULTS, command, int_at_least, int_in_range, int_list, positive_int, timed, user_errors,
                     write_result)
+from common import check_results_dir
 
 PROMPTS = ["The", "Once upon a time", "In the beginning", "def main():", "A looped model", "Today we",
            "The results show", "import torch"]
@@ -70,6 +71,7 @@ def main():
     p.add_argument("--threads", type=positive_int, default=2)
     p.add_argument("--device", type=device_name, default="auto")
     args = p.parse_args()
+    check_results_dir()
     if args.max_depth < args.min_depth:
         p.error(f"--max-depth {args.max_depth}: must be >= --min-depth {args.min_depth}")
     if not Path(args.checkpoint).exists():

@@ -16,6 +16,7 @@ import time
 
 import torch
 from common import native_model, positive_int, single_process_megatron, write_result
+from common import check_results_dir
 
 
 def main():
@@ -24,6 +25,7 @@ def main():
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--depth", type=positive_int, default=3)
     args = p.parse_args()
+    check_results_dir()
     if torch.cuda.is_available():
         raise SystemExit("the CPU compatibility layer is only used without CUDA")
     single_process_megatron()

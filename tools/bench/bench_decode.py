@@ -14,6 +14,7 @@ import time
 
 import torch
 from common import check_model_args, command, device, int_list, positive_int, sync, write_result
+from common import check_results_dir
 
 
 def main():
@@ -26,6 +27,7 @@ def main():
     p.add_argument("--depths", type=int_list(1), default="5,16")
     p.add_argument("--reps", type=positive_int, default=3)
     args = p.parse_args()
+    check_results_dir()
     check_model_args(p, args)
     from megaloop.hf.configuration_megaloop import MegaloopConfig
     from megaloop.hf.modeling_megaloop import MegaloopForCausalLM

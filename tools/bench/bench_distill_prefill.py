@@ -21,6 +21,7 @@ import time
 import torch
 from common import (check_model_args, command, export_model, export_model_args, int_list, model_args, positive_int,
                     sync, write_result)
+from common import check_results_dir
 
 from megaloop.post.distill.prefill_student import PrefillStudent, student_prefill
 
@@ -34,6 +35,7 @@ def main():
                    help="more teacher prefill depths to time (comma-separated)")
     export_model_args(p, "distill_prefill")
     args = p.parse_args()
+    check_results_dir()
     check_model_args(p, args)
     depths = sorted({int(d) for d in args.depths.split(",") if d.strip()} | {args.depth})
     model, device = export_model(args)

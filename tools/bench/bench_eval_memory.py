@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 from common import command, positive_int, write_result
+from common import check_results_dir
 
 # name: (hidden, heads, kv heads, ffn, vocab, seq_len, batch, depth, protocols)
 CASES = {
@@ -283,6 +284,7 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--time-child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    check_results_dir()
     if args.child:
         print(json.dumps(RUNNERS[args.child](args.child)))
         return

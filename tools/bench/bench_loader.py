@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from common import command, int_list, nonnegative_int, positive_float, positive_int, user_errors, write_result
+from common import check_results_dir
 
 
 def bench_one(path: str, seq_len: int, mbs: int, workers: int, warmup: int, seconds: float,
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mbs", type=positive_int, default=8, help="synthetic set micro-batch size")
     p.add_argument("--cache-dir", default=None, help="default: $MEGALOOP_CACHE or ~/.cache/megaloop")
     args = p.parse_args(argv)
+    check_results_dir()
     if args.synthetic_sequences < args.mbs:
         p.error(f"--synthetic-sequences {args.synthetic_sequences}: fewer than one micro-batch (--mbs {args.mbs})")
 

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from common import ROOT, int_at_least, positive_float, write_result  # noqa: I001  (sets sys.path first)
+from common import check_results_dir
 from bench_loader import bench_one
 
 
@@ -28,6 +29,7 @@ def main():
                         "10 steps and its WSD decay must not overlap the warm-up)")
     p.add_argument("--seconds", type=positive_float, default=5.0)
     args = p.parse_args()
+    check_results_dir()
     from megaloop.config import load_config
 
     cfg = load_config("tiny")

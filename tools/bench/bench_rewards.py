@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from common import ROOT, command, int_list, positive_int, write_result
+from common import check_results_dir
 
 BEFORE_REV = "65b0666500831c2c639c2d25246bbec2180e10e8"  # last revision of the unsandboxed reward
 
@@ -97,6 +98,7 @@ def main() -> None:
     p.add_argument("--workers", type=int_list(1), default="1,2,4", help="comma-separated pool sizes")
     p.add_argument("--before-rev", default=BEFORE_REV)
     args = p.parse_args()
+    check_results_dir()
     from megaloop.post.rl.sandbox import CodeTask, CodeTaskConfig, sandbox_backend
 
     backend = sandbox_backend()

@@ -19,6 +19,7 @@ import time
 import torch
 from common import (check_model_args, command, export_model, export_model_args, model_args, positive_int, sync,
                     write_result)
+from common import check_results_dir
 
 from megaloop.post.rl.parts import HFLoopedParts
 from megaloop.post.rl.reuse import SavedTensorMeter, bptt_backward, endpoint, recompute_backward, reuse_backward
@@ -32,6 +33,7 @@ def main():
     p.add_argument("--repeats", type=positive_int, default=5)
     export_model_args(p, "rl_reuse")
     args = p.parse_args()
+    check_results_dir()
     check_model_args(p, args)
     model, device = export_model(args)
     cfg = model.config

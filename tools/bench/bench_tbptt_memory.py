@@ -13,6 +13,7 @@ import argparse
 import torch
 from common import (check_model_args, command, device, model_args, native_model, single_process_megatron, user_errors,
                     write_result)
+from common import check_results_dir
 
 
 class SavedBytes:
@@ -50,6 +51,7 @@ def main():
     p.add_argument("--depths", default="4,8,16,32")
     p.add_argument("--compare", default="8,32", help="LO,HI: the summary's ratio depth HI / depth LO (both in --depths)")
     args = p.parse_args()
+    check_results_dir()
     try:
         depths = [int(x) for x in args.depths.split(",")]
         lo, hi = (int(x) for x in args.compare.split(","))

@@ -27,8 +27,8 @@ import statistics
 import sys
 
 import torch
-from common import (command, model_args, nonnegative_int, parse_megatron_bench, positive_int, result_name, timed, user_errors,
-                    write_result)
+from common import (command, model_args, nonnegative_int, parse_megatron_bench, positive_int, result_name, timed,
+                    user_errors, write_result)
 
 
 def _matched_model(name: str, args):

@@ -21,23 +21,14 @@ sys.path.insert(0, str(ROOT))
 warnings.filterwarnings("ignore")
 
 
-def _results_dir_problem(folder: Path) -> str | None:
-    """Why no result file can be written under ``folder`` (created when missing), or None."""
-    from megaloop.runtime.files import cannot_create_in, dangling_link, nearest_existing
+def check_results_dir() -> None:
+    """Exit 2 with one line when ``$MEGALOOP_BENCH_RESULTS`` cannot hold a result: called by each
+    benchmark right after its options are parsed, not after minutes of timing when it writes it."""
+    from megaloop.runtime.files import folder_problem
 
-    probe = nearest_existing(folder)
-    if link := dangling_link(probe):
-        return link
-    if not probe.is_dir():
-        return "exists and is not a directory" if probe == folder else f"{probe} is not a directory"
-    why = cannot_create_in(probe)
-    return None if why is None else f"no file can be created in {probe} ({why})"
-
-
-# checked when a benchmark starts, not after minutes of timing when its result is written
-if os.environ.get("MEGALOOP_BENCH_RESULTS") and (_why := _results_dir_problem(RESULTS)):
-    print(f"{Path(sys.argv[0]).name}: error: MEGALOOP_BENCH_RESULTS={RESULTS}: {_why}", file=sys.stderr)
-    sys.exit(2)
+    if os.environ.get("MEGALOOP_BENCH_RESULTS") and (why := folder_problem(RESULTS)):
+        print(f"{Path(sys.argv[0]).name}: error: MEGALOOP_BENCH_RESULTS={RESULTS}: {why}", file=sys.stderr)
+        sys.exit(2)
 
 
 # Option checks: argparse ``type=`` functions, so that a bad value stops the parse with argparse's
@@ -248,6 +239,7 @@ def parse_megatron_bench(p):
 
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args()
+    check_results_dir()
     check_model_args(p, args)
     single_process_megatron()
     return args, device(), torch.bfloat16 if args.bf16 else torch.float32

@@ -411,9 +411,9 @@ def render(out_dir: Path) -> Path:
     res = [r for r in res if "losses" in r]  # not --check-forward/--check-training results
     if not res:
         raise SystemExit(f"--report {out_dir}: no training results there (*.json written by a training run)")
-    # one column per depth any run evaluated (first seen first); a run that did not evaluate it shows "–"
-    # (the header was the first run's --depths, so runs of other --depths were put under wrong columns)
-    cols = list(dict.fromkeys(d for r in res for d in r["depths_evaluated"]))
+    # one column per depth any run evaluated, in order; a run that did not evaluate it shows "–" (the
+    # header was the first run's --depths, so runs of other --depths were put under wrong columns)
+    cols = sorted({d for r in res for d in r["depths_evaluated"]})
     lines = ["| run | system | steps | train loss (mean last 10) | " +
              " | ".join(f"val PPL R={r}" for r in cols) + " | gain R=1→5 | gain, h^0=0 | mean depth |",
              "|---" * (7 + len(cols)) + "|"]

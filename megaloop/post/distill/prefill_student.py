@@ -422,7 +422,8 @@ def load_student(path: str | Path, device=None, dtype=None) -> tuple[PrefillStud
         raise ValueError(f"{path}: not a {FORMAT} folder (student.json)")
     for key, kind in (("teacher_config", dict), ("num_layers", int), ("init_state", str)):
         if not isinstance(info.get(key), kind):  # a wrong shape was an AttributeError / TypeError traceback
-            raise ValueError(f"{path / 'student.json'}: {key!r} must be a {kind.__name__}, got {info.get(key)!r:.60}")
+            raise ValueError(f"{path / 'student.json'}: {key!r} must be of type {kind.__name__}, got "
+                             f"{info.get(key)!r:.60}")
     config = MegaloopConfig.from_dict(info["teacher_config"])
     student = PrefillStudent(config, info["num_layers"], info["init_state"])
     student.load_state_dict(load_file(str(path / "student.safetensors")))

@@ -162,8 +162,8 @@ def test_cli(tiny_teacher, tmp_path, capsys):
 
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
-    for content, words in (([], "not a megaloop"), ({**info, "teacher_config": 5}, "'teacher_config' must be a dict"),
-                           ({**info, "num_layers": "2"}, "'num_layers' must be a int")):
+    for content, words in (([], "not a megaloop"), ({**info, "teacher_config": 5}, "'teacher_config' must be of type dict"),
+                           ({**info, "num_layers": "2"}, "'num_layers' must be of type int")):
         (bad / "student.json").write_text(json.dumps(content))
         with pytest.raises(ConfigError, match=f"^--student: {bad}") as e:
             load_student_for(model, bad)
