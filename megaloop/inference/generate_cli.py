@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Optional
 
 from megaloop.config_utils import ConfigError
+from megaloop.runtime.files import json_safe  # noqa: F401  (re-exported: the eval commands import it here)
 
 
 # ----------------------------------------------------------------------------- shared options
@@ -278,17 +278,6 @@ def write_json(path: Optional[str], payload: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(json_safe(payload), indent=1, default=str, allow_nan=False))
     print(f"wrote {out}")
-
-
-def json_safe(obj):
-    """``obj`` with every NaN / ±inf float replaced by None (JSON has no NaN: ``null``), recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 # ----------------------------------------------------------------------------- generate

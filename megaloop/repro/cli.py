@@ -270,6 +270,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     check_out_kind(out, "reproduce")
     check_out_outside_data(out, _data_paths(base))
     check_out_dir(str(out), probe=not launch.dry_run)  # after: inside a read-only dataset is named as such
+    if launch.collect and not ((out / "plan.json").is_file() or (out / "arms").is_dir()):  # as lr-screen's
+        raise UserError(f"--collect: {out} holds no experiment (no plan.json, no arms/); nothing to collect")
     plan, screens, waiting = resolve_lrs(out, base)
     check_out(out, plan, skip=waiting)
     if launch.collect:

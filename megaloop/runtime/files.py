@@ -10,6 +10,7 @@ import contextlib
 import errno
 import functools
 import json
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -106,6 +107,17 @@ def cannot_create_in(folder: str | Path) -> str | None:
     os.close(fd)
     os.unlink(name)
     return None
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN / ±inf float replaced by None (JSON has no NaN: ``null``), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def folder_problem(path: str | Path) -> str | None:

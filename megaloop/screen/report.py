@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megaloop.runtime.files import atomic_write_json, atomic_write_text
+from megaloop.runtime.files import atomic_write_json, atomic_write_text, json_safe
 from megaloop.screen.core import TERMINAL, WHOLE_SET, Screen, finite, log, lr_tag, point_state, run_name
 from megaloop.runtime.files import save_figure
 
@@ -56,7 +56,7 @@ def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str |
         "all_diverged": bool(sel.get("all_diverged")), "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    atomic_write_json(out / "results.json", result, sort_keys=False)
+    atomic_write_json(out / "results.json", json_safe(result), sort_keys=False)  # a diverged point's NaN: null
     return result
 
 

@@ -383,3 +383,10 @@ def test_collect_with_another_eval_plan_is_refused(tool, user_yaml: Path, tmp_pa
     assert not (out / "results.json").exists()
     assert tool.main(argv) == 0  # the same plan collects
     capsys.readouterr()
+    # a folder holding no experiment (a typo) was created and filled with an all-pending report, then
+    # claimed for this experiment
+    typo = tmp_path / "typo"
+    assert tool.main([*argv[:4], "--out", str(typo), "--collect"]) == 2
+    assert f"--collect: {typo} holds no experiment (no plan.json, no arms/); nothing to collect" in \
+        capsys.readouterr().err
+    assert not typo.exists()

@@ -262,7 +262,9 @@ def test_collect_of_an_all_diverged_screen_exits_non_zero(tmp_path: Path, capsys
     text = capsys.readouterr().out
     assert "every point of the grid DIVERGED" in text and "proposed grid: 0.01,0.1,1,10" in text, text
     assert "no finished point yet" not in text
-    res = json.loads((out / "results.json").read_text())
+    # strict JSON: the diverged points' NaN were written as bare NaN, which strict parsers refuse
+    res = json.loads((out / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))
+    assert [p["val_ce"] for p in res["points"]] == [None, None, None]
     assert res["best"] is None and res["all_diverged"] is True and res["edge"] == "lower"
     assert res["proposed_grid"] == [0.01, 0.1, 1.0, 10.0] and "--grid 0.01,0.1,1,10" in res["proposed_command"]
     assert cli.main([*argv, "--fail-on-edge"]) == 3
