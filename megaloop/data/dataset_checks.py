@@ -10,11 +10,15 @@ from pathlib import Path
 from megaloop.config_utils import ConfigError
 
 
+def default_cache_dir() -> Path:
+    """``$MEGALOOP_CACHE`` or ``~/.cache/megaloop``."""
+    return Path(os.environ.get("MEGALOOP_CACHE") or Path.home() / ".cache" / "megaloop")
+
+
 def check_cache_dir(cache_dir: str | Path | None) -> None:
     """:class:`ConfigError` naming ``data.cache_dir`` (or ``$MEGALOOP_CACHE``, or the default) when no
     file can be created under it: it was a ``NotADirectoryError`` / ``FileNotFoundError`` traceback
     when the first shard was decompressed or the embedded corpus built."""
-    from megaloop.data.streaming import default_cache_dir
     from megaloop.runtime.files import folder_problem
 
     root = Path(cache_dir) if cache_dir else default_cache_dir()

@@ -36,6 +36,7 @@ from megaloop.config_utils import ConfigError
 from megaloop.data._fsutil import file_lock, try_lock_fd
 from megaloop.data._streaming_compat import ensure_streaming_importable
 from megaloop.data.config import DataConfig
+from megaloop.data.dataset_checks import check_cache_dir, default_cache_dir, missing_manifest_hint
 from megaloop.data.errors import DataError
 from megaloop.data.integrity import refresh_cache_slot, stored_file, verify_shard_hashes
 
@@ -51,11 +52,6 @@ from streaming.base.shared import SharedMemory as _SharedMemory  # noqa: E402
 from streaming.base.world import World  # noqa: E402,F401  (re-exported to loaders)
 
 _PATCH_LOCK = threading.Lock()
-
-
-def default_cache_dir() -> Path:
-    """``$MEGALOOP_CACHE`` or ``~/.cache/megaloop``."""
-    return Path(os.environ.get("MEGALOOP_CACHE") or Path.home() / ".cache" / "megaloop")
 
 
 def is_remote(path: str) -> bool:
@@ -143,8 +139,6 @@ def _fetch_remote(url: str, name: str, cache_root: Path) -> Path:
 def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
     """``manifest.json`` of a dataset directory/URL; errors name the missing/corrupt file."""
     if is_remote(path):
-        from megaloop.data.dataset_checks import check_cache_dir
-
         check_cache_dir(cache_dir)  # the manifest and the shards are copied there
         local = _fetch_remote(path, "manifest.json", Path(cache_dir or default_cache_dir()))
         return _read_json(local, f"{path}/manifest.json is missing")
@@ -154,8 +148,6 @@ def load_manifest(path: str, cache_dir: str | Path | None = None) -> dict:
                         else f"dataset directory {d} does not exist")
     m = d / "manifest.json"
     if not m.is_file():
-        from megaloop.data.dataset_checks import missing_manifest_hint
-
         hint = missing_manifest_hint(d)
         raise DataError(f"{m} is missing: {d} is not a complete megaloop MDS dataset{hint}")
     return _read_json(m, f"{m} is missing")
@@ -272,8 +264,6 @@ class _Source:
         if self.remote is None:
             local = str(Path(self.path).resolve())
         else:  # compressed or remote shards are read from copies in the cache (uncompressed local ones are not)
-            from megaloop.data.dataset_checks import check_cache_dir
-
             check_cache_dir(self.cache_dir)
             base = (self.cache_root / "streaming" / self.key).resolve()
             base.mkdir(parents=True, exist_ok=True)
