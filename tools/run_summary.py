@@ -15,8 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloop.config_utils import ConfigError  # noqa: E402
-from megaloop.inference.generate_cli import check_out_file, json_safe  # noqa: E402
-from megaloop.runtime.files import atomic_write_text  # noqa: E402
+from megaloop.inference.generate_cli import check_out_file  # noqa: E402
+from megaloop.runtime.files import atomic_write_text, json_safe  # noqa: E402
 from megaloop.train.summary import is_run_file, one_line, summarize  # noqa: E402
 
 

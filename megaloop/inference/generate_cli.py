@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from megaloop.config_utils import ConfigError
-from megaloop.runtime.files import json_safe  # noqa: F401  (re-exported: the eval commands import it here)
+from megaloop.runtime.files import json_safe
 
 
 # ----------------------------------------------------------------------------- shared options

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_
                                     check_saved_layout, check_saved_optim, set_aside_newer)
 from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
+from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
 
 
 class NonFiniteLossError(RuntimeError):
@@ -191,14 +192,7 @@ class Trainer:
             except DataError as err:
                 raise DataError(f"data.path={cfg.data.path}: {err}") from None
             if self.val_path is not None:  # and the validation batches (bad ids, undecodable samples)
-                loader = self._val_loader()
-                try:
-                    for _ in loader:
-                        pass
-                except DataError as err:
-                    raise DataError(f"data.val_path={cfg.data.val_path}: {err}") from None
-                finally:
-                    loader.close()
+                read_val_batches(self._val_loader(), cfg.data.val_path)
 
         on_every_rank(first_batch)
         if self.rank == 0:
@@ -244,7 +238,6 @@ class Trainer:
         from megaloop.data.errors import DataError
         from megaloop.data.loaders import resolve_data_path
         from megaloop.data.streaming import load_manifest
-        from megaloop.train.val_set import check_val_manifest
 
         embedded = embedded_split(str(path), "val") is not None  # not a folder named default_...
         if embedded and embedded_split(str(self.cfg.data.path), "train") is not None:
@@ -492,14 +485,11 @@ class Trainer:
         return out
 
     # ================================================================ eval
+    @cached_property
     def _val_plan(self) -> tuple[list[int], list[str], list[int]]:
         """The MixVal plan (:func:`megaloop.train.val_set.mixval_plan`), computed once."""
-        if getattr(self, "_val_cache", None) is None:
-            from megaloop.train.val_set import mixval_plan
-
-            self._val_cache = mixval_plan(self.val_path, self.val_seq, self.cfg.data.cache_dir,
-                                          self.cfg.train.eval_batches * self.cfg.train.global_batch_size)
-        return self._val_cache
+        return mixval_plan(self.val_path, self.val_seq, self.cfg.data.cache_dir,
+                           self.cfg.train.eval_batches * self.cfg.train.global_batch_size)
 
     def _val_loader(self):
         from megaloop.data import build_eval_loader
@@ -507,7 +497,7 @@ class Trainer:
         return build_eval_loader(self.val_path, seq_len=self.val_seq, micro_batch_size=self.mbs,
                                  dp_rank=self.dp_rank, dp_size=self.dp, cache_dir=self.cfg.data.cache_dir,
                                  mask_document_boundaries=self.cfg.data.mask_document_boundaries,  # as trained
-                                 indices=self._val_plan()[0], hashes_verified=True)  # by _verify_data
+                                 indices=self._val_plan[0], hashes_verified=True)  # by _verify_data
 
     def evaluate(self, depth: int | None = None) -> dict:
         """Validation CE at ``depth`` (default ``train.eval_depth``) on the MixVal plan, with its
@@ -515,7 +505,7 @@ class Trainer:
         if self.val_path is None:
             return {}
         depth = depth or self.cfg.train.eval_depth
-        order, names, src_ids = self._val_plan()
+        order, names, src_ids = self._val_plan
         loader = self._val_loader()
         mbs = []
         for i, (batch, rows) in enumerate(zip(loader, loader.rank_rows())):

@@ -74,3 +74,18 @@ def mixval_plan(val_path: str, seq_len: int, cache_dir: str | None, k: int) -> t
     order = source_balanced_order(sources)
     order = order[:k] if k > 0 else order
     return order, names, [names.index(sources[i]) for i in order]
+
+
+def read_val_batches(loader, val_path: str) -> None:
+    """Read every batch of ``loader`` once and close it: what cannot be read (a bad token id, a sample
+    that does not decode) is a :class:`DataError` naming ``data.val_path`` at set-up, not at the first
+    evaluation after some training steps."""
+    from megaloop.data.errors import DataError
+
+    try:
+        for _ in loader:
+            pass
+    except DataError as err:
+        raise DataError(f"data.val_path={val_path}: {err}") from None
+    finally:
+        loader.close()
