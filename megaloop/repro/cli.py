@@ -159,7 +159,12 @@ def _render_out(args: argparse.Namespace, inputs: list[Path]) -> Path:
             merged = bool(((json.loads(held.read_text()) or {}).get("launcher") or {}).get("merged"))
         except (OSError, ValueError, AttributeError):
             merged = False
-        if not (args.merge and merged):  # a merge may replace an earlier merged result
+        try:  # a render of the same input may replace its own earlier render (--experiment claims edited)
+            again = len(inputs) == 1 and (json.loads(held.read_text()) or {}).get("rendered_from") == \
+                str(inputs[0].resolve())
+        except (OSError, ValueError, AttributeError):
+            again = False
+        if not (args.merge and merged) and not (again and not args.merge):  # a merge may replace an earlier merge
             raise UserError(f"--out: {out} holds another result ({held}) that this would overwrite; choose "
                             "another folder")
     return out
@@ -204,6 +209,8 @@ def _render(args: argparse.Namespace) -> int:
     # the results file goes with its report: into --out (the input is left as it is) or, without
     # --out, back into the input's results.json with the experiment file's claims
     if args.merge or (args.experiment and (args.out is not None or path.name == "results.json")):
+        if not args.merge and out.resolve() != path.resolve().parent:  # a copy: says which file it renders
+            results["rendered_from"] = str(path.resolve())
         written = [rep.write_results(out, results)]
     rep.print_table(results)
     print("  wrote " + ", ".join(map(str, [*written, *outputs])))

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from megaloop.repro.spec import Arm, EvalPlan
-from megaloop.runtime.files import atomic_write_json
+from megaloop.runtime.files import atomic_write_json, json_safe
 from megaloop.sweep import stopped
 
 SUMMARY = "summary.json"
@@ -239,4 +239,4 @@ def eval_done(run_dir: Path, plan: EvalPlan, step: int | None) -> bool:
 
 
 def _write(path: Path, obj: dict) -> None:
-    atomic_write_json(path, obj, indent=1, sort_keys=False)
+    atomic_write_json(path, json_safe(obj), indent=1, sort_keys=False)  # NaN/inf as null (strict JSON)

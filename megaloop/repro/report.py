@@ -28,9 +28,8 @@ from megaloop.repro.evaluate import SUMMARY, machine, synth_curve
 from megaloop.repro.runs import arm_state, run_dir
 from megaloop.repro.spec import METRICS, Plan
 from megaloop.repro.verdicts import Check, check_text, claim_verdict, mean_sd, verdict_text
-from megaloop.runtime.files import atomic_write_json
+from megaloop.runtime.files import atomic_write_json, json_safe, save_figure
 from megaloop.train.metrics import read_metrics
-from megaloop.runtime.files import save_figure
 
 TABLE = ("native_ppl", "terminal_ppl", "sharing_penalty_pct", "extrapolation_pct", "train_flops", "prior_mean",
          "prior_p5", "prior_entropy", "downstream")
@@ -277,7 +276,7 @@ def check_results(results: Any, where: str) -> dict:
 
 def write_results(out: Path, results: dict) -> Path:
     path = Path(out) / "results.json"
-    atomic_write_json(path, results, indent=1, sort_keys=False)
+    atomic_write_json(path, json_safe(results), indent=1, sort_keys=False)  # a diverged arm's NaN: null
     return path
 
 

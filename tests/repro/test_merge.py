@@ -225,6 +225,41 @@ def test_render_with_an_experiment_into_another_out_leaves_the_input_alone(tool,
     assert f"wrote {out / 'results.json'}" in capsys.readouterr().out
 
 
+def test_render_into_its_own_out_again_is_accepted_another_input_is_not(tool, tmp_path: Path, capsys) -> None:
+    """`--render A --experiment E --out X` run twice (say after editing E's claims) re-renders X; it was
+    refused as "holds another result". A render of another input into X still is."""
+    src = ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json"
+    a, b = tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"
+    for p in (a, b):
+        p.parent.mkdir()
+        p.write_bytes(src.read_bytes())
+    out = tmp_path / "x"
+    argv = ["--render", str(a), "--experiment", "tbptt", "--out", str(out)]
+    assert tool.main(argv) == 0 and tool.main(argv) == 0
+    assert json.loads((out / "results.json").read_text())["rendered_from"] == str(a.resolve())
+    held = (out / "results.json").read_bytes()
+    capsys.readouterr()
+    assert tool.main(["--render", str(b), "--experiment", "tbptt", "--out", str(out)]) == 2
+    assert "holds another result" in capsys.readouterr().err
+    assert (out / "results.json").read_bytes() == held
+
+
+def test_written_results_are_strict_json_a_diverged_metric_is_null(tool, tmp_path: Path, capsys) -> None:
+    """A diverged arm's NaN was written as a bare NaN, which strict JSON parsers refuse; it is null,
+    read back as missing ("—"), as every eval JSON writes it."""
+    a = _file(tmp_path, "a", [1], {"orthoinj": [float("nan")], "parcae_decay": [110.0]})
+    b = _file(tmp_path, "b", [2], {"orthoinj": [101.0], "parcae_decay": [111.0]})
+    out = tmp_path / "ab"
+    assert tool.main(["--render", str(a), "--merge", str(b), "--out", str(out)]) == 0
+
+    def strict(text: str) -> None:
+        raise AssertionError(f"non-strict JSON constant {text}")
+    merged = json.loads((out / "results.json").read_text(), parse_constant=strict)
+    assert merged["arms"][0]["metrics"]["terminal_ppl"] is None
+    capsys.readouterr()
+    assert tool.main(["--render", str(out / "results.json")]) == 0  # and it renders again
+
+
 def test_render_with_an_experiment_leaves_out_the_claims_of_arms_not_held(tool, tmp_path: Path, capsys) -> None:
     res = json.loads((ROOT / "tools" / "reproduce_results" / "tbptt_tiny" / "results.json").read_text())
     res["arms"] = [a for a in res["arms"] if a["name"] in ("huginn_bR", "parcae_bR")]
