@@ -186,7 +186,7 @@ def add_launch_args(p: argparse.ArgumentParser, default_parallel: str) -> None:
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="slurm: extra sbatch argument, repeatable (e.g. --sbatch-arg=--partition=gpu)")
     p.add_argument("--wait", action="store_true", help="slurm: poll squeue until the array finishes, then report")
-    p.add_argument("--poll", type=float, default=60.0, help="slurm --wait: seconds between squeue polls")
+    p.add_argument("--poll", type=float, help="slurm --wait: seconds between squeue polls (default 60)")
     p.add_argument("--collect", action="store_true", help="launch nothing: collect and report")
     p.add_argument("--dry-run", action="store_true", help="validate and print what would run; write nothing")
 
@@ -199,7 +199,18 @@ def launch_from_args(args: argparse.Namespace, default_parallel: int | None) -> 
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UserError(f"--{name.replace('_', '-')}: must be >= 1, got {v}")
-    if not (math.isfinite(args.poll) and args.poll > 0):
+    # an option of the other launcher would be ignored: refused, as options --render does not read are
+    local_only = {"--threads": args.threads, "--threads-per-run": args.threads_per_run, "--devices": args.devices}
+    slurm_only = {"--sbatch-arg": args.sbatch_arg or None, "--wait": args.wait or None, "--poll": args.poll}
+    for flag, value in (slurm_only if args.launcher == "local" else local_only).items():
+        if value is not None:
+            raise UserError(f"{flag}: applies to --launcher {'slurm' if args.launcher == 'local' else 'local'} "
+                            f"only (this sweep runs with --launcher {args.launcher})")
+    if args.poll is not None and not args.wait:
+        raise UserError("--poll: goes with --wait (seconds between squeue polls while waiting)")
+    if args.poll is None:
+        args.poll = 60.0
+    elif not (math.isfinite(args.poll) and args.poll > 0):
         raise UserError(f"--poll: seconds between squeue polls, must be > 0, got {args.poll:g}")
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     launch = Launch(launcher=args.launcher, parallel=args.parallel, nproc=args.nproc, devices=devices,

@@ -140,7 +140,7 @@ def render(args: argparse.Namespace) -> int:
 _NOT_FOR_RENDER = {"arms": "--arms", "seeds": "--seeds", "max_seqs": "--max-seqs", "depths": "--depths",
                    "evaluate_arm": "--evaluate-arm", "collect": "--collect", "dry_run": "--dry-run",
                    "wait": "--wait", "parallel": "--parallel", "threads": "--threads",
-                   "threads_per_run": "--threads-per-run", "devices": "--devices"}
+                   "threads_per_run": "--threads-per-run", "devices": "--devices", "poll": "--poll"}
 
 
 def _render_out(args: argparse.Namespace, inputs: list[Path]) -> Path:

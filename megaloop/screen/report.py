@@ -131,7 +131,7 @@ def launcher_flags(args: argparse.Namespace) -> list[str]:
     out += [f"--sbatch-arg={a}" for a in getattr(args, "sbatch_arg", None) or []]
     if getattr(args, "wait", False):
         out.append("--wait")
-        if getattr(args, "poll", 60.0) != 60.0:
+        if getattr(args, "poll", None) not in (None, 60.0):
             out += ["--poll", f"{args.poll:g}"]
     return out
 

@@ -47,6 +47,14 @@ def test_thread_budget_is_split_among_runs() -> None:
     (["--threads-per-run", "0"], "--threads-per-run: must be >= 1"),
     (["--nproc", "0"], "--nproc: must be >= 1"),
     (["--devices", "0", "--parallel", "2"], "--devices: 1 device(s) for 2 parallel run(s)"),
+    # the other launcher's options were accepted and ignored
+    (["--sbatch-arg=--partition=gpu"], "--sbatch-arg: applies to --launcher slurm only"),
+    (["--wait"], "--wait: applies to --launcher slurm only"),
+    (["--poll", "5"], "--poll: applies to --launcher slurm only"),
+    (["--launcher", "slurm", "--threads", "4"], "--threads: applies to --launcher local only"),
+    (["--launcher", "slurm", "--threads-per-run", "2"], "--threads-per-run: applies to --launcher local only"),
+    (["--launcher", "slurm", "--devices", "0,1"], "--devices: applies to --launcher local only"),
+    (["--launcher", "slurm", "--poll", "5"], "--poll: goes with --wait"),
 ])
 def test_bad_launch_options(argv: list[str], words: str) -> None:
     with pytest.raises(UserError, match=re.escape(words)):
