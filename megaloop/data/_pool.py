@@ -1,21 +1,37 @@
-"""A fork worker pool for data preparation that stops without ``Pool.terminate``'s deadlock.
+"""A fork worker pool for data preparation that stops cleanly after an error, an interrupt or a
+worker's death.
 
-``multiprocessing.Pool.terminate`` SIGTERMs its workers while its task-handler thread may still have
-to send a sentinel on the result queue; a worker killed in the middle of sending a result dies holding
-that queue's write lock and ``terminate`` then waits forever (seen in CI: a bad input file made the
-converter hang instead of exiting 2). :class:`ForkPool` keeps at most one task per worker in flight,
-so after an error it waits for the running tasks (each one input file) and ends the pool with
-``close``/``join``, which never kills a worker mid-send. Only an interrupt (Ctrl-C, or SIGTERM raised as
-``KeyboardInterrupt``) still uses ``terminate``, so that it stops at once.
+Built on :class:`concurrent.futures.ProcessPoolExecutor`, not ``multiprocessing.Pool``:
+
+- ``Pool.terminate`` SIGTERMs workers while its task-handler thread may still have to send a sentinel
+  on the result queue; a worker killed mid-send dies holding that queue's lock and ``terminate``
+  waits forever (seen in CI: a bad input file made the converter hang instead of exiting 2).
+- A ``Pool`` worker killed by the OS (the out-of-memory killer, a ``kill -9``) is replaced without a
+  word and its task never returns; killed while idle, it also dies holding the task queue's read
+  lock, after which the pool hands out nothing and even ``terminate`` blocks (the converter hung).
+
+The executor notices a dead worker, marks the pool broken and fails every pending task, which
+:class:`ForkPool` reports as :class:`WorkerDied` naming the signal and the tasks that were running.
+At most one task per worker is out at a time, so after a task's error the running tasks (each one
+input file) finish and nothing new starts; an interrupt (Ctrl-C, SIGTERM raised as
+``KeyboardInterrupt``) kills the workers at once.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
+import signal
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["ForkPool"]
+from megaloop.data.errors import DataError
+
+__all__ = ["ForkPool", "WorkerDied"]
+
+
+class WorkerDied(DataError):
+    """A pool worker died (killed by a signal, or its initializer failed) while tasks were out."""
 
 
 class ForkPool:
@@ -30,22 +46,53 @@ class ForkPool:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        self._pool = mp.get_context("fork").Pool(workers, initializer, initargs)
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._inflight = 0
+        self._ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=initializer,
+                                       initargs=initargs)
+        self._running: dict[Future, tuple[int, Any]] = {}  # future -> (index, task)
+        self._procs: dict[int, Any] = {}  # pid -> Process: every worker seen, for exit codes and kills
+        self.describe: Callable[[Any], str] = str
+
+    @property
+    def _inflight(self) -> int:
+        return len(self._running)
+
+    def worker_pids(self) -> list[int]:
+        self._seen()
+        return sorted(self._procs)
+
+    def _seen(self) -> None:
+        self._procs.update(getattr(self._ex, "_processes", None) or {})  # the executor's own table
 
     def _submit(self, fn: Callable[[Any], Any], index: int, task: Any) -> None:
-        done = self._done
-        self._pool.apply_async(fn, (task,), callback=lambda r: done.put((index, True, r)),
-                               error_callback=lambda e: done.put((index, False, e)))
-        self._inflight += 1
+        self._running[self._ex.submit(fn, task)] = (index, task)
+        self._seen()
 
     def _next_done(self) -> tuple[int, bool, Any]:
-        item = self._done.get()
-        self._inflight -= 1
-        return item
+        """``(index, ok, result or exception)`` of a finished task (the lowest index among those
+        that finished together); :class:`WorkerDied` when the pool broke."""
+        done, _ = wait(list(self._running), return_when=FIRST_COMPLETED)
+        fut = min(done, key=lambda f: self._running[f][0])
+        exc = fut.exception()
+        if isinstance(exc, BrokenProcessPool):
+            raise WorkerDied(self._death_message(exc)) from None
+        index, _ = self._running.pop(fut)
+        return (index, True, fut.result()) if exc is None else (index, False, exc)
 
-    def imap(self, fn: Callable[[Any], Any], tasks: Iterable[Any], ordered: bool = True) -> Iterator[Any]:
+    def _death_message(self, exc: BaseException) -> str:
+        tasks = ", ".join(self.describe(t) for _, t in sorted(self._running.values(), key=lambda it: it[0]))
+        self._running.clear()  # the executor failed them all
+        self._ex.shutdown(wait=True, cancel_futures=True)  # its workers are reaped: their exit codes are known
+        codes = [p.exitcode for p in self._procs.values() if p.exitcode not in (None, 0, -signal.SIGTERM)]
+        how = ", ".join(f"killed by {signal.Signals(-c).name}" if c < 0 and -c in signal.valid_signals()
+                        else f"exit status {c}" for c in codes) or str(exc)
+        return (f"a worker process died ({how}) while working on one of: {tasks}; SIGKILL is what the "
+                "kernel's out-of-memory killer sends: rerun (what finished is kept), with fewer --workers if "
+                "memory is short")
+
+    def imap(self, fn: Callable[[Any], Any], tasks: Iterable[Any], ordered: bool = True,
+             describe: Callable[[Any], str] = str) -> Iterator[Any]:
+        """``describe(task)``: how an error names a task (default ``str``)."""
+        self.describe = describe
         pending = enumerate(tasks)
         for index, task in pending:
             self._submit(fn, index, task)
@@ -68,19 +115,25 @@ class ForkPool:
                 yield held.pop(want)
                 want += 1
 
+    def _kill(self) -> None:
+        """Stop now: kill every worker (the executor then fails what was out) and shut down."""
+        self._seen()
+        for p in self._procs.values():
+            if p.exitcode is None:
+                p.kill()
+        self._ex.shutdown(wait=True, cancel_futures=True)
+
     def __enter__(self) -> ForkPool:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and not issubclass(exc_type, Exception):
-            self._pool.terminate()  # an interrupt: stop now
-        else:
-            try:
-                while self._inflight:  # let the running tasks finish; their results are not needed
-                    self._next_done()
-            except BaseException:  # interrupted while waiting
-                self._pool.terminate()
-                self._pool.join()
-                raise
-            self._pool.close()
-        self._pool.join()
+            self._kill()  # an interrupt: stop now
+            return
+        try:
+            wait(list(self._running))  # let the running tasks finish; their results are not needed
+        except BaseException:  # interrupted while waiting
+            self._kill()
+            raise
+        self._running.clear()
+        self._ex.shutdown(wait=True)

@@ -333,7 +333,7 @@ def _scan_all(files: list[InputFile], cfg: EvalSetsConfig) -> dict[str, dict[str
         # as the converter's workers: Ctrl-C is left to this process, and they end with it (killed,
         # even with SIGKILL) instead of scanning on as orphans
         with ForkPool(min(cfg.workers, len(tasks)), init_pool_worker, (os.getpid(),)) as pool:
-            collect(pool.imap(_scan, tasks))
+            collect(pool.imap(_scan, tasks, describe=lambda t: str(t[0].path)))
     else:
         collect(map(_scan, tasks))
     return {band: {s: [d[k] for k in sorted(d)] for s, d in sorted(by_src.items())}

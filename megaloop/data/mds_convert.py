@@ -36,6 +36,7 @@ do not inherit the lock and end when the converter process dies, however it dies
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import uuid
@@ -349,6 +350,9 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
             for name in ("manifest.json", "index.json"):
                 (out / name).unlink(missing_ok=True)
         rmtree_quiet(out / ".tmp")
+        for p in out.iterdir():
+            if _MARK_TMP.fullmatch(p.name):
+                p.unlink(missing_ok=True)
         (out / ".tmp").mkdir()
         (out / "parts").mkdir(exist_ok=True)
         dones, todo = _finished_parts(out, tasks, published)
@@ -404,13 +408,17 @@ _SETTINGS = ("input", "seq_len", "tokenizer_sha256", "eos_id", "seed", "holdout"
 _RECORDED = {"selected_sources": "--sources", "mix": "the mix (--weights/--source-weights/--bucket-upsample)"}
 
 
+# the temp files of an atomic write of the dataset's marks, left by a kill while publishing
+_MARK_TMP = re.compile(r"\.(manifest|index)\.json\..+\.tmp")
+
+
 def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
     """Without ``--overwrite``, refuse an ``out`` whose dataset was converted from another input or
     with other settings (only changed input *files* update a dataset in place), and a non-empty
     ``out`` that holds no dataset of this tool."""
     ours = {"parts", ".tmp", STAGED, ".lock", "index.json", "manifest.json"}
-    if old is None:
-        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if old is None:  # a run killed while publishing left its marks' temp files: ours (they were "foreign")
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ours and not _MARK_TMP.fullmatch(p.name))
         if foreign:
             raise DataError(f"--out {out} is not empty and holds no converted dataset ({foreign[:5]}); "
                             "choose an empty or new folder")
@@ -519,6 +527,6 @@ def _run_tasks(todo: list[_Task], cfg: ConvertConfig, tok: Tokenizer, dones: dic
             ensure_streaming_importable()  # import once here; forked workers inherit it
             with ForkPool(min(cfg.workers, len(todo)), _init_worker,
                           (str(tok.path), cfg.eos_token, os.getpid())) as pool:
-                record(pool.imap(_process_part, todo, ordered=False))
+                record(pool.imap(_process_part, todo, ordered=False, describe=lambda t: str(t.file.path)))
     finally:
         bar.close()

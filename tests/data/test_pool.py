@@ -75,7 +75,10 @@ def _sleep_forever(i: int) -> int:
 
 
 def test_an_interrupt_terminates_the_workers_at_once():
+    pids: list[int] = []
+
     def interrupt(signum, frame):  # noqa: ARG001
+        pids.extend(pool.worker_pids())
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGALRM, interrupt)
@@ -83,7 +86,6 @@ def test_an_interrupt_terminates_the_workers_at_once():
     try:
         with pytest.raises(KeyboardInterrupt):
             with ForkPool(2) as pool:
-                pids = [p.pid for p in pool._pool._pool]
                 signal.setitimer(signal.ITIMER_REAL, 0.5)
                 for _ in pool.imap(_sleep_forever, range(4)):
                     pass
@@ -91,6 +93,7 @@ def test_an_interrupt_terminates_the_workers_at_once():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert time.monotonic() - t0 < 60
+    assert len(pids) == 2
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
@@ -99,3 +102,28 @@ def test_an_interrupt_terminates_the_workers_at_once():
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers must be >= 1"):
         ForkPool(0)
+
+
+def _killed_at_two(i: int) -> int:
+    (_MARKS / f"started_{i}").touch()
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's out-of-memory killer does
+    time.sleep(0.3)
+    (_MARKS / f"finished_{i}").touch()
+    return i
+
+
+def test_a_worker_killed_by_the_os_is_an_error_naming_the_task_not_a_hang():
+    # multiprocessing.Pool replaces a dead worker silently and its task never returns: the
+    # converter waited forever. Now the death is named (signal, the tasks that were running).
+    from megaloop.data._pool import WorkerDied
+
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"\(killed by SIGKILL\) while working on one of: .*task-2") as err:
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_killed_at_two, range(8), describe=lambda i: f"task-{i}"):
+                pass
+    assert time.monotonic() - t0 < 60
+    # dispatch stopped at the death; the other worker's task may be cut short (the pool is broken)
+    assert _marks("finished") <= _marks("started") - {2}
+    assert len(_marks("started")) <= 5

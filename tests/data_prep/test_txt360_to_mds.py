@@ -144,6 +144,24 @@ def test_rerun_skips_finished_work(tmp_path, txt360_tree, fixture_tokenizer, con
         assert third[key] == fresh[key]
 
 
+@pytest.mark.parametrize("killed_at", ["manifest", "index"])
+def test_a_kill_while_publishing_is_resumed_by_the_same_command(tmp_path, txt360_tree, fixture_tokenizer,
+                                                                converted, killed_at):
+    """A kill between the atomic write's temp file and its rename left `.manifest.json.X.tmp` (or the
+    index's) in --out, and every rerun was refused: "--out is not empty and holds no converted
+    dataset". The rerun now finishes from the kept parts, to the uninterrupted result."""
+    tree, _ = txt360_tree
+    out = tmp_path / "out"
+    _convert(tree, fixture_tokenizer, out)
+    for name in ("manifest.json", "index.json") if killed_at == "index" else ("manifest.json",):
+        (out / name).unlink()  # publishing unmarks the dataset first, then writes index, then manifest
+    (out / f".{killed_at}.json.k3x9_2.tmp").write_text('{"half": ')
+    again = _convert(tree, fixture_tokenizer, out)
+    assert again["_run"]["parts_skipped"] == again["_run"]["parts_total"] == 7
+    assert _shard_hashes(out) == _shard_hashes(converted[0])
+    assert not list(out.glob(".*.tmp"))
+
+
 def test_bad_input_errors_name_the_file(tmp_path, txt360_tree, fixture_tokenizer, capsys):
     tree, _ = txt360_tree
     with pytest.raises(DataError, match="does not exist"):
