@@ -52,6 +52,7 @@ from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.hf.staging import put_back, staging_dir, sweep_stale
+from megaloop.hf.tokenizer_files import save_tokenizer, tokenizer_info
 from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
 from megaloop.runtime.files import plain_mode
 HF_DIR = Path(__file__).resolve().parent
@@ -434,26 +435,20 @@ def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None
     return None
 
 
-def _tokenizer_info(path: Path) -> dict:
-    from megaloop.data.tokenizer import Tokenizer
-
-    tok = Tokenizer(path)
-    return {"vocab_size": tok.vocab_size, "eos": tok.eos_id, "bos": tok.bos_id, "pad": tok.pad_id}
-
-
-def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
-    """Wrap ``tokenizer.json`` in a PreTrainedTokenizerFast with eos/bos/pad and save it."""
-    from tokenizers import Tokenizer as RawTokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer.from_file(str(path))
-    name = lambda i: raw.id_to_token(i) if i is not None else None  # noqa: E731
-    eos, bos = name(info["eos"]), name(info["bos"])
-    pad = name(info["pad"]) or eos
-    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=eos, bos_token=bos, pad_token=pad,
-                                  model_max_length=max_len, padding_side="left",  # batched generate pads left
-                                  model_input_names=["input_ids", "attention_mask"])  # no token_type_ids
-    tok.save_pretrained(str(out))
+def _own_vocab(run_cfg: dict, ckpt: Path, explicit: str | Path | None, rows: int) -> int | None:
+    """With a ``--tokenizer`` override, the vocabulary of the tokenizer the run trained with (None
+    without an override, or when the run's is not found): the model's real vocabulary is the run's,
+    so a smaller or larger override is told apart from it (it was measured on the override itself)."""
+    if not explicit:
+        return None
+    try:
+        own = find_tokenizer(run_cfg, ckpt, None)
+    except ConversionError:
+        return None
+    if own is None or own.suffix != ".json":
+        return None
+    n = tokenizer_info(own)["vocab_size"]
+    return n if n <= rows else None
 
 
 # ============================================================================ in memory
@@ -473,7 +468,7 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
             log(f"warning: tokenizer {tok_path} is not a tokenizer.json; not exported")
         tok_path = None
     if tok_path is not None:
-        info = _tokenizer_info(tok_path)
+        info = tokenizer_info(tok_path)
         if info["vocab_size"] > vocab and tokenizer:  # the user's --tokenizer: named as theirs
             from megaloop.config_utils import ConfigError
 
@@ -482,7 +477,7 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
         if info["vocab_size"] > vocab:
             raise ConversionError(f"tokenizer {tok_path} has {info['vocab_size']} tokens but the checkpoint's "
                                   f"embedding has only {vocab} rows: wrong tokenizer (pass --tokenizer)")
-    real_vocab = mcfg.vocab_size or info["vocab_size"] or vocab
+    real_vocab = mcfg.vocab_size or _own_vocab(run_cfg, ckpt, tokenizer, vocab) or info["vocab_size"] or vocab
     if real_vocab > vocab:
         raise ConversionError(f"model.vocab_size {real_vocab} exceeds the checkpoint's {vocab} embedding rows")
     cfg = hf_config_from_native(mcfg, vocab_size=vocab, tokenizer_vocab_size=real_vocab, num_recurrences=depth,

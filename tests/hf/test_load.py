@@ -143,6 +143,44 @@ def test_a_tokenizer_smaller_than_the_model_is_warned_about(checkpoint, tmp_path
     assert "smaller than the model's" not in capfd.readouterr().err
 
 
+def test_tokenizer_override_is_compared_with_the_runs_own_when_the_config_has_no_vocab(
+        megatron_world, tmp_path, capfd):
+    """A run's config holds model.vocab_size 0 (taken from the data): the native path measured the
+    model's real vocabulary on the --tokenizer override itself, so a smaller one loaded silently and
+    one between the run's size and the padded rows was accepted. Both are told apart from the run's
+    own tokenizer now, as for an HF folder."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from megaloop.config import RunConfig
+    from megaloop.config_utils import ConfigError
+    from megaloop.data.tokenizer import Tokenizer
+    from megaloop.inference.engine import InferenceEngine
+    from megaloop.train.checkpoint import CheckpointManager
+
+    run = tmp_path / "run"
+    own = Tokenizer(bpe_tokenizer(run)).vocab_size
+    cfg, chunks = build_native(dict(injection="parcae_nonorm"))
+    d = RunConfig(model=cfg).to_dict()
+    d["model"]["vocab_size"] = 0  # as training writes it
+    CheckpointManager(run / "checkpoints").save(3, chunks, None, common={"step": 3, "config": d})
+
+    def word_level(n: int) -> str:
+        path = tmp_path / f"w{n}" / "tokenizer.json"
+        path.parent.mkdir()
+        HFTokenizer(WordLevel({"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, n)}},
+                              unk_token="<|endoftext|>")).save(str(path))
+        return str(path)
+
+    capfd.readouterr()
+    small = word_level(40)
+    InferenceEngine.load(run, tokenizer=small, validate=False)
+    assert f"its vocabulary (40 tokens) is smaller than the model's ({own})" in capfd.readouterr().err
+    between = word_level(own + 20)  # more than the run's, fewer than the embedding's 256 rows
+    with pytest.raises(ConfigError, match=f"its vocabulary \\({own + 20} tokens\\) is larger than the model's \\({own}\\)"):
+        InferenceEngine.load(run, tokenizer=between, validate=False)
+
+
 def test_an_hf_folder_with_a_broken_config_json_is_named(tmp_path):
     """An unparsable config.json is named, not taken for "no HF folder" (which blamed a missing
     megaloop checkpoint and suggested `convert --from-hf`)."""

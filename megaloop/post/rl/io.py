@@ -151,12 +151,21 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
     tok_path = getattr(tokenizer, "path", None)
     written = []
     if tok_path is not None and Path(tok_path).suffix == ".json":
-        written.append("tokenizer.json")
-        shutil.copyfile(tok_path, out / "tokenizer.json")
         src_cfg = Path(tok_path).parent / "tokenizer_config.json"
-        if src_cfg.is_file():
-            written.append("tokenizer_config.json")
-            shutil.copyfile(src_cfg, out / "tokenizer_config.json")
+        if src_cfg.is_file():  # an HF folder's tokenizer: its files as they are
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                if (Path(tok_path).parent / name).is_file() or name == "tokenizer.json":
+                    written.append(name)
+                    shutil.copyfile(tok_path if name == "tokenizer.json" else Path(tok_path).parent / name, out / name)
+        else:  # a megaloop run's bare tokenizer.json: wrapped as `megaloop convert` does, so AutoTokenizer
+            from megaloop.hf.tokenizer_files import save_tokenizer  # loads it (it refused a folder without a config)
+
+            cfg = model.config
+            save_tokenizer(Path(tok_path), out, {"eos": cfg.eos_token_id, "bos": getattr(cfg, "bos_token_id", None),
+                                                 "pad": getattr(cfg, "pad_token_id", None)},
+                           int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048)
+            written += [n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+                        if (out / n).is_file()]
     elif isinstance(tokenizer, ByteTokenizer):
         written.append("megaloop_tokenizer.json")
         (out / "megaloop_tokenizer.json").write_text(json.dumps({"spec": "bytes"}))
@@ -170,7 +179,7 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
 
 
 # the tokenizer files an RL save (save_hf) may write
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "megaloop_tokenizer.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "megaloop_tokenizer.json")
 
 
 def _drop_stale_tokenizer(out: Path, written: list[str]) -> None:

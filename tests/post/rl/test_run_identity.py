@@ -153,6 +153,28 @@ def test_overwrite_leaves_one_tokenizer(tmp_path):
     assert (bare / "tokenizer.json").read_text() == "{}"
 
 
+def test_a_bare_tokenizer_json_is_saved_so_autotokenizer_loads_it(tmp_path):
+    """`rl --model <megaloop checkpoint>`: the run's tokenizer.json has no tokenizer_config.json beside
+    it, and the HF folder out held only tokenizer.json, which AutoTokenizer refused ("Unrecognized
+    configuration class MegaloopConfig"). It is wrapped as `megaloop convert` wraps it."""
+    from transformers import AutoTokenizer
+
+    from megaloop.data.tokenizer import load_tokenizer
+    from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
+    from megaloop.post.rl.io import save_hf
+    from tests.post.rl.helpers import tiny_config
+
+    src = bpe_tokenizer(tmp_path / "tok")
+    assert not (src.parent / "tokenizer_config.json").exists()
+    tok = load_tokenizer(src)
+    out = save_hf(MegaloopForCausalLM(tiny_config()), tmp_path / "out", tok, extra={"run": 1})
+    assert (out / "tokenizer_config.json").is_file()
+    hf = AutoTokenizer.from_pretrained(str(out))
+    assert hf.padding_side == "left" and hf("a b c")["input_ids"] == tok.encode("a b c")
+    assert json.loads((out / "megaloop_rl.json").read_text())["tokenizer_files"] == [
+        "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
+
+
 def test_long_prompts_warn_rope_extrapolation_once(capsys):
     from types import SimpleNamespace
 
