@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 from megaloop.config_utils import ConfigError
-from megaloop.runtime.files import json_safe
+from megaloop.errors import UserError
+from megaloop.runtime.files import atomic_write_text, json_safe
 
 
 # ----------------------------------------------------------------------------- shared options
@@ -275,8 +276,12 @@ def write_json(path: Optional[str], payload: dict) -> None:
     if not path:
         return
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(json_safe(payload), indent=1, default=str, allow_nan=False))
+    text = json.dumps(json_safe(payload), indent=1, default=str, allow_nan=False)
+    try:  # whole or not at all: a full disk or a kill mid-write truncated an earlier result in place
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(os.path.realpath(out), text)  # through a link to the file it names
+    except OSError as err:
+        raise UserError(f"--json: cannot write {out}: {err.strerror or err}; nothing was written there") from None
     print(f"wrote {out}")
 
 

@@ -79,3 +79,32 @@ def test_sweep_out_in_a_folder_no_file_can_be_created_in(tmp_path: Path) -> None
     with pytest.raises(UserError, match=r"--out: /proc/self/megaloop-screen: no file can be created in /proc/self"):
         check_out_dir("/proc/self/megaloop-screen")
     check_out_dir("/proc/self/megaloop-screen", probe=False)  # --dry-run writes nothing: not probed
+
+
+def test_eval_json_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`eval`/`generate --json` rewrote the file in place: a full disk (or a kill) mid-write left an
+    earlier good result truncated (0 bytes or cut JSON) and a traceback. Now a temp file and a rename:
+    the earlier file stays whole and the failure is one line; a link is written through."""
+    import errno
+    import json
+    import os
+
+    from megaloop.inference.generate_cli import write_json
+    from megaloop.runtime import files
+
+    good = tmp_path / "res.json"
+    good.write_text('{"ok": 1}')
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(UserError, match=r"--json: cannot write .*res.json: No space left on device"):
+        write_json(str(good), {"ppl": 1.0})
+    assert good.read_text() == '{"ok": 1}' and [p.name for p in tmp_path.iterdir()] == ["res.json"]
+    monkeypatch.setattr(files.os, "fsync", real_fsync)
+    (tmp_path / "via").symlink_to(good)
+    write_json(str(tmp_path / "via"), {"ppl": float("nan")})
+    assert (tmp_path / "via").is_symlink() and json.loads(good.read_text()) == {"ppl": None}
+    assert "wrote" in capsys.readouterr().out
