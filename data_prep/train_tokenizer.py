@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"interrupted: --out {args.out} is as it was", file=sys.stderr)
         return 130
+    except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
+        from megaloop.runtime.files import STORAGE_FULL_HINT, storage_full
+
+        if (line := storage_full(err)) is None:
+            raise
+        print(f"error: {line}; {STORAGE_FULL_HINT}", file=sys.stderr)
+        return 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if created is not None and not ok:

@@ -165,3 +165,30 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NO_SPACE_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "os error 28")
+
+
+def storage_full(err: BaseException) -> str | None:
+    """One line when ``err`` (or what it was raised from) is a write that storage refused: a full
+    disk, a quota or the file-size limit (``ulimit -f``), also as torch's zip writer and safetensors
+    report them (without an errno); None for any other error (a bug keeps its traceback)."""
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+            where = f" writing {e.filename}" if e.filename else ""
+            return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, '')}){where}"
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        if any(w in str(e) for w in _NO_SPACE_WORDS):
+            return first
+        if "inline_container" in str(e) or "unexpected pos" in str(e):
+            return f"a file write failed ({first}): the disk is probably full, or the file-size limit (ulimit -f) reached"
+        e = e.__cause__ or e.__context__
+    return None
+
+
+STORAGE_FULL_HINT = "files this command finished before are kept; free space (or raise the limit) and rerun it"
