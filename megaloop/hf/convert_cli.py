@@ -122,6 +122,10 @@ def _check_args(args) -> None:
     if not out.exists() or not any(out.iterdir()):
         return
     if args.from_hf:  # checkpoints go into a folder of their own (a run's checkpoints/, or a new one)
+        from megaloop.hf.from_hf import killed_run_leftovers
+
+        if killed_run_leftovers(Path(args.checkpoint), out) is not None:
+            return  # an earlier --from-hf of the same folder was killed: convert_from_hf clears it
         raise ConfigError(f"--out {out} is not empty: --from-hf writes a checkpoint root (step_00000000, latest) "
                           "into a new or empty folder; nothing was written")
     held = [p.name for p in out.iterdir() if p.name == "latest" or p.name.startswith(("step_", ".tmp_step_"))]

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from megaloop.hf.convert import ConversionError, hf_to_native_state_dict, native_config_from_hf
@@ -28,6 +29,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     if held is not None:
         raise ConversionError(f"--out {out_root} already holds megaloop checkpoints (newest: {held}): choose a "
                               "new or empty folder; nothing was written")
+    clear_killed_run(hf_dir, out_root)
     if out_root.is_dir() and any(out_root.iterdir()):
         raise ConversionError(f"--out {out_root} is not empty: a checkpoint root (step_00000000, latest) goes into a "
                               "new or empty folder; nothing was written")
@@ -72,6 +74,31 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def killed_run_leftovers(hf_dir: Path, out_root: Path) -> list[Path] | None:
+    """What a ``--from-hf`` of ``hf_dir`` killed before it finished left in ``out_root``: its partial
+    ``.tmp_step_*`` folders and the tokenizer files it had copied (equal to ``hf_dir``'s); None when
+    ``out_root`` holds anything else (or is empty)."""
+    if not out_root.is_dir():
+        return None
+    entries = list(out_root.iterdir())
+    ours = [p for p in entries if (p.name.startswith(".tmp_step_") and p.is_dir()) or
+            (p.name in TOKENIZER_FILES and p.is_file() and (hf_dir / p.name).is_file()
+             and p.read_bytes() == (hf_dir / p.name).read_bytes())]
+    return ours if entries and len(ours) == len(entries) and any(p.name.startswith(".tmp_step_") for p in ours) \
+        else None
+
+
+def clear_killed_run(hf_dir: Path, out_root: Path) -> None:
+    """Remove :func:`killed_run_leftovers` (a kill, e.g. SIGKILL, skips the clean-up a failure gets),
+    so the same command runs again (it was refused: "--out is not empty")."""
+    for p in killed_run_leftovers(Path(hf_dir), Path(out_root)) or ():
+        print(f"note: removing {p}, left by an earlier --from-hf that did not finish", file=sys.stderr)
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _tokenizer_home(hf_dir: Path, out_root: Path) -> Path | None:

@@ -37,6 +37,7 @@ from megaloop.errors import UserError
 from megaloop.model.build import unwrap
 from megaloop.runtime.files import atomic_write_text
 from megaloop.train.ckpt_io import agree, describe_os_error, explain_save_failure, in_process_write_queue
+from megaloop.train.optim_layout import buffer_layout_world_tensors
 
 META = "megaloop.json"
 SHARDING_META = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -93,8 +94,10 @@ def sharded_state(model_chunks: list, optimizer=None, *, is_loading: bool) -> di
         msd = core.sharded_state_dict(prefix="", metadata=dict(SHARDING_META))
         _mark_core_replicas(msd, core.stage)
         sd[f"model{i}"] = msd
-    if optimizer is not None:
-        sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading, metadata=dict(SHARDING_META))
+    if optimizer is not None:  # with megatron 0.16.1's shifted-save bug fixed (optim_layout.py)
+        with buffer_layout_world_tensors(optimizer):
+            sd["optimizer"] = optimizer.sharded_state_dict(sd, is_loading=is_loading,
+                                                           metadata=dict(SHARDING_META))
     return sd
 
 

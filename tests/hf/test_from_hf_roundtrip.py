@@ -75,3 +75,25 @@ def test_an_interrupted_from_hf_leaves_out_as_it_was(megatron_world, exported, m
         assert (list(out.iterdir()) == [] if empty_before else not out.exists())
         monkeypatch.setattr(checkpoint.CheckpointManager, "save", real)
         assert convert_from_hf(hf, out) == out / "step_00000000" and (out / "tokenizer.json").is_file()
+
+
+def test_a_killed_from_hf_is_cleared_by_the_same_command(megatron_world, exported, capsys):
+    """SIGKILL skips the clean-up above: --out kept the tokenizer files and a partial .tmp_step_*, and the
+    same command was refused ("--out is not empty") without a way out. Those leftovers (and only those:
+    tokenizer files equal to the folder's) are removed with a note, and the conversion runs."""
+    import shutil
+
+    from megaloop.hf.convert_cli import main
+
+    hf, out = exported / "hf", exported / "killed_out"
+    out.mkdir()
+    shutil.copyfile(hf / "tokenizer.json", out / "tokenizer.json")
+    (out / ".tmp_step_00000000" / "half").mkdir(parents=True)
+    assert main(["--from-hf", "--checkpoint", str(hf), "--out", str(out)]) == 0
+    assert "left by an earlier --from-hf that did not finish" in capsys.readouterr().err
+    assert (out / "step_00000000").is_dir() and not (out / ".tmp_step_00000000").exists()
+    other = exported / "other_out"  # a folder with anything else stays refused
+    (other / ".tmp_step_00000000").mkdir(parents=True)
+    (other / "notes.txt").write_text("mine")
+    assert main(["--from-hf", "--checkpoint", str(hf), "--out", str(other)]) == 2
+    assert "is not empty" in capsys.readouterr().err and (other / "notes.txt").is_file()
