@@ -135,7 +135,8 @@ def sidecar_fields(state: dict, tool: str, engine, **more) -> dict:
 
 
 def write_sidecar(ckpt: str | Path, tag: str, name: str, payload: dict) -> None:
-    """``ckpt/tag/name``: the checkpoint's facts as JSON, written whole (rank 0, after the save)."""
+    """``ckpt/tag/name``: the checkpoint's facts as JSON, written whole (rank 0, before the save, which
+    then moves ``latest``: a step folder ``latest`` names always has its sidecar)."""
     from megaloop.runtime.files import atomic_write_text
 
     d = Path(ckpt) / tag

@@ -210,9 +210,9 @@ def _run(args: argparse.Namespace) -> int:
         tag = f"step{step:06d}"
         state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0,
                  "teacher_digest": digest}
-        engine.save(ckpt, tag, state)
-        if lead:  # readable before anything is loaded, so --resume checks its flags first
+        if lead:  # readable before anything is loaded, so --resume checks its flags first; written before
             write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
+        engine.save(ckpt, tag, state)  # the save moves `latest`, so it never names a step without it
 
     if lead and args.warmup is None and cfg.warmup >= cfg.steps > 0:
         from megaloop.post.distill.prefill_student import warmup_steps

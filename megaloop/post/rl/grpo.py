@@ -410,16 +410,17 @@ class GRPOTrainer:
         return out
 
     def save(self, directory: str | Path) -> None:
-        """Checkpoint (engine state + step + training seconds) under ``directory/step{N:06d}``; rank 0
-        then writes its sidecar ``rl_run.json`` (:mod:`megaloop.post.runs`: readable before a model loads)."""
+        """Checkpoint (engine state + step + training seconds) under ``directory/step{N:06d}``, its sidecar
+        ``rl_run.json`` (:mod:`megaloop.post.runs`: readable before a model loads) written first by rank 0,
+        so ``latest`` never names a step without one (a kill between the two lost it for good)."""
         from megaloop.post.runs import RL_SIDECAR, sidecar_fields, write_sidecar
 
         tag = f"step{self.step_no:06d}"
         state = {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta,
                  "seconds": self.seconds}
-        self.engine.save(directory, tag, state)
         if self.engine.rank == 0:
             write_sidecar(directory, tag, RL_SIDECAR, sidecar_fields(state, "megaloop rl", self.engine, **self.record))
+        self.engine.save(directory, tag, state)
 
     def load(self, directory: str | Path, tag: str | None = None) -> bool:
         """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none.
@@ -457,12 +458,12 @@ class GRPOTrainer:
                 rec = self.step()
                 history.append(rec)
                 self.seconds = base + time.perf_counter() - t0
+                if f:  # before the save, as train and distill-prefill do: a kill right after a save lost
+                    f.write(json.dumps(rec, default=str) + "\n")  # the step's line for good (a resume
+                    f.flush()  # cuts a line past its checkpoint)
                 if save_dir is not None and (self.step_no == total or (save_every and self.step_no % save_every == 0)):
                     self.save(save_dir)
                     saved_at = self.step_no
-                if f:
-                    f.write(json.dumps(rec, default=str) + "\n")
-                    f.flush()
                 if self.log and (rec["step"] % self.cfg.log_every == 0):
                     gn = rec["grad_norm"]
                     self.log(f"step {rec['step']:4d} reward={rec['reward_mean']:.3f}±{rec['reward_std']:.3f} "

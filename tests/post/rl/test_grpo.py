@@ -163,3 +163,29 @@ def test_cli_round_trip(tiny_teacher, tmp_path):
     assert reloaded.config.num_recurrences == 3
     assert (out / "modeling_megaloop.py").is_file() and (out / "megaloop_tokenizer.json").is_file()
     assert main(["--model", str(hf_dir), "--out", str(tmp_path / "x"), "--task", "bogus"]) == 2
+
+
+def test_a_kill_during_a_save_keeps_the_steps_metrics_line_and_latest_has_its_sidecar(tiny_teacher, tmp_path):
+    """The record went to metrics.jsonl after the save and rl_run.json after `latest` moved: a kill right
+    after a save lost that step's line for good (a resume starts after it) and left `latest` naming a
+    step without its sidecar. Both are written before the save now."""
+    model, _ = tiny_teacher
+    model = type(model)(model.config).eval()
+    model.load_state_dict(tiny_teacher[0].state_dict())
+    cfg = GRPOConfig(arm="reuse", depth=2, neumann_b=2, group_size=2, prompts_per_step=1, max_new_tokens=2,
+                     lr=1e-3, seed=1)
+    trainer = GRPOTrainer(model, ByteTokenizer(), CallableRewardTask(ArithmeticTask("+"), digit_share), cfg,
+                          log=None)
+    real = trainer.engine.save
+
+    def killed(directory, tag, state):
+        assert (tmp_path / "ck" / tag / "rl_run.json").is_file()  # the sidecar is there first
+        real(directory, tag, state)
+        if tag == "step000002":
+            raise KeyboardInterrupt  # as a kill between the save and the record
+    trainer.engine.save = killed
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train(steps=3, metrics_path=tmp_path / "m.jsonl", save_dir=tmp_path / "ck", save_every=1)
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [0, 1]  # the saved step 2 (record step 1) kept its line
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step000002"
