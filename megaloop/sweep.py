@@ -267,7 +267,9 @@ class LocalPool:
             # to checkpoint (SIGTERM) instead of killing them mid-step
             # from the launcher's own directory: relative paths in the overrides (data.path, a screen set,
             # a config YAML) mean what they meant to the checks that ran here before the launch
-            proc = subprocess.Popen(argv, env=self._env(slot), stdout=f, stderr=subprocess.STDOUT,
+            # and SIGTERM (checkpoint, stop) when this launcher dies, even of a SIGKILL: orphans trained on
+            guarded = [sys.executable, "-m", "megaloop.runtime.orphan_guard", str(os.getpid()), "--", *argv]
+            proc = subprocess.Popen(guarded, env=self._env(slot), stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             # registering and reading the stop flag under the lock that `interrupt` sets it under: a
             # stop that came after the check above but before this saw no process, so this one asks it

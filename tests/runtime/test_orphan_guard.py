@@ -1,0 +1,58 @@
+"""megaloop/runtime/orphan_guard.py: a sweep's local run (own session) gets SIGTERM when its launcher
+dies, even of a SIGKILL (it trained on as an orphan after `kill -9` of `megaloop lr-screen`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, clean_env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie nobody reaped yet is dead
+
+
+def test_the_run_gets_sigterm_when_the_launcher_is_killed(tmp_path: Path) -> None:
+    pidfile = tmp_path / "pid"
+    launcher = tmp_path / "launcher.py"
+    launcher.write_text(
+        "import os, subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'megaloop.runtime.orphan_guard', str(os.getpid()), '--',\n"
+        "                      sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True)\n"
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+        "time.sleep(300)\n")
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(launcher)], env=env)
+    try:
+        deadline = time.time() + 60
+        while not pidfile.is_file() and time.time() < deadline:
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        time.sleep(1.0)  # the guard has exec'd the command (same pid)
+        assert _alive(child)
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        assert b"time.sleep(300)" in cmdline and b"orphan_guard" not in cmdline
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 30
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child), "the run outlived its launcher"
+    finally:
+        proc.kill()
+        if pidfile.is_file() and _alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), 9)
+
+
+def test_usage_error() -> None:
+    from megaloop.runtime.orphan_guard import main
+
+    assert main(["x", "--", "true"]) == 2 and main([]) == 2
