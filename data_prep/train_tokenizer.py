@@ -21,6 +21,7 @@ tokenizer.json last, so an interrupted run leaves ``--out`` as it was.
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import os
 import shutil
@@ -91,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(os.path.abspath(args.out))
     tmp = out.parent / f".{out.name}.train_tokenizer-tmp-{os.getpid()}"
+    for stale in out.parent.glob(f".{glob.escape(out.name)}.train_tokenizer-tmp-*"):  # of a killed run
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and stale != tmp:
+            shutil.rmtree(stale, ignore_errors=True)
     from megaloop.data._fsutil import first_missing
 
     created = first_missing(out.parent)  # folders above --out this run creates: removed again on failure

@@ -466,6 +466,8 @@ class CheckpointManager:
                 continue  # left as it was: the next save tries again
         for gone in self.root.glob(".pruned_step_*"):
             shutil.rmtree(gone, ignore_errors=True)
+        for gone in self.root.glob(".latest.*.tmp"):  # an atomic write of `latest` a kill cut short
+            gone.unlink(missing_ok=True)
 
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: ``megaloop.json`` into ``tmp``, ``tmp`` renamed to ``final`` (an older copy of
