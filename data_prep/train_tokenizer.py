@@ -25,6 +25,7 @@ import glob
 import itertools
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -91,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     from megaloop.data.txt360 import check_out_outside_input, discover, read_jsonl
 
     out = Path(os.path.abspath(args.out))
-    tmp = out.parent / f".{out.name}.train_tokenizer-tmp-{os.getpid()}"
-    for stale in out.parent.glob(f".{glob.escape(out.name)}.train_tokenizer-tmp-*"):  # of a killed run
-        pid = stale.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and stale != tmp:
+    host = socket.gethostname()
+    tmp = out.parent / f".{out.name}.train_tokenizer-tmp-{host}-{os.getpid()}"
+    stem = f".{out.name}.train_tokenizer-tmp-{host}-"
+    for stale in out.parent.glob(glob.escape(stem) + "*"):  # a killed run's, on this host, its process gone
+        pid = stale.name[len(stem):]
+        if pid.isdigit() and Path("/proc/self").is_dir() and not Path(f"/proc/{pid}").exists() and stale != tmp:
             shutil.rmtree(stale, ignore_errors=True)
     from megaloop.data._fsutil import first_missing
 

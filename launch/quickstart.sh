@@ -34,7 +34,7 @@ VAL="$(python - "$RUN_DIR/config.yaml" <<'PY'
 import sys, yaml
 data = (yaml.safe_load(open(sys.argv[1])) or {}).get("data") or {}
 path, val = str(data.get("path") or "default"), data.get("val_path")
-print(val if val else ("default" if path.startswith("default") else ""))
+print(val if val else ("default" if path == "default" or path.startswith("default:") else ""))
 PY
 )"
 if [ -z "$VAL" ]; then

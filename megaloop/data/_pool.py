@@ -64,7 +64,11 @@ class ForkPool:
         self._procs.update(getattr(self._ex, "_processes", None) or {})  # the executor's own table
 
     def _submit(self, fn: Callable[[Any], Any], index: int, task: Any) -> None:
-        self._running[self._ex.submit(fn, task)] = (index, task)
+        try:
+            fut = self._ex.submit(fn, task)
+        except BrokenProcessPool as exc:  # a death noticed between a result and this submit
+            raise WorkerDied(self._death_message(exc)) from None
+        self._running[fut] = (index, task)
         self._seen()
 
     def _next_done(self) -> tuple[int, bool, Any]:
@@ -85,9 +89,10 @@ class ForkPool:
         codes = [p.exitcode for p in self._procs.values() if p.exitcode not in (None, 0, -signal.SIGTERM)]
         how = ", ".join(f"killed by {signal.Signals(-c).name}" if c < 0 and -c in signal.valid_signals()
                         else f"exit status {c}" for c in codes) or str(exc)
-        return (f"a worker process died ({how}) while working on one of: {tasks}; SIGKILL is what the "
-                "kernel's out-of-memory killer sends: rerun (what finished is kept), with fewer --workers if "
-                "memory is short")
+        hint = ("SIGKILL is what the kernel's out-of-memory killer sends: rerun (what finished is kept), with "
+                "fewer --workers if memory is short") if -signal.SIGKILL in codes else "rerun (what finished is kept)"
+        doing = f" while working on one of: {tasks}" if tasks else ""
+        return f"a worker process died ({how}){doing}; {hint}"
 
     def imap(self, fn: Callable[[Any], Any], tasks: Iterable[Any], ordered: bool = True,
              describe: Callable[[Any], str] = str) -> Iterator[Any]:

@@ -447,7 +447,10 @@ def _own_vocab(run_cfg: dict, ckpt: Path, explicit: str | Path | None, rows: int
         return None
     if own is None or own.suffix != ".json":
         return None
-    n = tokenizer_info(own)["vocab_size"]
+    try:
+        n = tokenizer_info(own)["vocab_size"]
+    except Exception:  # an unreadable own tokenizer (perhaps why --tokenizer was given): not compared
+        return None
     return n if n <= rows else None
 
 

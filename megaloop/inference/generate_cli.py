@@ -278,8 +278,12 @@ def write_json(path: Optional[str], payload: dict) -> None:
     out = Path(path)
     text = json.dumps(json_safe(payload), indent=1, default=str, allow_nan=False)
     try:  # whole or not at all: a full disk or a kill mid-write truncated an earlier result in place
-        out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(os.path.realpath(out), text)  # through a link to the file it names
+        if out.exists() and not out.is_file():  # /dev/stdout, a pipe: a stream, written as one (appended:
+            with open(out, "a") as f:  # no truncation of what the stream already holds, a file behind a `>`)
+                f.write(text + "\n")
+        else:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(os.path.realpath(out), text)  # through a link to the file it names
     except OSError as err:
         raise UserError(f"--json: cannot write {out}: {err.strerror or err}; nothing was written there") from None
     print(f"wrote {out}")

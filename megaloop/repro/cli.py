@@ -160,8 +160,8 @@ def _render_out(args: argparse.Namespace, inputs: list[Path]) -> Path:
         except (OSError, ValueError, AttributeError):
             merged = False
         try:  # a render of the same input may replace its own earlier render (--experiment claims edited)
-            again = len(inputs) == 1 and (json.loads(held.read_text()) or {}).get("rendered_from") == \
-                str(inputs[0].resolve())
+            again = not merged and len(inputs) == 1 and \
+                (json.loads(held.read_text()) or {}).get("rendered_from") == str(inputs[0].resolve())
         except (OSError, ValueError, AttributeError):
             again = False
         if not (args.merge and merged) and not (again and not args.merge):  # a merge may replace an earlier merge
@@ -189,6 +189,7 @@ def _render(args: argparse.Namespace) -> int:
         out = _render_out(args, paths)
         results = rep.add_verdicts(merge_results(paths, [results, *(_read_results(p, "--merge") for p in paths[1:])],
                                                  out))
+        results.pop("rendered_from", None)  # a merge is no copy of its first input
     else:
         out = _render_out(args, [path])
     if args.experiment:  # the claims (and their verdict checks) of the experiment file as it is now

@@ -187,7 +187,9 @@ def storage_full(err: BaseException) -> str | None:
             return first
         if "inline_container" in str(e) or "unexpected pos" in str(e):
             return f"a file write failed ({first}): the disk is probably full, or the file-size limit (ulimit -f) reached"
-        e = e.__cause__ or e.__context__
+        # what it was raised from; what it was raised *during* only for an OSError (an OS error while
+        # handling another): a bug in an `except OSError` handler keeps its traceback
+        e = e.__cause__ or (e.__context__ if isinstance(e, OSError) else None)
     return None
 
 

@@ -127,3 +127,18 @@ def test_a_worker_killed_by_the_os_is_an_error_naming_the_task_not_a_hang():
     # dispatch stopped at the death; the other worker's task may be cut short (the pool is broken)
     assert _marks("finished") <= _marks("started") - {2}
     assert len(_marks("started")) <= 5
+
+
+def test_a_death_seen_when_submitting_is_also_worker_died(monkeypatch):
+    # the executor may notice a dead worker between delivering a result and the next submit, which then
+    # raises BrokenProcessPool itself: a traceback (exit 1) in place of the one line (reviewer, 3 of 30)
+    from concurrent.futures.process import BrokenProcessPool
+
+    from megaloop.data._pool import WorkerDied
+
+    with pytest.raises(WorkerDied, match="a worker process died"):
+        with ForkPool(1) as pool:
+            def broken(*a, **k):
+                raise BrokenProcessPool("A child process terminated abruptly")
+            monkeypatch.setattr(pool._ex, "submit", broken)
+            list(pool.imap(_work, [0, 2]))

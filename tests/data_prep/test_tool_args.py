@@ -105,6 +105,7 @@ def test_a_failed_eval_set_build_leaves_no_folder_it_created(build_eval_sets, tx
 def test_a_killed_tokenizer_runs_temp_folder_is_removed_by_the_next_run(tmp_path, txt360_tree):
     """A SIGKILLed train_tokenizer.py left `.OUT.train_tokenizer-tmp-PID/` (a whole tokenizer) beside --out
     for good; the next run removes those of processes that are gone, not a running one's."""
+    import socket
     import subprocess
     import sys
 
@@ -114,13 +115,15 @@ def test_a_killed_tokenizer_runs_temp_folder_is_removed_by_the_next_run(tmp_path
     out = tmp_path / "tok"
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f".tok.train_tokenizer-tmp-{dead.pid}"
-    live = tmp_path / f".tok.train_tokenizer-tmp-{os.getpid()}"
-    for d in (stale, live):
+    host = socket.gethostname()
+    stale = tmp_path / f".tok.train_tokenizer-tmp-{host}-{dead.pid}"
+    live = tmp_path / f".tok.train_tokenizer-tmp-{host}-{os.getpid()}"
+    other_host = tmp_path / f".tok.train_tokenizer-tmp-elsewhere-{dead.pid}"  # a shared filesystem's
+    for d in (stale, live, other_host):
         d.mkdir()
         (d / "tokenizer.json").write_text("{}")
     proc = subprocess.run([sys.executable, str(ROOT / "data_prep" / "train_tokenizer.py"), "--input", str(tree),
                            "--out", str(out), "--vocab-size", "300"], env=clean_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert (out / "tokenizer.json").is_file() and not stale.exists() and live.exists()
+    assert (out / "tokenizer.json").is_file() and not stale.exists() and live.exists() and other_host.exists()

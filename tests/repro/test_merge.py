@@ -242,6 +242,14 @@ def test_render_into_its_own_out_again_is_accepted_another_input_is_not(tool, tm
     assert tool.main(["--render", str(b), "--experiment", "tbptt", "--out", str(out)]) == 2
     assert "holds another result" in capsys.readouterr().err
     assert (out / "results.json").read_bytes() == held
+    # a merged result (it carried its first input's rendered_from) is no copy of `a`: not replaced by one
+    merged = tmp_path / "m"
+    merged.mkdir()
+    res = json.loads(src.read_text())
+    res["rendered_from"], res["launcher"] = str(a.resolve()), {**(res.get("launcher") or {}), "merged": True}
+    (merged / "results.json").write_text(json.dumps(res))
+    assert tool.main(["--render", str(a), "--experiment", "tbptt", "--out", str(merged)]) == 2
+    assert "holds another result" in capsys.readouterr().err
 
 
 def test_written_results_are_strict_json_a_diverged_metric_is_null(tool, tmp_path: Path, capsys) -> None:

@@ -108,3 +108,17 @@ def test_eval_json_is_written_whole_or_not_at_all(tmp_path: Path, monkeypatch, c
     write_json(str(tmp_path / "via"), {"ppl": float("nan")})
     assert (tmp_path / "via").is_symlink() and json.loads(good.read_text()) == {"ppl": None}
     assert "wrote" in capsys.readouterr().out
+
+
+def test_eval_json_to_a_stream_is_written_directly() -> None:
+    """`--json /dev/stdout` worked before the atomic write (a temp file beside /proc/self/fd/1 cannot be made)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, clean_env
+
+    code = "from megaloop.inference.generate_cli import write_json; write_json('/dev/stdout', {'ppl': 2.5})"
+    proc = subprocess.run([sys.executable, "-c", code], env={**clean_env(), "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith('{\n "ppl": 2.5\n}\n') and "wrote /dev/stdout" in proc.stdout

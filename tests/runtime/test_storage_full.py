@@ -26,6 +26,13 @@ def test_storage_full_names_the_error_and_file_else_none() -> None:
     except RuntimeError as outer:
         assert storage_full(outer) == "Disk quota exceeded (EDQUOT) writing /q/f"
     assert storage_full(ValueError("a bug")) is None
+    try:  # a bug inside an `except OSError` handler is no full disk (it lost its traceback)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise KeyError("a bug in the handler")
+    except KeyError as bug:
+        assert storage_full(bug) is None
     assert storage_full(OSError(errno.EACCES, "Permission denied", "/x")) is None
 
 

@@ -161,11 +161,13 @@ def save_hf(model: torch.nn.Module, out: str | Path, tokenizer: TextTokenizer | 
             from megaloop.hf.tokenizer_files import save_tokenizer  # loads it (it refused a folder without a config)
 
             cfg = model.config
+            names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+            for n in names:  # what this save writes is what exists after it (a stale copy is dropped below)
+                (out / n).unlink(missing_ok=True)
             save_tokenizer(Path(tok_path), out, {"eos": cfg.eos_token_id, "bos": getattr(cfg, "bos_token_id", None),
                                                  "pad": getattr(cfg, "pad_token_id", None)},
                            int(getattr(cfg, "max_position_embeddings", 0) or 0) or 2048)
-            written += [n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-                        if (out / n).is_file()]
+            written += [n for n in names if (out / n).is_file()]
     elif isinstance(tokenizer, ByteTokenizer):
         written.append("megaloop_tokenizer.json")
         (out / "megaloop_tokenizer.json").write_text(json.dumps({"spec": "bytes"}))
