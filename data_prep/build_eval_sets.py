@@ -117,12 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: nothing half-written is published; rerun the same command", file=sys.stderr)
         return 130
     except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
-        from megaloop.runtime.files import STORAGE_FULL_HINT, storage_full
+        from megaloop.runtime.files import report_storage_full
 
-        if (line := storage_full(err)) is None:
-            raise
-        print(f"error: {line}; {STORAGE_FULL_HINT}", file=sys.stderr)
-        return 1
+        return report_storage_full(err)
     finally:
         if not ok and created is not None:
             _remove_created(created, Path(os.path.abspath(args.out)))

@@ -132,12 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{how}: finished parts are kept; rerun the same command to resume", file=sys.stderr)
         return 143 if isinstance(err, Terminated) else 130
     except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
-        from megaloop.runtime.files import STORAGE_FULL_HINT, storage_full
+        from megaloop.runtime.files import report_storage_full
 
-        if (line := storage_full(err)) is None:
-            raise
-        print(f"error: {line}; {STORAGE_FULL_HINT}", file=sys.stderr)
-        return 1
+        return report_storage_full(err)
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

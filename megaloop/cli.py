@@ -132,19 +132,6 @@ class _NotRaised(Exception):
     (UnboundLocalError, a traceback and exit 1 in place of the one line and 75)."""
 
 
-def _storage_full(err: Exception, verb: str | None) -> int:
-    """Exit status 1 and one line when ``err`` is a write that storage refused; re-raised otherwise."""
-    from megaloop.runtime.files import STORAGE_FULL_HINT, storage_full
-
-    line = storage_full(err)
-    if line is None:
-        raise err
-    rank = os.environ.get("RANK")
-    print(f"megaloop {verb or ''}: error{f' (rank {rank})' if rank else ''}: {line}; {STORAGE_FULL_HINT}".replace(
-        "megaloop : ", "megaloop: "), file=sys.stderr)
-    return 1
-
-
 def _main(argv: list[str], verb: str | None) -> None:
     try:  # Ctrl-C while torch and the parsers load: one line, no traceback
         _quiet()
@@ -156,7 +143,9 @@ def _main(argv: list[str], verb: str | None) -> None:
                 print(f"megaloop {verb}: interrupted{hint}", file=sys.stderr)
                 code = 130
             except Exception as err:  # a full disk: one line (a traceback, exit 1, from most writers)
-                code = _storage_full(err, verb)
+                from megaloop.runtime.files import report_storage_full
+
+                code = report_storage_full(err, f"megaloop {verb}")
             _record_exit(code or 0)
             sys.exit(code)
         args = parse_args(argv)
@@ -180,7 +169,9 @@ def _main(argv: list[str], verb: str | None) -> None:
         print(f"megaloop: stopped: {err}", file=sys.stderr)
         code = 3
     except Exception as err:  # a full disk: one line
-        code = _storage_full(err, verb)
+        from megaloop.runtime.files import report_storage_full
+
+        code = report_storage_full(err, f"megaloop {verb}" if verb else "megaloop")
     finally:
         from megaloop.runtime.parallel import destroy_distributed
 

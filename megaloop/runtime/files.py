@@ -12,6 +12,7 @@ import functools
 import json
 import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -167,6 +168,14 @@ def save_figure(fig: Any, path: str | Path) -> Path:
     return path
 
 
+def describe_os_error(err: OSError) -> str:
+    """``no space left on device (ENOSPC, /path/file)``: the OS error in words, its code and file."""
+    code = errno.errorcode.get(err.errno, "") if err.errno else ""
+    words = (err.strerror or (os.strerror(err.errno) if err.errno else str(err)) or type(err).__name__)
+    where = ", ".join(str(x) for x in (code, err.filename) if x)
+    return f"{words[:1].lower()}{words[1:]}" + (f" ({where})" if where else "")
+
+
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _NO_SPACE_WORDS = ("No space left on device", "Disk quota exceeded", "File too large", "os error 28")
 
@@ -180,8 +189,7 @@ def storage_full(err: BaseException) -> str | None:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
-            where = f" writing {e.filename}" if e.filename else ""
-            return f"{e.strerror or os.strerror(e.errno)} ({errno.errorcode.get(e.errno, '')}){where}"
+            return describe_os_error(e)
         first = (str(e).strip().splitlines() or [""])[0][:300]
         if any(w in str(e) for w in _NO_SPACE_WORDS):
             return first
@@ -193,4 +201,14 @@ def storage_full(err: BaseException) -> str | None:
     return None
 
 
-STORAGE_FULL_HINT = "files this command finished before are kept; free space (or raise the limit) and rerun it"
+def report_storage_full(err: BaseException, prog: str | None = None) -> int:
+    """For a command's top level: print ``[PROG: ]error[ (rank N)]: <storage_full line>; ...`` and
+    return exit status 1 when ``err`` is a write that storage refused; re-raise ``err`` otherwise."""
+    line = storage_full(err)
+    if line is None:
+        raise err
+    rank = os.environ.get("RANK")
+    head = f"{prog}: error" if prog else "error"
+    print(f"{head}{f' (rank {rank})' if rank else ''}: {line}; files this command finished before are kept; "
+          "free space (or raise the limit) and rerun it", file=sys.stderr)
+    return 1

@@ -35,8 +35,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 
 from megaloop.errors import UserError
 from megaloop.model.build import unwrap
-from megaloop.runtime.files import atomic_write_text
-from megaloop.train.ckpt_io import agree, describe_os_error, explain_save_failure, in_process_write_queue
+from megaloop.runtime.files import atomic_write_text, describe_os_error
+from megaloop.train.ckpt_io import agree, explain_save_failure, in_process_write_queue
 from megaloop.train.optim_layout import buffer_layout_world_tensors
 
 META = "megaloop.json"

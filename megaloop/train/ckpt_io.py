@@ -3,7 +3,6 @@ agreement, the writer's results queue kept in-process, and one-line descriptions
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import queue
@@ -11,6 +10,8 @@ import re
 from contextlib import contextmanager
 
 import torch
+
+from megaloop.runtime.files import describe_os_error
 
 
 def agree(ok: bool) -> bool:
@@ -99,14 +100,6 @@ def os_error_of(err: BaseException) -> OSError | None:
         if m:
             return OSError(int(m.group(1)), m.group(2).strip(), *([m.group(3)] if m.group(3) else []))
     return None
-
-
-def describe_os_error(err: OSError) -> str:
-    """``no space left on device (ENOSPC, /path/file)``: the OS error in words, its code and file."""
-    code = errno.errorcode.get(err.errno, "") if err.errno else ""
-    words = (err.strerror or (os.strerror(err.errno) if err.errno else str(err)) or type(err).__name__)
-    where = ", ".join(str(x) for x in (code, err.filename) if x)
-    return f"{words[:1].lower()}{words[1:]}" + (f" ({where})" if where else "")
 
 
 LOW_SPACE = 16 * 2**20  # bytes free at a failed write below which the disk counts as full

@@ -108,7 +108,7 @@ class MetricsLogger:
         try:
             atomic_write_file(self.path, write)
         except OSError as err:
-            from megaloop.train.ckpt_io import describe_os_error
+            from megaloop.runtime.files import describe_os_error
 
             raise MetricsWriteError(f"{self.path}: cannot drop the steps after the checkpoint ({describe_os_error(err)}); "
                                     "the file is as it was") from None
@@ -125,7 +125,7 @@ class MetricsLogger:
         except OSError as err:  # no torn line left behind, one line for the user
             with contextlib.suppress(OSError):
                 os.ftruncate(self._fd, pos)
-            from megaloop.train.ckpt_io import describe_os_error
+            from megaloop.runtime.files import describe_os_error
 
             raise MetricsWriteError(f"{self.path}: step {rec.get('step')} could not be logged "
                                     f"({describe_os_error(err)}); training stops, the last checkpoint is kept") from None

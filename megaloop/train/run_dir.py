@@ -182,7 +182,7 @@ def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
                 os.rename(p, target)  # same filesystem: a folder moves whole or not at all
                 moved.append(target)
         except OSError as err:
-            from megaloop.train.ckpt_io import describe_os_error
+            from megaloop.runtime.files import describe_os_error
 
             done = f" ({', '.join(m.name for m in moved)} already moved there)" if moved else ""
             raise RunDirError(f"--resume {path}: the newer checkpoints could not be set aside in {dest}{done}: "
@@ -195,7 +195,7 @@ def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
             if moved or latest.read_text().strip() != path.name:  # rewritten only when it changes
                 atomic_write_text(latest, path.name)
         except OSError as err:  # informative only (resume reads the folders): a full or read-only disk
-            from megaloop.train.ckpt_io import describe_os_error  # fails the first save, with its own line
+            from megaloop.runtime.files import describe_os_error  # fails the first save, with its own line
 
             print(f"warning: {latest} could not be updated to {path.name} ({describe_os_error(err)})", flush=True)
     log = ckpt.root.parent / "metrics.jsonl"

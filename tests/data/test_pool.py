@@ -119,7 +119,7 @@ def test_a_worker_killed_by_the_os_is_an_error_naming_the_task_not_a_hang():
     from megaloop.data._pool import WorkerDied
 
     t0 = time.monotonic()
-    with pytest.raises(WorkerDied, match=r"\(killed by SIGKILL\) while working on one of: .*task-2") as err:
+    with pytest.raises(WorkerDied, match=r"\(killed by SIGKILL\) while working on one of: .*task-2"):
         with ForkPool(2) as pool:
             for _ in pool.imap(_killed_at_two, range(8), describe=lambda i: f"task-{i}"):
                 pass

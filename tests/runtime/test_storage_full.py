@@ -1,5 +1,5 @@
 """A write that storage refuses (full disk, quota, ``ulimit -f``) is one line in every command
-(megaloop/runtime/files.py ``storage_full``, megaloop/cli.py, the data_prep scripts): train's
+(megaloop/runtime/files.py ``storage_full``/``report_storage_full``, megaloop/cli.py, the data_prep scripts): train's
 set-up, convert, rl/distill saves, eval, lr-screen and the data-prep tools printed tracebacks."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from megaloop.runtime.files import storage_full
 
 def test_storage_full_names_the_error_and_file_else_none() -> None:
     assert storage_full(OSError(errno.ENOSPC, "No space left on device", "/d/x.json")) == \
-        "No space left on device (ENOSPC) writing /d/x.json"
-    assert storage_full(OSError(errno.EFBIG, "File too large")) == "File too large (EFBIG)"
+        "no space left on device (ENOSPC, /d/x.json)"
+    assert storage_full(OSError(errno.EFBIG, "File too large")) == "file too large (EFBIG)"
     torch_zip = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
     assert "the disk is probably full, or the file-size limit" in storage_full(torch_zip)
     assert storage_full(Exception("I/O error: No space left on device (os error 28)")).startswith("I/O error")
@@ -24,7 +24,7 @@ def test_storage_full_names_the_error_and_file_else_none() -> None:
         except OSError as inner:
             raise RuntimeError("save failed") from inner
     except RuntimeError as outer:
-        assert storage_full(outer) == "Disk quota exceeded (EDQUOT) writing /q/f"
+        assert storage_full(outer) == "disk quota exceeded (EDQUOT, /q/f)"
     assert storage_full(ValueError("a bug")) is None
     try:  # a bug inside an `except OSError` handler is no full disk (it lost its traceback)
         try:
@@ -49,7 +49,7 @@ def test_a_full_disk_in_any_verb_is_one_line_exit_1(monkeypatch, capsys) -> None
         cli.main(["plan", "--config", "tiny"])
     assert stop.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["megaloop plan: error: No space left on device (ENOSPC) writing /full/plan.json; files this "
+    assert err == ["megaloop plan: error: no space left on device (ENOSPC, /full/plan.json); files this "
                    "command finished before are kept; free space (or raise the limit) and rerun it"], err
 
     def bug(argv):  # noqa: ARG001
