@@ -6,6 +6,7 @@ applies dotlist overrides and validates every section; errors name the field.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,10 +198,17 @@ class RunConfig:
 
 
 def resolve_config_path(name_or_path: str) -> Path:
+    """A YAML path, or a preset's name (``tiny``, ``S``, ...). An existing file wins over a preset of
+    the same name; a *directory* never does (a run folder made with ``--run-dir tiny`` took the place
+    of the ``tiny`` preset, the default, for every later command started beside it)."""
     p = Path(name_or_path)
+    preset = CONFIG_DIR / f"{name_or_path}.yaml"
+    if p.is_dir() and p.suffix not in (".yaml", ".yml") and preset.is_file() and preset != ARMS_FILE \
+            and os.sep not in name_or_path and name_or_path not in (".", ".."):
+        return preset
     if p.suffix in (".yaml", ".yml") or p.exists():
         return p
-    q = CONFIG_DIR / f"{name_or_path}.yaml"
+    q = preset
     if not q.exists() or q == ARMS_FILE:
         known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml") if x != ARMS_FILE)
         raise ConfigError(f"config {name_or_path!r}: no such file or preset (presets: {', '.join(known)})")

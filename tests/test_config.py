@@ -1,6 +1,7 @@
 """Presets and the paper's arms (megaloop/configs/arms.yaml) validate at every scale."""
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +55,26 @@ def test_renamed_field_still_reads_its_old_name(tmp_path):
     assert load_config("tiny", ["model.b_max=3", "model.bptt_window=4"]).model.bptt_window == 4  # last wins
     with pytest.raises(ConfigError, match=r"model\.b_max: renamed to model\.bptt_window; give only one"):
         from_dict(ModelConfig, {"b_max": 2, "bptt_window": 3}, "model")  # one mapping holding both
+
+
+def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """`megaloop train --run-dir tiny` made ./tiny; every later command started there (the default
+    config is tiny) failed with "config file tiny is a directory", resume of that run included."""
+    from megaloop.config import CONFIG_DIR, resolve_config_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "S").mkdir()
+    assert resolve_config_path("tiny") == CONFIG_DIR / "tiny.yaml"
+    assert load_config("S").model.hidden_size == load_config(str(CONFIG_DIR / "S.yaml")).model.hidden_size
+    (tmp_path / "mine").mkdir()  # no preset of that name: still the folder, still refused
+    with pytest.raises(ConfigError, match=r"^config file mine is a directory, not a YAML file"):
+        load_config("mine")
+    with pytest.raises(ConfigError, match=r"is a directory, not a YAML file"):
+        load_config("./tiny")  # a path, spelled as one
+    own = tmp_path / "M"
+    own.write_text(f"base: {CONFIG_DIR / 'tiny.yaml'}\ntrain:\n  max_steps: 70\n")  # an existing file still wins over the preset
+    assert resolve_config_path("M") == Path("M") and load_config("M").train.max_steps == 70
 
 
 def test_malformed_yaml_files_and_values_are_named(tmp_path):

@@ -92,11 +92,11 @@ def _check_flags(args) -> None:
     if args.search and args.pp is not None and args.min_pp is not None and args.pp < args.min_pp:
         raise ConfigError(f"--min-pp: {args.min_pp} excludes the --pp {args.pp} the search is held to")
     if args.json_out is not None:
-        _check_json_out(args.json_out)
         inputs = {"--config": args.config, "--cluster": args.cluster}
         for flag, given in inputs.items():  # the command's own input files were overwritten
             if given and Path(given).is_file() and Path(given).resolve() == Path(args.json_out).resolve():
                 raise ConfigError(f"--json-out: {args.json_out} is the {flag} file this command reads; give another path")
+        _check_json_out(args.json_out)
 
 
 def _check_json_out(path: str) -> None:
@@ -117,9 +117,17 @@ def _check_json_out(path: str) -> None:
             earlier = json.loads(p.read_text())
         except (OSError, ValueError):
             earlier = None
-        if not isinstance(earlier, dict):
+        if not is_plan_report(earlier):  # any JSON object was taken: a tokenizer.json, a checkpoint's megaloop.json
             raise ConfigError(f"--json-out: {path} exists and is not a JSON report (an earlier --json-out); "
                               "give a new path")
+
+
+def is_plan_report(obj) -> bool:
+    """Whether ``obj`` (parsed JSON) is a report this command writes: a ``--search`` report (``plans``
+    + ``excluded``) or a plan / ``--preflight`` report (``layout`` + ``layout_text`` + ``cluster``)."""
+    if not isinstance(obj, dict):
+        return False
+    return {"plans", "excluded"} <= obj.keys() or {"layout", "layout_text", "cluster"} <= obj.keys()
 
 
 def _cluster(args, cluster_ov: list[str]):

@@ -95,7 +95,7 @@ def test_json_out_never_replaces_an_input_or_another_file(capsys, tmp_path: Path
     cfg.write_text("model:\n  hidden_size: 128\n")
     code, _, err = _run(capsys, "--config", str(cfg), "--gpus", "8", "--json-out", str(cfg))
     assert code == 2
-    _one_error(err, "--json-out", "is not a JSON report")
+    _one_error(err, "--json-out", "is the --config file this command reads")
     log = tmp_path / "metrics.jsonl"
     log.write_text('{"step": 1}\n{"step": 2}\n')
     code, _, err = _run(capsys, "--config", "S", "--gpus", "8", "--json-out", str(log))
@@ -108,9 +108,33 @@ def test_json_out_never_replaces_an_input_or_another_file(capsys, tmp_path: Path
     _one_error(err, "--json-out", "is the --cluster file this command reads")
 
 
+def test_json_out_never_replaces_another_json_object(capsys, tmp_path: Path, no_compute) -> None:
+    """Any file holding a JSON object was taken for an earlier report: a run's tokenizer.json, data.json or a
+    checkpoint's megaloop.json was replaced by a plan report, exit 0."""
+    for name, text in (("tokenizer.json", '{"version": "1.0", "model": {"type": "BPE"}}'),
+                       ("megaloop.json", '{"step": 120, "format": 3}'), ("plan.json", '{"an": "earlier report"}')):
+        f = tmp_path / name
+        f.write_text(text)
+        code, out, err = _run(capsys, "--config", "S", "--gpus", "8", "--json-out", str(f))
+        assert code == 2 and not out and f.read_text() == text, name
+        _one_error(err, "--json-out", "is not a JSON report")
+
+
+@pytest.mark.parametrize("argv", [("--search", "--steps", "2"), ("--steps", "2"), ("--preflight",)])
+def test_json_out_replaces_an_earlier_report_of_each_kind(capsys, tmp_path: Path, argv) -> None:
+    """The three reports (--search, a plan, --preflight) are each recognised as an earlier report."""
+    target = tmp_path / "plan.json"
+    code, _, err = _run(capsys, "--config", "tiny", "--gpus", "2", "--json-out", str(target), *argv)
+    assert code == 0, err
+    first = target.read_text()
+    code, _, err = _run(capsys, "--config", "tiny", "--gpus", "1", "--json-out", str(target), "--preflight")
+    assert code == 0, err
+    assert target.read_text() != first and json.loads(target.read_text())["preflight"] == "ok"
+
+
 def test_json_out_replaces_the_file(capsys, tmp_path: Path) -> None:
     target = tmp_path / "plan.json"
-    target.write_text('{"an": "earlier report"}')
+    target.write_text('{"plans": [], "excluded": {}, "an": "earlier search report"}')
     code, out, _ = _run(capsys, "--config", "tiny", "--gpus", "1", "--steps", "2", "--json-out", str(target))
     assert code == 0 and out.startswith("megaloop plan: tiny")
     rep = json.loads(target.read_text())
