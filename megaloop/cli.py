@@ -80,9 +80,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         overrides = [x for x in extra if is_train and "=" in x and not x.startswith("-")]
         rest = [x for x in extra if x not in overrides]
         if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            _leaf_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = list(args.overrides) + overrides
     return args
+
+
+def _leaf_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command given (``eval states``), so an unknown option is reported with
+    that command's usage, not the top level's."""
+    for dest in ("cmd", "eval_cmd"):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, dest, None)
+        if not subs or name not in subs[0].choices:
+            break
+        parser = subs[0].choices[name]
+    return parser
 
 
 def _record_exit(code: object) -> None:

@@ -356,6 +356,7 @@ def test_options_a_command_would_ignore_are_refused(cli, trained_run, argv):
     both cache modes; argparse refuses them (exit 2, naming the option) instead of ignoring them."""
     code, _, err = cli(*argv, "--checkpoint", str(trained_run))
     assert code == 2 and "unrecognized arguments: " + argv[2] in err
+    assert err.startswith(f"usage: megaloop {argv[0]} {argv[1]} ["), err  # the command's usage, not the top level's
 
 
 def test_stop_strings_read_backslash_escapes():
