@@ -22,6 +22,7 @@ from megaloop.config_utils import ConfigError, require
 from megaloop.data.config import EMBEDDED_SPLITS, DataConfig, embedded_split
 from megaloop.data.errors import DataError
 from megaloop.data.streaming import EVAL_SEQ_LEN, World, _Collate, _release, _Source, samples_per_rank
+from megaloop.runtime.exits import start_shielded
 
 STATE_VERSION = 1
 
@@ -303,7 +304,8 @@ class TrainLoader:
         self._generation += 1
         gen = self._generation
         while True:
-            it = self._active = iter(self._dataloader())
+            loader = self._dataloader()
+            it = self._active = start_shielded(lambda: iter(loader))  # workers outlive a group stop signal
             try:
                 for batch in _batches(it):
                     # Every streaming worker has read the resume record before any batch exists.
@@ -400,7 +402,7 @@ class EvalLoader:
         return [self._rows[k * b:(k + 1) * b] for k in range(self.num_batches)]
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return _batches(iter(self._loader))
+        return _batches(start_shielded(lambda: iter(self._loader)))
 
     def close(self) -> None:
         """Release the cache slot and streaming's file locks."""

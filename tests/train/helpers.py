@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -42,14 +43,19 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
 
 
-def signal_after(run_dir: Path, sig: int, *overrides: str, lines: int = 3) -> tuple[int, str, str]:
-    """Start a run, send ``sig`` once ``lines`` steps are logged; (exit code, stdout, stderr)."""
+def signal_after(run_dir: Path, sig: int, *overrides: str, lines: int = 3,
+                 group: bool = False) -> tuple[int, str, str]:
+    """Start a run, send ``sig`` once ``lines`` steps are logged (``group``: to its whole process group, as
+    torchrun, slurm or ``kill -- -PGID`` do); (exit code, stdout, stderr)."""
     proc = subprocess.Popen(train_cmd(run_dir, *overrides), cwd=ROOT, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=group)
     log = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < lines):
         time.sleep(0.2)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err

@@ -86,6 +86,20 @@ def test_sigterm_checkpoints_and_requeues(tmp_path, uninterrupted):
     _same(metrics(tmp_path), uninterrupted)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_group_signal_with_loader_workers_checkpoints_and_requeues(tmp_path, uninterrupted, sig):
+    """A stop signal to the whole process group (torchrun's forwarding, slurm, `kill -- -PGID`) also reached
+    the DataLoader's worker processes, which died of it: "DataLoader worker (pid N) is killed by signal:
+    Terminated", exit 1, no checkpoint (S/M/L have data.num_workers=2). Resumed with other workers, exact."""
+    code, out, err = signal_after(tmp_path, sig, *STEPS, "data.num_workers=2", group=True)
+    assert code == 75, (out + err)[-3000:]
+    assert "killed by signal" not in err and "Traceback" not in err, err[-3000:]
+    stopped_at = metrics(tmp_path)[-1]["step"]
+    assert 3 <= stopped_at < 8 and (tmp_path / "checkpoints" / f"step_{stopped_at:08d}" / "megaloop.json").is_file()
+    run_train(tmp_path, *STEPS, "data.num_workers=1", resume="auto")
+    _same(metrics(tmp_path), uninterrupted)
+
+
 def test_ctrl_c_checkpoints_and_exits_130_then_resumes_exactly(tmp_path, uninterrupted):
     code, out, err = signal_after(tmp_path, signal.SIGINT, *STEPS)
     assert code == 130, (out + err)[-3000:]
