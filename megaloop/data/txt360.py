@@ -325,7 +325,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
     try:
         if gz and path.stat().st_size == 0:  # gzip reads it as empty; a gzip of nothing is 20 bytes
             raise DataError(f"{path}: empty (0 bytes), not a gzip file (an interrupted download?)")
-        with opener(path, "rt", encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue

@@ -129,6 +129,24 @@ def test_a_worker_killed_by_the_os_is_an_error_naming_the_task_not_a_hang():
     assert len(_marks("started")) <= 5
 
 
+def _aborted(i: int) -> int:
+    if i == 1:
+        os.kill(os.getpid(), signal.SIGABRT)  # as a failed allocation in the tokenizer's Rust code does
+    time.sleep(0.3)
+    return i
+
+
+def test_an_aborted_worker_is_named_with_the_memory_hint():
+    # `memory allocation of N bytes failed` aborts the worker; the line said only "rerun", which fails again
+    from megaloop.data._pool import WorkerDied
+
+    with pytest.raises(WorkerDied, match=r"\(killed by SIGABRT\) while working on one of: .*task-1.*failed "
+                                         r"allocation.*fewer --workers or more memory"):
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_aborted, range(4), describe=lambda i: f"task-{i}"):
+                pass
+
+
 def test_a_death_seen_when_submitting_is_also_worker_died(monkeypatch):
     # the executor may notice a dead worker between delivering a result and the next submit, which then
     # raises BrokenProcessPool itself: a traceback (exit 1) in place of the one line (reviewer, 3 of 30)

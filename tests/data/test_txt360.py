@@ -31,3 +31,13 @@ def test_published_layout_with_dump_level(tmp_path):
     }
     cc = next(f for f in discover(root, sources=["common-crawl"]) if f.bucket == "1-1")
     assert [t for _, t in read_jsonl(cc.path)] == ["a", "b"]
+
+
+def test_lines_split_at_newline_only(tmp_path):
+    """JSON Lines separates records by \\n; a bare \\r is JSON whitespace. Universal newlines split
+    `{"text": "a",\\r "meta": {}}` in two and refused a valid record (line numbers after it were off by one)."""
+    for gz in (False, True):
+        path = tmp_path / ("x.jsonl.gz" if gz else "x.jsonl")
+        data = b'{"text": "a",\r "meta": {}}\r\n{"text": "b\\r\\nc"}\n\n{"text": "d"}\n'
+        path.write_bytes(gzip.compress(data) if gz else data)
+        assert list(read_jsonl(path)) == [(1, "a"), (2, "b\r\nc"), (4, "d")]

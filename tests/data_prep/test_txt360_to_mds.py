@@ -247,3 +247,14 @@ def test_a_special_tokens_text_inside_a_document_stays_text(tmp_path, fixture_to
     toks, _ = _read_all(out)
     assert (toks == eos).sum() <= len(docs)  # at most one per document (a packed row can cut the last)
     assert eos not in tok.encode_batch(docs)[0] and eos in tok.encode_batch(docs, specials_as_text=False)[0]
+
+
+def test_document_ids_equal_the_tokenizers_own_encode_batch(fixture_tokenizer):
+    """Documents are encoded with ``encode_batch_fast`` (no offsets: less time and memory); its ids must be
+    ``encode_batch``'s, so datasets converted before keep their tokenisation on a rerun."""
+    tok = load_tokenizer(str(fixture_tokenizer))
+    docs = ["plain text, with  two spaces\n\nand lines", "ünïcödé 日本語 🙂 <|endoftext|> quoted", " ", "x" * 5000,
+            "\t tabs\r\nand CRLF"]
+    ref = tok._document_tokenizer().encode_batch(docs, add_special_tokens=False)
+    assert tok.encode_batch(docs) == [e.ids for e in ref]
+    assert tok.encode_batch(docs, specials_as_text=False) == [e.ids for e in tok._tok.encode_batch(docs, add_special_tokens=False)]
