@@ -205,7 +205,8 @@ class TrainLoader:
         saved_fp, fp = sd.get("dataset_fingerprint"), self.manifest.get("fingerprint")
         if sd.get("num_samples") != self.num_samples:
             raise DataError(f"data loader state was saved on a different dataset than {self.path} "
-                            f"({sd.get('num_samples')} vs {self.num_samples} samples)")
+                            f"({sd.get('num_samples')} vs {self.num_samples} samples): resume on the data the run "
+                            "trained on, or start a new run from its weights (train.init_weights=CHECKPOINT)")
         saved_content = sd.get("dataset_content_sha256") or recorded_content
         now = self.content_sha256() if saved_content else None
         self.rebuilt = saved_fp != fp and saved_content is not None and saved_content == now
@@ -215,12 +216,14 @@ class TrainLoader:
             raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same "
                             f"number of samples ({self.num_samples}) but another dataset fingerprint (saved "
                             f"{_short(saved_fp)}, {self.path} has {_short(fp)}; its manifest.json "
-                            f"'fingerprint') {why}: resume on the data the run trained on, or start a new run")
+                            f"'fingerprint') {why}: resume on the data the run trained on, or start a new run "
+                            "from its weights (train.init_weights=CHECKPOINT)")
         if saved_fp == fp and saved_content and now and saved_content != now:  # edited after the conversion
             raise DataError(f"data loader state was saved on a different dataset than {self.path}: the same manifest "
                             f"fingerprint ({_short(fp)}) but other content (shards and index.json: saved sha256 "
                             f"{_short(saved_content)}, now {_short(now)}), so the saved position would point into "
-                            "another sample order: resume on the data the run trained on, or start a new run")
+                            "another sample order: resume on the data the run trained on, or start a new run from its weights "
+                            "(train.init_weights=CHECKPOINT)")
         saved_order, order = sd.get("order"), self._order()  # no saved order (older states): the trainer adds
         if saved_order is not None and saved_order != order:  # the one of the checkpoint's saved config
             keys = ("shuffle",) if saved_order.get("shuffle") != order["shuffle"] else \

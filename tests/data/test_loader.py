@@ -85,7 +85,7 @@ def test_dp_ranks_partition_the_epoch(synth):
 def test_load_state_rejects_other_dataset(synth, tmp_path):
     other = tmp_path / "other"
     write_synthetic_mds(other, num_sequences=40, seq_len=SEQ, vocab_size=512)
-    with pytest.raises(DataError, match="different dataset"):
+    with pytest.raises(DataError, match=r"different dataset .*\(96 vs 40 samples\): resume on the data the run trained on, or start a new run from its weights \(train.init_weights=CHECKPOINT\)$"):
         _loader(str(other)).load_state_dict(_loader(synth).state_dict())
 
 
