@@ -15,17 +15,35 @@ import signal
 import sys
 
 
+def _set_pdeathsig(sig: int) -> bool:
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0) == 0  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), ask for SIGTERM when the launcher (this process's
+    parent, torchrun's agent) dies. torchrun starts each rank in a session of its own, so a ``kill -9`` of
+    the command's process group killed torchrun alone, and the ranks trained on as orphans (``rl``,
+    ``distill-prefill`` and ``train``: their metrics and checkpoints kept growing, and a ``--resume``
+    started meanwhile ran beside them on the same folder). The SIGTERM is the usual "checkpoint, then
+    stop" (exit 75). torchrun starts its ranks from its main thread, whose end is the process's."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return
+    parent = os.getppid()
+    if _set_pdeathsig(signal.SIGTERM) and os.getppid() != parent:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit():
         print("usage: python -m megaloop.runtime.orphan_guard PARENT_PID -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent, cmd = int(argv[0]), argv[2:]
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    _set_pdeathsig(signal.SIGTERM)
     if os.getppid() != parent:  # the launcher died before the request took effect
         return 128 + signal.SIGTERM
     os.execvp(cmd[0], cmd)

@@ -88,6 +88,15 @@ def test_zero2_two_process_checkpoint_resumes_on_one_process(tiny_teacher, tmp_p
     assert err_b < 1e-4, err_b
     assert err_c > 1e-2, err_c
 
+    # C's step saved again (a run restarted with --overwrite into the same folder rewrites step000002):
+    # the conversion with the zeroed moments is stale and is made anew, not reused (it was, silently)
+    for f in (c / "checkpoints" / "step000002").rglob("*.pt"):
+        f.write_bytes(f.read_bytes())
+    again = universal_checkpoint(c / "checkpoints", "step000002")
+    assert again == root and all(torch.load(f, weights_only=False)["param"].abs().max() > 0
+                                 for f in root.glob("step000002/zero/*/exp_avg_sq.pt"))
+    assert universal_checkpoint(c / "checkpoints", "step000002") == root  # current: reused as it is
+
 
 def test_zero3_two_process_distill_checkpoint_resumes_on_one_process(tiny_teacher, tmp_path):
     """ZeRO-3 too (DeepSpeed's stage-3 universal load; refused before this release): a 2-process

@@ -56,3 +56,37 @@ def test_usage_error() -> None:
     from megaloop.runtime.orphan_guard import main
 
     assert main(["x", "--", "true"]) == 2 and main([]) == 2
+
+
+def test_torchrun_ranks_stop_when_torchrun_is_killed(tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own: `kill -9` of the command's process group killed
+    torchrun alone and the ranks trained on as orphans (rl, distill-prefill, train). Each rank now gets
+    SIGTERM when torchrun dies: it checkpoints and stops."""
+    import signal
+
+    from tests.train.helpers import env, train_cmd
+
+    run = tmp_path / "run"
+    cmd = train_cmd(run, "train.max_steps=400", "train.save_interval=0", nproc=2)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    log = run / "metrics.jsonl"
+    try:
+        deadline = time.time() + 300
+        while (not log.is_file() or len(log.read_text().splitlines()) < 2) and time.time() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.2)
+        ranks = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+        assert len(ranks) == 2, ranks
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's group: the ranks are in their own sessions
+        proc.wait(timeout=30)
+        deadline = time.time() + 120
+        while any(_alive(r) for r in ranks) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) for r in ranks), "the ranks trained on after torchrun was killed"
+        steps = len(log.read_text().splitlines())
+        assert steps < 400 and (run / "checkpoints" / f"step_{steps:08d}" / "megaloop.json").is_file()
+    finally:
+        for r in locals().get("ranks", []):
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
