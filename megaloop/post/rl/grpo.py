@@ -349,14 +349,20 @@ class GRPOTrainer:
             inputs = batch.ids[:, :-1]
             stats.append(backward(cfg.arm, self.parts, inputs, loss_fn, depth=cfg.depth,
                                   b=cfg.neumann_b, z_end=batch.endpoints, bptt_window=cfg.bptt_window))
-        loss, n_stats, skipped_all = all_reduce_sum([sum(s.loss for s in stats), len(stats), skipped],
-                                                   self.engine.world)
+        # counts over every rank (batches was rank 0's own beside a global skipped_batches: "11 of 10 skipped")
+        loss, n_stats, skipped_all, n_batches = all_reduce_sum(
+            [sum(s.loss for s in stats), len(stats), skipped, len(batches)], self.engine.world)
         grad_norm = None
         if n_stats:  # a collective decision: every rank steps, or none
             grad_norm = self.engine.apply_grads(scale=float(self.engine.world))
         out = {"update_s": time.perf_counter() - t0, "loss": loss, "grad_norm": grad_norm,
-               "batches": len(batches), "skipped_batches": int(skipped_all)}
+               "batches": int(n_batches), "skipped_batches": int(skipped_all)}
         res = [s.residual for s in stats if s.residual is not None]
+        if self.engine.world > 1:  # the largest over every rank (rank 0 may have skipped all of its own)
+            from megaloop.post.engine import all_gather_cat
+
+            every = all_gather_cat(torch.tensor([max(res) if res else -1.0], dtype=torch.float64), self.engine.world)
+            res = [float(r) for r in every if r >= 0]
         if res:
             out["endpoint_residual"] = max(res)
         return out
