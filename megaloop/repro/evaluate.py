@@ -76,10 +76,14 @@ def machine() -> dict:
 
 
 def _run_plain(argv: list[str], log: Path, env: dict) -> int:
+    """Run one stage; it gets SIGTERM when this process dies, however it dies (a ``kill -9`` of the
+    ``--evaluate-arm`` process left the stage evaluating on as an orphan, beside the next arm's training
+    and, later, a rerun's stage writing the same ``eval/*.json``)."""
     with open(log, "a") as f:
         f.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')}: {' '.join(argv)}\n")
         f.flush()
-        return subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        guarded = [sys.executable, "-m", "megaloop.runtime.orphan_guard", str(os.getpid()), "--", *argv]
+        return subprocess.run(guarded, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
 
 
 def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | None, device: str,

@@ -108,3 +108,45 @@ def test_untied_arm_runs_its_eval_commands_without_depth_flags(tmp_path: Path) -
     assert m["sharing_penalty_pct"] == pytest.approx(0.0, abs=1e-6)  # no recurrence: nothing to share
     assert m["eval_seqs"] == 4 and m["synth_acc"] is None and m["synth_table"]["depths"] == [5]
     assert m["downstream"] is not None
+
+
+def test_a_stage_stops_when_its_evaluate_arm_process_is_killed(tmp_path):
+    """`kill -9` of `reproduce --evaluate-arm` left its running stage (eval harness, sweep) evaluating on as
+    an orphan; the stage now gets SIGTERM when that process dies."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, clean_env
+
+    pidfile, log = tmp_path / "stage.pid", tmp_path / "stage.log"
+    stage = [sys.executable, "-c", f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+                                   "time.sleep(300)"]
+    env = {**clean_env(), "PYTHONPATH": str(ROOT)}
+    code = (f"from pathlib import Path; from megaloop.repro.evaluate import _run_plain; "
+            f"_run_plain({stage!r}, Path({str(log)!r}), {env!r})")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    try:
+        deadline = time.time() + 60
+        while not (pidfile.is_file() and pidfile.read_text()) and time.time() < deadline:
+            time.sleep(0.1)
+        child = int(pidfile.read_text())
+        proc.kill()
+        proc.wait(timeout=30)
+        def gone() -> bool:
+            try:
+                return "\nState:\tZ" in Path(f"/proc/{child}/status").read_text()  # a zombie is dead
+            except FileNotFoundError:
+                return True
+
+        deadline = time.time() + 30
+        while not gone() and time.time() < deadline:
+            time.sleep(0.1)
+        if not gone():
+            os.kill(child, signal.SIGKILL)
+            raise AssertionError("the stage ran on after its evaluate-arm process was killed")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
