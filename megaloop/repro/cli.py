@@ -333,8 +333,10 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     where = (f"{launch.parallel} run(s) in parallel x {launch.threads} thread(s)"
              + (f" x {launch.nproc} proc(s)" if launch.nproc > 1 else "")) if launch.launcher == "local" \
         else " ".join(launch.sbatch_args) or "default sbatch options"
-    if only is not None:  # the report covers every arm this OUT holds, not only the ones run now
-        plan, screens, waiting = resolve_lrs(out, _held_arms_plan(out, args, extras, only))
+    held_seeds = _held_seeds(out, plan)
+    if only is not None or held_seeds:  # the report covers every arm and seed this OUT holds, not only those run now
+        seeds = sorted(set(plan.seeds) | set(held_seeds)) if held_seeds else _seeds(args)
+        plan, screens, waiting = resolve_lrs(out, _held_arms_plan(out, args, extras, only, seeds))
     results = rep.collect(out, plan, active, {launch.launcher: where}, screens=screens, waiting=waiting)
     path = rep.write_results(out, results)
     outputs = rep.render(results, out)
@@ -360,16 +362,35 @@ def _check_collect_eval_plan(out: Path, plan: Plan) -> None:
                             "run without --collect to evaluate every arm again with this one")
 
 
-def _held_arms_plan(out: Path, args: argparse.Namespace, extras: list[str], only: list[str]) -> Plan:
-    """The experiment restricted to ``only`` and every run of it that ``OUT/plan.json`` records."""
-    every = load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=_seeds(args))
-    known = {a.name for a in every.arms}
+def _plan_json_arms(out: Path) -> list[dict]:
     try:
-        held = {a["name"] for a in json.loads((out / "plan.json").read_text()).get("arms", [])}
-    except (OSError, ValueError, KeyError, TypeError):
-        held = set()
+        arms = json.loads((out / "plan.json").read_text()).get("arms", [])
+        return [a for a in arms if isinstance(a, dict) and "name" in a]
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def _held_seeds(out: Path, plan: Plan) -> list[int]:
+    """Seeds of this experiment that ``OUT/plan.json`` records beyond the command's own (a rerun with
+    ``--seeds 2`` into a ``--seeds 0,1`` folder rewrote results.json and the report with seed 2 alone);
+    [] when there are none or the runs are not seeded."""
+    if not plan.seeds:
+        return []
+    held = {a.get("seed") for a in _plan_json_arms(out)} - {None} - set(plan.seeds)
+    return sorted(s for s in held if isinstance(s, int))
+
+
+def _held_arms_plan(out: Path, args: argparse.Namespace, extras: list[str], only: list[str] | None,
+                    seeds: list[int] | None) -> Plan:
+    """The experiment restricted to ``only`` (None: every arm) and every run of it that ``OUT/plan.json``
+    records, at ``seeds`` (None: the file's)."""
+    if only is None:
+        return load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=seeds)
+    every = load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=seeds)
+    known = {a.name for a in every.arms}
+    held = {a["name"] for a in _plan_json_arms(out)}
     return load_plan(args.experiment, args.scale, extras, _eval_update(args), sorted(set(only) | (held & known)),
-                     seeds=_seeds(args))
+                     seeds=seeds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -360,6 +360,25 @@ def test_a_subset_run_reports_every_arm_the_out_holds(tool, user_yaml: Path, tmp
     capsys.readouterr()
 
 
+def test_a_run_of_more_seeds_reports_every_seed_the_out_holds(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
+    """--seeds 2 into a --seeds 0,1 folder rewrote results.json and report.md with seed 2 alone (plan.json
+    kept all six runs); the report now covers every seed the folder holds, as --arms does for arms."""
+    out = tmp_path / "out"
+    plan = load_plan(str(user_yaml), "test", seeds=[0, 1, 2])
+    from megaloop.repro.runs import write_plan
+
+    for arm in plan.arms:
+        _done_arm(out, plan, arm.name)
+        _mark_started(out, plan, arm.name)
+    write_plan(out, load_plan(str(user_yaml), "test", seeds=[0, 1]))
+    assert tool.main(["--experiment", str(user_yaml), "--scale", "test", "--out", str(out), "--seeds", "2",
+                      "--collect"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert sorted(a["name"] for a in res["arms"]) == sorted(a.name for a in plan.arms), res["arms"]
+    assert res["seeds"] == [0, 1, 2]
+    capsys.readouterr()
+
+
 def test_out_holding_an_lr_screen_is_refused(tool, user_yaml: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "screen"
     out.mkdir()
