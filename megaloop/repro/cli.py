@@ -323,7 +323,8 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
             if st["status"] == "done":
                 return f"done (step {st['step']}, evaluated)"
             if st["status"] != "pending" and run.name not in more:
-                log(f"{run.name}: {st['status']} at step {st['step']}: " + ("resume" if run.train else "evaluate"))
+                where = f"at step {st['step']}" if st["step"] is not None else "before its first checkpoint"
+                log(f"{run.name}: {st['status']} {where}: " + ("resume" if run.train else "evaluate"))
             return None
 
         code, more = execute(sweep, pending(sweep, more, finished), launch, more)
@@ -338,8 +339,12 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
         seeds = sorted(set(plan.seeds) | set(held_seeds)) if held_seeds else _seeds(args)
         plan, screens, waiting = resolve_lrs(out, _held_arms_plan(out, args, extras, only, seeds))
     results = rep.collect(out, plan, active, {launch.launcher: where}, screens=screens, waiting=waiting)
-    path = rep.write_results(out, results)
-    outputs = rep.render(results, out)
+    # results.json and the report as one: a stop signal waits until both are written (a SIGTERM between
+    # them left results.json newer than report.md)
+    from megaloop.runtime.exits import STOP_SIGNALS_UNHANDLED_BY_HELPERS, start_shielded
+
+    path, outputs = start_shielded(lambda: (rep.write_results(out, results), rep.render(results, out)),
+                                   ("SIGINT", "SIGTERM", *STOP_SIGNALS_UNHANDLED_BY_HELPERS))
     rep.print_table(results)
     print(f"  wrote {path}, " + ", ".join(map(str, outputs)))
     if code:

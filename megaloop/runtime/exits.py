@@ -16,7 +16,8 @@ def start_shielded(start, names=("SIGTERM", *STOP_SIGNALS_UNHANDLED_BY_HELPERS))
     ``kill -- -PGID`` sends to the whole process group: they died of it, and the trainer, about to
     checkpoint, failed with "DataLoader worker (pid N) is killed by signal: Terminated" (exit 1, no
     checkpoint). The trainer stops them as usual (a sentinel, then a join); a worker whose trainer
-    is gone exits by itself (torch's watchdog). SIGINT is left alone: torch's workers ignore it."""
+    is gone exits by itself (torch's watchdog). SIGINT is left alone: torch's workers ignore it.
+    Also used to make two writes one for a stop signal (``reproduce``'s results.json and report)."""
     import signal
 
     if not hasattr(signal, "pthread_sigmask"):
