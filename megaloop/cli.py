@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
     verb = argv[0] if argv else None
     previous = setup_stop.install(verb)  # SIGTERM/SIGUSR1 before a loop's own handler: one line
-    from megaloop.runtime.orphan_guard import stop_with_launcher
-
-    stop_with_launcher()  # a torchrun rank stops (checkpoint, exit 75) when torchrun is killed
     try:
+        from megaloop.runtime.orphan_guard import stop_with_launcher
+
+        stop_with_launcher()  # a torchrun rank stops (checkpoint, exit 75) when torchrun is killed
         _main(argv, verb)
     except setup_stop.StopDuringSetup as stop:
         code = setup_stop.stopped_line(verb, stop.signum, argv)

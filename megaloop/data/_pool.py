@@ -90,8 +90,8 @@ class ForkPool:
         how = ", ".join(f"killed by {signal.Signals(-c).name}" if c < 0 and -c in signal.valid_signals()
                         else f"exit status {c}" for c in codes) or str(exc)
         if -signal.SIGKILL in codes or -signal.SIGABRT in codes:  # the OOM killer; a failed allocation aborts
-            hint = ("SIGKILL is what the kernel's out-of-memory killer sends, SIGABRT what a failed allocation "
-                    "(the tokenizer's) raises: rerun (what finished is kept) with fewer --workers or more memory; "
+            hint = ("SIGKILL is what the kernel's out-of-memory killer sends, SIGABRT often what a failed "
+                    "allocation (the tokenizer's) raises: rerun (what finished is kept) with fewer --workers or more memory; "
                     "a file needs several times its size, a long document ~200 bytes per character")
         else:
             hint = "rerun (what finished is kept)"

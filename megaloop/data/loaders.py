@@ -103,10 +103,16 @@ def _batches(it: Iterator[dict]) -> Iterator[dict]:
 
 
 def _shutdown(it: Any) -> None:
-    """Stop a DataLoader iterator's worker processes now (not at garbage collection)."""
+    """Stop a DataLoader iterator's worker processes now (not at garbage collection). A worker still
+    alive after torch's stop (sentinel, join, then SIGTERM, which workers keep blocked: see
+    :func:`~megaloop.runtime.exits.start_shielded`) is stuck: it gets SIGKILL."""
     stop = getattr(it, "_shutdown_workers", None)
     if stop is not None:
         stop()
+    for w in getattr(it, "_workers", ()):
+        if w.is_alive():
+            w.kill()
+            w.join(5)
 
 
 class TrainLoader:

@@ -88,21 +88,30 @@ def init_post_distributed(device: str, deepspeed_config: str | None) -> tuple[Di
     return dist_info(), device
 
 
+def comm_device() -> torch.device:
+    """Where a collective's tensors must live: this rank's GPU under NCCL (which has no CPU tensors:
+    "No backend type associated with device type cpu"), else the CPU (gloo)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:
     """Concatenate equal-shaped ``t`` of the ``world`` ranks in rank order (identity for ``world=1``,
-    e.g. a single-process engine inside a launched job)."""
+    e.g. a single-process engine inside a launched job); on ``t``'s device."""
     if world == 1:
         return t
-    parts = [torch.empty_like(t) for _ in range(world)]
-    torch.distributed.all_gather(parts, t.contiguous())
-    return torch.cat(parts)
+    x = t.contiguous().to(comm_device())
+    parts = [torch.empty_like(x) for _ in range(world)]
+    torch.distributed.all_gather(parts, x)
+    return torch.cat(parts).to(t.device)
 
 
-def all_reduce_sum(values: list[float], world: int, device="cpu") -> list[float]:
+def all_reduce_sum(values: list[float], world: int) -> list[float]:
     """Sum of each value over the ``world`` ranks (FP64; identity for ``world=1``)."""
     if world == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+    t = torch.tensor(values, dtype=torch.float64, device=comm_device())
     torch.distributed.all_reduce(t)
     return t.tolist()
 

@@ -33,12 +33,16 @@ STAMP = "source.json"  # in the conversion's root: the files of the checkpoint i
 
 
 def source_signature(src: Path) -> list[list]:
-    """``[relative path, size, mtime_ns]`` of every file of the checkpoint folder ``src``, sorted. A
+    """``[relative path, size, mtime_ns, inode, ctime_ns]`` of every file of the checkpoint folder ``src``, sorted. A
     conversion is reused only while it equals the one recorded in it: a tag saved again (a run
     restarted with ``--overwrite`` into the same folder writes ``step000010`` anew) resumed from the
     earlier run's conversion, silently (the other run's weights and Adam state, exit 0)."""
-    return sorted([str(p.relative_to(src)), p.stat().st_size, p.stat().st_mtime_ns]
-                  for p in src.rglob("*") if p.is_file())
+    out = []
+    for p in src.rglob("*"):
+        if p.is_file():
+            st = p.stat()  # size and mtime repeat when a save of the same shapes lands in one mtime tick
+            out.append([str(p.relative_to(src)), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+    return sorted(out)
 
 
 def _current(root: Path, src: Path, tag: str) -> bool:
@@ -82,7 +86,9 @@ def universal_checkpoint(ckpt: str | Path, tag: str, *, rank: int = 0, world: in
         except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank waits forever
             err = e
     if world > 1:
-        flag = torch.tensor([1 if err is not None else 0])
+        from megaloop.post.engine import comm_device
+
+        flag = torch.tensor([1 if err is not None else 0], device=comm_device())
         torch.distributed.broadcast(flag, 0)
         if flag.item() and err is None:
             from megaloop.config_utils import ConfigError

@@ -34,7 +34,7 @@ def stop_with_launcher() -> None:
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     parent = os.getppid()
-    if _set_pdeathsig(signal.SIGTERM) and os.getppid() != parent:  # it died before the request took effect
+    if parent == 1 or (_set_pdeathsig(signal.SIGTERM) and os.getppid() != parent):  # torchrun already gone
         os.kill(os.getpid(), signal.SIGTERM)
 
 

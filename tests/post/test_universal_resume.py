@@ -90,12 +90,15 @@ def test_zero2_two_process_checkpoint_resumes_on_one_process(tiny_teacher, tmp_p
 
     # C's step saved again (a run restarted with --overwrite into the same folder rewrites step000002):
     # the conversion with the zeroed moments is stale and is made anew, not reused (it was, silently)
+    stamp = root / "source.json"
+    made = stamp.stat().st_mtime_ns
+    assert universal_checkpoint(c / "checkpoints", "step000002") == root and stamp.stat().st_mtime_ns == made  # reused
     for f in (c / "checkpoints" / "step000002").rglob("*.pt"):
         f.write_bytes(f.read_bytes())
     again = universal_checkpoint(c / "checkpoints", "step000002")
-    assert again == root and all(torch.load(f, weights_only=False)["param"].abs().max() > 0
-                                 for f in root.glob("step000002/zero/*/exp_avg_sq.pt"))
-    assert universal_checkpoint(c / "checkpoints", "step000002") == root  # current: reused as it is
+    moments = list(root.glob("step000002/zero/*/exp_avg_sq.pt"))
+    assert again == root and stamp.stat().st_mtime_ns != made and moments
+    assert all(torch.load(f, weights_only=False)["param"].abs().max() > 0 for f in moments)  # made anew
 
 
 def test_zero3_two_process_distill_checkpoint_resumes_on_one_process(tiny_teacher, tmp_path):
