@@ -33,8 +33,9 @@ def stop_with_launcher() -> None:
     stop" (exit 75). torchrun starts its ranks from its main thread, whose end is the process's."""
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
+    # a parent pid of 1 is not taken for "torchrun is gone": torchrun may be a container's first process
     parent = os.getppid()
-    if parent == 1 or (_set_pdeathsig(signal.SIGTERM) and os.getppid() != parent):  # torchrun already gone
+    if _set_pdeathsig(signal.SIGTERM) and os.getppid() != parent:  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
 
 
