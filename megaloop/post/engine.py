@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from megaloop.config_utils import ConfigError
+from megaloop.runtime.parallel import comm_device
 
 
 @dataclass(frozen=True)
@@ -86,14 +87,6 @@ def init_post_distributed(device: str, deepspeed_config: str | None) -> tuple[Di
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl")
     return dist_info(), device
-
-
-def comm_device() -> torch.device:
-    """Where a collective's tensors must live: this rank's GPU under NCCL (which has no CPU tensors:
-    "No backend type associated with device type cpu"), else the CPU (gloo)."""
-    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def all_gather_cat(t: torch.Tensor, world: int) -> torch.Tensor:

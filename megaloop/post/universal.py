@@ -86,9 +86,9 @@ def universal_checkpoint(ckpt: str | Path, tag: str, *, rank: int = 0, world: in
         except Exception as e:  # noqa: BLE001 - re-raised after the barrier, so no rank waits forever
             err = e
     if world > 1:
-        nccl = torch.distributed.get_backend() == "nccl"  # no CPU tensors there (engine.comm_device; no import: a cycle)
-        flag = torch.tensor([1 if err is not None else 0],
-                            device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        from megaloop.runtime.parallel import comm_device
+
+        flag = torch.tensor([1 if err is not None else 0], device=comm_device())
         torch.distributed.broadcast(flag, 0)
         if flag.item() and err is None:
             from megaloop.config_utils import ConfigError

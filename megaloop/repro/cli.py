@@ -389,9 +389,9 @@ def _held_arms_plan(out: Path, args: argparse.Namespace, extras: list[str], only
                     seeds: list[int] | None) -> Plan:
     """The experiment restricted to ``only`` (None: every arm) and every run of it that ``OUT/plan.json``
     records, at ``seeds`` (None: the file's)."""
-    if only is None:
-        return load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=seeds)
     every = load_plan(args.experiment, args.scale, extras, _eval_update(args), None, seeds=seeds)
+    if only is None:
+        return every
     known = {a.name for a in every.arms}
     held = {a["name"] for a in _plan_json_arms(out)}
     return load_plan(args.experiment, args.scale, extras, _eval_update(args), sorted(set(only) | (held & known)),

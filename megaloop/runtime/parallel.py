@@ -107,6 +107,15 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
+def comm_device() -> torch.device:
+    """Where a collective's tensors must live under the initialised group: this rank's GPU under NCCL
+    (which has no CPU tensors: "No backend type associated with device type cpu"), else the CPU
+    (gloo; also a CPU run on a machine that has CUDA, unlike :func:`compute_device`)."""
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))

@@ -78,10 +78,9 @@ class SignalStop:
 
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized():
-            device = "cpu"
-            if dist.get_backend() == "nccl":
-                device = f"cuda:{torch.cuda.current_device()}"
-            flag = torch.tensor([mine], dtype=torch.int32, device=device)
+            from megaloop.runtime.parallel import comm_device
+
+            flag = torch.tensor([mine], dtype=torch.int32, device=comm_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             mine = int(flag.item())
         if not mine:
