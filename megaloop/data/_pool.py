@@ -46,6 +46,7 @@ class ForkPool:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
+        self._before = set(mp.active_children())  # children not ours: never killed by _kill
         self._ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=initializer,
                                        initargs=initargs)
         self._running: dict[Future, tuple[int, Any]] = {}  # future -> (index, task)
@@ -125,12 +126,23 @@ class ForkPool:
                 want += 1
 
     def _kill(self) -> None:
-        """Stop now: kill every worker (the executor then fails what was out) and shut down."""
+        """Stop now: kill every worker (the executor then fails what was out) and shut down.
+
+        An interrupt can land inside ``submit`` while the executor starts: after a worker was forked
+        but before the executor recorded it, or before its manager thread started (whose ``join`` in
+        ``shutdown`` then raises ``RuntimeError``). Every child this pool started is therefore killed
+        and reaped here, recorded or not, so none is left for the interpreter's exit to wait on."""
         self._seen()
-        for p in self._procs.values():
+        ours = [p for p in {*self._procs.values(), *mp.active_children()} if p not in self._before]
+        for p in ours:
             if p.exitcode is None:
                 p.kill()
-        self._ex.shutdown(wait=True, cancel_futures=True)
+        try:
+            self._ex.shutdown(wait=True, cancel_futures=True)
+        except RuntimeError:  # "cannot join thread before it is started": nothing of it to wait for
+            pass
+        for p in ours:
+            p.join()
 
     def __enter__(self) -> ForkPool:
         return self

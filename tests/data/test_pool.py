@@ -102,6 +102,51 @@ def test_an_interrupt_terminates_the_workers_at_once():
             os.kill(pid, 0)
 
 
+def _no_children_left() -> None:
+    import multiprocessing as mp
+
+    left = mp.active_children()  # also reaps the finished ones
+    assert not left, f"children left running: {left}"
+
+
+def test_an_interrupt_while_the_executor_starts_leaves_no_worker(monkeypatch):
+    """Ctrl-C inside ``submit``: the workers are forked but the executor's manager thread has not
+    started. Stopping used to raise ``RuntimeError: cannot join thread before it is started`` over
+    the interrupt and left the workers for the interpreter's exit to wait on."""
+    from concurrent.futures import process
+
+    def interrupted_start(self):  # noqa: ARG001
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(process._ExecutorManagerThread, "start", interrupted_start)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_sleep_forever, range(4)):
+                pass
+    assert time.monotonic() - t0 < 30
+    _no_children_left()
+
+
+def test_an_interrupt_before_the_executor_records_a_worker_kills_it(monkeypatch):
+    """Ctrl-C between a worker's fork and the executor recording it: that worker is killed too."""
+    from concurrent.futures import process
+
+    def spawn_then_interrupt(self):
+        p = self._mp_context.Process(target=_sleep_forever, args=(0,))
+        p.start()
+        raise KeyboardInterrupt  # before ``self._processes[p.pid] = p``
+
+    monkeypatch.setattr(process.ProcessPoolExecutor, "_spawn_process", spawn_then_interrupt)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_sleep_forever, range(4)):
+                pass
+    assert time.monotonic() - t0 < 30
+    _no_children_left()
+
+
 def test_workers_must_be_positive():
     with pytest.raises(ValueError, match="workers must be >= 1"):
         ForkPool(0)
