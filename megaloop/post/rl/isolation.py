@@ -10,7 +10,8 @@ returns what came back within ``limits.timeout_s`` + ~0.9 s whatever the program
   namespace (daemons that ``setsid()`` and double-fork included) and bwrap reaps it;
 * a filesystem that is an empty root plus, read-only, the interpreter binary, its standard library
   (``site-packages`` hidden) and the shared libraries they link (found with ``ldd``; if that set
-  does not start, the system library directories), a minimal ``/dev``, and a size-capped private
+  does not start, the system library directories), a minimal read-only ``/dev`` (the root is
+  remounted read-only too), and a size-capped (not inode-capped) private
   tmpfs at ``/tmp`` (its cwd) as the only writable place — no ``/proc``, no home, no task file, no
   run directory, no other process; everything written there is gone with the namespace;
 * when the caller is root: all capabilities dropped but ``CAP_SETUID``/``CAP_SETGID``, which the
@@ -340,7 +341,11 @@ def _argv(backend: Backend, limits, chan_w: int, info_w: int, seccomp_fd: int = 
         ns += ["--seccomp", str(seccomp_fd)]
     return [backend.bwrap, *ns, "--die-with-parent", "--as-pid-1", "--new-session", "--info-fd", str(info_w),
             "--hostname", "sandbox", *backend.binds, "--dev", "/dev", "--perms", "1777",
-            "--size", str(limits.disk_bytes), "--tmpfs", "/tmp", "--chdir", "/tmp", "--clearenv",
+            "--size", str(limits.disk_bytes), "--tmpfs", "/tmp",
+            # the new root and /dev are tmpfs mounts without a size cap; in a user namespace the caller
+            # owns them, so without these a program could fill them with host RAM (they are root's and
+            # read-only to the per-run uid in the root mode anyway); /tmp, a separate mount, stays writable
+            "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv",
             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--setenv", "LANG", "C.UTF-8",
             "--setenv", "PYTHONHASHSEED", "0", "--setenv", "PATH", "/usr/bin:/bin", "--", *py]
 

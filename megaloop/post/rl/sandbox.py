@@ -107,7 +107,12 @@ class SandboxResult:
 
     @property
     def outcome(self) -> Outcome:
-        return Outcome(self.loaded, self.values, self.error)
+        """What is scored. A run killed at the wall-clock limit or for its output did not finish, so it
+        scores 0 whatever values it returned first (one that answered, then hung in ``sys.stdout``'s
+        ``flush``, used to score 1 while counted as a timeout)."""
+        error = self.error or ("killed at the wall-clock limit" if self.timed_out else
+                               "killed for its output" if self.output_truncated else None)
+        return Outcome(self.loaded, self.values, error)
 
 
 # ----------------------------------------------------------------------------- backend

@@ -308,3 +308,42 @@ def test_concurrent_rewards_with_threads_are_independent(task):
         t.join()
     assert results == {k: (1.0 if k % 2 else 0.0) for k in range(6)}
     assert score(ex.meta["cases"], task._reward.run(ex, RIGHT).outcome, "fraction") == 1.0
+
+
+@pytest.mark.parametrize("mode", ["per-run uid (root)", "user namespace (not root)"])
+def test_only_tmp_is_writable(sandbox, mode):
+    """The new root and ``/dev`` are uncapped tmpfs mounts: in a user namespace (a caller that is not
+    root) the program owned them, so it could write outside ``/tmp`` and hold up to half the host's
+    RAM in each. Both are read-only now; the user-namespace mode is run here as root by turning the
+    per-run uid off, which gives bwrap the argv a non-root caller gets."""
+    import dataclasses
+
+    from megaloop.post.rl.sandbox import SandboxLimits
+
+    backend = sandbox if mode.startswith("per-run") else dataclasses.replace(sandbox, privileged=False)
+    code = textwrap.dedent("""
+        import os
+        def writable():
+            out = []
+            for d in ('/', '/dev', '/dev/shm', '/tmp', '/usr'):
+                try:
+                    with open(os.path.join(d, 'w_probe'), 'wb') as f:
+                        f.write(b'x' * 4096)
+                    out.append(d)
+                except OSError:
+                    pass
+            return out
+    """)
+    res = run_sandboxed(code, SandboxLimits(timeout_s=30.0, cpu_s=30), [TestCase("writable", ())], backend=backend)
+    assert res.loaded, res
+    assert res.values.get(0) == ("value", ["/tmp"]), res
+
+
+def test_a_run_killed_at_the_wall_clock_limit_scores_zero_even_after_answering(task):
+    """A correct function, then a ``sys.stdout`` whose ``flush`` never returns: the harness has sent
+    every value when the wall clock kills the run. It used to score 1 while the trainer counted it
+    as a timeout and said such runs score 0."""
+    hang = ("import sys\nclass _Hang:\n    def write(self, s):\n        return len(s)\n"
+            "    def flush(self):\n        while True:\n            pass\nsys.stdout = _Hang()\n")
+    assert reward(task, RIGHT + hang) == 0.0
+    assert task._reward.last.timed_out and task._reward.last.loaded
