@@ -61,7 +61,7 @@ class ModelConfig:
     # normalization" diagnostic (S PLN-25 diverged at every tested LR). Only huginn_linear has one.
     exit_norm: bool = True
     state_init: str = "normal"  # training-time h^0: N(0, state_init_std²) or zeros
-    state_init_std: float = 0.02
+    state_init_std: float = 0.02  # SPEC §1 says init_std; kept apart, see README "Deviations from SPEC"
     eval_state_init: str = "normal"
     eval_seed: int = 0  # fixed seed of the evaluation-time Gaussian state init
     # weight init std: a number, or "small" = √(2/(5·hidden_size)) (Nguyen & Salazar's "small init",
