@@ -39,21 +39,29 @@ def lr_at(cfg: OptimConfig, max_steps: int, step: int) -> float:
 def check_horizon_change(cfg: OptimConfig, old_horizon: int, new_horizon: int, step: int) -> str | None:
     """Whether a run saved at ``step`` under ``old_horizon`` can continue under ``new_horizon``.
 
-    The schedule is a function of (step, horizon). Changing the horizon is honoured when the LR
-    curve stays continuous at the resume point: the LR the next update would get is the same under
-    both horizons (for WSD: the run is still in warm-up or in the stable phase of both, so the new
-    run keeps the peak and decays over the last ``decay_fraction`` of the *new* horizon). Otherwise
-    (a run already in its decay, a cosine schedule, a horizon at or before the step) the message
-    says why, naming both horizons; None = honour the new horizon."""
+    The schedule is a function of (step, horizon). Changing the horizon is honoured when the run's
+    past is the new schedule's too: the LR its last update (``step``) ran at is what the new horizon
+    gives that update (for WSD: the step is in warm-up or in the stable phase under both, so the run
+    keeps the peak and decays over the last ``decay_fraction`` of the *new* horizon; the checkpoint
+    saved at the last stable step, the usual WSD branch point, qualifies; for cosine: still in
+    warm-up). Otherwise (a run already in its decay, a new horizon whose decay would already have
+    begun, a cosine run past its warm-up, a horizon at or before the step) the message says why,
+    naming both horizons; None = honour the new horizon."""
     if new_horizon == old_horizon:
         return None
     if new_horizon <= step:
         return (f"train.max_steps={new_horizon} is not past the checkpoint's step {step} "
                 f"(checkpoint horizon {old_horizon}): nothing left to train")
-    old_lr, new_lr = lr_at(cfg, old_horizon, step + 1), lr_at(cfg, new_horizon, step + 1)
-    if abs(old_lr - new_lr) > 1e-9 * max(cfg.lr, 1e-30):
-        where = "in its decay phase" if cfg.schedule == "wsd" else f"on its {cfg.schedule} schedule"
-        return (f"train.max_steps={new_horizon} differs from the checkpoint's horizon {old_horizon}, and the run "
-                f"at step {step} is {where}: the next update's LR would jump from {old_lr:.3g} to {new_lr:.3g}. "
-                f"Resume with train.max_steps={old_horizon}, or extend from a checkpoint saved before the decay")
-    return None
+    old_lr, new_lr = lr_at(cfg, old_horizon, step), lr_at(cfg, new_horizon, step)
+    if abs(old_lr - new_lr) <= 1e-9 * max(cfg.lr, 1e-30):
+        return None
+    if cfg.schedule != "wsd":
+        where = f"past the warm-up of its {cfg.schedule} schedule"
+    elif abs(old_lr - cfg.lr) > 1e-9 * max(cfg.lr, 1e-30):
+        where = "in its decay phase"
+    else:
+        where = f"in its stable phase, where the new horizon's decay would already have begun"
+    return (f"train.max_steps={new_horizon} differs from the checkpoint's horizon {old_horizon}, and the run "
+            f"at step {step} is {where}: its update {step} ran at LR {old_lr:.3g}, the new horizon's schedule "
+            f"gives {new_lr:.3g} there. Resume with train.max_steps={old_horizon}, or change the horizon from a "
+            f"checkpoint saved before the decay (up to its last stable step)")

@@ -168,18 +168,22 @@ def test_wandb_offline_logging(tmp_path):
 
 def test_extending_the_horizon_continues_the_stable_phase(tmp_path):
     """A run saved in its WSD stable phase, resumed with a longer train.max_steps, follows the
-    new horizon: its LRs equal an uninterrupted run at the new horizon (not lr=0 past the old one)."""
-    run_train(tmp_path / "short", "train.max_steps=10", "train.save_interval=4", "train.stop_after=4",
+    new horizon: its LRs equal an uninterrupted run at the new horizon (not lr=0 past the old one).
+    The checkpoint is the last stable step (8 of 10; the decay is updates 9 and 10), the usual
+    branch point, which was refused as "in its decay phase"."""
+    run_train(tmp_path / "short", "train.max_steps=10", "train.save_interval=8", "train.stop_after=8",
               "optim.decay_fraction=0.2")
     shutil.copytree(tmp_path / "short", tmp_path / "ext")
     proc = run_train(tmp_path / "ext", "train.max_steps=20", "train.save_interval=0", "optim.decay_fraction=0.2",
                      resume="auto")
     assert "schedule horizon 10 -> 20" in proc.stdout + proc.stderr
     run_train(tmp_path / "long", "train.max_steps=20", "train.save_interval=0", "optim.decay_fraction=0.2")
-    lr_ext = [r["lr"] for r in metrics(tmp_path / "ext") if r["step"] > 4]
-    lr_long = [r["lr"] for r in metrics(tmp_path / "long") if r["step"] > 4]
+    ext = [r for r in metrics(tmp_path / "ext") if r["step"] > 8]
+    long = [r for r in metrics(tmp_path / "long") if r["step"] > 8]
+    lr_ext, lr_long = [r["lr"] for r in ext], [r["lr"] for r in long]
     assert lr_ext == pytest.approx(lr_long, rel=1e-12)
-    assert min(lr_ext[:11]) > 0  # steps 5..15 sit in the stable phase of the 20-step horizon
+    assert [r["loss"] for r in ext] == [r["loss"] for r in long]  # the first 8 updates were the same
+    assert min(lr_ext[:8]) > 0  # steps 9..16 sit in the stable phase of the 20-step horizon
     assert lr_ext[-1] == pytest.approx(0.0, abs=1e-12)
 
 
@@ -205,9 +209,16 @@ def test_horizon_rule_on_the_schedule_alone():
     assert "decay phase" in check_horizon_change(o, 100, 400, 90)
     assert "nothing left" in check_horizon_change(o, 100, 40, 50)
     assert check_horizon_change(o, 400, 100, 50) is None  # shortening while stable in both
+    # the last stable step (update 80 at the peak; the decay is updates 81-100) is the WSD branch point
+    assert check_horizon_change(o, 100, 400, 80) is None
+    assert "decay phase" in check_horizon_change(o, 100, 400, 81)
+    # shortening a stable run into a decay that would already have begun: refused, not "decay phase"
+    msg = check_horizon_change(o, 400, 100, 85)
+    assert "stable phase" in msg and "decay phase" not in msg and "update 85 ran at LR 0.001" in msg
     assert lr_at(o, 100, 100) == pytest.approx(0.0) and lr_at(o, 100, 50) == pytest.approx(1e-3)
     cos = OptimConfig(lr=1e-3, warmup_steps=10, schedule="cosine")
     assert "cosine" in check_horizon_change(cos, 100, 400, 50)
+    assert check_horizon_change(cos, 100, 400, 10) is None  # still in (the end of) its warm-up
 
 
 def test_checkpoint_from_before_embed_scale_is_not_resumed_under_the_new_default(tmp_path):
