@@ -452,7 +452,10 @@ class CheckpointManager:
         run_dir.py). Each goes by a rename to a hidden ``.pruned_step_*`` first, so a kill during the
         deletion leaves no half-deleted ``step_*`` that looks like a checkpoint; a ``.pruned_step_*`` a
         kill left behind, and an incomplete ``step_*`` older than every kept checkpoint (a deletion
-        interrupted before this release), are removed here too."""
+        interrupted before this release), are removed here too, as is every ``.tmp_step_*``: this save's
+        was just renamed to its ``step_*``, so any other is a save a kill cut short (a stop checkpoint
+        off the save interval, then SIGKILL after slurm's KillWait), which no later save of that step
+        would reuse."""
         kept = [p for p in self.complete_checkpoints() if step_of(p) <= step][-self.keep:]
         oldest = step_of(kept[0]) if kept else step
         doomed = [p for p in self.all_step_dirs() if step_of(p) < oldest]
@@ -468,6 +471,8 @@ class CheckpointManager:
             shutil.rmtree(gone, ignore_errors=True)
         for gone in self.root.glob(".latest.*.tmp"):  # an atomic write of `latest` a kill cut short
             gone.unlink(missing_ok=True)
+        for gone in self.root.glob(".tmp_step_*"):
+            shutil.rmtree(gone, ignore_errors=True)
 
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
         """Rank 0: ``megaloop.json`` into ``tmp``, ``tmp`` renamed to ``final`` (an older copy of

@@ -313,6 +313,9 @@ def test_pruning_renames_before_deleting_and_clears_what_a_kill_left(tmp_path, m
     assert len(seen) == 1 and seen[0].startswith(".pruned_step_"), seen
     assert [p.name for p in ckpt.all_step_dirs()] == ["step_00000003", "step_00000004"]  # renamed away first
     (root / ".latest.k2x9.tmp").write_text("step_0000")  # a kill inside the atomic write of `latest`
+    for torn in (".tmp_step_00000003", ".tmp_step_00000005"):  # saves a SIGKILL cut short (audit K)
+        (root / torn).mkdir()
+        (root / torn / "common.pt").write_bytes(b"half")
     ckpt._prune(4)
     assert sorted(p.name for p in root.iterdir()) == ["step_00000003", "step_00000004"] and not half.exists()
 
