@@ -124,7 +124,9 @@ def _strip_local_rank(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     from megaloop.runtime import setup_stop
+    from megaloop.runtime.console import guard_stdout
 
+    guard_stdout()  # `megaloop train ... | head`: a closed pipe turns the console off, the run goes on
     argv = _strip_local_rank(sys.argv[1:] if argv is None else list(argv))
     verb = argv[0] if argv else None
     previous = setup_stop.install(verb)  # SIGTERM/SIGUSR1 before a loop's own handler: one line
