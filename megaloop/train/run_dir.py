@@ -281,3 +281,20 @@ def check_saved_optim(path: Path, saved: dict, optim) -> None:
         raise ConfigError(f"checkpoint {path} was trained with {what}; its optimizer and schedule state would "
                           f"override the new value(s). Resume with {keep}, or extend the horizon with "
                           "train.max_steps alone")
+
+
+INIT_ONLY_FIELDS = (("depth", "init"), ("train", "init_seed"), ("train", "init_weights"))
+
+
+def init_only_changes(saved: dict, cfg) -> str | None:
+    """The note for a resume that changed a field which only sets up a new run's initial state
+    (the prior's init, the initial weights' seed or source): the checkpoint brings its own, so the
+    new value has no effect although the run's ``config.yaml`` records it. None when none changed
+    (or the checkpoint's config lacks the field: saved before it existed)."""
+    diffs = [f"{sec}.{key}={new} (checkpoint: {old})" for sec, key in INIT_ONLY_FIELDS
+             if key in (saved.get(sec) or {})
+             and (old := saved[sec][key]) != (new := getattr(getattr(cfg, sec), key))]
+    if not diffs:
+        return None
+    return (f"note: {', '.join(diffs)} set up a new run's initial state; a resume continues the checkpoint's, so "
+            "these have no effect here (start a new --run-dir to use them)")

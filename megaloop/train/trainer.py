@@ -41,7 +41,7 @@ from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
-                                    check_saved_layout, check_saved_optim, set_aside_newer)
+                                    check_saved_layout, check_saved_optim, init_only_changes, set_aside_newer)
 from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
@@ -289,6 +289,8 @@ class Trainer:
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)
         self._check_saved_seeds(path, common.get("config") or {})
+        if self.rank == 0 and (note := init_only_changes(common.get("config") or {}, self.cfg)):
+            print(note, flush=True)
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count

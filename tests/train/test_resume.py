@@ -32,7 +32,10 @@ def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
     proc = run_train(tmp_path, *STEPS, "train.stop_after=2", resume="auto")
     assert "nothing to train: the checkpoint's step 3 is at or past train.stop_after=2" in proc.stdout
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
-    run_train(tmp_path, *STEPS, resume="auto")
+    # init-only settings changed on resume have no effect, and the run says so (they were silent)
+    proc = run_train(tmp_path, *STEPS, "depth.init=uniform", "train.init_seed=7", resume="auto")
+    assert ("note: depth.init=uniform (checkpoint: pln), train.init_seed=7 (checkpoint: None) set up a new "
+            "run's initial state") in proc.stdout
     _same(metrics(tmp_path), uninterrupted)
 
 
