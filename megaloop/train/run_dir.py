@@ -298,3 +298,13 @@ def init_only_changes(saved: dict, cfg) -> str | None:
         return None
     return (f"note: {', '.join(diffs)} set up a new run's initial state; a resume continues the checkpoint's, so "
             "these have no effect here (start a new --run-dir to use them)")
+
+
+def vocab_hint(err: Exception, vocab: int, cfg) -> str:
+    """What to add to a checkpoint load's shape error that is about the vocabulary (the embedding or
+    output-layer shapes): this run's vocabulary and where it came from; '' for any other error."""
+    if "word_embeddings" not in str(err) and "output_layer" not in str(err):
+        return ""
+    source = "model.vocab_size" if cfg.model.vocab_size else f"the data manifest of data.path={cfg.data.path}"
+    return (f"; its vocabulary differs from this run's ({vocab} tokens, from {source}): train on data tokenised "
+            "with the checkpoint's tokenizer, with the checkpoint's model.vocab_size")

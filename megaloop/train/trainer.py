@@ -41,7 +41,8 @@ from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
-                                    check_saved_layout, check_saved_optim, init_only_changes, set_aside_newer)
+                                    check_saved_layout, check_saved_optim, init_only_changes, set_aside_newer,
+                                    vocab_hint)
 from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
@@ -158,11 +159,7 @@ class Trainer:
             try:
                 self.ckpt.load(init_path, self.model)
             except CheckpointError as err:
-                vocab = ("word_embeddings" in str(err) or "output_layer" in str(err)) and (
-                    f"; its vocabulary differs from this run's ({self.vocab} tokens from data.path={cfg.data.path}"
-                    f"{'' if cfg.model.vocab_size else ' manifest'}): train on data tokenised with the "
-                    "checkpoint's tokenizer")
-                raise CheckpointError(f"train.init_weights: {err}{vocab or ''}") from None
+                raise CheckpointError(f"train.init_weights: {err}{vocab_hint(err, self.vocab, cfg)}") from None
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)
@@ -283,8 +280,10 @@ class Trainer:
         check_saved_layout(path, self.ckpt.saved_config(path), self.cfg)  # what the load would fail on unnamed
         try:
             common = self.ckpt.load(path, self.model, self.optimizer)
-        except CheckpointError:
+        except CheckpointError as err:
             self._check_saved_model(path, self.ckpt.saved_model_config(path))  # name the field if it is one
+            if hint := vocab_hint(err, self.vocab, self.cfg):
+                raise CheckpointError(f"{err}{hint}") from None
             raise
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)

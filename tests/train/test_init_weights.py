@@ -81,6 +81,13 @@ def test_another_vocabulary_is_named(tmp_path) -> None:
     vocab = src.vocab
     src.close()
     with pytest.raises(CheckpointError, match=r"^train.init_weights: .*word_embeddings.*; its vocabulary differs from "
-                                              rf"this run's \({vocab + 128} tokens from data.path=default\): train "
-                                              r"on data tokenised with the checkpoint's tokenizer$"):
+                                              rf"this run's \({vocab + 128} tokens, from model.vocab_size\): train "
+                                              r"on data tokenised with the checkpoint's tokenizer"):
         _trainer(tmp_path / "dst", f"train.init_weights={tmp_path / 'src'}", f"model.vocab_size={vocab + 128}")
+    # a resume under another vocabulary: named too (the error named only the tensors' shapes; audit K)
+    from megaloop.train.trainer import Trainer
+
+    t = Trainer(load_config("tiny", [*SMALL, f"model.vocab_size={vocab + 128}"]), tmp_path / "src", resume="auto")
+    with pytest.raises(CheckpointError, match=rf"word_embeddings.*; its vocabulary differs from this run's "
+                                              rf"\({vocab + 128} tokens, from model.vocab_size\)"):
+        t.setup()
