@@ -44,7 +44,7 @@ def check_horizon_change(cfg: OptimConfig, old_horizon: int, new_horizon: int, s
     gives that update (for WSD: the step is in warm-up or in the stable phase under both, so the run
     keeps the peak and decays over the last ``decay_fraction`` of the *new* horizon; the checkpoint
     saved at the last stable step, the usual WSD branch point, qualifies; for cosine: still in
-    warm-up). Otherwise (a run already in its decay, a new horizon whose decay would already have
+    warm-up), or when the next update's LR is the same under both horizons. Otherwise (a run already in its decay, a new horizon whose decay would already have
     begun, a cosine run past its warm-up, a horizon at or before the step) the message says why,
     naming both horizons; None = honour the new horizon."""
     if new_horizon == old_horizon:
@@ -52,9 +52,12 @@ def check_horizon_change(cfg: OptimConfig, old_horizon: int, new_horizon: int, s
     if new_horizon <= step:
         return (f"train.max_steps={new_horizon} is not past the checkpoint's step {step} "
                 f"(checkpoint horizon {old_horizon}): nothing left to train")
+    tol = 1e-9 * max(cfg.lr, 1e-30)
     old_lr, new_lr = lr_at(cfg, old_horizon, step), lr_at(cfg, new_horizon, step)
-    if abs(old_lr - new_lr) <= 1e-9 * max(cfg.lr, 1e-30):
+    if abs(old_lr - new_lr) <= tol:
         return None
+    if abs(lr_at(cfg, old_horizon, step + 1) - lr_at(cfg, new_horizon, step + 1)) <= tol:
+        return None  # the next update's LR is the same either way (e.g. a finished decay at min_lr)
     if cfg.schedule != "wsd":
         where = f"past the warm-up of its {cfg.schedule} schedule"
     elif abs(old_lr - cfg.lr) > 1e-9 * max(cfg.lr, 1e-30):
