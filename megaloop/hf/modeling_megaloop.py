@@ -534,7 +534,8 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> Union[tuple, CausalLMOutputWithPast]:
         """Logits [b, s, vocab_size]; ``labels`` (HF convention, shifted inside, -100 ignored) add
-        the mean CE. ``num_recurrences`` overrides the depth budget of this call. The cache may be
+        the mean CE, or with ``num_items_in_batch`` (HF Trainer's gradient accumulation) the CE sum over
+        it. ``num_recurrences`` overrides the depth budget of this call. The cache may be
         passed as ``past_key_values`` or ``cache``; ``token_type_ids`` (from tokenizers) are ignored.
         ``exit_criterion`` (or the config's): one-token steps over a filled cache run adaptive depth."""
         return_dict = return_dict if return_dict is not None else getattr(self.config, "return_dict", True)
@@ -562,7 +563,10 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         if labels is not None:
             shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
             shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
-            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+            items = kwargs.get("num_items_in_batch")  # Trainer passes it (forward takes **kwargs) and no
+            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100,  # longer divides by the
+                                   reduction="mean" if items is None else "sum")  # accumulation steps itself
+            loss = loss if items is None else loss / torch.as_tensor(items, device=loss.device)
         if not return_dict:
             rest = tuple(t for t in (logits, past_key_values, out.hidden_states) if t is not None)
             return ((loss,) + rest) if loss is not None else rest

@@ -334,3 +334,22 @@ def test_eval_state_init_zero_and_train_mode():
     assert torch.equal(zero_a, zero_b)
     assert not torch.equal(normal_a, normal_b) and not torch.equal(zero_a, normal_b)
     assert not torch.equal(a, b)  # train mode draws fresh noise (state_init=normal)
+
+
+def test_labels_loss_with_num_items_in_batch_matches_a_full_batch():
+    """HF Trainer with gradient accumulation: forward takes ``**kwargs``, so Trainer passes
+    ``num_items_in_batch`` and stops dividing by the accumulation steps; the model must return the CE
+    sum over that count. It returned each micro-batch's mean: loss and gradients were multiplied by
+    the accumulation steps (audit L: logged loss 23.14 at GA=4 for 5.78 at GA=1)."""
+    torch.manual_seed(0)
+    model = make_model()
+    ids = torch.randint(0, model.config.vocab_size, (4, 12))
+    labels = ids.clone()
+    labels[0, :5] = -100  # uneven counts across the micro-batches
+    labels[3, 7:] = -100
+    full = model(ids, labels=labels).loss
+    items = int((labels[:, 1:] != -100).sum())
+    parts = [model(ids[i:i + 2], labels=labels[i:i + 2], num_items_in_batch=torch.tensor(items)).loss
+             for i in (0, 2)]
+    assert torch.allclose(sum(parts), full, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(model(ids, labels=labels, num_items_in_batch=items).loss, full, rtol=1e-5)
