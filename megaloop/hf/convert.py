@@ -314,6 +314,7 @@ def hf_config_from_native(mcfg, *, vocab_size: int, tokenizer_vocab_size: int | 
         input_norm=mcfg.input_norm, sandwich_norm=mcfg.sandwich_norm, state_readout=mcfg.state_readout,
         state_final_norm=mcfg.state_final_norm,
         adapter_init=mcfg.adapter_init, adapter_bias=mcfg.adapter_bias,
+        vocab_pad_multiple=mcfg.vocab_pad_multiple,  # for the way back (--from-hf): the native padding
         bos_token_id=special.get("bos"), eos_token_id=special.get("eos"), pad_token_id=special.get("pad"),
         architectures=["MegaloopForCausalLM"], auto_map=dict(AUTO_MAP))
 
@@ -350,9 +351,13 @@ def _native_vocab(cfg: MegaloopConfig) -> tuple[int, int]:
     padded = cfg.vocab_size
     real = int(getattr(cfg, "tokenizer_vocab_size", None) or padded)
     if real < padded:
-        for m in (128, 64, 32, 16, 8, 4, 2, 1):
-            if padded % m == 0 and -(-real // m) * m == padded:
-                return real, m
+        fits = [m for m in range(1, padded + 1) if padded % m == 0 and -(-real // m) * m == padded]
+        recorded = getattr(cfg, "vocab_pad_multiple", None)  # exports of this release record it
+        if isinstance(recorded, int) and recorded in fits:
+            return real, recorded
+        # an older export: the multiple with the most factors of two (the most TP degrees), then the
+        # smallest; a multiple above 128 or not a power of two (e.g. 3000) fell back to the padded size
+        return real, max(fits, key=lambda m: ((m & -m), -m))
     return padded, _pad_multiple(padded)
 
 

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 @pytest.fixture(scope="module")
 def exported(megatron_world, tmp_path_factory):
-    """A checkpoint with a 250-token vocabulary (embedding padded to 256) and weightless QK-norm, exported."""
+    """A checkpoint with a 250-token vocabulary (embedding padded to 288 by a multiple of 96, not a power of
+    two) and weightless QK-norm, exported."""
     from megaloop.config import RunConfig
     from megaloop.data.config import DataConfig
     from megaloop.hf.convert import convert_to_hf
@@ -21,7 +22,7 @@ def exported(megatron_world, tmp_path_factory):
     from megaloop.train.checkpoint import CheckpointManager
 
     root = tmp_path_factory.mktemp("roundtrip")
-    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=250, qk_norm=True, qk_norm_gain=False,
+    cfg = ModelConfig(hidden_size=64, num_heads=4, seq_len=32, vocab_size=250, vocab_pad_multiple=96, qk_norm=True, qk_norm_gain=False,
                       transformer_impl="local")
     chunks, _ = build_model(cfg, vocab_size=250, tp=1, pp=1, vpp=None, sequence_parallel=False, seed=5, ddp=False)
     conf = RunConfig(model=cfg, data=DataConfig(path=str(root / "no-data"))).to_dict()
@@ -38,19 +39,33 @@ def exported(megatron_world, tmp_path_factory):
 def test_the_round_trip_keeps_the_real_vocabulary_and_a_weightless_qk_norm(megatron_world, exported):
     """Before: the way back recorded the padded 256 rows as the vocabulary (a re-export's
     tokenizer_vocab_size 256, generation free to sample the 6 padding ids) and dropped qk_norm_gain=false
-    (train.init_weights then refused the original config)."""
+    (train.init_weights then refused the original config). A padding multiple that is not a power of
+    two <= 128 (96 here) still lost the real vocabulary (audit L: 3000 gave 6000 rows as the vocabulary)."""
     from megaloop.hf.convert import convert_to_hf
     from megaloop.hf.from_hf import convert_from_hf
     from megaloop.train.checkpoint import CheckpointManager
 
     hf = json.loads((exported / "hf" / "config.json").read_text())
-    assert (hf["vocab_size"], hf["tokenizer_vocab_size"], hf["qk_norm_gain"]) == (256, 250, False)
+    assert (hf["vocab_size"], hf["tokenizer_vocab_size"], hf["qk_norm_gain"]) == (288, 250, False)
     back = convert_from_hf(exported / "hf", exported / "back" / "checkpoints")
     model = CheckpointManager.saved_model_config(back)
-    assert (model["vocab_size"], model["qk_norm_gain"]) == (250, False), model
+    assert (model["vocab_size"], model["vocab_pad_multiple"], model["qk_norm_gain"]) == (250, 96, False), model
     convert_to_hf(exported / "back", exported / "hf2", validate=False, log=lambda *_: None)
     again = json.loads((exported / "hf2" / "config.json").read_text())
-    assert (again["vocab_size"], again["tokenizer_vocab_size"], again["qk_norm_gain"]) == (256, 250, False)
+    assert (again["vocab_size"], again["tokenizer_vocab_size"], again["qk_norm_gain"]) == (288, 250, False)
+
+
+def test_an_older_export_without_the_recorded_multiple_keeps_the_real_vocabulary():
+    """Exports before this release do not record vocab_pad_multiple: any multiple that pads the tokenizer's
+    vocabulary to the embedding's rows is taken (the most factors of two, then the smallest)."""
+    from megaloop.hf.configuration_megaloop import MegaloopConfig
+    from megaloop.hf.convert import _native_vocab
+
+    assert _native_vocab(MegaloopConfig(vocab_size=6000, tokenizer_vocab_size=4096)) == (4096, 2000)
+    assert _native_vocab(MegaloopConfig(vocab_size=6000, tokenizer_vocab_size=4096, vocab_pad_multiple=3000)) == \
+        (4096, 3000)
+    assert _native_vocab(MegaloopConfig(vocab_size=50304, tokenizer_vocab_size=50257)) == (50257, 128)
+    assert _native_vocab(MegaloopConfig(vocab_size=4096)) == (4096, 128)
 
 
 def test_an_interrupted_from_hf_leaves_out_as_it_was(megatron_world, exported, monkeypatch):
