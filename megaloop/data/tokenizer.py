@@ -100,6 +100,7 @@ class Tokenizer:
     def __init__(self, path: str | Path, eos_token: str | None = None) -> None:
         self.path = _resolve(Path(path))
         self.sha256 = file_sha256(self.path)
+        self.sha256s: tuple[str, ...] = (self.sha256,)  # digests a data set's record may match
         if self.path.suffix == ".model":
             self.kind = "sentencepiece"
             self._init_sentencepiece(eos_token)
@@ -114,6 +115,13 @@ class Tokenizer:
             self._tok = HFTokenizer.from_file(str(self.path))
         except Exception as err:  # tokenizers raises plain Exception subclasses
             raise DataError(f"cannot load tokenizer {self.path}: {err}") from None
+        # a tokenizer.json that HF's save_pretrained wrote after use with padding=True (or truncation)
+        # carries those settings: megaloop encodes raw ids, so they are turned off; the file then
+        # differs from the one a data set recorded only by them, so its content digest is kept too
+        if self._tok.padding is not None or self._tok.truncation is not None:
+            self._tok.no_padding()
+            self._tok.no_truncation()
+            self.sha256s = (self.sha256, hashlib.sha256(self._tok.to_str(pretty=True).encode()).hexdigest())
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         cfg = _read_tokenizer_config(self.path.parent)
         eos = self._find_id(eos_token or cfg.get("eos_token"), EOS_CANDIDATES, "EOS")

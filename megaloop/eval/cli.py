@@ -199,7 +199,7 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
                           encode=_document_encoder(engine), eos_id=engine.eos_id,
-                          text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256", None),
+                          text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256s", None),
                           tokenizer_hint=_own_val_hint(args.data, engine),
                           tokenizer_given=getattr(args, "tokenizer", None))
     trained = int(engine.config.max_position_embeddings)

@@ -67,15 +67,18 @@ def _manifest(path: str) -> dict:
     return {}
 
 
-def _check_tokenizer(data: str, manifest: dict, sha256: Optional[str], hint: Optional[str] = None,
+def _check_tokenizer(data: str, manifest: dict, sha256, hint: Optional[str] = None,
                      given: Optional[str] = None) -> None:
-    """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s; ``hint``
+    """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s (one digest, or
+    several that all name the checkpoint's tokenizer: ``Tokenizer.sha256s``); ``hint``
     (e.g. the run's own validation set) is offered first; ``given``: the ``--tokenizer`` file in use
     (it replaced the checkpoint's), named in place of "the checkpoint's tokenizer"."""
     from megaloop.data.tokenizer import manifest_tokenizer_sha256
 
     have = manifest_tokenizer_sha256(manifest)
-    if sha256 and have and have != sha256:
+    accepted = (sha256,) if isinstance(sha256, str) else tuple(sha256 or ())
+    sha256 = accepted[0] if accepted else None
+    if sha256 and have and have not in accepted:
         fixes = (f"{hint}; or " if hint else "") + "rebuild the set, or pass the matching --tokenizer"
         using = f"--tokenizer {given} is" if given else "the checkpoint's tokenizer is"
         raise ConfigError(f"--data: {data} was tokenised with tokenizer sha256 {have[:12]}…, {using} "
