@@ -5,7 +5,7 @@ layout (checkpoint keys are layout-independent, so it is loaded into a TP=1/PP=1
 this one process), maps the weights onto :mod:`megaloop.hf.modeling_megaloop`, and writes
 (beside ``out``, renamed into place when complete)::
 
-    out/config.json                  MegaloopConfig + auto_map (AutoConfig, AutoModelForCausalLM)
+    out/config.json                  MegaloopConfig + auto_map (AutoConfig, AutoModel, AutoModelForCausalLM)
     out/model.safetensors            (or model-0000x-of-0000n.safetensors + index above ~2 GB)
     out/*_megaloop.py                the model code (CODE_FILES; imports only torch + transformers)
     out/generation_config.json       eos/bos/pad; padded vocab ids suppressed
@@ -59,6 +59,7 @@ HF_DIR = Path(__file__).resolve().parent
 CODE_FILES = ("configuration_megaloop.py", "cache_megaloop.py", "injection_megaloop.py", "adaptive_megaloop.py",
               "layers_megaloop.py", "modeling_megaloop.py")
 AUTO_MAP = {"AutoConfig": "configuration_megaloop.MegaloopConfig",
+            "AutoModel": "modeling_megaloop.MegaloopModel",
             "AutoModelForCausalLM": "modeling_megaloop.MegaloopForCausalLM"}
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

@@ -33,7 +33,7 @@ for mod in BLOCKED:
         sys.exit(3)
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 torch.set_num_threads(1)
 result = {}
@@ -45,6 +45,11 @@ for folder in sys.argv[2:]:
         logits = model(input_ids=ids, use_cache=False).logits
         gen = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False)
     entry = {"logits": logits, "generate": gen, "num_recurrences": model.config.num_recurrences}
+    base = AutoModel.from_pretrained(folder, trust_remote_code=True, dtype=torch.float32).eval()  # auto_map
+    with torch.no_grad():
+        entry["automodel"] = (type(base).__name__, float((base(input_ids=ids, use_cache=False).last_hidden_state
+                                                          - model.model(input_ids=ids, use_cache=False)
+                                                          .last_hidden_state).abs().max()))
     try:
         tok = AutoTokenizer.from_pretrained(folder)
         entry["tokens"] = tok("hello world")["input_ids"]

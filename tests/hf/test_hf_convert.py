@@ -139,6 +139,7 @@ def test_isolated_load_matches_native(converted, tmp_path):
         assert err < TOL, f"{name}: isolated HF vs native max abs logit error {err:.2e}"
         assert entry["num_recurrences"] == 5 and entry["generate"].shape == (2, 12)
         assert entry["override"] == (8, "per_visit")
+        assert entry["automodel"][0] == "MegaloopModel" and entry["automodel"][1] <= 1e-6, entry["automodel"]
         assert entry["eos"] == "<|endoftext|>" and len(entry["tokens"]) > 0
         assert entry["padding_side"] == "left" and entry["padded_batch_ok"], name  # plain `tok(..., padding=True)`
 
