@@ -131,7 +131,7 @@ class MetricsLogger:
                                     f"({describe_os_error(err)}); training stops, the last checkpoint is kept") from None
         if self._wandb is not None:
             flat = {k: v for k, v in rec.items() if isinstance(v, (int, float))}
-            self._wandb.log(flat, step=rec["step"])
+            self._wandb_call(lambda: self._wandb.log(flat, step=rec["step"]), f"step {rec['step']}")
         info = " ".join(f"{k}={rec[k]:.4g}" for k in CONSOLE_KEYS if isinstance(rec.get(k), (int, float)))
         if self._progress is not None:
             self._progress.update(self._task, completed=rec["step"], info=info)
@@ -153,7 +153,24 @@ class MetricsLogger:
             self._progress.stop()
         os.close(self._fd)
         if self._wandb is not None:
-            self._wandb.finish()
+            self._wandb_call(self._wandb.finish, "finishing the run")
+
+    def _wandb_call(self, call, what: str) -> None:
+        """``call()`` on the wandb run; when wandb fails (its service died, a network error it raises),
+        one line on stderr and wandb is off for the rest of this launch: the training run goes on,
+        ``metrics.jsonl`` keeps every step. slurm's ``scancel --signal=TERM`` reaches every process of
+        the job step, wandb's service (``wandb-core``, which unblocks SIGTERM itself) included; the
+        next log or finish raised, and the run ended with exit 1: no checkpoint, no requeue."""
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - any wandb failure: the log sink must not stop training
+            self._wandb = None
+            import wandb
+
+            with contextlib.suppress(Exception):  # its exit hook would print the same error as a traceback
+                wandb.teardown()
+            print(f"warning: wandb failed at {what} ({type(err).__name__}: {err}); wandb logging is off for the "
+                  f"rest of this launch, {self.path} keeps every step", file=sys.stderr, flush=True)
 
 
 def read_metrics(path: Path) -> list[dict]:
