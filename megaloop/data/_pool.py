@@ -46,11 +46,11 @@ class ForkPool:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.workers = workers
-        self._before = set(mp.active_children())  # children not ours: never killed by _kill
         self._ex = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=initializer,
                                        initargs=initargs)
         self._running: dict[Future, tuple[int, Any]] = {}  # future -> (index, task)
         self._procs: dict[int, Any] = {}  # pid -> Process: every worker seen, for exit codes and kills
+        self._stray: set = set()  # children an interrupted submit forked (maybe not in the executor's table)
         self.describe: Callable[[Any], str] = str
 
     @property
@@ -65,10 +65,14 @@ class ForkPool:
         self._procs.update(getattr(self._ex, "_processes", None) or {})  # the executor's own table
 
     def _submit(self, fn: Callable[[Any], Any], index: int, task: Any) -> None:
+        before = set(mp.active_children())
         try:
             fut = self._ex.submit(fn, task)
         except BrokenProcessPool as exc:  # a death noticed between a result and this submit
             raise WorkerDied(self._death_message(exc)) from None
+        except BaseException:  # an interrupt inside submit: workers it forked may be unrecorded
+            self._stray |= set(mp.active_children()) - before
+            raise
         self._running[fut] = (index, task)
         self._seen()
 
@@ -130,10 +134,12 @@ class ForkPool:
 
         An interrupt can land inside ``submit`` while the executor starts: after a worker was forked
         but before the executor recorded it, or before its manager thread started (whose ``join`` in
-        ``shutdown`` then raises ``RuntimeError``). Every child this pool started is therefore killed
-        and reaped here, recorded or not, so none is left for the interpreter's exit to wait on."""
+        ``shutdown`` then raises ``RuntimeError``). Every worker of this pool (the executor's table, and
+        the children that appeared during an interrupted ``submit``) is therefore killed and reaped
+        here, recorded or not, so none is left for the interpreter's exit to wait on; other children
+        are left alone."""
         self._seen()
-        ours = [p for p in {*self._procs.values(), *mp.active_children()} if p not in self._before]
+        ours = {*self._procs.values(), *self._stray}
         for p in ours:
             if p.exitcode is None:
                 p.kill()

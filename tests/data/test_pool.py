@@ -102,6 +102,24 @@ def test_an_interrupt_terminates_the_workers_at_once():
             os.kill(pid, 0)
 
 
+def test_an_interrupt_leaves_children_that_are_not_the_pools_alone():
+    """Only this pool's workers are killed: a child someone else started meanwhile lives on."""
+    import multiprocessing as mp
+
+    other = mp.get_context("fork").Process(target=_sleep_forever, args=(0,))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with ForkPool(2) as pool:
+                for _ in pool.imap(abs, range(4)):
+                    other.start()
+                    raise KeyboardInterrupt
+        assert other.is_alive()
+    finally:
+        if other.pid is not None:
+            other.kill()
+            other.join()
+
+
 def _no_children_left() -> None:
     import multiprocessing as mp
 
