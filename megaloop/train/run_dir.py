@@ -292,19 +292,24 @@ def init_only_changes(saved: dict, cfg) -> str | None:
     new value has no effect although the run's ``config.yaml`` records it. None when none changed
     (or the checkpoint's config lacks the field: saved before it existed)."""
     diffs = [f"{sec}.{key}={new} (checkpoint: {old})" for sec, key in INIT_ONLY_FIELDS
-             if key in (saved.get(sec) or {})
-             and (old := saved[sec][key]) != (new := getattr(getattr(cfg, sec), key))]
+             if key in (saved.get(sec) or {}) and (new := getattr(getattr(cfg, sec), key)) is not None
+             and (old := saved[sec][key]) != new]  # a value dropped on resume (None) asks for nothing
     if not diffs:
         return None
     return (f"note: {', '.join(diffs)} set up a new run's initial state; a resume continues the checkpoint's, so "
             "these have no effect here (start a new --run-dir to use them)")
 
 
-def vocab_hint(err: Exception, vocab: int, cfg) -> str:
+def vocab_hint(err: Exception, vocab: int, cfg, saved_model: dict | None = None) -> str:
     """What to add to a checkpoint load's shape error that is about the vocabulary (the embedding or
-    output-layer shapes): this run's vocabulary and where it came from; '' for any other error."""
+    output-layer shapes): another padding multiple when the checkpoint's ``saved_model`` config says
+    so, else this run's vocabulary and where it came from; '' for any other error."""
     if "word_embeddings" not in str(err) and "output_layer" not in str(err):
         return ""
+    multiple = (saved_model or {}).get("vocab_pad_multiple")
+    if isinstance(multiple, int) and multiple != cfg.model.vocab_pad_multiple:
+        return (f"; the checkpoint pads its vocabulary to a multiple of {multiple}, this run to "
+                f"{cfg.model.vocab_pad_multiple}: use model.vocab_pad_multiple={multiple}")
     source = "model.vocab_size" if cfg.model.vocab_size else f"the data manifest of data.path={cfg.data.path}"
     return (f"; its vocabulary differs from this run's ({vocab} tokens, from {source}): train on data tokenised "
             "with the checkpoint's tokenizer, with the checkpoint's model.vocab_size")

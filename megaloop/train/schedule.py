@@ -64,7 +64,9 @@ def check_horizon_change(cfg: OptimConfig, old_horizon: int, new_horizon: int, s
         where = "in its decay phase"
     else:
         where = f"in its stable phase, where the new horizon's decay would already have begun"
+    keep = (f"Resume with train.max_steps={old_horizon}, or" if step < old_horizon else
+            "The run has finished its schedule: start a new run from its weights (train.init_weights), or")
     return (f"train.max_steps={new_horizon} differs from the checkpoint's horizon {old_horizon}, and the run "
             f"at step {step} is {where}: its update {step} ran at LR {old_lr:.3g}, the new horizon's schedule "
-            f"gives {new_lr:.3g} there. Resume with train.max_steps={old_horizon}, or change the horizon from a "
-            f"checkpoint saved before the decay (up to its last stable step)")
+            f"gives {new_lr:.3g} there. {keep} change the horizon from a checkpoint saved before the decay "
+            f"(up to its last stable step)")

@@ -281,15 +281,14 @@ class Trainer:
         try:
             common = self.ckpt.load(path, self.model, self.optimizer)
         except CheckpointError as err:
-            self._check_saved_model(path, self.ckpt.saved_model_config(path))  # name the field if it is one
-            if hint := vocab_hint(err, self.vocab, self.cfg):
+            saved = self.ckpt.saved_model_config(path)
+            self._check_saved_model(path, saved)  # name the field if it is one
+            if hint := vocab_hint(err, self.vocab, self.cfg, saved):
                 raise CheckpointError(f"{err}{hint}") from None
             raise
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)
         self._check_saved_seeds(path, common.get("config") or {})
-        if self.rank == 0 and (note := init_only_changes(common.get("config") or {}, self.cfg)):
-            print(note, flush=True)
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -324,6 +323,8 @@ class Trainer:
             print(f"note: {self.loader.path} was rebuilt since the checkpoint (new build fingerprint) with "
                   "identical shard content: resuming on it", flush=True)
         self.last_saved = self.step
+        if self.rank == 0 and (note := init_only_changes(common.get("config") or {}, self.cfg)):
+            print(note, flush=True)  # after every refusal the load can still raise
         if self.rank == 0:
             for moved in set_aside_newer(self.ckpt, path):
                 self.rewound = True  # wandb: a new run (MetricsLogger)

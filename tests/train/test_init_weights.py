@@ -91,3 +91,9 @@ def test_another_vocabulary_is_named(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=rf"word_embeddings.*; its vocabulary differs from this run's "
                                               rf"\({vocab + 128} tokens, from model.vocab_size\)"):
         t.setup()
+    t.close()
+    # the same vocabulary padded to another multiple: named as such, not as another vocabulary (review)
+    t = Trainer(load_config("tiny", [*SMALL, "model.vocab_pad_multiple=1000"]), tmp_path / "src", resume="auto")
+    with pytest.raises(CheckpointError, match=r"pads its vocabulary to a multiple of 128, this run to 1000: use "
+                                              r"model.vocab_pad_multiple=128$"):
+        t.setup()

@@ -218,6 +218,9 @@ def test_horizon_rule_on_the_schedule_alone():
     # shortening a stable run into a decay that would already have begun: refused, not "decay phase"
     msg = check_horizon_change(o, 400, 100, 85)
     assert "stable phase" in msg and "decay phase" not in msg and "update 85 ran at LR 0.001" in msg
+    assert check_horizon_change(o, 100, 101, 100) is None  # one more step after a finished decay: LR 0 either way
+    done = check_horizon_change(o, 100, 200, 100)  # a finished run: resuming at its old horizon trains nothing
+    assert "has finished its schedule" in done and "Resume with train.max_steps=100" not in done
     assert lr_at(o, 100, 100) == pytest.approx(0.0) and lr_at(o, 100, 50) == pytest.approx(1e-3)
     cos = OptimConfig(lr=1e-3, warmup_steps=10, schedule="cosine")
     assert "cosine" in check_horizon_change(cos, 100, 400, 50)
