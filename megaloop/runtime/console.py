@@ -18,10 +18,12 @@ NOTE = ("megaloop: standard output was closed (the reader of its pipe exited); c
 
 
 class PipeSafeStdout:
-    """A text stream that delegates to ``stream`` until a write or flush raises ``BrokenPipeError``."""
+    """A text stream that delegates to ``stream`` until a write or flush raises ``BrokenPipeError``
+    (``note``: say so on stderr; off for stderr itself, e.g. ``2>&1 | head``)."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, note: bool = True) -> None:
         self._stream = stream
+        self._note = note
         self.lost = False
 
     def _gone(self) -> None:
@@ -32,10 +34,11 @@ class PipeSafeStdout:
             os.close(devnull)
         except (OSError, ValueError):
             pass
-        try:
-            print(NOTE, file=sys.stderr, flush=True)
-        except OSError:
-            pass
+        if self._note:
+            try:
+                print(NOTE, file=sys.stderr, flush=True)
+            except OSError:
+                pass
 
     def write(self, text: str) -> int:
         if self.lost:
@@ -59,6 +62,10 @@ class PipeSafeStdout:
 
 
 def guard_stdout() -> None:
-    """Wrap ``sys.stdout`` once (idempotent; a stdout that is None or already wrapped is left)."""
+    """Wrap ``sys.stdout`` and ``sys.stderr`` once (idempotent; a stream that is None or already
+    wrapped is left). stderr too: with ``2>&1 | head`` it is the same closed pipe, and the one-line
+    messages of a stop (``interrupted``, a non-finite loss) would raise there."""
     if sys.stdout is not None and not isinstance(sys.stdout, PipeSafeStdout):
         sys.stdout = PipeSafeStdout(sys.stdout)
+    if sys.stderr is not None and not isinstance(sys.stderr, PipeSafeStdout):
+        sys.stderr = PipeSafeStdout(sys.stderr, note=False)

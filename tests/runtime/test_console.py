@@ -44,3 +44,27 @@ def test_the_wrapper_points_stdout_at_devnull_once(tmp_path):
     safe.flush()
     assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull
     stream.close()
+
+
+def test_a_stop_after_both_streams_closed_still_exits_with_its_status(tmp_path):
+    """`2>&1 | head -1`: stdout and stderr are one closed pipe; a Ctrl-C then checkpoints and exits 130
+    (its one-line message on stderr would raise BrokenPipeError)."""
+    import os
+    import signal
+    import time
+
+    r, w = os.pipe()
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(run, "train.max_steps=40", "train.save_interval=0", "train.log_interval=1"),
+                            cwd=ROOT, env=env(), stdout=w, stderr=w)
+    os.close(w)
+    os.read(r, 1)  # as `head -c1`: the reader then goes away
+    os.close(r)
+    log = run / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)  # Ctrl-C: checkpoint, "interrupted" on stderr, 130
+    assert proc.wait(timeout=300) == 130
+    step = metrics(run)[-1]["step"]
+    assert (run / "checkpoints" / f"step_{step:08d}").is_dir()
