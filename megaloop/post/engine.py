@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +38,7 @@ import torch
 from torch import nn
 
 from megaloop.config_utils import ConfigError
+from megaloop.runtime.agree import on_every_rank
 from megaloop.runtime.parallel import comm_device
 
 
@@ -342,11 +344,23 @@ class DeepSpeedEngine:
         cfg = self.engine._config
         before = cfg.load_universal_checkpoint
         cfg.load_universal_checkpoint = universal or before
+        loaded: list = []
+
+        def load() -> None:  # a damaged shard fails on its rank alone: every rank raises the one line
+            try:
+                with _weights_fit(d):
+                    loaded.extend(self.engine.load_checkpoint(str(load_dir), tag=tag))
+            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                raise ConfigError(f"--resume: {d / tag} cannot be loaded, a file of it is damaged or missing "
+                                  f"({type(err).__name__}: {first}); move it aside and write an earlier step's "
+                                  f"name into {d / 'latest'} to resume from that one") from None
+
         try:
-            with _weights_fit(d):
-                path, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
+            on_every_rank(load)
         finally:
             cfg.load_universal_checkpoint = before
+        path, client = loaded
         if path is None:
             raise ConfigError(f"--resume: DeepSpeed could not load {d / tag}")
         self._shadow = None  # loading may rebind parameter storage

@@ -331,3 +331,17 @@ def test_deepspeed_config_typo_and_shipped_stages(tmp_path):
         load_ds_config("zero9", global_batch=8, world=1, clip_grad=1.0, stages=(0, 1, 2))
     with pytest.raises(ConfigError, match=r"shipped config: zero1, zero2, zero3\)$"):
         load_ds_config("zero9", global_batch=8, world=1, clip_grad=1.0)
+
+
+def test_a_damaged_deepspeed_checkpoint_is_named_in_one_line(tiny_teacher, tmp_path, capsys):
+    """rl --deepspeed --resume from a truncated ZeRO shard: a RuntimeError traceback (and, at DP=2, the
+    other rank's "resumed" line) before; now one line naming the checkpoint, exit 2 (audit J)."""
+    _, hf_dir = tiny_teacher
+    out = tmp_path / "rl"
+    assert _rl(hf_dir, out, 2, "--deepspeed", "zero2") == 0
+    shard = next((out / "checkpoints" / "step000002").glob("*optim_states.pt"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    capsys.readouterr()
+    assert _rl(hf_dir, out, 3, "--deepspeed", "zero2", "--resume") == 2
+    line = one_error_line(capsys)
+    assert "step000002 cannot be loaded, a file of it is damaged or missing" in line, line
