@@ -63,7 +63,7 @@ def check_horizon_change(cfg: OptimConfig, old_horizon: int, new_horizon: int, s
     elif abs(old_lr - cfg.lr) > 1e-9 * max(cfg.lr, 1e-30):
         where = "in its decay phase"
     else:
-        where = f"in its stable phase, where the new horizon's decay would already have begun"
+        where = "in its stable phase, where the new horizon's decay would already have begun"
     keep = (f"Resume with train.max_steps={old_horizon}, or" if step < old_horizon else
             "The run has finished its schedule: start a new run from its weights (train.init_weights), or")
     return (f"train.max_steps={new_horizon} differs from the checkpoint's horizon {old_horizon}, and the run "
