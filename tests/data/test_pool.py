@@ -120,9 +120,16 @@ def test_an_interrupt_leaves_children_that_are_not_the_pools_alone():
             other.join()
 
 
-def _no_children_left() -> None:
+def _interrupted_start_leaves_no_child() -> None:
+    """A pool whose start is interrupted (as patched by the caller) stops at once and leaves no child."""
     import multiprocessing as mp
 
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ForkPool(2) as pool:
+            for _ in pool.imap(_sleep_forever, range(4)):
+                pass
+    assert time.monotonic() - t0 < 30
     left = mp.active_children()  # also reaps the finished ones
     assert not left, f"children left running: {left}"
 
@@ -137,13 +144,7 @@ def test_an_interrupt_while_the_executor_starts_leaves_no_worker(monkeypatch):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(process._ExecutorManagerThread, "start", interrupted_start)
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        with ForkPool(2) as pool:
-            for _ in pool.imap(_sleep_forever, range(4)):
-                pass
-    assert time.monotonic() - t0 < 30
-    _no_children_left()
+    _interrupted_start_leaves_no_child()
 
 
 def test_an_interrupt_before_the_executor_records_a_worker_kills_it(monkeypatch):
@@ -156,13 +157,7 @@ def test_an_interrupt_before_the_executor_records_a_worker_kills_it(monkeypatch)
         raise KeyboardInterrupt  # before ``self._processes[p.pid] = p``
 
     monkeypatch.setattr(process.ProcessPoolExecutor, "_spawn_process", spawn_then_interrupt)
-    t0 = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        with ForkPool(2) as pool:
-            for _ in pool.imap(_sleep_forever, range(4)):
-                pass
-    assert time.monotonic() - t0 < 30
-    _no_children_left()
+    _interrupted_start_leaves_no_child()
 
 
 def test_workers_must_be_positive():
