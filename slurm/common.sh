@@ -38,7 +38,8 @@
 # checkpoint (`--resume auto` is always passed). A trainer exit status 75 (e.g. a direct SIGTERM to
 # a worker) requeues too: torchrun reports any failed worker as 1, so the trainer's own status is
 # read from $LOG_DIR/$SLURM_JOB_ID/trainer_exit (written by global rank 0, MEGALOOP_EXIT_STATUS_FILE). After USR1 a run that finished (0) or was refused (2) meanwhile is
-# not requeued. SIGTERM to this shell alone (`scancel --batch --signal=TERM JOBID`; a plain `scancel
+# not requeued. A USR1 before the launch (set-up, preflight) requeues without starting it; one after it (a
+# follow-up step in this shell) is logged and the step goes on. SIGTERM to this shell alone (`scancel --batch --signal=TERM JOBID`; a plain `scancel
 # --signal=TERM` signals only the job steps, whose trainer then exits 75 and the job requeues) is forwarded
 # but never requeues, unless a USR1 came first.
 # Each node's log then ends with torchrun's `SignalException: Process N got signal: 10` traceback:
@@ -139,6 +140,10 @@ megaloop_user_file() {
 
 megaloop_setup() {
   [ -n "${SLURM_JOB_ID:-}" ] || megaloop_die "SLURM_JOB_ID is not set: submit this script with sbatch"
+  # The time-limit / pre-emption USR1 may arrive before the launch (set-up, the preflight) or after it (a
+  # follow-up evaluation in this shell): bash's default action killed the job then, with no requeue.
+  MEGALOOP_EARLY_USR1=0
+  trap '_megaloop_outside_launch' USR1
   [ -n "${SLURM_JOB_NODELIST:-}" ] || megaloop_die "SLURM_JOB_NODELIST is not set (not inside an allocation?)"
   LOG_DIR="$(megaloop_abspath "${LOG_DIR:-logs}")"
   VENV="${VENV:-$ROOT/.venv}"
@@ -210,6 +215,13 @@ _megaloop_on_signal() {
   if [ -n "${MEGALOOP_SRUN_PID:-}" ]; then
     kill -USR1 "$MEGALOOP_SRUN_PID" 2>/dev/null || true
   fi
+}
+
+_megaloop_outside_launch() {
+  # USR1 with no training processes to forward it to: the next launch requeues the job instead of starting;
+  # after the launch, the follow-up work goes on (the time limit's own SIGTERM may still end it).
+  MEGALOOP_EARLY_USR1=1
+  megaloop_log "received SIGUSR1 outside a training launch: a launch that has not started requeues the job instead"
 }
 
 megaloop_train() {
@@ -328,22 +340,29 @@ megaloop_launch() {
   MEGALOOP_SRUN_PID=""
   trap '_megaloop_on_signal USR1' USR1
   trap '_megaloop_on_signal TERM' TERM
-  # One task per node; its node rank is that task's $SLURM_NODEID, expanded on the node itself.
-  # shellcheck disable=SC2016
-  srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' \
-    "${launcher[@]}" "${train[@]}" &
-  MEGALOOP_SRUN_PID=$!
   local rc
-  while :; do
-    rc=0
-    wait "$MEGALOOP_SRUN_PID" || rc=$?
-    # A trapped signal interrupts `wait` (status > 128) while srun keeps running: wait again.
-    if [ "$rc" -gt 128 ] && kill -0 "$MEGALOOP_SRUN_PID" 2>/dev/null; then
-      continue
-    fi
-    break
-  done
-  trap - USR1 TERM
+  if [ "${MEGALOOP_EARLY_USR1:-0}" = 1 ]; then  # the warning came during set-up: no time left to train
+    megaloop_log "SIGUSR1 arrived before the launch: not starting ${train[*]:0:3}"
+    MEGALOOP_REQUEUE=1
+    rc=75
+  else
+    # One task per node; its node rank is that task's $SLURM_NODEID, expanded on the node itself.
+    # shellcheck disable=SC2016
+    srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' \
+      "${launcher[@]}" "${train[@]}" &
+    MEGALOOP_SRUN_PID=$!
+    while :; do
+      rc=0
+      wait "$MEGALOOP_SRUN_PID" || rc=$?
+      # A trapped signal interrupts `wait` (status > 128) while srun keeps running: wait again.
+      if [ "$rc" -gt 128 ] && kill -0 "$MEGALOOP_SRUN_PID" 2>/dev/null; then
+        continue
+      fi
+      break
+    done
+  fi
+  trap '_megaloop_outside_launch' USR1
+  trap - TERM
   if [ "$rc" -ne 0 ] && [ -s "$MEGALOOP_EXIT_STATUS_FILE" ]; then
     local own
     own="$(tr -dc '0-9' <"$MEGALOOP_EXIT_STATUS_FILE")"

@@ -372,3 +372,27 @@ def test_sweep_array_relative_sweep_dir(tmp_path: Path) -> None:
     assert (work / "screen" / "lr_0.001" / "screen_exit").read_text().strip() == "0"
     assert (work / "screen" / "slurm" / "logs" / "4242" / "exit_code").is_file()
     assert not (repo / "logs").exists() and not (repo / "screen").exists()
+
+
+def test_usr1_outside_the_launch_requeues_before_and_is_survived_after(tmp_path: Path) -> None:
+    """The time-limit USR1 reaching the batch shell during set-up (before srun) or during a follow-up step
+    after the launch: bash's default action killed the job, with no requeue (audit J with stub slurm)."""
+    script = tmp_path / "job.sh"
+    script.write_text(f"""set -euo pipefail
+ROOT={ROOT}
+source "$ROOT/slurm/common.sh"
+megaloop_setup
+kill -USR1 $$  # during set-up: the launch must not start, the job requeues
+rc=0
+megaloop_train tiny {tmp_path / 'run'} || rc=$?
+kill -USR1 $$  # after the launch (a follow-up evaluation in this shell): survived
+echo "follow-up done, launch status $rc"
+exit "$rc"
+""")
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:0", GPUS_PER_NODE="1")
+    proc = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, out
+    assert "follow-up done, launch status 75" in out and "SIGUSR1 arrived before the launch" in out, out
+    assert not calls(tmp_path, "srun"), out  # nothing started
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")], out
