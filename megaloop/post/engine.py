@@ -346,18 +346,26 @@ class DeepSpeedEngine:
         cfg.load_universal_checkpoint = universal or before
         loaded: list = []
 
-        def load() -> None:  # a damaged shard fails on its rank alone: every rank raises the one line
+        def load() -> None:
             try:
                 with _weights_fit(d):
                     loaded.extend(self.engine.load_checkpoint(str(load_dir), tag=tag))
-            except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as err:
+            except (RuntimeError, EOFError, FileNotFoundError, pickle.UnpicklingError) as err:
                 first = (str(err).strip().splitlines() or [""])[0][:200]
+                if isinstance(err, RuntimeError) and "PytorchStreamReader" not in first:
+                    raise  # not a damaged file (out of memory, a failed collective, ...)
                 raise ConfigError(f"--resume: {d / tag} cannot be loaded, a file of it is damaged or missing "
                                   f"({type(err).__name__}: {first}); move it aside and write an earlier step's "
                                   f"name into {d / 'latest'} to resume from that one") from None
 
         try:
-            on_every_rank(load)
+            # a shard damaged on one rank fails there alone: under ZeRO-1/2 every rank then raises the one
+            # line; ZeRO-3 and the universal path run collectives inside the load, which the failed rank
+            # would never join, so there it exits alone (one line) and the launcher stops the others
+            if self.stage in (1, 2) and not universal:
+                on_every_rank(load)
+            else:
+                load()
         finally:
             cfg.load_universal_checkpoint = before
         path, client = loaded
