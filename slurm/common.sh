@@ -340,27 +340,27 @@ megaloop_launch() {
   MEGALOOP_SRUN_PID=""
   trap '_megaloop_on_signal USR1' USR1
   trap '_megaloop_on_signal TERM' TERM
-  local rc
   if [ "${MEGALOOP_EARLY_USR1:-0}" = 1 ]; then  # the warning came during set-up: no time left to train
     megaloop_log "SIGUSR1 arrived before the launch: not starting ${train[*]:0:3}"
     MEGALOOP_REQUEUE=1
-    rc=75
+    (exit 75) &  # stands for the launch: its checkpoint-and-requeue status
   else
     # One task per node; its node rank is that task's $SLURM_NODEID, expanded on the node itself.
     # shellcheck disable=SC2016
     srun "${srun_opts[@]}" bash -c 'exec "$0" --node_rank "$SLURM_NODEID" "$@"' \
       "${launcher[@]}" "${train[@]}" &
-    MEGALOOP_SRUN_PID=$!
-    while :; do
-      rc=0
-      wait "$MEGALOOP_SRUN_PID" || rc=$?
-      # A trapped signal interrupts `wait` (status > 128) while srun keeps running: wait again.
-      if [ "$rc" -gt 128 ] && kill -0 "$MEGALOOP_SRUN_PID" 2>/dev/null; then
-        continue
-      fi
-      break
-    done
   fi
+  MEGALOOP_SRUN_PID=$!
+  local rc
+  while :; do
+    rc=0
+    wait "$MEGALOOP_SRUN_PID" || rc=$?
+    # A trapped signal interrupts `wait` (status > 128) while srun keeps running: wait again.
+    if [ "$rc" -gt 128 ] && kill -0 "$MEGALOOP_SRUN_PID" 2>/dev/null; then
+      continue
+    fi
+    break
+  done
   trap '_megaloop_outside_launch' USR1
   trap - TERM
   if [ "$rc" -ne 0 ] && [ -s "$MEGALOOP_EXIT_STATUS_FILE" ]; then
