@@ -146,3 +146,13 @@ class MegaloopLayer(nn.Module):
             x = self.post_attn_norm(x)
         x = x + self.mlp(self.post_attention_layernorm(x))
         return (self.post_mlp_norm(x) if self.sandwich else x), kv
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: Optional[object] = None) -> torch.Tensor:
+    """CE of ``logits`` [b, s, V] against ``labels`` [b, s] shifted by one (-100 ignored): the mean, or
+    with ``num_items`` (HF Trainer's ``num_items_in_batch`` under gradient accumulation, which it then
+    no longer divides by the accumulation steps itself) the sum over that count."""
+    flat = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    loss = F.cross_entropy(flat, labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100,
+                           reduction="mean" if num_items is None else "sum")
+    return loss if num_items is None else loss / torch.as_tensor(num_items, device=loss.device)

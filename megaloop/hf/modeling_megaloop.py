@@ -54,7 +54,6 @@ from contextlib import nullcontext
 from typing import Callable, Mapping, Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -64,7 +63,7 @@ from .cache_megaloop import MegaloopCache, one_cache
 from .configuration_megaloop import MegaloopConfig
 from .injection_megaloop import DiagonalInjection, HuginnInjection, build_injection
 from .layers_megaloop import (MegaloopAttention, MegaloopEmbedding, MegaloopLayer, MegaloopRMSNorm,
-                              rotary_cos_sin)
+                              causal_lm_loss, rotary_cos_sin)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 BankReader = Callable[[str, int, int], Optional[KV]]  # (group, layer index, recurrence) -> cached (k, v)
@@ -561,12 +560,7 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            shift_logits = logits[:, :-1].float().reshape(-1, logits.shape[-1])
-            shift_labels = labels[:, 1:].reshape(-1).to(logits.device)
-            items = kwargs.get("num_items_in_batch")  # Trainer passes it (forward takes **kwargs) and no
-            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100,  # longer divides by the
-                                   reduction="mean" if items is None else "sum")  # accumulation steps itself
-            loss = loss if items is None else loss / torch.as_tensor(items, device=loss.device)
+            loss = causal_lm_loss(logits, labels, kwargs.get("num_items_in_batch"))
         if not return_dict:
             rest = tuple(t for t in (logits, past_key_values, out.hidden_states) if t is not None)
             return ((loss,) + rest) if loss is not None else rest
