@@ -240,7 +240,7 @@ def load_saved_config(path: str | Path) -> RunConfig:
 def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str | None = None) -> RunConfig:
     """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
     overrides -> validated RunConfig."""
-    data = load_yaml(resolve_config_path(name_or_path))
+    data = load_yaml(resolve_config_path(name_or_path), renames=renamed_paths(RunConfig))
     if arm is not None and not str(arm).strip():
         raise ConfigError("--arm: empty name (an unset shell variable?); give an arm of megaloop/configs/arms.yaml")
     dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])

@@ -344,10 +344,12 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str, str] | None = None) -> dict:
     """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit.
     A key given twice in one mapping, a ``base`` that is not a file name, names no file, or leads
-    back to a file already on the chain (a cycle) are ``ConfigError``s naming the file."""
+    back to a file already on the chain (a cycle) are ``ConfigError``s naming the file. ``renames``
+    (old dotted path → new) renames old keys in each file before it merges with its base, so a
+    file's new name overrides its base's old one; one mapping holding both names is refused."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
@@ -366,6 +368,8 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)
+    if renames:
+        _rename_in_file(data, renames, path)
     if base:
         if not isinstance(base, str):
             raise ConfigError(f"config file {path}: base: expected a YAML file name (resolved beside it), "
@@ -380,5 +384,20 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
             what = "a directory" if parent.is_dir() else "no such file"
             raise ConfigError(f"config file {path}: base: {base!r} is {what} (looked for {parent}, "
                               f"beside {path.name}; give a YAML file's name or path)")
-        data = merge(load_yaml(parent, chain), data)
+        data = merge(load_yaml(parent, chain, renames), data)
     return data
+
+
+def _rename_in_file(data: dict, renames: dict[str, str], path: Path) -> None:
+    """Rename ``renames``' old keys of one file's mapping in place; both names in one mapping is a
+    ``ConfigError`` naming the file and both keys."""
+    for old, new in renames.items():
+        *parents, key = old.split(".")
+        node = data
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict) and key in node:
+            new_key = new.rsplit(".", 1)[-1]
+            if new_key in node:
+                raise ConfigError(f"config file {path}: {old}: renamed to {new}; give only one of them")
+            node[new_key] = node.pop(key)

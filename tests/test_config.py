@@ -57,6 +57,23 @@ def test_renamed_field_still_reads_its_old_name(tmp_path):
         from_dict(ModelConfig, {"b_max": 2, "bptt_window": 3}, "model")  # one mapping holding both
 
 
+def test_a_files_new_name_overrides_its_bases_old_name(tmp_path):
+    """A base file's ``b_max`` overwrote the child file's ``bptt_window`` (renaming ran on the merged
+    YAML), and one file holding both names took the old one, silently."""
+    from megaloop.config import CONFIG_DIR
+
+    (tmp_path / "old.yaml").write_text(f"base: {CONFIG_DIR / 'tiny.yaml'}\nmodel: {{b_max: 10}}\n")
+    (tmp_path / "child.yaml").write_text("base: old.yaml\nmodel: {bptt_window: 2}\n")
+    assert load_config(str(tmp_path / "child.yaml")).model.bptt_window == 2
+    (tmp_path / "child_old.yaml").write_text("base: old.yaml\nmodel: {hidden_size: 64}\n")
+    assert load_config(str(tmp_path / "child_old.yaml")).model.bptt_window == 10
+    both = tmp_path / "both.yaml"
+    both.write_text(f"base: {CONFIG_DIR / 'tiny.yaml'}\nmodel: {{b_max: 3, bptt_window: 4}}\n")
+    with pytest.raises(ConfigError, match=r"config file .*both\.yaml: model\.b_max: renamed to "
+                                          r"model\.bptt_window; give only one"):
+        load_config(str(both))
+
+
 def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
     """`megaloop train --run-dir tiny` made ./tiny; every later command started there (the default
     config is tiny) failed with "config file tiny is a directory", resume of that run included."""
