@@ -37,6 +37,7 @@ from megaloop.errors import UserError
 from megaloop.model.build import unwrap
 from megaloop.runtime.files import atomic_write_text, describe_os_error
 from megaloop.train.ckpt_io import agree, explain_save_failure, in_process_write_queue
+from megaloop.train.ckpt_repeats import fill_repeats, set_repeats_aside
 from megaloop.train.optim_layout import buffer_layout_world_tensors
 
 META = "megaloop.json"
@@ -560,12 +561,14 @@ class CheckpointManager:
             _ensure_adam_state(optimizer)
         sd = sharded_state(model_chunks, optimizer, is_loading=True)
         sd["common"] = None
+        repeats = set_repeats_aside(sd)  # parallel.vpp > 1: each chunk's copy of the core
         try:
             loaded = dist_checkpointing.load(sd, str(path))
         except BaseException as err:  # torch's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err, path)}") from err
+        fill_repeats(loaded, repeats)
         for i, chunk in enumerate(model_chunks):
             load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:
