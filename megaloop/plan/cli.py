@@ -153,30 +153,40 @@ def resolve_vocab(cfg, flag: int | None) -> tuple[int, str]:
     """The vocabulary to plan and where it came from, as ``megaloop train`` would take it:
     ``model.vocab_size``, else ``--vocab``, else the data's tokenizer (``data.path=default``: the
     embedded corpus's; a local MDS folder: its ``manifest.json``'s ``vocab_size``), else
-    :data:`DEFAULT_VOCAB`. Nothing is built or downloaded."""
+    :data:`DEFAULT_VOCAB`. A ``model.vocab_size`` below the data's tokenizer is refused, as
+    ``megaloop train`` refuses it. Nothing is built or downloaded."""
+    data_v, data_source = _data_vocab(cfg.data.path)
     model_v = cfg.model.vocab_size
     if model_v:
         if flag is not None and flag != model_v:
             raise ConfigError(f"--vocab: {flag} contradicts the config's model.vocab_size={model_v}; give one of them")
+        if data_v is not None and model_v < data_v:
+            raise ConfigError(f"model.vocab_size: {model_v} is smaller than the tokenizer's {data_v} ({data_source})")
         return model_v, "model.vocab_size"
     if flag is not None:
         return flag, "--vocab"
-    path = cfg.data.path
+    if data_v is None:
+        return DEFAULT_VOCAB, data_source
+    return data_v, data_source
+
+
+def _data_vocab(path: str) -> tuple[int | None, str]:
+    """``(vocab, source)`` of the data's tokenizer where it can be read here, else ``(None, why)``."""
     if path == "default" or path.startswith("default:"):
         from megaloop.data.default_tokenizer import DEFAULT_VOCAB_SIZE
 
         return DEFAULT_VOCAB_SIZE, "data.path=default: the embedded corpus's tokenizer"
     if "://" in path:
-        return DEFAULT_VOCAB, f"default; data.path={path} is remote and not read here (--vocab N to set it)"
+        return None, f"default; data.path={path} is remote and not read here (--vocab N to set it)"
     manifest = Path(path) / "manifest.json"
     if not manifest.is_file():
-        return DEFAULT_VOCAB, f"default; no {manifest} here (--vocab N to set it)"
+        return None, f"default; no {manifest} here (--vocab N to set it)"
     try:
         v = json.loads(manifest.read_text()).get("vocab_size")
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(f"data.path: cannot read {manifest}: {err}") from None
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        return DEFAULT_VOCAB, f"default; {manifest} gives no vocab_size (--vocab N to set it)"
+        return None, f"default; {manifest} gives no vocab_size (--vocab N to set it)"
     return v, f"data.path: {manifest}"
 
 

@@ -8,6 +8,7 @@ project's dotlist overrides, so the planner validates exactly what ``megaloop tr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from megaloop.config import RunConfig
@@ -88,9 +89,7 @@ def depth_law(cfg: RunConfig) -> list[tuple[int, float]]:
     the exact expectation the planner's throughput estimate uses (``search._summ``)."""
     if cfg.depth.kind == "fixed":
         return [(cfg.depth.depth, 1.0)]
-    from megaloop.depth.sampler import DepthSampler
-
-    p = DepthSampler(cfg.depth, cfg.train.seed).probs()
+    p = _sampler(cfg).probs()
     total = float(p.sum())
     return [(i + 1, float(p[i]) / total) for i in range(p.numel()) if p[i] > 0]
 
@@ -98,16 +97,31 @@ def depth_law(cfg: RunConfig) -> list[tuple[int, float]]:
 def depth_plans(cfg: RunConfig, microbatches: int, steps: int, first_step: int = 0) -> list[list[int]]:
     """The depths of ``steps`` optimizer steps' microbatches, drawn by the trainer's own sampler
     (``DepthSampler.plan``; a learned prior at its initial distribution)."""
-    from megaloop.depth.sampler import DepthSampler
-
-    sampler = DepthSampler(cfg.depth, cfg.train.seed)
+    sampler = _sampler(cfg)
     return [sampler.plan(first_step + i, microbatches) for i in range(steps)]
 
 
 def depth_mean(cfg: RunConfig) -> float:
+    """Mean depth of the run's (initial) law."""
+    return float(_sampler(cfg).mean_depth())
+
+
+def _sampler(cfg: RunConfig):
+    """The trainer's depth sampler for ``cfg``; a learned prior with ``depth.init=from:PATH`` starts
+    from PATH's prior as in training (``ConfigError`` naming the override for a PATH it cannot use)."""
     from megaloop.depth.sampler import DepthSampler
 
-    return float(DepthSampler(cfg.depth, cfg.train.seed).mean_depth())
+    init_state = None
+    if cfg.depth.kind == "learned" and cfg.depth.init_from is not None:
+        init_state = _prior_from(str(cfg.depth.init_from), cfg.depth.r_max)
+    return DepthSampler(cfg.depth, cfg.train.seed, init_state=init_state)
+
+
+@functools.lru_cache(maxsize=4)
+def _prior_from(path: str, r_max: int) -> dict:
+    from megaloop.train.prior_init import load_prior_init
+
+    return load_prior_init(path, r_max)
 
 
 def fixed_depth_plans(depth: int, microbatches: int, steps: int) -> list[list[int]]:

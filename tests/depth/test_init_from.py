@@ -55,3 +55,18 @@ def test_bad_init_from_exits_2_naming_the_option(tmp_path):
     proc = run_train(tmp_path / "c", "depth.correlation=rank", expect=2)
     assert "depth.correlation" in proc.stderr
     assert not (tmp_path / "b" / "checkpoints").exists()
+
+
+def test_plan_starts_from_the_source_prior(capsys, source):
+    """`megaloop plan` planned a uniform law for depth.init=from:PATH (and accepted a PATH that did
+    not exist): it now reads PATH's prior as training does."""
+    import json
+
+    from megaloop.plan.cli import main as plan_main
+
+    src, final = source
+    assert plan_main(["--config", "tiny", "--gpus", "1", "--steps", "1", "--json", f"depth.init=from:{src}"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert abs(rep["mean_depth"] - sum((i + 1) * p for i, p in enumerate(final))) < 1e-4  # metrics round probs
+    assert plan_main(["--config", "tiny", "--gpus", "1", "--preflight", f"depth.init=from:{src / 'nowhere'}"]) == 2
+    assert f"depth.init=from:{src / 'nowhere'}: no such run directory" in capsys.readouterr().err

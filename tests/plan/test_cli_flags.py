@@ -248,6 +248,21 @@ def test_vocab_of_a_local_mds_folder(capsys, tmp_path: Path) -> None:
     assert rep["vocab"] == 65536 and "no " in rep["vocab_source"] and "--vocab" in rep["vocab_source"]
 
 
+def test_a_model_vocab_below_the_datas_tokenizer_is_refused(capsys, tmp_path: Path, no_compute) -> None:
+    """plan and --preflight accepted a vocabulary `megaloop train` refuses, and planned its memory."""
+    code, _, err = _run(capsys, "--config", "tiny", "--gpus", "1", "--preflight", "model.vocab_size=1000")
+    assert code == 2 and "model.vocab_size: 1000 is smaller than the tokenizer's 4096 (data.path=default" in err
+    (tmp_path / "manifest.json").write_text(json.dumps({"vocab_size": 259, "seq_len": 128}))
+    code, _, err = _run(capsys, "--config", "synth", "--gpus", "1", f"data.path={tmp_path}", "model.vocab_size=200")
+    assert code == 2 and "model.vocab_size: 200 is smaller than the tokenizer's 259" in err
+
+
+def test_the_header_gives_the_planned_laws_mean(capsys) -> None:
+    """A uniform init was headed with depth.mean (5), which it does not use; its law's mean is 32.5."""
+    code, out, _ = _run(capsys, "--config", "S", "--arm", "u64", "--gpus", "8", "--vocab", "65536", "--steps", "1")
+    assert code == 0 and "initial law uniform (mean 32.5, r_max 64)" in out
+
+
 # ----------------------------------------------------------------------------- cluster files
 def test_cluster_file_must_give_the_hardware(capsys, tmp_path: Path, no_compute) -> None:
     bad = tmp_path / "mine.yaml"
