@@ -28,7 +28,6 @@ sequences at R = ``--trace-depth``; the in-context copying probe (:mod:`parity_c
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -40,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT  # noqa: E402
 
 import torch  # noqa: E402
-from parity_args import check_args, masked_command, reference_mean_recurrence  # noqa: E402
+from parity_args import build_parser, check_args, masked_command, reference_mean_recurrence  # noqa: E402
 from parity_copying import add_copying, copying_lines, megaloop_copying, probe_depths  # noqa: E402
 
 # megaloop configurations the harness knows by name: preset + overrides. "default" is the tiny
@@ -110,7 +109,7 @@ def _trainer(args, overrides: list[str], run_dir: Path):
 def _val_batches(trainer) -> list[dict]:
     from megaloop.data import build_eval_loader
 
-    order, _, _ = trainer._val_plan()
+    order = trainer._val_plan[0]  # the MixVal plan (a cached property of the trainer)
     loader = build_eval_loader(trainer.val_path, seq_len=trainer.val_seq, micro_batch_size=trainer.mbs,
                                dp_rank=0, dp_size=1, cache_dir=trainer.cfg.data.cache_dir, indices=order)
     out = [dict(b) for b in loader]
@@ -471,52 +470,7 @@ def _write_result(out: Path, label: str, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--system", choices=("megaloop", "huginn", "parcae"))
-    p.add_argument("--ref-path", help="root of a checkout of the reference repository (huginn/parcae)")
-    p.add_argument("--preset", default="default", help=f"megaloop config by name: {sorted(MEGALOOP_CONFIGS)}")
-    p.add_argument("--base", default="tiny", help="megaloop preset the shape and data come from")
-    p.add_argument("--label", help="result name (default: system[_preset])")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--init-seed", type=int, default=None,
-                   help="seed of the initial weights alone (default: --seed; megaloop: train.init_seed; a "
-                        "reference: torch's seed before it builds its model, so also its training-time "
-                        "h^0 draws); batches, depth draws and evaluation noise stay those of --seed")
-    p.add_argument("--mean-depth", type=float, default=5.0)
-    p.add_argument("--huginn-mean", choices=("matched", "native"), default="matched",
-                   help="Huginn's sampler draws R = Poisson(λ) + 1 with E[λ] = its mean_recurrence, so "
-                        "E[R] = mean_recurrence + 1. matched (default): mean_recurrence = --mean-depth - 1, "
-                        "the same mean depth as the other systems; native: mean_recurrence = --mean-depth "
-                        "(E[R] one higher; every Huginn result before this option existed)")
-    p.add_argument("--bptt-window", type=int, default=4)
-    p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 5, 64])
-    p.add_argument("--zero-init-depths", type=int, nargs="+", default=[1, 5],
-                   help="depths also evaluated from h^0 = 0 (control for noise that recurrences wash out)")
-    p.add_argument("--trace-depth", type=int, default=8)
-    p.add_argument("--trace-seqs", type=int, default=16)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=str(ROOT / "tools" / "bench" / "results" / "parity"))
-    p.add_argument("--report", metavar="DIR", help="render parity.md/png from the results in DIR and exit")
-    p.add_argument("--check-forward", metavar="MODEL",
-                   help="copy the weights of this megaloop model (run directory or HF export; a matched "
-                        "config) into --system's reference and compare logits at --depths from h^0 = 0; "
-                        "writes OUT/<label>.json, exits 1 if they differ by more than --forward-tol")
-    p.add_argument("--forward-tol", type=float, default=1e-3, help="max |logit difference| for --check-forward")
-    p.add_argument("--check-training", metavar="STEPS", type=int,
-                   help="train --preset (a Huginn-matched config) and Huginn's code from the same initial "
-                        "weights, batches and fixed depth with h^0 = 0 for the first STEPS steps of the "
-                        "--steps protocol and compare the per-step losses (parity_train_check.py); writes "
-                        "OUT/<label>.json, exits 1 if they differ by more than --train-tol")
-    p.add_argument("--check-depth", type=int, default=5, help="the fixed depth of --check-training")
-    p.add_argument("--train-tol", type=float, default=1e-3, help="max |loss difference| for --check-training")
-    p.add_argument("--add-copying", nargs=2, metavar=("RUN", "RESULT"),
-                   help="measure the in-context copying probe on a megaloop run's final checkpoint, write it "
-                        "into that run's result JSON, and exit")
-    p.add_argument("overrides", nargs="*", help="extra megaloop config overrides (key=value)")
+    p = build_parser(__doc__, sorted(MEGALOOP_CONFIGS), str(ROOT / "tools" / "bench" / "results" / "parity"))
     args = p.parse_args(argv)
     if args.add_copying:
         print(json.dumps(add_copying(Path(args.add_copying[0]), Path(args.add_copying[1])), indent=1))
@@ -592,5 +546,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cli() -> int:
+    """``main`` as a command: a refusal raised as ``SystemExit(message)`` anywhere in the harness (a
+    reference checkout, a result file, an option checked late) is one line and exit 2, as argparse's."""
+    try:
+        return main()
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(f"parity.py: error: {stop.code}", file=sys.stderr)
+            return 2
+        raise
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli())
