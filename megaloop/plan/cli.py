@@ -190,12 +190,29 @@ def _data_vocab(path: str) -> tuple[int | None, str]:
     return v, f"data.path: {manifest}"
 
 
+def _cluster_mapping(text: str) -> list[str]:
+    """``cluster={gpu_memory_gib: 94, ...}`` as ``cluster.KEY=VALUE`` overrides (the section-mapping
+    form the config's sections take)."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"cluster: expected a mapping such as cluster={{gpu_memory_gib: 94}}, got {text!r}")
+    return [f"cluster.{k}={v}" for k, v in value.items()]
+
+
 def _inputs(args):
     from megaloop.config import load_config
     from megaloop.plan.layout import layout_overrides
 
     cluster_ov = [o for o in args.overrides if o.startswith("cluster.")]
     overrides = [o for o in args.overrides if not o.startswith("cluster.")]
+    for o in [o for o in overrides if o.partition("=")[0].strip() == "cluster"]:
+        overrides.remove(o)
+        cluster_ov += _cluster_mapping(o.partition("=")[2])
     flags = layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt, args.fp8, args.sp)
     cluster, no_gpu = _cluster(args, cluster_ov)
     _check_flags_against_overrides(overrides, flags)

@@ -264,6 +264,16 @@ def test_the_header_gives_the_planned_laws_mean(capsys) -> None:
 
 
 # ----------------------------------------------------------------------------- cluster files
+def test_cluster_edits_as_a_section_mapping(capsys) -> None:
+    """`cluster={gpu_memory_gib: 94}` was refused as "cluster: unknown field"."""
+    code, out, _ = _run(capsys, "--config", "tiny", "--gpus", "1", "--steps", "1", "--json",
+                        "cluster={gpu_memory_gib: 94, gpus_per_node: 4}")
+    assert code == 0 and json.loads(out)["gpu_memory_gib"] == 94.0
+    code, _, err = _run(capsys, "--config", "tiny", "--gpus", "1", "cluster=5")
+    assert code == 2 and "cluster: expected a mapping such as cluster={gpu_memory_gib: 94}, got '5'" in err
+
+
+
 def test_cluster_file_must_give_the_hardware(capsys, tmp_path: Path, no_compute) -> None:
     bad = tmp_path / "mine.yaml"
     bad.write_text("gpu: x\n")
