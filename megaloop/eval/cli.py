@@ -19,6 +19,7 @@ from megaloop.eval.tables import depth_summary, fmt, lengths, table
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, add_student_option, build_engine,
                                              check_engine_args, check_outputs_not_inputs, check_plot_path,
                                              write_json)
+from megaloop.runtime.argtypes import seed_int
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -80,7 +81,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--num-seqs", type=int, default=16, help="probe sequences")
     p.add_argument("--half-len", type=int, default=None,
                    help="random tokens per sequence, each sequence is them twice (default: half the training seq_len)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens (the same probe for every model)")
+    p.add_argument("--seed", type=seed_int, default=0, help="seed of the random tokens (the same probe for every model)")
     add_memory_option(p)
     p.set_defaults(fn=cmd_eval_copying)
 
@@ -352,7 +353,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 def cmd_eval_states(args: argparse.Namespace) -> int:
     """Per-recurrence depth-use diagnostics (megaloop.eval.states) on the first --max-seqs (16)
     sequences of --data at --depth (default 16), evaluation-time state init."""
-    from megaloop.eval.states import format_table, state_diagnostics, trace_export
+    from megaloop.eval.states import format_table, trace_diagnostics
 
     _check_args(args)
     engine = build_engine(args)
@@ -365,8 +366,7 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
 
         check_trace_memory(engine, num_seqs=data.num_seqs, seq_len=data.seq_len, depth=depth)
     ids = data.tokens.to(engine.device)
-    diag = state_diagnostics(mask=data.loss_mask.to(engine.device),
-                             **trace_export(engine.model, ids, depth))
+    diag = trace_diagnostics(engine.model, ids, depth, mask=data.loss_mask.to(engine.device))
     table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
           f"RMS(e) = {fmt(diag['rms_e'])}",
           ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))

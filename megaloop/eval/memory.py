@@ -239,11 +239,13 @@ def check_decode_memory(engine, *, batch_size: int, prompt_len: int, total_len: 
 
 def estimate_trace_memory(config, *, num_seqs: int, seq_len: int, depth: int,
                           dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of ``eval states``' trace (megaloop.eval.states.trace_export), which holds e, the R + 1
-    states and the injection's two parts per recurrence [num_seqs, L, d] at once, plus one layer
-    visit's activations."""
+    """Bytes of ``eval states``' trace (megaloop.eval.states.trace_diagnostics), which holds e, three
+    states, the injection's two parts and its zero-state output [num_seqs, L, d] and float64 norms
+    of one of them (counted as 12 such tensors, whatever the ``depth``), plus one layer visit's
+    activations."""
+    del depth  # streamed: one recurrence at a time
     tokens = num_seqs * seq_len
-    held = (3 * depth + 2) * tokens * int(config.hidden_size) * _elsize(dtype)
+    held = 12 * tokens * int(config.hidden_size) * _elsize(dtype)
     return held + _activation_bytes(config, tokens, dtype)
 
 

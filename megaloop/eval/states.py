@@ -57,25 +57,29 @@ def state_diagnostics(e: torch.Tensor, states: Sequence[torch.Tensor],
         raise ValueError("states: need h^0 and at least one recurrence")
     if len(parts) != len(states) - 1:
         raise ValueError(f"parts: expected {len(states) - 1} entries (one per recurrence), got {len(parts)}")
-    rows = []
-    for r in range(1, len(states)):
-        h, prev = states[r], states[r - 1]
-        diff = h - prev
-        rel = _token_norm(diff) / _token_norm(h).clamp_min(1e-30)
-        row = {"r": r, "rel_change": _mean(rel, mask), "rms_h": _rms(h, mask)}
-        if parts[r - 1] is not None:
-            s, i = parts[r - 1]
-            ns, ni = _token_norm(s), _token_norm(i)
-            row["state_share"] = _mean(ns / (ns + ni).clamp_min(1e-30), mask)
-        else:
-            row["state_share"] = 1.0
-        if r >= 2:
-            den = _frob(prev - states[r - 2], mask)
-            row["contraction"] = _frob(diff, mask) / den if den > 0 else float("nan")
-        else:
-            row["contraction"] = float("nan")
-        rows.append(row)
+    rows = [_row(r, states[r], states[r - 1], states[r - 2] if r >= 2 else None, parts[r - 1], mask)
+            for r in range(1, len(states))]
     return {"rms_e": _rms(e, mask), "per_recurrence": rows}
+
+
+def _row(r: int, h: torch.Tensor, prev: torch.Tensor, prev2: Optional[torch.Tensor],
+         part: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Optional[torch.Tensor]) -> dict:
+    """Recurrence ``r``'s diagnostics from h^r, h^{r-1}, h^{r-2} (None at r = 1) and (S_r, I_r)."""
+    diff = h - prev
+    rel = _token_norm(diff) / _token_norm(h).clamp_min(1e-30)
+    row = {"r": r, "rel_change": _mean(rel, mask), "rms_h": _rms(h, mask)}
+    if part is not None:
+        s, i = part
+        ns, ni = _token_norm(s), _token_norm(i)
+        row["state_share"] = _mean(ns / (ns + ni).clamp_min(1e-30), mask)
+    else:
+        row["state_share"] = 1.0
+    if prev2 is not None:
+        den = _frob(prev - prev2, mask)
+        row["contraction"] = _frob(diff, mask) / den if den > 0 else float("nan")
+    else:
+        row["contraction"] = float("nan")
+    return row
 
 
 @torch.no_grad()
@@ -96,6 +100,29 @@ def trace_export(model, input_ids: torch.Tensor, depth: int) -> dict:
             parts.append((p.inject(states[r]) - base, base))
         states.append(p.step(states[r], r)[0])
     return {"e": p.e, "states": states, "parts": parts}
+
+
+@torch.no_grad()
+def trace_diagnostics(model, input_ids: torch.Tensor, depth: int, mask: Optional[torch.Tensor] = None) -> dict:
+    """:func:`state_diagnostics` of :func:`trace_export`'s trace, computed recurrence by recurrence:
+    three states and one injection split are held at a time, so memory does not grow with ``depth``
+    (the full trace held 3R + 2 tensors [b, s, d])."""
+    if not model.config.looped:
+        raise ValueError("model: an untied (non-looped) model has no recurrence to trace")
+    model.eval()
+    p = model.begin(input_ids)
+    prev2, prev = None, p.init_state()
+    rows = []
+    for r in range(depth):
+        if p.e_qkv is not None:  # DEQ-QKV: e enters Q/K/V, there is no additive split
+            part = None
+        else:
+            base = p.inject(torch.zeros_like(prev))
+            part = (p.inject(prev) - base, base)
+        h = p.step(prev, r)[0]
+        rows.append(_row(r + 1, h, prev, prev2, part, mask))
+        prev2, prev = prev, h
+    return {"rms_e": _rms(p.e, mask), "per_recurrence": rows}
 
 
 def format_table(diag: dict) -> list[list]:

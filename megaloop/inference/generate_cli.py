@@ -13,7 +13,8 @@ from typing import Optional
 
 from megaloop.config_utils import ConfigError
 from megaloop.errors import UserError
-from megaloop.runtime.files import atomic_write_text, json_safe
+from megaloop.runtime.argtypes import seed_int
+from megaloop.runtime.files import atomic_write_text, json_safe, nonempty_path
 
 
 # ----------------------------------------------------------------------------- shared options
@@ -24,7 +25,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal",
     ``decode=False`` (commands that never decode through a cache: ``eval states``, ``eval fixed-point``)
     leaves out the decode options (budgets, ``--cache``, adaptive exit) rather than accept and ignore
     them; ``cache_choices=None`` leaves out ``--cache`` alone. Left-out options keep their defaults."""
-    p.add_argument("--checkpoint", required=True,
+    p.add_argument("--checkpoint", required=True, type=nonempty_path,
                    help="megaloop checkpoint (step dir, RUN/checkpoints or RUN dir; any TP/PP layout) or HF folder")
     p.add_argument("--json", default=None, metavar="OUT", help="write the full result as JSON here")
     p.add_argument("--depth", type=int, default=None, help="recurrence depth R (default: the run's eval depth)")
@@ -318,7 +319,7 @@ def add_generate_parser(sub) -> None:
     mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=None, help="sampling seed (0 <= SEED < 2**64)")
     p.add_argument("--stop", action="append", default=[], type=unescape_stop,
                    help=r"stop string (repeatable); \n, \t and \\ are read as newline, tab and backslash, "
                         r"so --stop '\n\n' stops at a blank line")

@@ -91,9 +91,10 @@ def test_available_memory(monkeypatch):
 def test_state_trace_estimate_and_refusal(monkeypatch):
     from megaloop.eval.memory import check_trace_memory, estimate_trace_memory
 
-    # e, R+1 states and 2 injection parts per recurrence: (3R + 2) tensors [n, L, d], + one layer visit
+    # streamed: 12 tensors [n, L, d] whatever the depth (the full trace held 3R + 2), + one layer visit
     need = estimate_trace_memory(CFG, num_seqs=4, seq_len=16, depth=8)
-    assert need == (3 * 8 + 2) * 4 * 16 * 32 * 4 + 4 * 16 * (9 * 32 + 4 * 96) * 4
+    assert need == 12 * 4 * 16 * 32 * 4 + 4 * 16 * (9 * 32 + 4 * 96) * 4
+    assert estimate_trace_memory(CFG, num_seqs=4, seq_len=16, depth=100_000) == need
     monkeypatch.setenv("MEGALOOP_EVAL_MEMORY", str(int(2.5 * need / 4 / HEADROOM)))
     with pytest.raises(ConfigError, match=r"^--max-seqs 4 × --seq-len 16 at --depth 8: the state trace needs an "
                                           r"estimated .* --max-seqs 2 fits"):

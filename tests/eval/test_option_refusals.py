@@ -336,3 +336,20 @@ def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp
 def test_generate_refuses_bad_prompts_and_sampling_options_before_loading(cli, hf, no_load, argv, msg):
     code, err = cli("generate", "--checkpoint", str(hf), *argv)
     assert (code, err) == (2, f"megaloop: error: {msg}")
+
+
+@pytest.mark.parametrize("argv", [
+    ("generate", "--prompt", "a", "--temperature", "1", "--seed", "18446744073709551616"),
+    ("generate", "--prompt", "a", "--temperature", "1", "--seed", "-1"),
+    ("eval", "copying", "--seed", "99999999999999999999999"),
+])
+def test_a_seed_torch_cannot_take_is_refused_before_loading(cli, hf, no_load, argv):
+    """A seed past 2**64 overflowed inside torch after the model loaded (traceback, exit 1)."""
+    code, err = cli(*argv, "--checkpoint", str(hf))
+    assert code == 2 and "argument --seed: must be in [0, 2**64), got" in err, err
+
+
+def test_an_empty_checkpoint_is_refused_not_the_working_directory(cli, no_load):
+    """`--checkpoint "$CKPT"` with the variable unset loaded the working directory's run."""
+    code, err = cli("generate", "--prompt", "a", "--checkpoint", "")
+    assert code == 2 and "argument --checkpoint: empty path (an unset shell variable?)" in err, err

@@ -104,6 +104,24 @@ def test_trace_of_a_fixed_tiny_model_equals_a_hand_recurrence(injection):
             assert r1[k] == pytest.approx(r2[k], rel=1e-6)
 
 
+@pytest.mark.parametrize("injection", ["parcae_nonorm", "huginn_linear"])
+def test_streamed_diagnostics_equal_the_full_trace(injection):
+    """``eval states`` streams (trace_diagnostics: three states at a time; the full trace's 3R + 2
+    tensors were OOM-killed at R = 100,000): every number equals state_diagnostics of trace_export."""
+    from megaloop.eval.states import trace_diagnostics
+
+    model = _model(injection)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    want = state_diagnostics(mask=mask, **trace_export(model, ids, 6))
+    got = trace_diagnostics(model, ids, 6, mask=mask)
+    assert got["rms_e"] == want["rms_e"]
+    assert [r.keys() for r in got["per_recurrence"]] == [r.keys() for r in want["per_recurrence"]]
+    for r1, r2 in zip(got["per_recurrence"], want["per_recurrence"]):
+        for k, v in r2.items():
+            assert r1[k] == v or (math.isnan(v) and math.isnan(r1[k])), (r1["r"], k)
+
+
 def test_bad_traces_are_refused():
     e = torch.zeros(1, 2, 3)
     with pytest.raises(ValueError, match="states"):

@@ -124,7 +124,7 @@ def _trace_ids(val: list[dict], n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
-    from megaloop.eval.states import state_diagnostics, trace_export
+    from megaloop.eval.states import trace_diagnostics
     from megaloop.hf.load import load_model
 
     run_dir = out_dir / f"run_{args.label}"
@@ -152,7 +152,7 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
         c.cfg.eval_state_init = init
     hf, _ = load_model(run_dir)
     ids, mask = _trace_ids(_val_batches(t), args.trace_seqs)
-    diag = state_diagnostics(mask=mask, **trace_export(hf, ids, args.trace_depth))
+    diag = trace_diagnostics(hf, ids, args.trace_depth, mask=mask)
     copying = megaloop_copying(hf, t.cfg.model.seq_len, args.seed)
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
             "copying": copying, "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides}

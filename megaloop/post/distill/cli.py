@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from megaloop.post.runs import DISTILL_SIDECAR as RUN_FILE  # next to each checkpoint: its step, σ_T², the flags
+from megaloop.runtime.argtypes import seed_int
 from megaloop.runtime.files import nonempty_path
 
 
@@ -61,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--num-layers", type=int, default=None, help="student layers (default: the teacher's n_core)")
     p.add_argument("--init-state", choices=("teacher", "zero"), default="teacher")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default=None)

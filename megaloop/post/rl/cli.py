@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 from megaloop.post.rl.reuse import ARMS
+from megaloop.runtime.argtypes import seed_int
 from megaloop.runtime.files import nonempty_path
 
 
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--loss-norm", choices=("sequence", "token"), default="sequence")
     p.add_argument("--no-scale-rewards", action="store_true", help="centre advantages without dividing by the std")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     add_run_folder_args(p, "zero1 | zero2", "run (its metrics.jsonl)")

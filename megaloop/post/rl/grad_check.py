@@ -17,6 +17,7 @@ import json
 import random
 
 from megaloop.post.rl.reuse import ARMS
+from megaloop.runtime.argtypes import seed_int
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--cache-mode", choices=("terminal", "per_visit"), default="terminal")
     p.add_argument("--bptt", action="store_true", help="also compare with full BPTT through R")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--device", default=None)
     return p
 
