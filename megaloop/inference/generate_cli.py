@@ -13,7 +13,7 @@ from typing import Optional
 
 from megaloop.config_utils import ConfigError
 from megaloop.errors import UserError
-from megaloop.runtime.argtypes import seed_int
+from megaloop.runtime.argtypes import nonempty_text, seed_int
 from megaloop.runtime.files import atomic_write_text, json_safe, nonempty_path
 
 
@@ -45,7 +45,7 @@ def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal",
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     if not decode:
         return
-    p.add_argument("--exit", default=None, metavar="CRIT:VALUE",
+    p.add_argument("--exit", default=None, metavar="CRIT:VALUE", type=nonempty_text,
                    help="adaptive per-token decode depth: latent:1e-3 | kl:1e-4 | argmax:3 (default: fixed depth)")
     p.add_argument("--min-depth", type=int, default=None, help="adaptive: earliest exit (>= 2, default 2)")
     p.add_argument("--max-depth", type=int, default=None, help="adaptive: depth cap (default: decode depth)")

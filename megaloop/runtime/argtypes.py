@@ -17,3 +17,10 @@ def seed_int(text: str) -> int:
     if not 0 <= value < SEED_BOUND:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
     return value
+
+
+def nonempty_text(text: str) -> str:
+    """An option value that may not be empty (``--exit "$EXIT"`` with the variable unset)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("empty value (an unset shell variable?)")
+    return text

@@ -353,3 +353,5 @@ def test_an_empty_checkpoint_is_refused_not_the_working_directory(cli, no_load):
     """`--checkpoint "$CKPT"` with the variable unset loaded the working directory's run."""
     code, err = cli("generate", "--prompt", "a", "--checkpoint", "")
     assert code == 2 and "argument --checkpoint: empty path (an unset shell variable?)" in err, err
+    code, err = cli("generate", "--prompt", "a", "--checkpoint", "x", "--exit", "")  # was fixed depth, silently
+    assert code == 2 and "argument --exit: empty value (an unset shell variable?)" in err, err
