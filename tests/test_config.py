@@ -57,6 +57,18 @@ def test_renamed_field_still_reads_its_old_name(tmp_path):
         from_dict(ModelConfig, {"b_max": 2, "bptt_window": 3}, "model")  # one mapping holding both
 
 
+def test_a_cap_override_below_a_learned_priors_r_max_is_refused():
+    """`depth.cap=4` on tiny (learned prior over 1..16) was accepted and ignored; a preset's own cap
+    (synth's 16, for its PLN law) does not stop a learned arm or a larger r_max."""
+    for over in (["depth.cap=4"], ["depth={cap: 4}"]):
+        with pytest.raises(ConfigError, match=r"^depth\.cap: 4 is below depth\.r_max=16, but depth\.kind=learned"):
+            load_config("tiny", over)
+    assert load_config("synth", arm="learned").depth.r_max == 64
+    assert load_config("tiny", ["depth.r_max=32"]).depth.r_max == 32
+    assert load_config("tiny", ["depth.kind=pln"]).depth.cap == 16
+    assert load_config("tiny", ["depth.cap=16"]).depth.cap == 16
+
+
 def test_a_files_new_name_overrides_its_bases_old_name(tmp_path):
     """A base file's ``b_max`` overwrote the child file's ``bptt_window`` (renaming ran on the merged
     YAML), and one file holding both names took the old one, silently."""

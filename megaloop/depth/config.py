@@ -11,7 +11,6 @@ PRIOR_INITS = ("pln", "uniform", "uniform_1_10")  # or "from:PATH" (another run'
 INIT_FROM = "from:"
 REWARD_ARMS = ("exp", "neglog", "negexp", "raw_ce")
 CORRELATIONS = ("microbatch", "step")
-DEFAULT_CAP = 64  # SPEC §4: PLN-5's cap
 MAX_DEPTH = 1024  # bound on depth.cap, depth.r_max and depth.depth (a choice: see __post_init__)
 
 
@@ -29,7 +28,7 @@ class DepthConfig:
     depth: int = 5  # fixed depth
     mean: float = 5.0  # PLN mean after capping (poisson: the rate; learned init=pln: the init's mean)
     sigma: float = 0.5  # PLN log-normal std
-    cap: int | None = None  # PLN / poisson cap (None: DEFAULT_CAP); learned: unused, must be None or >= r_max
+    cap: int = 64  # PLN / poisson cap
     r_max: int = 64  # learned prior support 1..r_max
     init: str = "pln"  # learned prior init: pln | uniform | uniform_1_10 | from:RUN_DIR_OR_CHECKPOINT
     reward: str = "exp"  # exp (= exp(-ℓ), default) | neglog | negexp | raw_ce
@@ -51,17 +50,15 @@ class DepthConfig:
         require(self.depth >= 1, "depth.depth", f"must be >= 1, got {self.depth}")
         # bounds (choices): a training depth past 1024 recurrences, or a lognormal spread past 3 (SPEC: 0.5),
         # only made the sampler's tables and PLN's mean solve run out of memory or time
-        require(self.cap is None or 1 <= self.cap <= MAX_DEPTH, "depth.cap",
-                f"must be in [1, {MAX_DEPTH}], got {self.cap}")
-        cap = self.pmf_cap
+        require(1 <= self.cap <= MAX_DEPTH, "depth.cap", f"must be in [1, {MAX_DEPTH}], got {self.cap}")
         require(0 < self.sigma <= 3, "depth.sigma", f"must be in (0, 3], got {self.sigma}")
         require(self.depth <= MAX_DEPTH, "depth.depth", f"must be <= {MAX_DEPTH}, got {self.depth}")
         # PLN needs mean > 1 strictly: mean 1 is a point mass (use kind=fixed), and every mass must be > 0.
-        require(1.0 < self.mean < cap or self.kind != "pln", "depth.mean",
-                f"must lie in (1, cap={cap}), got {self.mean}")
+        require(1.0 < self.mean < self.cap or self.kind != "pln", "depth.mean",
+                f"must lie in (1, cap={self.cap}), got {self.mean}")
         require(self.mean > 0 or self.kind != "poisson", "depth.mean",
                 f"poisson: the rate must be > 0, got {self.mean}")
-        require(cap >= 2 or self.kind != "poisson", "depth.cap", f"poisson: must be >= 2, got {cap}")
+        require(self.cap >= 2 or self.kind != "poisson", "depth.cap", f"poisson: must be >= 2, got {self.cap}")
         require(1 <= self.r_max <= MAX_DEPTH, "depth.r_max", f"must be in [1, {MAX_DEPTH}], got {self.r_max}")
         require(self.init in PRIOR_INITS or (self.init_from is not None and self.init_from != ""), "depth.init",
                 f"unknown init {self.init!r}; one of {PRIOR_INITS} or {INIT_FROM}PATH (a run dir or checkpoint)")
@@ -85,12 +82,6 @@ class DepthConfig:
             require(self.init != "pln" or self.r_max >= 2, "depth.r_max", "init=pln needs r_max >= 2")
             require(1.0 <= self.target_mean <= self.r_max, "depth.target_mean",
                     f"must lie in [1, r_max={self.r_max}], got {self.target_mean}")
-            # SPEC §4: the learned prior's support is 1..R_max and its PLN init puts the tail mass at
-            # R_max; a cap below r_max would have been ignored silently (a cap at or above it changes nothing)
-            require(self.cap is None or self.cap >= self.r_max, "depth.cap",
-                    f"{self.cap} is below depth.r_max={self.r_max}, but kind=learned draws 1..r_max and its "
-                    f"PLN init's tail sits at r_max: lower depth.r_max to bound the depths (the cap is for "
-                    f"kind=pln/poisson; leave it unset)")
 
     @property
     def init_from(self) -> str | None:
@@ -98,11 +89,6 @@ class DepthConfig:
         return self.init[len(INIT_FROM):].strip() if self.init.startswith(INIT_FROM) else None
 
     @property
-    def pmf_cap(self) -> int:
-        """The PLN / poisson cap in force (``cap``, or ``DEFAULT_CAP`` when unset)."""
-        return DEFAULT_CAP if self.cap is None else self.cap
-
-    @property
     def max_depth(self) -> int:
         """Largest depth this distribution can draw."""
-        return {"fixed": self.depth, "pln": self.pmf_cap, "poisson": self.pmf_cap, "learned": self.r_max}[self.kind]
+        return {"fixed": self.depth, "pln": self.cap, "poisson": self.cap, "learned": self.r_max}[self.kind]

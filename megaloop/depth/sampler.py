@@ -55,9 +55,9 @@ class DepthSampler:
         if cfg.kind == "learned":
             self.prior = LearnedDepthPrior(cfg, init_state)
         elif cfg.kind == "pln":
-            self.static = pln(cfg.mean, cfg.sigma, cfg.pmf_cap)
+            self.static = pln(cfg.mean, cfg.sigma, cfg.cap)
         elif cfg.kind == "poisson":
-            self.static = poisson(cfg.mean, cfg.pmf_cap)
+            self.static = poisson(cfg.mean, cfg.cap)
         else:
             self.static = fixed(cfg.depth)
 

@@ -201,18 +201,21 @@ def _cluster_mapping(text: str) -> list[str]:
         value = None
     if not isinstance(value, dict) or not value:
         raise ConfigError(f"cluster: expected a mapping such as cluster={{gpu_memory_gib: 94}}, got {text!r}")
-    return [f"cluster.{k}={v}" for k, v in value.items()]
+    return [f"cluster.{k}={json.dumps(v)}" for k, v in value.items()]  # JSON is YAML: null stays null
 
 
 def _inputs(args):
     from megaloop.config import load_config
     from megaloop.plan.layout import layout_overrides
 
-    cluster_ov = [o for o in args.overrides if o.startswith("cluster.")]
-    overrides = [o for o in args.overrides if not o.startswith("cluster.")]
-    for o in [o for o in overrides if o.partition("=")[0].strip() == "cluster"]:
-        overrides.remove(o)
-        cluster_ov += _cluster_mapping(o.partition("=")[2])
+    cluster_ov, overrides = [], []
+    for o in args.overrides:  # in order: a later edit of a field wins, in either form
+        if o.startswith("cluster."):
+            cluster_ov.append(o)
+        elif o.partition("=")[0].strip() == "cluster":
+            cluster_ov += _cluster_mapping(o.partition("=")[2])
+        else:
+            overrides.append(o)
     flags = layout_overrides(args.tp, args.pp, args.vpp, args.mbs, args.recompute, args.dist_opt, args.fp8, args.sp)
     cluster, no_gpu = _cluster(args, cluster_ov)
     _check_flags_against_overrides(overrides, flags)

@@ -29,9 +29,9 @@ def depth_text(cfg: RunConfig) -> str:
     if d.kind == "fixed":
         return f"fixed({d.depth})"
     if d.kind == "pln":
-        return f"PLN(mean {d.mean:g}, sigma {d.sigma:g}, cap {d.pmf_cap})"
+        return f"PLN(mean {d.mean:g}, sigma {d.sigma:g}, cap {d.cap})"
     if d.kind == "poisson":
-        return f"max(Poisson({d.mean:g}), 1), cap {d.pmf_cap}"
+        return f"max(Poisson({d.mean:g}), 1), cap {d.cap}"
     return f"learned prior, initial law {d.init} (mean {depth_mean(cfg):.4g}, r_max {d.r_max})"
 
 

@@ -564,11 +564,11 @@ class CheckpointManager:
         repeats = set_repeats_aside(sd)  # parallel.vpp > 1: each chunk's copy of the core
         try:
             loaded = dist_checkpointing.load(sd, str(path))
+            fill_repeats(loaded, repeats)
         except BaseException as err:  # torch's CheckpointException derives from BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
             raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err, path)}") from err
-        fill_repeats(loaded, repeats)
         for i, chunk in enumerate(model_chunks):
             load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:

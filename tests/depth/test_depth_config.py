@@ -26,7 +26,6 @@ from megaloop.depth.config import DepthConfig
         ({"ema_decay": 1.0}, "depth.ema_decay"),
         ({"warmup_updates": -1}, "depth.warmup_updates"),
         ({"depth": 0}, "depth.depth"),
-        ({"kind": "learned", "cap": 4, "r_max": 16, "mean": 3.0, "target_mean": 3.0}, "depth.cap"),  # was ignored
     ],
 )
 def test_validation_names_field(kwargs: dict, field: str) -> None:
@@ -47,9 +46,3 @@ def test_from_dict_unknown_and_typed_fields() -> None:
 def test_defaults_valid() -> None:
     for kind in ("fixed", "pln", "learned"):
         DepthConfig(kind=kind)
-
-
-def test_cap_unset_is_64_and_learned_r_max_may_exceed_it() -> None:
-    assert DepthConfig(kind="pln").max_depth == 64 and DepthConfig(kind="pln").cap is None
-    assert DepthConfig(kind="learned", r_max=128).max_depth == 128
-    assert DepthConfig(kind="learned", r_max=16, cap=16, mean=3.0, target_mean=3.0).max_depth == 16

@@ -269,6 +269,9 @@ def test_cluster_edits_as_a_section_mapping(capsys) -> None:
     code, out, _ = _run(capsys, "--config", "tiny", "--gpus", "1", "--steps", "1", "--json",
                         "cluster={gpu_memory_gib: 94, gpus_per_node: 4}")
     assert code == 0 and json.loads(out)["gpu_memory_gib"] == 94.0
+    code, out, _ = _run(capsys, "--config", "tiny", "--gpus", "1", "--steps", "1", "--json",
+                        "cluster={peak_fp8_tflops: null}", "cluster={gpu_memory_gib: 94}", "cluster.gpu_memory_gib=80")
+    assert code == 0 and json.loads(out)["gpu_memory_gib"] == 80.0  # null read as null; the last edit wins
     code, _, err = _run(capsys, "--config", "tiny", "--gpus", "1", "cluster=5")
     assert code == 2 and "cluster: expected a mapping such as cluster={gpu_memory_gib: 94}, got '5'" in err
 
