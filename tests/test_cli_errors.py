@@ -63,7 +63,8 @@ def test_user_error_is_one_line_and_exit_2(name, monkeypatch, capsys):
     ["rl", "--model", "m", "--out", ""],
     ["distill-prefill", "--teacher", "t", "--out", ""],
     ["convert", "--checkpoint", "c", "--out", ""],
-], ids=lambda a: a[0])
+    ["convert", "--checkpoint", "", "--out", "o"],  # an input: it meant the working directory
+], ids=lambda a: a[0] + ("_input" if "" in a[:3] else ""))
 def test_an_empty_output_folder_is_refused(argv, tmp_path, monkeypatch, capsys):
     """--run-dir "" (an unset $RUN_DIR) trained into the working directory; lr-screen --out "" wrote its
     points there; reproduce --out "" fell back on its default folder."""
@@ -73,6 +74,6 @@ def test_an_empty_output_folder_is_refused(argv, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as code:
         megaloop.cli.main(argv)
     assert code.value.code == 2
-    flag = "--run-dir" if argv[0] == "train" else "--out"
+    flag = "--run-dir" if argv[0] == "train" else "--checkpoint" if argv[2] == "" else "--out"
     assert f"argument {flag}: empty path (an unset shell variable?)" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []

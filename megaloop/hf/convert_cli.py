@@ -20,7 +20,7 @@ from megaloop.runtime.files import nonempty_path
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="megaloop convert", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="checkpoint step dir, checkpoints dir or run dir "
+    ap.add_argument("--checkpoint", required=True, type=nonempty_path, help="checkpoint step dir, checkpoints dir or run dir "
                     "(with --from-hf: the HF folder)")
     ap.add_argument("--out", required=True, type=nonempty_path, help="output HF folder (with --from-hf: checkpoints root)")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="saved weight dtype")
