@@ -107,6 +107,11 @@ def _check_args(args) -> None:
                               "--checkpoint (the HF folder) and --out")
     if args.depth is not None and args.depth < 1:
         raise ConfigError(f"--depth: must be >= 1, got {args.depth}")
+    if args.depth is not None and not args.from_hf:
+        from megaloop.hf.load import model_arch
+
+        if model_arch(args.checkpoint) == "untied":  # as eval and generate refuse it
+            raise ConfigError(f"--depth: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
     args.max_shard_size = shard_size(args.max_shard_size)
     out = Path(args.out)
     if out.exists() and not out.is_dir():

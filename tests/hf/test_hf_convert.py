@@ -410,3 +410,15 @@ def test_from_hf_refuses_the_exports_options(tmp_path, capsys, flags):
     assert main(["--from-hf", "--checkpoint", str(tmp_path / "hf"), "--out", str(out), *flags]) == 2
     err = capsys.readouterr().err
     assert f"{flags[0]}: applies to the export (megaloop -> HF); --from-hf takes only" in err and not out.exists()
+
+
+def test_depth_on_an_untied_model_is_refused_before_loading(converted, tmp_path, capsys):
+    """convert --depth N on an untied model wrote num_recurrences N and a 'depth N' validation line,
+    where eval and generate refuse depth flags on it."""
+    from megaloop.hf.convert_cli import main
+
+    ckpt = converted["untied"]["ckpt"]
+    assert main(["--checkpoint", str(ckpt), "--out", str(tmp_path / "o"), "--depth", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "--depth: " in err and "untied (non-looped) model, it has no depth to vary" in err, err
+    assert not (tmp_path / "o").exists()
