@@ -256,6 +256,7 @@ def _check_cap_override(cfg: RunConfig, dotlist: list[str]) -> None:
     draws 1..R_max with its PLN init's tail at R_max, so the cap (PLN's and Poisson's) would be
     ignored, silently. Presets may carry a cap for their PLN arms; only an override is refused."""
     d = cfg.depth
+
     def sets_cap(item: str) -> bool:
         key, _, text = item.partition("=")
         if key.strip() == "depth.cap":
