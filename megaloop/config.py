@@ -240,37 +240,26 @@ def load_saved_config(path: str | Path) -> RunConfig:
 def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str | None = None) -> RunConfig:
     """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
     overrides -> validated RunConfig."""
-    data = load_yaml(resolve_config_path(name_or_path), renames=renamed_paths(RunConfig))
+    renames = renamed_paths(RunConfig)
+    data = load_yaml(resolve_config_path(name_or_path), renames=renames)
     if arm is not None and not str(arm).strip():
         raise ConfigError("--arm: empty name (an unset shell variable?); give an arm of megaloop/configs/arms.yaml")
     dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])
-    dotlist = use_new_names(data, dotlist, renamed_paths(RunConfig))
-    apply_dotlist(data, dotlist, cls=RunConfig)
+    depth = data.get("depth") if isinstance(data.get("depth"), dict) else {}
+    file_cap = depth.get("cap", DepthConfig.cap)  # what the config file gives (or the field's default)
+    apply_dotlist(data, use_new_names(dotlist, renames), cls=RunConfig)
     cfg = from_dict(RunConfig, data)
-    _check_cap_override(cfg, dotlist)
+    _check_cap_override(cfg, file_cap)
     return cfg
 
 
-def _check_cap_override(cfg: RunConfig, dotlist: list[str]) -> None:
-    """A ``depth.cap`` override below ``depth.r_max`` with a learned prior: SPEC §4's learned law
-    draws 1..R_max with its PLN init's tail at R_max, so the cap (PLN's and Poisson's) would be
-    ignored, silently. Presets may carry a cap for their PLN arms; only an override is refused."""
+def _check_cap_override(cfg: RunConfig, file_cap) -> None:
+    """A ``depth.cap`` set by an override (other than the config file's ``file_cap``) below
+    ``depth.r_max`` with a learned prior: SPEC §4's learned law draws 1..R_max with its PLN init's tail
+    at R_max, so the cap (PLN's and Poisson's) would be ignored, silently. Presets may carry a cap for
+    their PLN arms; only an override is refused."""
     d = cfg.depth
-
-    def sets_cap(item: str) -> bool:
-        key, _, text = item.partition("=")
-        if key.strip() == "depth.cap":
-            return True
-        if key.strip() != "depth":
-            return False
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return False
-        return isinstance(value, dict) and "cap" in value
-
-    given = any(sets_cap(item) for item in dotlist)
-    if given and d.kind == "learned" and d.cap < d.r_max:
+    if d.kind == "learned" and d.cap < d.r_max and d.cap != file_cap:
         raise ConfigError(f"depth.cap: {d.cap} is below depth.r_max={d.r_max}, but depth.kind=learned draws "
                           f"1..r_max (its PLN init's tail sits at r_max) and does not use the cap; set "
                           f"depth.r_max to bound the depths")

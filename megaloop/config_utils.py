@@ -236,16 +236,10 @@ def renamed_paths(cls: type, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def use_new_names(data: dict, dotlist: list[str], renames: dict[str, str]) -> list[str]:
-    """Rename old keys of ``data`` in place and return ``dotlist`` with new keys, so a YAML, an
-    arm and overrides that mix old and new names of a field merge as one field (last one wins)."""
-    for old, new in renames.items():
-        *path, key = old.split(".")
-        node = data
-        for p in path:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict) and key in node:
-            node[new.rsplit(".", 1)[-1]] = node.pop(key)
+def use_new_names(dotlist: list[str], renames: dict[str, str]) -> list[str]:
+    """``dotlist`` with old field names replaced by new ones, so an arm and overrides that mix old and
+    new names of a field set one field (last one wins); YAML files are renamed as they are read
+    (``load_yaml(renames=...)``)."""
     out = []
     for item in dotlist:
         key, eq, text = item.partition("=")

@@ -33,7 +33,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,7 +67,7 @@ def _manifest(path: str) -> dict:
     return {}
 
 
-def _check_tokenizer(data: str, manifest: dict, sha256, hint: Optional[str] = None,
+def _check_tokenizer(data: str, manifest: dict, sha256: Union[str, Sequence[str], None], hint: Optional[str] = None,
                      given: Optional[str] = None) -> None:
     """ConfigError when the set's manifest records a tokenizer other than ``sha256``'s (one digest, or
     several that all name the checkpoint's tokenizer: ``Tokenizer.sha256s``); ``hint``
@@ -86,7 +86,7 @@ def _check_tokenizer(data: str, manifest: dict, sha256, hint: Optional[str] = No
 
 
 def _read_rows(data: str, length: int, max_seqs: Optional[int], cache_dir: Optional[str],
-               tokenizer_sha256: Optional[str] = None, tokenizer_hint: Optional[str] = None,
+               tokenizer_sha256: Union[str, Sequence[str], None] = None, tokenizer_hint: Optional[str] = None,
                tokenizer_given: Optional[str] = None):
     """(tokens [n, length], labels, mask, sources or None, eos id) of the real rows of an MDS set.
 
@@ -171,7 +171,7 @@ def check_data_arg(data: str) -> None:
 def load_eval_data(data: str, *, seq_len: Optional[int] = None, max_seqs: Optional[int] = None,
                    vocab_size: Optional[int] = None, default_seq_len: Optional[int] = None,
                    cache_dir: Optional[str] = None, encode=None, eos_id: Optional[int] = None,
-                   text_field: str = "text", tokenizer_sha256: Optional[str] = None,
+                   text_field: str = "text", tokenizer_sha256: Union[str, Sequence[str], None] = None,
                    tokenizer_hint: Optional[str] = None, tokenizer_given: Optional[str] = None) -> EvalData:
     """Validation sequences from ``data``:
 

@@ -87,17 +87,11 @@ def set_repeats_aside(sd: dict) -> Repeats:
             if isinstance(node, list):
                 lists[path[:depth]] = len(node)
     for lpath, n in sorted(lists.items(), key=lambda kv: len(kv[0])):  # outermost first: paths stay valid
-        _set_or_root(sd, lpath, dict(enumerate(_get(sd, lpath))))
+        _get(sd, lpath[:-1])[lpath[-1]] = dict(enumerate(_get(sd, lpath)))  # the root is a dict
         out.lists.append((lpath, n))
     for path, _ in out.pairs:
         del _get(sd, path[:-1])[path[-1]]
     return out
-
-
-def _set_or_root(sd: dict, path: Path_, value: Any) -> None:
-    if not path:
-        raise ValueError("the state dict's root is a list")  # sharded_state() returns a dict
-    _get(sd, path[:-1])[path[-1]] = value
 
 
 def fill_repeats(loaded: dict, repeats: Repeats) -> None:
@@ -111,4 +105,4 @@ def fill_repeats(loaded: dict, repeats: Repeats) -> None:
         missing = [i for i in range(n) if i not in node]
         if missing:
             raise ValueError(f"state at {'.'.join(map(str, lpath))}: items {missing} were not loaded")
-        _set_or_root(loaded, lpath, [node[i] for i in range(n)])
+        _get(loaded, lpath[:-1])[lpath[-1]] = [node[i] for i in range(n)]
