@@ -146,6 +146,9 @@ def main() -> None:
     {"rl": run_rl, "distill": run_distill}[mode](hf_dir, work, rank)
     torch.distributed.barrier()
     report(rank, "done")
+    # tear gloo down explicitly, as megaloop's CLI does: left to the interpreter's exit, a rank aborted
+    # once in CI ("terminate called without an active exception", SIGABRT) after every check had passed
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

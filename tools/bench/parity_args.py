@@ -1,11 +1,13 @@
-"""The parity harness's argument checks (``tools/bench/parity.py``), made before anything trains or
-loads, and the command recorded with each result (the reference checkout's path masked)."""
+"""The parity harness's options (``tools/bench/parity.py``): the parser, the checks made before
+anything trains or loads, and the command recorded with each result (the reference checkout's path
+masked)."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from pathlib import Path
+
 
 def build_parser(doc: str, presets: list[str], out_default: str) -> argparse.ArgumentParser:
     """``parity.py``'s options (``doc``: its help text; ``presets``: the ``--preset`` names)."""
