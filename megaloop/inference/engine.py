@@ -96,10 +96,12 @@ class GenerationStats:
     prompt_tokens: int
     generated_tokens: int
     decode_steps: int
+    decode_tokens: int  # (row, token) pairs fed through the decode forwards
     prefill_s: float
     decode_s: float
     prefill_tokens_per_s: float
-    decode_tokens_per_s: float
+    decode_tokens_per_s: float  # decode_tokens / decode_s (each row's first token comes from the
+    # prefill's logits: generated_tokens counts it, the decode rate does not)
     kv_bytes_peak: int  # peak bytes held by the cache (incl. padding slots)
     kv_bytes_per_token: int  # measured, per cached token of one sequence
     kv_bytes_per_token_per_visit: int  # predicted for the full per-visit cache: one bank per visit of the
@@ -443,7 +445,7 @@ class InferenceEngine:
         texts, reasons = [""] * n, [""] * n
         rows = list(range(n))  # original row of each state row
         peak = state.cache.kv_bytes()
-        steps = 0
+        steps = fed = 0  # decode forwards; (row, token) pairs fed through them
         eos = self.eos_id
         while True:
             nxt = pick_tokens(state.logits, params, gen).tolist()
@@ -475,6 +477,7 @@ class InferenceEngine:
                 rows = [rows[j] for j in keep]
                 nxt = [nxt[j] for j in keep]
             self.decode(state, torch.tensor(nxt, dtype=torch.long), policy=policy)
+            fed += len(rows)
             if policy is not None:
                 log.add(state.last_depths)
                 for row, d in zip(rows, state.last_depths.tolist()):
@@ -493,9 +496,9 @@ class InferenceEngine:
         held = held_depth(state.prefill_depth, state.decode_depth, policy)
         stats = GenerationStats(
             cache_mode=mode, prefill_depth=state.prefill_depth, decode_depth=state.decode_depth, batch_size=n,
-            prompt_tokens=sum(prompt_lens), generated_tokens=generated, decode_steps=steps,
+            prompt_tokens=sum(prompt_lens), generated_tokens=generated, decode_steps=steps, decode_tokens=fed,
             prefill_s=t1 - t0, decode_s=t2 - t1, prefill_tokens_per_s=sum(prompt_lens) / max(t1 - t0, 1e-9),
-            decode_tokens_per_s=generated / max(t2 - t1, 1e-9), kv_bytes_peak=int(peak),
+            decode_tokens_per_s=fed / max(t2 - t1, 1e-9), kv_bytes_peak=int(peak),
             kv_bytes_per_token=int(measured),
             kv_bytes_per_token_per_visit=self.kv_bytes_per_token("per_visit", held),
             kv_bytes_per_token_terminal=self.kv_bytes_per_token("terminal", held))

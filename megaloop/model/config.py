@@ -326,3 +326,12 @@ def param_count(cfg: ModelConfig, vocab_size: int) -> dict[str, int]:
     layers = cfg.physical_layers * layer
     return {"embedding": emb, "layers": layers, "injection": inj, "head": head + d,
             "non_embedding": layers + inj + d, "total": emb + layers + inj + head + d}
+
+
+def size_line(cfg: ModelConfig, vocab_size: int) -> str:
+    """One line for a run's log: parameter counts (:func:`param_count`) and the layer stack."""
+    c = param_count(cfg, vocab_size)
+    stack = (f"layers {cfg.n_prelude} prelude + {cfg.n_core} core x R + {cfg.n_coda} coda" if cfg.looped
+             else f"{cfg.physical_layers} layers")
+    return (f"model: {c['total']:,} parameters ({c['non_embedding']:,} non-embedding), {stack}, "
+            f"d={cfg.hidden_size}, padded vocab {cfg.padded_vocab(vocab_size):,}")

@@ -29,8 +29,10 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megaloop.config import RunConfig
+from megaloop.config_utils import ConfigError
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
+from megaloop.model.config import size_line
 from megaloop.runtime.agree import on_every_rank
 from megaloop.runtime.exits import EXIT_OK, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
@@ -110,8 +112,6 @@ class Trainer:
         self.dp = parallel_state.get_data_parallel_world_size()
         self.M = cfg.train.num_microbatches(self.dp)
         if (par.vpp or 1) > 1 and self.M % par.pp:
-            from megaloop.config_utils import ConfigError
-
             raise ConfigError(f"train.global_batch_size: interleaved pipelining needs the {self.M} microbatches "
                               f"per step to be a multiple of parallel.pp={par.pp}")
         self.mbs = cfg.train.micro_batch_size
@@ -130,12 +130,8 @@ class Trainer:
         manifest = getattr(self.loader, "manifest", {}) or {}
         self.vocab = cfg.model.vocab_size or int(manifest.get("vocab_size", 0))
         if self.vocab <= 0:
-            from megaloop.config_utils import ConfigError
-
             raise ConfigError("model.vocab_size: not set and the data manifest has no vocab_size")
         if manifest.get("vocab_size") and self.vocab < int(manifest["vocab_size"]):
-            from megaloop.config_utils import ConfigError
-
             raise ConfigError(f"model.vocab_size: {self.vocab} is smaller than the tokenizer's "
                               f"{manifest['vocab_size']} (data manifest)")
         # the embedded default ships its own validation split; other data name it in data.val_path
@@ -299,7 +295,6 @@ class Trainer:
             # megatron's scheduler keeps the checkpoint's horizon (and not its WSD decay length):
             # a longer train.max_steps would train at lr=0. Honour the new horizon where the LR
             # curve stays continuous, else refuse (schedule.check_horizon_change).
-            from megaloop.config_utils import ConfigError
             from megaloop.train.schedule import check_horizon_change
 
             problem = check_horizon_change(self.cfg.optim, old_horizon, self.cfg.train.max_steps,
@@ -344,8 +339,6 @@ class Trainer:
                  if (old := (saved.get(sec) or {}).get(key)) is not None
                  and old != (new := getattr(getattr(self.cfg, sec), key))]
         if diffs:
-            from megaloop.config_utils import ConfigError
-
             keep = " ".join(d.split(" (")[0] for d in diffs)
             raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; its depth sampler and data "
                               f"order keep the checkpoint's seeds. Resume with {keep}, or start a new run")
@@ -355,7 +348,6 @@ class Trainer:
         default included, e.g. ``model.qk_norm`` before it became the default), naming each field
         and the overrides that resume it; a field the saved config lacks counts as what runs
         before it trained with (``ModelConfig.LEGACY_DEFAULTS``)."""
-        from megaloop.config_utils import ConfigError
         from megaloop.model.config import arch_differences, as_override, describe_differences
 
         diffs = arch_differences(saved, self.cfg.model) if saved else []
@@ -559,6 +551,7 @@ class Trainer:
         try:
             t = self.cfg.train
             end = self._end_step()
+            self.metrics.message(size_line(self.cfg.model, self.vocab))  # as `megaloop plan` counts them
             if self.step >= end:  # a resumed run that already reached its end (a finished screen point: fine)
                 limit = f"train.stop_after={t.stop_after}" if t.stop_after and t.stop_after < t.max_steps else \
                     f"train.max_steps={t.max_steps}"

@@ -67,6 +67,8 @@ def test_kv_memory_is_four_twelfths_at_R5():
     assert s.kv_bytes_per_token == s.kv_bytes_per_token_terminal == st_t.bytes_per_token
     assert s.kv_bytes_per_token_per_visit == st_p.bytes_per_token
     assert s.generated_tokens == 4 and s.decode_steps == 3 and s.prefill_s > 0 and s.decode_tokens_per_s > 0
+    # the first token comes from the prefill: the decode rate counts the 3 tokens fed (it counted 4)
+    assert s.decode_tokens == 3 and abs(s.decode_tokens_per_s * s.decode_s - 3) < 1e-6
     assert s.kv_bytes_peak == 6 * st_t.bytes_per_token  # 3 prompt + 3 fed tokens
 
 

@@ -6,6 +6,8 @@ import signal
 
 import pytest
 
+from megaloop.config import load_config
+from megaloop.model.config import param_count
 from tests.train.helpers import metrics, run_train, signal_after
 
 STEPS = ["train.max_steps=8", "train.save_interval=0"]
@@ -25,8 +27,11 @@ def _same(a, b):
 
 
 def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
-    run_train(tmp_path, *STEPS, "train.stop_after=3")
+    proc = run_train(tmp_path, *STEPS, "train.stop_after=3")
     assert [r["step"] for r in metrics(tmp_path)] == [1, 2, 3]
+    # the run states its size at start, counted as `megaloop plan` counts it (it printed none)
+    total = param_count(load_config("tiny", []).model, 4096)["total"]
+    assert f"model: {total:,} parameters (" in proc.stdout and total == 1_918_592
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     # a re-run of the same stopped command (a screen point launched again) trains nothing, and says so
     proc = run_train(tmp_path, *STEPS, "train.stop_after=2", resume="auto")
