@@ -112,6 +112,8 @@ class MegaloopLM(LM):
             policy = engine.exit if policy == "engine" else exit_policy(policy, default_max_depth=self.decode_depth)
         self.policy = policy
         self._device = engine.device
+        self.rope_extrapolated = False  # a request fed positions past the training seq_len
+        self._cut_prompts = 0  # generate_until prompts cut on the left to leave max_gen_toks of room
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: Optional[dict] = None):
@@ -163,10 +165,23 @@ class MegaloopLM(LM):
         """Keep at most ``max_length`` input tokens (context + continuation[:-1]), cutting the
         context on the left (at least one context token is kept)."""
         limit = self.max_length
-        if len(cont) > limit:
-            cont = cont[-limit:]
+        if len(cont) > limit:  # scoring its tail after a 1-token context was silent (lm-eval's HF model asserts)
+            raise ConfigError(f"loglikelihood: a continuation of {len(cont)} tokens does not fit the context window "
+                              f"of {limit} tokens (max_length: the training seq_len, or --max-context)")
         room = limit + 1 - len(cont)  # inputs: ctx + cont[:-1]
+        self._positions(len(ctx[-max(1, room):]) + len(cont) - 1)
         return ctx[-max(1, room):], cont
+
+    def _positions(self, n: int) -> None:
+        """Note that ``n`` positions are fed; past the training seq_len warn once (RoPE extrapolation,
+        as every other eval verb does) and record it (``rope_extrapolated``)."""
+        trained = int(self.engine.config.max_position_embeddings)
+        if n > trained and not self.rope_extrapolated:
+            import sys
+
+            print(f"warning: a request reaches {n} positions, beyond the training seq_len {trained}: RoPE positions "
+                  f"{trained}..{n - 1} were never trained and are extrapolated", file=sys.stderr, flush=True)
+        self.rope_extrapolated = self.rope_extrapolated or n > trained
 
     def _loglikelihood_tokens(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
         """Scores of (context ids, continuation ids) pairs in this adapter's scoring mode."""
@@ -246,8 +261,15 @@ class MegaloopLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         if requests:  # one request at a time: the longest context with the longest generation
             longest = max(len(self.tok_encode(r.args[0]) or [0]) for r in requests)
-            max_new = max(int((r.args[1] or {}).get("max_gen_toks", self.max_gen_toks)) for r in requests)
-            self._check_memory([([0] * min(longest, max(1, self.max_length - 1)), [0])], max_new=max(1, max_new))
+            lengths = [int((r.args[1] or {}).get("max_gen_toks", self.max_gen_toks)) for r in requests]
+            if min(lengths) < 1:  # it generated one token anyway
+                raise ConfigError(f"generate_until: max_gen_toks must be >= 1, got {min(lengths)}")
+            if max(lengths) >= self.max_length:  # the prompt was cut to one token, silently (lm-eval's HF asserts)
+                raise ConfigError(f"generate_until: max_gen_toks {max(lengths)} leaves no room for the prompt in the "
+                                  f"context window of {self.max_length} tokens (max_length: the training seq_len, "
+                                  "or --max-context); lower max_gen_toks in the task's generation_kwargs or "
+                                  "raise --max-context")
+            self._check_memory([([0] * min(longest, self.max_length - max(lengths)), [0])], max_new=max(lengths))
         out = []
         for req in requests:
             context, kwargs = req.args[0], dict(req.args[1] or {})
@@ -257,8 +279,16 @@ class MegaloopLM(LM):
             do_sample = bool(kwargs.pop("do_sample", False))
             temperature = float(kwargs.pop("temperature", 0.0)) if do_sample else 0.0
             ids = self.tok_encode(context) or [self.eot_token_id]
-            ids = ids[-max(1, self.max_length - max_new):]
-            res = self.engine.generate(ids, max_new_tokens=max(1, max_new), temperature=temperature,
+            if len(ids) > self.max_length - max_new:  # as lm-eval's HF model: room for max_gen_toks, said once
+                if not self._cut_prompts:
+                    import sys
+
+                    print(f"warning: generate_until: a prompt of {len(ids)} tokens is cut on the left to "
+                          f"{self.max_length - max_new} (max_length {self.max_length} - max_gen_toks {max_new})",
+                          file=sys.stderr, flush=True)
+                self._cut_prompts += 1
+                ids = ids[-(self.max_length - max_new):]
+            res = self.engine.generate(ids, max_new_tokens=max_new, temperature=temperature,
                                        top_p=float(kwargs.pop("top_p", 1.0) or 1.0),
                                        top_k=int(kwargs.pop("top_k", 0) or 0), seed=kwargs.pop("seed", 1234),
                                        stop=until, prefill_depth=self.prefill_depth,
@@ -266,6 +296,7 @@ class MegaloopLM(LM):
                                        exit_criterion=self.policy if self.policy is not None else "none",
                                        cache_mode="per_visit" if self.cache_mode == "per_visit" else "terminal")
             text = res.results[0].text
+            self._positions(len(ids) + max(len(res.results[0].token_ids) - 1, 0))  # the last token is not fed
             out.append(text)
             self.cache_hook.add_partial("generate_until", req.args, text)
         return out
@@ -466,7 +497,9 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
     return {"results": results, "n_samples": (out or {}).get("n-samples", {}),
             "config": {"depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
                        "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot,
-                       "exit": describe_policy(getattr(lm, "policy", None))}}
+                       "exit": describe_policy(getattr(lm, "policy", None)),
+                       "rope_extrapolated": getattr(lm, "rope_extrapolated", False),
+                       "prompts_cut": getattr(lm, "_cut_prompts", 0)}}
 
 
 def describe_policy(policy) -> Optional[dict]:

@@ -478,6 +478,10 @@ def to_hf_model(native, mcfg, run_cfg: dict, ckpt: Path, *, num_recurrences: int
         tok_path = None
     if tok_path is not None:
         info = tokenizer_info(tok_path)
+        if info["eos"] is not None:  # megaloop's documents are EOS-separated and no BOS is ever trained
+            # (mds_convert): the export's BOS is the EOS token (GPT-2's convention), so lm-eval's HF
+            # model (its prefix token is the BOS) and HF generate condition as training and `eval harness` do
+            info["bos"] = info["eos"]
         if info["vocab_size"] > vocab and tokenizer:  # the user's --tokenizer: named as theirs
             from megaloop.config_utils import ConfigError
 

@@ -379,7 +379,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
           f"({s.prompt_tokens} tokens), decode {s.decode_tokens_per_s:.1f} tokens/s, KV "
           f"{s.kv_bytes_per_token} B/token (per-visit would be {s.kv_bytes_per_token_per_visit}), "
           f"peak {s.kv_bytes_peak} B")
-    if s.exit_criterion:
+    if s.exit_criterion and s.mean_depth is None:  # every row stopped at the prefill's token (it was a traceback)
+        print(f"adaptive {s.exit_criterion} ({s.finished_rows}): no adaptive decode steps")
+    elif s.exit_criterion:
         hist = " ".join(f"{d}:{c}" for d, c in s.depth_histogram.items())
         print(f"adaptive {s.exit_criterion} ({s.finished_rows}): mean depth {s.mean_depth:.2f}, depth:tokens {hist}")
     # positions fed to the model: the prompt and every generated token but the last
