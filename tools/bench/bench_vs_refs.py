@@ -87,7 +87,10 @@ def main() -> None:
         with user_errors(p):  # what the matched config refuses of the shape (e.g. --layers 1 0 1): one line
             cfg = _matched_model(name, args)
         native = native_model(cfg, args.vocab).to(dev, dtype).train()
-        ref = load_reference(name, path, Shape.of(cfg, args.vocab, mean_depth=R, bptt_window=k), seed=0)
+        try:
+            ref = load_reference(name, path, Shape.of(cfg, args.vocab, mean_depth=R, bptt_window=k), seed=0)
+        except SystemExit as err:  # named as this script's option, exit 2 (it named --ref-path, exit 1)
+            p.error(str(err).replace("--ref-path", f"--{name}"))
         ref.model.to(dev, dtype).train()
         n_ml, n_ref = (sum(q.numel() for q in m.parameters()) for m in (native, ref.model))
         if abs(n_ml - n_ref) > 0.01 * n_ref:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -114,13 +115,18 @@ def _stub_triton() -> None:
 
 
 def _commit(root: Path) -> str:
-    head = root / ".git" / "HEAD"
-    if head.exists():
-        ref = head.read_text().strip()
-        if ref.startswith("ref: "):
-            p = root / ".git" / ref[5:]
-            return p.read_text().strip() if p.exists() else ref
-        return ref
+    """The checkout's commit (git's answer: packed refs, worktrees and submodules included; reading
+    ``.git/HEAD`` by hand recorded a ref name after ``git gc``), else a ``COMMIT`` file's, else unknown.
+    A folder that is not itself a repository's top level (a copy inside another checkout) is not
+    given the enclosing repository's commit."""
+    try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
+                             capture_output=True, text=True, timeout=30)
+        lines = top.stdout.split()
+        if top.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root.resolve():
+            return lines[1]
+    except (OSError, subprocess.SubprocessError):  # no git here
+        pass
     marker = root / "COMMIT"
     return marker.read_text().strip() if marker.exists() else "unknown"
 
@@ -313,6 +319,7 @@ class Parcae(Reference):
 
 
 REFERENCES = {"huginn": Huginn, "parcae": Parcae}
+TESTED_COMMITS = {"huginn": "59e0b69b", "parcae": "dee8363b"}  # the checkouts the README's results come from
 
 
 def reference_root(name: str, path: str | Path) -> Path:
@@ -333,6 +340,10 @@ def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Refe
     except ImportError as err:  # a checkout missing files, or a package the reference needs
         raise SystemExit(f"--ref-path: {root}: the {name} reference cannot be imported ({type(err).__name__}: "
                          f"{err}); pass a complete checkout and install what it imports") from None
+    except (AttributeError, KeyError, TypeError, ValueError) as err:  # another revision's config registry or API
+        raise SystemExit(f"--ref-path: {root}: the {name} reference cannot be configured as the harness does "
+                         f"({type(err).__name__}: {err}); pass a checkout at commit {TESTED_COMMITS[name]}, the "
+                         "one the harness was written against") from None
 
 
 def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: float) -> float:
