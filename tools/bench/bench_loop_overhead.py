@@ -63,11 +63,19 @@ def main():
     res = {"median_step_s": med,
            "ratio_looped_b5_over_gpt12": med["looped_r5_b5"] / med["gpt12"],
            "ratio_looped_b2_over_gpt12": med["looped_r5_b2"] / med["gpt12"],
+           # per round (the arms alternate), so a result shows its own spread under a drifting load
+           "round_step_s": times,
+           **{f"round_ratio_{k}_over_gpt12": _spread([a / g for a, g in zip(times[arm], times["gpt12"])])
+              for k, arm in (("b5", "looped_r5_b5"), ("b2", "looped_r5_b2"))},
            "params": {"looped": sum(p.numel() for p in looped.parameters()),
                       "gpt12": sum(p.numel() for p in gpt.parameters())}}
     print(res)
     write_result("loop_overhead" + ("_gpu" if dev == "cuda" else ""), {**vars(args), "device": dev}, res,
                  command("bench_loop_overhead.py", args))
+
+
+def _spread(ratios: list[float]) -> dict:
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ def _row(d: dict) -> tuple[str, str] | None:
                  + (f" (per-round median {_f(paired[n])}×)" if n in paired else "")
                  + f", model TFLOP/s {t[f'megaloop_{n}_matched']:.3g} vs {t[f'{n}_reference']:.3g} (commit "
                  f"{r['reference_commits'][n][:8]})" for n, v in ratio.items()]
-        return (f"Train step, megaloop reference-matched config / the reference's own code, same shape, parameters "
-                f"and FLOPs ({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, "
+        return (f"Train step, megaloop reference-matched config / the reference's own code, same shape and "
+                f"parameters, both credited megaloop's FLOPs (Parcae's code recomputes its B·e every recurrence: "
+                f"~2 % more arithmetic) ({c.get('device')}, d={c['hidden']}, s={c['seq']}, b={c['batch']}, R={c['depth']}, "
                 f"backprop through {c['bptt_window']})", "; ".join(parts))
     if name == "rewards":
         rows = r["rows"]
