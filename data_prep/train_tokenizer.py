@@ -6,7 +6,8 @@
 Writes ``DIR/tokenizer.json`` plus HF ``tokenizer_config.json`` / ``special_tokens_map.json``
 (EOS ``<|endoftext|>`` = 0, BOS ``<|bos|>`` = 1, PAD ``<|pad|>`` = 2), loadable by
 ``megaloop.data.load_tokenizer`` and ``transformers.PreTrainedTokenizerFast``. Documents are
-read in sorted file order (deterministic); ``--max-docs`` caps how many are used.
+read one source at a time in turn, each source's in sorted file order (deterministic), so
+``--max-docs``, the cap, takes an equal share of every source; the count read per source is printed.
 
 Refused before training (exit 2, one line naming the flag): ``--vocab-size`` not above the 256 byte
 symbols + 3 special tokens (no merge would be learned), ``--max-docs`` < 1, an ``--out`` that is a
@@ -85,6 +86,29 @@ def publish(tmp: Path, out: Path, overwrite: bool, shown: str | Path | None = No
         os.replace(tmp / name, out / name)
 
 
+def interleave_sources(files, read_jsonl, counts: dict[str, int]):
+    """The documents of ``files`` one source at a time in turn (each source's in sorted file order),
+    so that ``--max-docs`` takes an equal share of every source (a source that runs out leaves its
+    share to the others); ``counts``: documents taken per source. It read the sorted files in turn,
+    so a capped run on a TxT360 tree trained on its first source(s) alone."""
+    streams: dict[str, list] = {}
+    for f in files:
+        streams.setdefault(f.source, []).append(f)
+    live = {src: (t for f in fs for _, t in read_jsonl(f.path)) for src, fs in streams.items()}
+    counts.update(dict.fromkeys(live, 0))
+    while live:
+        for src in list(live):
+            text = next(live[src], _END)
+            if text is _END:
+                del live[src]
+                continue
+            counts[src] += 1
+            yield text
+
+
+_END = object()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
@@ -107,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         check_args(args)
         files = discover(args.input)
         check_out_outside_input(args.input, args.out)
-        texts = itertools.islice((t for f in files for _, t in read_jsonl(f.path)), args.max_docs)
+        per_source: dict[str, int] = {}
+        texts = itertools.islice(interleave_sources(files, read_jsonl, per_source), args.max_docs)
         read = [0]
 
         def counted():
@@ -141,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     if tok.vocab_size < args.vocab_size:
         print(f"note: --vocab-size {args.vocab_size}: the tokenizer has {tok.vocab_size} tokens (no other pair of "
               f"tokens occurs twice in the {read[0]:,} document(s) read; more text gives more)", file=sys.stderr)
+    print(f"read {read[0]:,} document(s): " + ", ".join(f"{src} {n:,}" for src, n in per_source.items()))
     print(f"wrote {Path(args.out) / 'tokenizer.json'} (vocab {tok.vocab_size}, eos {tok.eos_id}, "
           f"sha256 {tok.sha256[:12]})")
     return 0

@@ -127,3 +127,16 @@ def test_a_killed_tokenizer_runs_temp_folder_is_removed_by_the_next_run(tmp_path
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (out / "tokenizer.json").is_file() and not stale.exists() and live.exists() and other_host.exists()
+
+
+def test_train_tokenizer_max_docs_takes_every_source_in_turn(train_tokenizer, txt360_tree, tmp_path, capsys):
+    """--max-docs read the sorted files in turn: a capped run on a TxT360 tree trained on its first
+    source alone (here: alpha's 220 documents before beta's first)."""
+    assert train_tokenizer.main(["--input", str(txt360_tree[0]), "--out", str(tmp_path / "tok"),
+                                 "--vocab-size", "300", "--max-docs", "101"]) == 0
+    out = capsys.readouterr().out
+    assert "read 101 document(s): alpha 51, beta 50" in out
+    # a source that runs out leaves its share to the others; the whole tree is still read without a cap
+    assert train_tokenizer.main(["--input", str(txt360_tree[0]), "--out", str(tmp_path / "all"),
+                                 "--vocab-size", "300"]) == 0
+    assert "read 410 document(s): alpha 220, beta 190" in capsys.readouterr().out
