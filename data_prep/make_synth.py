@@ -84,6 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _check_default_corpus(root: Path) -> None:
+    from megaloop.data.default_corpus import ensure_corpus_tree
+    from megaloop.errors import UserError
+
+    for src in sorted((ensure_corpus_tree() / "data").iterdir()):
+        if (root / "data" / src.name).exists():
+            raise UserError(f"--with-default-corpus: {root / 'data' / src.name} already exists; write to a fresh --out")
+
+
 def _link_default_corpus(root: Path) -> list[str]:
     """Hard-link (copy if refused) the embedded corpus' sources into ``root/data``."""
     from megaloop.data.default_corpus import ensure_corpus_tree
@@ -121,10 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                         eval_ks=parse_ks(args.eval_ks), eval_per_k=args.eval_per_k,
                         eval_seed=args.eval_seed, synth=synth)
         root = Path(args.out)
+        if args.with_default_corpus:  # a clash is refused before the tree is written (it was after)
+            _check_default_corpus(root)
         info = write_synth_tree(root, spec, tokenizer=not args.no_tokenizer,
                                 add_sources=_link_default_corpus if args.with_default_corpus else None)
     except UserError as err:
         return report(err, "make_synth")
+    except KeyboardInterrupt:  # write_synth_tree removed what it wrote (it was a traceback and half a tree)
+        print(f"make_synth: interrupted: --out {args.out} is as it was", file=sys.stderr)
+        return 130
     print(json.dumps({"out": str(root), "num_docs": info["num_docs"], "train_chars": info["train_chars"],
                       "heldout": info["heldout"]["num"], **({"linked_sources": info["linked_sources"]}
                                                            if "linked_sources" in info else {})}))

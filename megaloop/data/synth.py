@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -310,8 +311,37 @@ def write_synth_tree(root: str | Path, spec: TreeSpec, *, tokenizer: bool = True
     """Write the TxT360 tree, ``heldout.jsonl``, the character tokenizer and ``synth.json``
     (last, atomically: a tree without it is unfinished). ``add_sources(root)`` puts other sources
     into ``root/data`` before that and returns their names (``linked_sources``). Returns the
-    ``synth.json`` content. ``root`` must not hold another synth tree."""
+    ``synth.json`` content. ``root`` must not hold another synth tree. A run that fails or is
+    interrupted (Ctrl-C) removes what it wrote, so ``root`` is as it was and the same command runs
+    again (an unfinished tree was left, which the converter read and a rerun refused)."""
+    from megaloop.data._fsutil import first_missing
+
     root = Path(root)
+    src_dir = root / "data" / SOURCE / BUCKET
+    created = first_missing(src_dir)  # folders this run creates: everything below them is its own
+    ours = [root / n for n in ("heldout.jsonl", "tokenizer", "synth.json") if not (root / n).exists()]
+    data_before = set((root / "data").iterdir()) if (root / "data").is_dir() else set()
+    src_was_empty = src_dir.is_dir() and not any(src_dir.iterdir())
+    try:
+        return _write_synth_tree(root, spec, tokenizer, add_sources)
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        if src_was_empty:
+            for f in src_dir.iterdir():
+                f.unlink()
+        if (root / "data").is_dir():  # sources add_sources linked in
+            ours += [p for p in (root / "data").iterdir() if p not in data_before]
+        for p in ours:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.exists() or p.is_symlink():
+                p.unlink()
+        raise
+
+
+def _write_synth_tree(root: Path, spec: TreeSpec, tokenizer: bool,
+                      add_sources: Callable[[Path], list[str]] | None) -> dict:
     if root.exists() and not root.is_dir():
         raise ConfigError(f"--out: {root} exists and is not a directory")
     src_dir = root / "data" / SOURCE / BUCKET

@@ -252,3 +252,44 @@ def test_with_default_corpus_links_before_synth_json_and_records_the_sources(tmp
     err = capsys.readouterr().err
     assert f"--with-default-corpus: {other / 'data' / SOURCE} already exists" in err and "Traceback" not in err
     assert not (other / "synth.json").exists()
+
+
+def test_an_interrupted_or_refused_make_synth_leaves_out_as_it_was(tmp_path, capsys, monkeypatch):
+    """Ctrl-C mid-write was a traceback that left data/synth-programs/1-1/0_4.jsonl and no synth.json:
+    the converter read the unfinished tree and a rerun was refused; a --with-default-corpus clash was
+    refused only after the whole tree was written, and left it."""
+    import make_synth
+
+    import megaloop.data.default_corpus as dc
+    import megaloop.data.synth as synth
+
+    real = synth.training_documents
+
+    def interrupted(*a, **k):
+        for i, rec in enumerate(real(*a, **k)):
+            if i == 3:
+                raise KeyboardInterrupt
+            yield rec
+
+    monkeypatch.setattr(synth, "training_documents", interrupted)
+    fresh = tmp_path / "fresh" / "tree"
+    assert make_synth.main(["--out", str(fresh), "--num-docs", "20", "--num-files", "2"]) == 130
+    assert f"interrupted: --out {fresh} is as it was" in capsys.readouterr().err
+    assert not (tmp_path / "fresh").exists()
+    kept = tmp_path / "kept"  # an existing --out with a file of its own and an empty source folder
+    (kept / "data" / SOURCE / "1-1").mkdir(parents=True)
+    (kept / "notes.txt").write_text("mine")
+    assert make_synth.main(["--out", str(kept), "--num-docs", "20", "--num-files", "2"]) == 130
+    assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == [
+        "data", "data/" + SOURCE, f"data/{SOURCE}/1-1", "notes.txt"]
+    monkeypatch.setattr(synth, "training_documents", real)
+    assert make_synth.main(["--out", str(kept), "--num-docs", "20", "--num-files", "2"]) == 0  # runs again
+    corpus = tmp_path / "corpus"
+    (corpus / "data" / "alpha" / "1-1").mkdir(parents=True)
+    monkeypatch.setattr(dc, "ensure_corpus_tree", lambda: corpus)
+    clash = tmp_path / "clash"
+    (clash / "data" / "alpha").mkdir(parents=True)
+    monkeypatch.setattr(synth, "training_documents", lambda *a, **k: pytest.fail("written before the check"))
+    assert make_synth.main(["--out", str(clash), "--num-docs", "20", "--with-default-corpus"]) == 2
+    assert f"{clash / 'data' / 'alpha'} already exists" in capsys.readouterr().err
+    assert sorted(str(p.relative_to(clash)) for p in clash.rglob("*")) == ["data", "data/alpha"]
