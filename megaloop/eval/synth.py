@@ -79,6 +79,28 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
     return out
 
 
+def run_heldout(checkpoint: str | Path) -> Optional[Path]:
+    """The held-out set of the synthetic tree a run trained on: ``RUN/data.json`` names the MDS set,
+    whose manifest names its input tree; a tree with ``synth.json`` (``make_synth.py``'s completion
+    mark) gives its ``heldout.jsonl``. None when any link is missing (another corpus, a moved tree,
+    an HF folder). The shipped set is the held-out set of the default settings only: a tree made
+    with another modulus, ``--eval-seed``, ``--eval-ks`` or ``--eval-per-k`` trains on some of it."""
+    from megaloop.data.tokenizer import find_relative, read_manifest
+
+    p = Path(checkpoint)
+    run = next((d for d in (p, p.parent, p.parent.parent) if (d / "data.json").is_file()), None)
+    if run is None:
+        return None
+    data = str((read_manifest(run, "data.json") or {}).get("path") or "")
+    folder = find_relative(data, run, lambda f: read_manifest(f) is not None) if data else None
+    tree = str((read_manifest(folder) or {}).get("input") or "") if folder is not None else ""
+    info = read_manifest(tree, "synth.json") if tree else None
+    if not info or not isinstance(info.get("heldout"), dict):
+        return None
+    held = Path(tree) / str(info["heldout"].get("file") or "heldout.jsonl")
+    return held if held.is_file() else None
+
+
 def _encode(lm, problems: Sequence[dict]) -> list[tuple[list[int], list[int]]]:
     """``problems`` as :class:`MegaloopLM` ``lm``'s (context, continuation) token pairs (the same at
     every depth). A problem longer than the context is refused: cutting its start (what the adapter

@@ -66,7 +66,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     """Print the k × R table, write the PNG (and ``--json``)."""
     from megaloop.eval.decode_score import check_scoring
     from megaloop.eval.depth_sweep import parse_depths
-    from megaloop.eval.synth import DEFAULT_DEPTHS, SHIPPED, load_problems, plot_synth, synth_table
+    from megaloop.eval.synth import DEFAULT_DEPTHS, SHIPPED, load_problems, plot_synth, run_heldout, synth_table
     from megaloop.inference.generate_cli import is_untied
 
     for flag in ("depth", "decode_depth"):
@@ -92,7 +92,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise ConfigError(f"--depths: {args.checkpoint} is an untied (non-looped) model, it has no depth to vary")
     plot = check_plot_path(args.plot, args.json, "synth_table.png")
     check_outputs_not_inputs(args, {"--json": args.json, "--plot": str(plot)})
-    problems = load_problems(args.problems or SHIPPED, _parse_ks(args.ks), args.limit)
+    source = args.problems or run_heldout(args.checkpoint)  # the run's own tree's set: the shipped one
+    if source is not None and not args.problems:  # is that of the default settings alone
+        print(f"problems: {source} (the held-out set of the synthetic tree the run trained on; --problems "
+              "chooses another)", flush=True)
+    source = source or SHIPPED
+    problems = load_problems(source, _parse_ks(args.ks), args.limit)
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     if not engine.config.looped:  # one pass: every depth would give the same column; one, at the run's eval depth
         if args.depths is not None:
@@ -110,7 +115,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
             print(f"R={r} adaptive decode ({stats['criterion']}, max depth {stats['max_depth']}): "
                   f"{_depth_summary(stats)}")
     write_json(args.json, {"command": "eval synth", "engine": engine.describe(),
-                           "problems": str(args.problems or SHIPPED), **table.to_dict(), "plot": str(plot)})
+                           "problems": str(source), **table.to_dict(), "plot": str(plot)})
     print(f"wrote {plot_synth(table, plot)}")  # after the JSON: a failing plot loses no result
     return 0
 

@@ -186,3 +186,39 @@ def test_eval_synth_command(tmp_path, capsys):
     bad = parser.parse_args(["synth", "--checkpoint", str(hf), "--depth", "3"])
     with pytest.raises(ConfigError, match="--depth: not used"):
         bad.fn(bad)
+
+
+def test_eval_synth_scores_the_held_out_set_of_the_runs_own_tree(tmp_path, capsys):
+    """Without --problems the shipped set (the default settings' held-out problems) was scored whatever
+    tree the run trained on: with another modulus, --eval-seed or --eval-ks the run had trained on up to
+    109 of its 400 problems, with no note. The run's data.json -> the MDS manifest's input -> synth.json
+    now lead to the tree's own heldout.jsonl."""
+    from megaloop.data.synth import write_char_tokenizer
+    from megaloop.eval.synth import run_heldout
+    from megaloop.eval.synth_cli import add_synth_parser
+
+    hf = tmp_path / "hf"
+    make_model(seed=3, vocab=384, real_vocab=259, max_position_embeddings=128).save_pretrained(hf)
+    write_char_tokenizer(hf)
+    tree, mds = tmp_path / "tree", tmp_path / "mds"
+    tree.mkdir()
+    mds.mkdir()
+    own = [r for r in map(json.loads, SHIPPED.read_text().splitlines()) if r["k"] == 2][:3]
+    (tree / "heldout.jsonl").write_text("".join(json.dumps(r) + "\n" for r in own))
+    assert run_heldout(hf) is None  # no data.json: the shipped set, as before
+    (hf / "data.json").write_text(json.dumps({"path": str(mds)}))
+    (mds / "manifest.json").write_text(json.dumps({"input": str(tree)}))
+    assert run_heldout(hf) is None  # a tree without synth.json (not a finished make_synth tree)
+    (tree / "synth.json").write_text(json.dumps({"heldout": {"file": "heldout.jsonl", "num": 3}}))
+    assert run_heldout(hf) == tree / "heldout.jsonl"
+    parser = argparse.ArgumentParser()
+    add_synth_parser(parser.add_subparsers(dest="cmd"))
+    out = tmp_path / "res.json"
+    args = parser.parse_args(["synth", "--checkpoint", str(hf), "--depths", "1", "--json", str(out), "--device", "cpu"])
+    assert args.fn(args) == 0
+    assert f"problems: {tree / 'heldout.jsonl'} (the held-out set of the synthetic tree" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["problems"] == str(tree / "heldout.jsonl") and res["ks"] == [2] and res["n"] == [3]
+    args = parser.parse_args(["synth", "--checkpoint", str(hf), "--depths", "1", "--ks", "1", "--limit", "1",
+                              "--problems", str(SHIPPED), "--json", str(out), "--device", "cpu"])
+    assert args.fn(args) == 0 and json.loads(out.read_text())["problems"] == str(SHIPPED)  # --problems wins
