@@ -102,7 +102,10 @@ def stage_commands(run_dir: Path, arm: Arm, plan: EvalPlan, *, threads: int | No
                          *(["--depths", ",".join(map(str, plan.depths))] if arm.looped else []),
                          "--json", str(out / "synth.json"), "--plot", str(out / "synth.png")]
         cmds["synth"] += ["--threads", str(threads)] if threads else []
-        cmds["synth"] += ["--problems", plan.synth] if plan.synth != "shipped" else []
+        from megaloop.eval.synth import SHIPPED  # "shipped" names the file: eval synth's own default is
+        # the held-out set of the run's tree
+
+        cmds["synth"] += ["--problems", plan.synth if plan.synth != "shipped" else str(SHIPPED)]
     if plan.sweep and arm.looped:
         sweep = [*head, "sweep", *common, "--depths", ",".join(map(str, plan.depths)), "--data", plan.data,
                  "--batch-size", str(plan.batch_size), "--json", str(out / "sweep.json"),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from megaloop.eval.synth import SHIPPED
 from megaloop.repro.evaluate import evaluate_arm, stage_commands, synth_curve, synth_metrics
 from megaloop.repro.spec import Arm, EvalPlan
 from tests.repro.conftest import fake_checkpoint
@@ -42,7 +43,8 @@ def test_stage_commands_with_and_without_the_sweep(tmp_path: Path) -> None:
     assert argv[argv.index("--depths") + 1] == "1,5,64" and argv[argv.index("--problems") + 1] == "probs.jsonl"
     assert argv[argv.index("--json") + 1] == str(tmp_path / "eval" / "synth.json")
     shipped = stage_commands(tmp_path, arm, EvalPlan(synth="shipped"), threads=None, device="cpu", python="py")
-    assert list(shipped) == ["synth", "sweep", "harness"] and "--problems" not in shipped["synth"]
+    assert list(shipped) == ["synth", "sweep", "harness"]
+    assert shipped["synth"][shipped["synth"].index("--problems") + 1] == str(SHIPPED)  # the file, not the default
     assert list(stage_commands(tmp_path, arm, EvalPlan(), threads=None, device="cpu")) == ["sweep", "harness"]
 
 
