@@ -52,7 +52,8 @@ def add_holdout_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--screen-fraction", type=float, default=0.001,
                    help="fraction of documents (by content hash) held out for the LR-screen set")
     p.add_argument("--holdout-salt", default="megaloop-holdout-v1",
-                   help="salt of the holdout hash (change it to draw different held-out sets)")
+                   help="salt of the holdout hash (change it to draw different held-out sets; its first 64 "
+                        "UTF-8 bytes are the hash key, so salts that differ only after them draw the same sets)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -20,6 +20,7 @@ built with other settings is replaced only with ``overwrite`` (see :func:`build_
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import hashlib
 import json
@@ -84,21 +85,25 @@ def _order_key(text: str, seed: int) -> bytes:
 
 
 def _pack(tok: Tokenizer, texts: list[str], seq_len: int, limit: int | None) -> tuple[np.ndarray, int]:
-    """Pack texts (+EOS each) into at most ``limit`` rows of ``seq_len``; returns rows, docs used."""
+    """Pack texts (+EOS each) into at most ``limit`` rows of ``seq_len``; returns rows and the documents
+    used: those with a token in a row (it counted every document encoded, in batches of 256)."""
     rows: list[np.ndarray] = []
     buf: list[int] = []
-    used = 0
+    starts: list[int] = []  # each document's first token, counted over the whole stream
+    fed = 0
     for i in range(0, len(texts), 256):
         for ids in tok.encode_batch(texts[i:i + 256]):
+            starts.append(fed)
             buf.extend(ids)
             buf.append(tok.eos_id)
-            used += 1
+            fed += len(ids) + 1
         while len(buf) >= seq_len and (limit is None or len(rows) < limit):
             rows.append(np.asarray(buf[:seq_len], dtype=np.int64))
             del buf[:seq_len]
         if limit is not None and len(rows) >= limit:
             break
     arr = np.stack(rows) if rows else np.zeros((0, seq_len), np.int64)
+    used = bisect.bisect_left(starts, len(rows) * seq_len)
     return arr.astype(token_dtype(tok.vocab_size)), used
 
 
@@ -133,6 +138,8 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
                 kept.append(f)
         files = kept
     tok = Tokenizer(cfg.tokenizer, eos_token=cfg.eos_token)
+    if cfg.train_manifest is not None:  # the ids the training data holds: another tokenizer or EOS was
+        _check_train_tokenizer(Path(cfg.train_manifest), tok)  # accepted here and refused by train later
     sizes = [(f.part, f.path.stat().st_size, f.path.stat().st_mtime_ns) for f in files]
     common = {"format": FORMAT, "tokenizer_sha256": tok.sha256, "holdout": cfg.holdout.to_dict(),
               "seed": cfg.seed, "files": sizes, "compression": cfg.compression}
@@ -192,6 +199,20 @@ def _check_train_manifest(path: Path, holdout: HoldoutSpec) -> None:
         raise DataError(f"holdout spec {holdout.to_dict()} differs from the one used for "
                         f"the training shards ({path}: {tm.get('holdout')}); "
                         "the eval sets would overlap training")
+
+
+def _check_train_tokenizer(path: Path, tok: Tokenizer) -> None:
+    from megaloop.data.tokenizer import manifest_eos_id, manifest_tokenizer_sha256
+
+    tm = json.loads(path.read_text())  # read and checked by _check_train_manifest
+    want = manifest_tokenizer_sha256(tm)
+    if want and want not in tok.sha256s:
+        raise DataError(f"--tokenizer {tok.path} (sha256 {tok.sha256[:12]}…) is not the tokenizer of the training "
+                        f"data ({path}: {want[:12]}…); the eval sets would hold other token ids")
+    eos = manifest_eos_id(tm)
+    if eos is not None and eos != tok.eos_id:
+        raise DataError(f"--eos-token: EOS id {tok.eos_id}, the training data's is {eos} ({path}); documents "
+                        "would end with another token")
 
 
 def _refuse_dataset_out(out: Path) -> None:
@@ -350,8 +371,16 @@ def _build_val(tok: Tokenizer, docs: dict, cfg: EvalSetsConfig, base: dict) -> t
                          "num_sequences": len(arr), "tokens": int(arr.size)}
     total = sum(len(r) for r in rows)
     if total == 0:
-        raise DataError(f"no validation sequence of {cfg.val_seq_len} tokens could be built from "
-                        f"{cfg.input}: raise --val-fraction (now {cfg.holdout.val_fraction})")
+        held = sum(len(t) for t in docs["val"].values())
+        why = (f"none of its documents falls in the validation band: raise --val-fraction (now "
+               f"{cfg.holdout.val_fraction})" if not held else
+               f"the {held} document(s) of its validation band do not fill one: lower --val-seq-len or raise "
+               f"--val-fraction (now {cfg.holdout.val_fraction})")
+        raise DataError(f"no validation sequence of {cfg.val_seq_len} tokens could be built from {cfg.input}: {why}")
+    if missing := [s for s, v in stats.items() if not v["num_sequences"]]:  # it was in the manifest alone
+        print(f"warning: no validation sequence of {cfg.val_seq_len} tokens from source(s) {', '.join(missing)} "
+              "(too little held-out text): the set leaves them out (manifest: sources_without_val)",
+              file=sys.stderr, flush=True)
     arr = np.concatenate(rows)
     manifest = base | {
         "kind": "val", "seq_len": cfg.val_seq_len, "columns": mds_columns(cfg.val_seq_len, str(arr.dtype)),

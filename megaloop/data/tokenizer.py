@@ -40,6 +40,13 @@ def manifest_tokenizer_sha256(manifest: dict) -> str | None:
     return manifest.get("tokenizer_sha256") or (tok.get("sha256") if isinstance(tok, dict) else None)
 
 
+def manifest_eos_id(manifest: dict) -> int | None:
+    """The EOS id a dataset manifest records (``eos_id``, or the ``tokenizer`` entry's); None if none."""
+    tok = manifest.get("tokenizer")
+    eos = manifest.get("eos_id", tok.get("eos_id") if isinstance(tok, dict) else None)
+    return eos if isinstance(eos, int) and not isinstance(eos, bool) else None
+
+
 def read_manifest(folder: str | Path, name: str = "manifest.json") -> dict | None:
     """``folder/name`` as a JSON object; None when it is missing, unreadable or not an object."""
     try:

@@ -21,7 +21,7 @@ def check_val_manifest(path: str, manifest: dict, train_path: str, train_manifes
     """``(sequence length of the set, warnings)`` for validation set ``path`` (its ``manifest``) beside
     the training set ``train_path`` (``train_manifest``); raises :class:`ConfigError` naming
     ``data.val_path`` for a set that cannot be used. ``seq_len``: ``model.seq_len``."""
-    from megaloop.data.tokenizer import manifest_tokenizer_sha256
+    from megaloop.data.tokenizer import manifest_eos_id, manifest_tokenizer_sha256
 
     seq = int(manifest.get("seq_len") or seq_len)
     have, want = manifest_tokenizer_sha256(manifest), manifest_tokenizer_sha256(train_manifest)
@@ -29,6 +29,11 @@ def check_val_manifest(path: str, manifest: dict, train_path: str, train_manifes
         raise ConfigError(f"data.val_path: {path} was tokenised with tokenizer sha256 {have[:12]}…, the "
                           f"training data ({train_path}) with {want[:12]}… (rebuild the validation "
                           "set with the training data's tokenizer)")
+    eos, train_eos = manifest_eos_id(manifest), manifest_eos_id(train_manifest)
+    if eos is not None and train_eos is not None and eos != train_eos:  # same tokenizer, another --eos-token
+        raise ConfigError(f"data.val_path: {path} ends its documents with EOS id {eos}, the training data "
+                          f"({train_path}) with {train_eos} (rebuild the validation set with the training data's "
+                          "--eos-token)")
     if seq > seq_len:
         raise ConfigError(f"data.val_path: {path} holds {seq}-token sequences, longer than model.seq_len={seq_len}")
     if fp8 and (seq * micro_batch_size) % 16:

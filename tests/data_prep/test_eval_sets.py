@@ -81,3 +81,41 @@ def test_screen_set_too_small_and_holdout_mismatch(tmp_path, txt360_tree, fixtur
     cfg.train_manifest = manifest
     with pytest.raises(DataError, match="would overlap training"):
         build_eval_sets(cfg)
+
+
+def test_eval_sets_count_used_documents_warn_on_left_out_sources_and_match_the_training_ids(
+        tmp_path, txt360_tree, fixture_tokenizer, capsys):
+    import dataclasses
+
+    tree, texts = txt360_tree
+    train = convert_txt360(ConvertConfig(input=tree, out=tmp_path / "train", tokenizer=str(fixture_tokenizer),
+                                         seq_len=16, holdout=HOLD, progress=False))
+    base = EvalSetsConfig(input=tree, out=tmp_path / "eval", tokenizer=str(fixture_tokenizer), holdout=HOLD,
+                          val_seq_len=24, val_sequences_per_source=1, screen_seq_len=32, screen_sequences=2,
+                          progress=False, train_manifest=tmp_path / "train" / "manifest.json")
+    val = build_eval_sets(base)["val"]
+    tok = load_tokenizer(fixture_tokenizer)
+    for source, stats in val["sources"].items():  # one 24-token row: the documents it holds, not all encoded
+        held = [d for d in texts_of(texts, source) if HOLD.band(d) == "val"]
+        lens = np.cumsum([len(tok.encode(d)) + 1 for d in held])
+        assert stats["docs_used"] == int(np.searchsorted(lens, 24)) + 1 < stats["docs_available"], (source, stats)
+    # a tokenizer or EOS other than the training data's: refused before anything is built (train refused later)
+    other = tmp_path / "other_tok"
+    other.mkdir()
+    (other / "tokenizer.json").write_text(fixture_tokenizer.read_text().replace('"<|pad|>"', '"<|pad2|>"'))
+    with pytest.raises(DataError, match=r"--tokenizer .* is not the tokenizer of the training data"):
+        build_eval_sets(dataclasses.replace(base, out=tmp_path / "e2", tokenizer=str(other)))
+    with pytest.raises(DataError, match=r"--eos-token: EOS id 2, the training data's is 0"):
+        build_eval_sets(dataclasses.replace(base, out=tmp_path / "e3", eos_token="<|pad|>"))
+    assert not (tmp_path / "e2").exists() and not (tmp_path / "e3").exists()
+    assert train["vocab_size"] == tok.vocab_size
+    # a source whose held-out text cannot fill one sequence: left out with a warning (it was silent)
+    capsys.readouterr()
+    build_eval_sets(dataclasses.replace(base, out=tmp_path / "e4", val_seq_len=2000, train_manifest=None,
+                                        screen_seq_len=16))
+    err = capsys.readouterr().err
+    assert "warning: no validation sequence of 2000 tokens from source(s)" in err
+
+
+def texts_of(texts: dict, source: str) -> list[str]:
+    return [d for (src, _), docs in sorted(texts.items()) if src == source for d in docs]

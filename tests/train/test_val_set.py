@@ -105,3 +105,12 @@ def test_the_embedded_validation_split_beside_another_tokenizers_data_is_refused
             t.setup()
     finally:
         t.close()
+
+
+def test_a_set_ending_documents_with_another_eos_is_refused(tmp_path):
+    """Same tokenizer, another --eos-token (<|pad|>, id 2, where the training data ends documents with
+    0): it validated silently."""
+    train = {"kind": "train", "holdout": SPEC, "seq_len": 32, **TOK, "tokenizer": {"eos_id": 0}}
+    with pytest.raises(ConfigError, match=r"ends its documents with EOS id 2, the training data .* with 0"):
+        _check(tmp_path, {"kind": "val", "holdout": SPEC, "eos_id": 2, **TOK}, train)
+    assert _check(tmp_path, {"kind": "val", "holdout": SPEC, "eos_id": 0, **TOK}, train) == (32, [])
