@@ -285,7 +285,10 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
           f"({data.source})",
           ["protocol", "PPL", "tokens", "KV bytes/token"], rows)
-    if res.sharing_penalty_pct is not None:
+    if res.sharing_penalty_pct is not None and not engine.config.looped:  # one pass: nothing is shared
+        print(f"sharing penalty: none (an untied model has one pass, so the terminal and per-visit caches are "
+              f"the same; {res.sharing_penalty_pct:+.4f} %)")
+    elif res.sharing_penalty_pct is not None:
         print(f"sharing penalty 100·(PPL_terminal/PPL_fullKV − 1) = {res.sharing_penalty_pct:+.4f} %")
     for mode, stats in (res.adaptive_depths or {}).items():
         print(f"adaptive decode ({stats['criterion']}, {mode} cache, second half scored token by token): "

@@ -355,3 +355,20 @@ def test_an_empty_checkpoint_is_refused_not_the_working_directory(cli, no_load):
     assert code == 2 and "argument --checkpoint: empty path (an unset shell variable?)" in err, err
     code, err = cli("generate", "--prompt", "a", "--checkpoint", "x", "--exit", "")  # was fixed depth, silently
     assert code == 2 and "argument --exit: empty value (an unset shell variable?)" in err, err
+
+
+def test_ppl_on_an_untied_model_prints_no_sharing_penalty(megatron_world, hf_untied, tmp_path, monkeypatch, capsys):
+    """An untied model has one pass: terminal and per-visit caches are the same, and eval ppl printed a
+    meaningless 'sharing penalty ... = +0.0000 %' line as if one had been measured."""
+    import megaloop.runtime.parallel as parallel
+    from megaloop.cli import main
+
+    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)
+    text = tmp_path / "t.txt"
+    text.write_text("x = 1\ny = x + 2\nprint(y)\n" * 20)
+    with pytest.raises(SystemExit) as done:
+        main(["eval", "ppl", "--checkpoint", str(hf_untied), "--data", str(text), "--seq-len", "32",
+              "--max-seqs", "2", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "sharing penalty: none (an untied model has one pass" in out, out
+    assert "PPL_terminal/PPL_fullKV" not in out
