@@ -59,7 +59,7 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
                 if (hf_dir / name).is_file() and not (tok_home / name).is_file():
                     made.append(tok_home / name)
                     shutil.copyfile(hf_dir / name, tok_home / name)
-        return CheckpointManager(out_root).save(step, chunks, None, common={"step": step, "config": run.to_dict(),
+        return CheckpointManager(out_root, retry="then run the same command again").save(step, chunks, None, common={"step": step, "config": run.to_dict(),
                                                                              "source": str(hf_dir)})
     except BaseException:  # an interrupt or a failure: --out as it was, so the same command can run again
         gone = [*reversed(made), *(out_root.iterdir() if out_root.is_dir() else ())]  # out_root was empty or new

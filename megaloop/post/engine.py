@@ -231,6 +231,8 @@ class PlainEngine:
 
         d = Path(directory)
         (d / tag).mkdir(parents=True, exist_ok=True)
+        for stale in d.glob("*/.plain.pt.*.tmp"):  # a save killed mid-write (SIGKILL skips the clean-up): 6 MB
+            stale.unlink(missing_ok=True)  # each at tiny, never removed; one run writes an --out at a time
         state = {"module": self.module.state_dict(), "optimizer": self.opt.state_dict(), "client_state": client_state}
         atomic_write_file(d / tag / "plain.pt", lambda tmp: torch.save(state, tmp))  # no torn file on a kill
         atomic_write_text(d / "latest", tag)

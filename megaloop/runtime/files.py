@@ -157,14 +157,19 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys:
 
 
 def save_figure(fig: Any, path: str | Path) -> Path:
-    """Lay out a matplotlib ``fig``, write it to ``path`` (parents created), close it; returns the path."""
+    """Lay out a matplotlib ``fig``, write it to ``path`` whole or not at all (parents created; a failed
+    write, e.g. a full disk, keeps the previous figure: it was truncated in place), close it; returns
+    the path. The format is the suffix's (matplotlib's default without one)."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    fmt = path.suffix[1:].lower() or plt.rcParams["savefig.format"]
+    try:
+        fig.tight_layout()
+        atomic_write_file(path, lambda tmp: fig.savefig(tmp, format=fmt))
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -173,7 +178,14 @@ def describe_os_error(err: OSError) -> str:
     code = errno.errorcode.get(err.errno, "") if err.errno else ""
     words = (err.strerror or (os.strerror(err.errno) if err.errno else str(err)) or type(err).__name__)
     where = ", ".join(str(x) for x in (code, err.filename) if x)
-    return f"{words[:1].lower()}{words[1:]}" + (f" ({where})" if where else "")
+    limit = ""
+    if err.errno == errno.EFBIG:  # the file-size limit, not the disk: say which (a write without a file
+        import resource  # name, e.g. shared memory in /dev/shm, named none and read as a full disk)
+
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if soft != resource.RLIM_INFINITY:
+            limit = f"; the file-size limit (ulimit -f) is {soft // 1024:,} KiB"
+    return f"{words[:1].lower()}{words[1:]}" + (f" ({where})" if where else "") + limit
 
 
 _NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}

@@ -375,9 +375,10 @@ def refuse_incomplete(ckpt: "CheckpointManager", what: str) -> None:
 class CheckpointManager:
     """Save/find/load checkpoints under ``root`` keeping the newest ``keep`` complete ones."""
 
-    def __init__(self, root: str | Path, keep: int = 2):
+    def __init__(self, root: str | Path, keep: int = 2, retry: str = "then continue with --resume auto"):
         self.root = Path(root)
         self.keep = keep
+        self.retry = retry  # what a failed save's message advises (convert --from-hf: run it again)
 
     # ------------------------------------------------------------ discovery
     def all_step_dirs(self) -> list[Path]:
@@ -521,8 +522,7 @@ class CheckpointManager:
         raise CheckpointSaveError(
             f"checkpoint step {step} could not be written to {self.root}: {why}; the partial {tmp.name} was "
             f"removed and the previous checkpoints are unchanged "
-            f"({'newest ' + kept.name if kept else 'none yet'}); free space or fix the folder, "
-            "then continue with --resume auto") from None
+            f"({'newest ' + kept.name if kept else 'none yet'}); free space or fix the folder, {self.retry}") from None
 
     # ------------------------------------------------------------ load
     def resolve(self, resume: str) -> Path | None:

@@ -87,6 +87,22 @@ class RunDirLock:
             raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "
                               f"to end or choose another --run-dir (lock {self.path})")
 
+    def check_held(self, what: str) -> None:
+        """Collective: raise :class:`RunDirError` on every rank when rank 0's lock file is no longer the
+        one it locked (the run directory was removed or replaced while training). A save there
+        recreated the folder, without its lock, so another run could take it and both wrote into it."""
+        lost = False
+        if self.fd is not None:
+            try:
+                held, now = os.fstat(self.fd), os.stat(self.path)
+                lost = (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
+            except OSError:
+                lost = True
+        if not _agree(not lost):
+            raise RunDirError(f"--run-dir {self.path.parent}: removed or replaced while this run trained (its lock "
+                              f"{self.path} is gone); stopping without {what}, so that no other run's files are "
+                              "written over")
+
     def release(self, discard_unused: bool = False) -> None:
         """Drop the lock; with ``discard_unused`` (a run refused during set-up) also remove the
         run directory again when this run created it and it holds nothing but the lock file."""

@@ -265,6 +265,7 @@ class Trainer:
                 "counters": _copy_counters(self.counters), "config": self.cfg.to_dict()}
 
     def save(self, before_step: dict | None = None) -> Path:
+        self._lock.check_held(f"saving step {self.step}")  # a deleted run dir was recreated by the save
         path = self.ckpt.save(self.step, self.model, self.optimizer, self._common(before_step))
         self.last_saved = self.step
         self.metrics.message(f"saved checkpoint {path}")

@@ -73,7 +73,11 @@ def test_plain_engine_checkpoint_round_trip(tmp_path):
     eng = PlainEngine(net, lr=0.1, clip_grad=1.0)
     net(torch.randn(4, 3)).pow(2).sum().backward()
     assert eng.step() > 0
+    (tmp_path / "step000000").mkdir()  # a save killed mid-write left its temp file (it was never removed)
+    (tmp_path / "step000000" / ".plain.pt.abc123.tmp").write_bytes(b"partial")
     eng.save(tmp_path, "step000001", {"step": 1})
+    assert not (tmp_path / "step000000" / ".plain.pt.abc123.tmp").exists()
+    (tmp_path / "step000000").rmdir()
     net2 = torch.nn.Linear(3, 2)
     eng2 = PlainEngine(net2, lr=0.1)
     assert eng2.load(tmp_path) == {"step": 1}

@@ -65,3 +65,36 @@ def test_atomic_write_file_whole_with_the_umask_mode_or_the_old_file(tmp_path: P
 
     atomic_write_file(tmp_path / "state.pt", lambda name: torch.save({"step": 3}, name))
     assert torch.load(tmp_path / "state.pt", weights_only=True) == {"step": 3}
+
+
+def test_save_figure_keeps_the_previous_figure_when_the_write_fails(tmp_path, monkeypatch):
+    """A figure was written in place: a full disk or `ulimit -f` left a truncated PNG where the previous
+    good one had been (eval sweep/synth --plot, lr-screen and reproduce reports)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    from megaloop.runtime.files import save_figure
+
+    fig, ax = plt.subplots()
+    ax.plot([1, 2, 3])
+    out = save_figure(fig, tmp_path / "plot.png")
+    good = out.read_bytes()
+    assert good[:8] == b"\x89PNG\r\n\x1a\n"
+
+    def full_disk(self, fname, **kw):
+        with open(fname, "wb") as f:
+            f.write(b"\x89PNG partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    fig, _ = plt.subplots()
+    with pytest.raises(OSError):
+        save_figure(fig, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes() == good
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]  # no temp file left
+    monkeypatch.undo()
+    fig, _ = plt.subplots()
+    assert save_figure(fig, tmp_path / "p.svg").read_text().lstrip().startswith("<?xml")  # format from the suffix

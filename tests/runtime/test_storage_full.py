@@ -58,3 +58,13 @@ def test_a_full_disk_in_any_verb_is_one_line_exit_1(monkeypatch, capsys) -> None
     monkeypatch.setattr(plan_cli, "main", bug)
     with pytest.raises(ValueError, match="a bug keeps its traceback"):
         cli.main(["plan", "--config", "tiny"])
+
+
+def test_efbig_names_the_file_size_limit(monkeypatch) -> None:
+    """EFBIG from a write with no file name (streaming's shared memory under `ulimit -f`) read as a full
+    disk; it now names the limit."""
+    import resource
+
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (1000 * 1024, resource.RLIM_INFINITY))
+    assert storage_full(OSError(errno.EFBIG, "File too large")) == \
+        "file too large (EFBIG); the file-size limit (ulimit -f) is 1,000 KiB"

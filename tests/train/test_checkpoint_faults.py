@@ -128,7 +128,12 @@ def test_a_failed_save_leaves_nothing_behind_and_says_why(megatron_world, tmp_pa
         ckpt.save(2, chunks, None, common={"step": 2})
     msg = str(info.value)
     assert "\n" not in msg and str(tmp_path) in msg and want in msg and "newest step_00000001" in msg, msg
+    assert msg.endswith("then continue with --resume auto")
     assert _snapshot(tmp_path) == before  # no .tmp_step_*, step 1 and latest as they were
+    if failure == "mkdir_denied":  # convert --from-hf saves through the manager too: its advice is its own
+        with pytest.raises(CheckpointSaveError, match=r"fix the folder, then run the same command again$"):
+            CheckpointManager(tmp_path, retry="then run the same command again").save(2, chunks, None,
+                                                                                        common={"step": 2})
     monkeypatch.undo()
     assert ckpt.save(2, chunks, None, common={"step": 2}).name == "step_00000002"  # and it works again
 

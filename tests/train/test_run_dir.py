@@ -146,3 +146,31 @@ def test_a_dataset_folder_is_not_a_run_directory(tmp_path):
     line = _one_error_line(run_train(mds, f"data.path={mds}", "train.max_steps=2", expect=2))
     assert f"--run-dir {mds} is the dataset data.path={mds}" in line
     assert _snapshot(mds) == before and not (mds / ".megaloop.lock").exists() and not (mds / "checkpoints").exists()
+
+
+def test_a_run_directory_removed_while_training_stops_at_the_next_save(tmp_path):
+    """`rm -rf RUN` mid-run: the next save recreated RUN/checkpoints without the lock, so a second run
+    could take the folder and both trained into it (one's metrics and checkpoints lost)."""
+    import shutil
+    import subprocess
+    import time
+
+    from tests.conftest import ROOT
+    from tests.train.helpers import env, train_cmd
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(run, "train.max_steps=400", "train.save_interval=2", "train.eval_interval=0"),
+                            cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=(tmp_path / "err").open("w"))
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run / "checkpoints" / "step_00000002").is_dir():
+        time.sleep(0.1)
+    for _ in range(50):  # the run may be writing into it at that moment
+        shutil.rmtree(run, ignore_errors=True)
+        if not run.exists():
+            break
+        time.sleep(0.05)
+    assert proc.wait(timeout=300) == 2
+    err = (tmp_path / "err").read_text().strip().splitlines()
+    assert any(line.startswith(f"megaloop: error: --run-dir {run}: removed or replaced while this run "
+                               "trained") for line in err), err[-5:]
+    assert not (run / "checkpoints").exists()  # nothing recreated
