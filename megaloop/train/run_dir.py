@@ -121,7 +121,7 @@ def check_run_dir_location(run_dir: Path, data_paths: dict[str, str | None], *, 
     path): a run writes checkpoints, metrics and a lock file there (``lr-screen``/``reproduce`` their
     runs and reports: ``flag`` names the option). An MDS dataset (``index.json`` or ``manifest.json``)
     or a raw TxT360-layout tree (``data/<source>/…/*.jsonl[.gz]``) is refused before anything is written."""
-    rd = Path(run_dir).expanduser().resolve()
+    rd = Path(run_dir).resolve()  # as the run uses it: a quoted "~/x" is a folder named "~" (as in a shell)
     for field, path in data_paths.items():
         if not path or str(path).startswith("default") or "://" in str(path) or not Path(path).exists():
             continue  # the embedded corpus (built in the cache), a remote dataset, or one the loader will name
