@@ -164,6 +164,17 @@ class Tokenizer:
         self.bos_id = int(self._sp.bos_id()) if self._sp.bos_id() >= 0 else None
         self.pad_id = int(self._sp.pad_id()) if self._sp.pad_id() >= 0 else None
 
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the tokenizer's special tokens (HF: added tokens marked special; SentencePiece: its
+        control tokens) with EOS/BOS/pad: tokens no document's text is made of."""
+        ids = {i for i in (self.eos_id, self.bos_id, self.pad_id) if i is not None}
+        if self.kind == "hf":
+            ids |= {int(i) for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        else:
+            ids |= {i for i in range(self._sp.get_piece_size()) if self._sp.is_control(i)}
+        return frozenset(ids)
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no BOS/EOS added)."""
         if self.kind == "sentencepiece":

@@ -413,7 +413,8 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
         check_copy_memory(engine, num_seqs=args.num_seqs, half_len=half)
     tok = engine.tokenizer
     special = {i for i in (engine.eos_id, getattr(tok, "bos_id", None), getattr(tok, "pad_id", None),
-                           engine.config.pad_token_id) if i is not None}
+                           engine.config.pad_token_id) if i is not None} | set(getattr(tok, "special_ids", ()))
+    # every special token, not the three named ones alone: an export names its EOS as its BOS too
     model = engine.model.eval()
     rows, res = [], {}
     for r in depths:  # copy_probe runs without gradients

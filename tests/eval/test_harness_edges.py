@@ -102,6 +102,9 @@ def test_lm_eval_hf_model_on_the_export_conditions_as_megaloop_does(megatron_wor
     cfg = json.loads((out / "config.json").read_text())
     eos = trained_engine.eos_id
     assert tok.bos_token_id == tok.eos_token_id == eos and cfg["bos_token_id"] == eos
+    from megaloop.data.tokenizer import Tokenizer  # the copying probe leaves out the same special ids on both
+
+    assert Tokenizer(out / "tokenizer.json").special_ids == trained_engine.tokenizer.special_ids == {0, 1, 2}
     hf = HFLM(pretrained=str(out), trust_remote_code=True, dtype="float32", device="cpu", batch_size=2)
     ours = MegaloopLM(trained_engine, cache_mode="none")
     text = "The for statement is used to iterate over the elements of a sequence."
