@@ -93,8 +93,10 @@ def run_heldout(checkpoint: str | Path) -> Optional[Path]:
         return None
     data = str((read_manifest(run, "data.json") or {}).get("path") or "")
     folder = find_relative(data, run, lambda f: read_manifest(f) is not None) if data else None
-    tree = str((read_manifest(folder) or {}).get("input") or "") if folder is not None else ""
-    info = read_manifest(tree, "synth.json") if tree else None
+    given = str((read_manifest(folder) or {}).get("input") or "") if folder is not None else ""
+    # the converter records --input as typed (often relative to where it ran): looked up as data.path is
+    tree = find_relative(given, folder, lambda t: read_manifest(t, "synth.json") is not None) if given else None
+    info = read_manifest(tree, "synth.json") if tree is not None else None
     if not info or not isinstance(info.get("heldout"), dict):
         return None
     held = Path(tree) / str(info["heldout"].get("file") or "heldout.jsonl")

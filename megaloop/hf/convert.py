@@ -52,7 +52,7 @@ from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.hf.staging import put_back, staging_dir, sweep_stale
-from megaloop.hf.tokenizer_files import save_tokenizer, tokenizer_info
+from megaloop.hf.tokenizer_files import check_embedded_corpus, save_tokenizer, tokenizer_info
 from megaloop.hf.validate import TOLERANCE, check_conversion, check_reload
 from megaloop.runtime.files import plain_mode
 HF_DIR = Path(__file__).resolve().parent
@@ -433,6 +433,7 @@ def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None
     if path.startswith("default"):
         from megaloop.data.default_corpus import ensure_default_tokenizer
 
+        check_embedded_corpus(run_cfg, ckpt, path)
         return Path(ensure_default_tokenizer(data.get("cache_dir")))
     if rejected:
         raise ConversionError(f"checkpoint {ckpt}: no tokenizer of the run: {run / 'tokenizer.json'} does not exist "

@@ -69,3 +69,26 @@ def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configu
     shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
     return dst
+
+
+def init_tokenizer_warning(init_path: Path, saved_config: dict, manifest: dict) -> str | None:
+    """A warning when the checkpoint of ``train.init_weights`` (its run's config ``saved_config``) was
+    trained with another tokenizer than the data's (``manifest``): its embeddings then map other ids
+    (an earlier release's embedded corpus, or another tokenizer of the same size, started silently;
+    deliberate for a vocabulary transplant, hence a warning). None when they agree or one is unknown."""
+    from megaloop.data.tokenizer import file_sha256, manifest_tokenizer_sha256
+    from megaloop.hf.convert import find_tokenizer
+    from megaloop.hf.errors import ConversionError
+
+    want = manifest_tokenizer_sha256(manifest)
+    if not want or not saved_config:
+        return None
+    try:
+        own = find_tokenizer(saved_config, Path(init_path))
+    except ConversionError as err:  # an earlier release's embedded corpus, a tokenizer that moved
+        why = str(err).split("; pass --tokenizer")[0]  # eval's advice; here the weights are what matter
+        return f"{why}; as train.init_weights its embeddings map other token ids than this data's"
+    if own is None or not own.is_file() or file_sha256(own) == want:
+        return None
+    return (f"train.init_weights={init_path} was trained with tokenizer {own} (sha256 {file_sha256(own)[:12]}…), "
+            f"the data with {want[:12]}…: its embeddings map other token ids")

@@ -38,14 +38,14 @@ from megaloop.runtime.exits import EXIT_OK, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
 from megaloop.runtime.stop import SignalStop, exit_code
-from megaloop.train.checkpoint import CheckpointManager
+from megaloop.train.checkpoint import CheckpointManager, CheckpointSaveError
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
                                     check_saved_layout, check_saved_optim, init_only_changes, set_aside_newer,
                                     vocab_hint)
-from megaloop.train.run_files import keep_tokenizer, record_data, recorded_content
+from megaloop.train.run_files import init_tokenizer_warning, keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
 
@@ -159,6 +159,8 @@ class Trainer:
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)
+                if warn := init_tokenizer_warning(init_path, self.ckpt.saved_config(init_path), manifest):
+                    print(f"warning: {warn}", file=sys.stderr, flush=True)
         self.tc.finalize_model_grads_func = finalize_grads
         self.tc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         o = cfg.optim
@@ -266,7 +268,11 @@ class Trainer:
 
     def save(self, before_step: dict | None = None) -> Path:
         self._lock.check_held(f"saving step {self.step}")  # a deleted run dir was recreated by the save
-        path = self.ckpt.save(self.step, self.model, self.optimizer, self._common(before_step))
+        try:
+            path = self.ckpt.save(self.step, self.model, self.optimizer, self._common(before_step))
+        except CheckpointSaveError:  # every rank: the folder may have gone during the save (the cause, not ENOENT)
+            self._lock.check_held(f"saving step {self.step}")
+            raise
         self.last_saved = self.step
         self.metrics.message(f"saved checkpoint {path}")
         return path

@@ -188,7 +188,7 @@ def test_eval_synth_command(tmp_path, capsys):
         bad.fn(bad)
 
 
-def test_eval_synth_scores_the_held_out_set_of_the_runs_own_tree(tmp_path, capsys):
+def test_eval_synth_scores_the_held_out_set_of_the_runs_own_tree(tmp_path, capsys, monkeypatch):
     """Without --problems the shipped set (the default settings' held-out problems) was scored whatever
     tree the run trained on: with another modulus, --eval-seed or --eval-ks the run had trained on up to
     109 of its 400 problems, with no note. The run's data.json -> the MDS manifest's input -> synth.json
@@ -210,6 +210,12 @@ def test_eval_synth_scores_the_held_out_set_of_the_runs_own_tree(tmp_path, capsy
     (mds / "manifest.json").write_text(json.dumps({"input": str(tree)}))
     assert run_heldout(hf) is None  # a tree without synth.json (not a finished make_synth tree)
     (tree / "synth.json").write_text(json.dumps({"heldout": {"file": "heldout.jsonl", "num": 3}}))
+    assert run_heldout(hf) == tree / "heldout.jsonl"
+    # the converter records --input as typed: relative to where it ran, not to where eval runs
+    (mds / "manifest.json").write_text(json.dumps({"input": "tree"}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
     assert run_heldout(hf) == tree / "heldout.jsonl"
     parser = argparse.ArgumentParser()
     add_synth_parser(parser.add_subparsers(dest="cmd"))

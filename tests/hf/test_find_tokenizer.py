@@ -145,3 +145,28 @@ def test_export_and_engine_use_the_runs_tokenizer_after_a_retrain(megatron_world
     assert source["tokenizer"] == str(good) and model.config.tokenizer_vocab_size == vocab_a
     engine = InferenceEngine.load(run, validate=False, tokenizer=str(good))
     assert engine.model.config.tokenizer_vocab_size == vocab_a
+
+
+def test_an_old_run_on_another_releases_embedded_corpus_is_refused(tmp_path):
+    """A run from before runs kept their tokenizer, on an earlier release's embedded corpus (another BPE of
+    the same vocabulary size): its checkpoints were scored, exported and generated with this release's
+    tokenizer, silently (an audit: PPL 2731.6 where its own tokenizer gives 692.4)."""
+    import torch
+
+    from megaloop.data.default_corpus import ensure_default_tokenizer
+    from megaloop.data.loaders import resolve_data_path
+    from megaloop.data.streaming import load_manifest
+
+    now = load_manifest(resolve_data_path("default", 128, None, "train"))
+    cfg, step = run_layout(tmp_path, "default", fingerprint=None)  # no tokenizer.json, no data.json
+    cfg["model"] = {"seq_len": 128}
+    loader = {"version": 1, "dataset_fingerprint": now["fingerprint"], "num_samples": now["num_sequences"]}
+    torch.save({"common": {"loader": [loader]}}, step / "common.pt")
+    assert find_tokenizer(cfg, step) == Path(ensure_default_tokenizer())  # this release's corpus: its tokenizer
+    torch.save({"common": {"loader": [dict(loader, dataset_fingerprint="fp-old", num_samples=1019)]}},
+               step / "common.pt")
+    with pytest.raises(ConversionError, match=r"trained on an earlier release's embedded corpus \(1019 sequences; "
+                                              rf"this release's has {now['num_sequences']}\) .* pass --tokenizer"):
+        find_tokenizer(cfg, step)
+    own = write(tmp_path / "old_tok" / "tokenizer.json", "OLD")
+    assert find_tokenizer(cfg, step, own) == own  # --tokenizer: the way on

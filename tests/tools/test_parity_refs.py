@@ -32,8 +32,8 @@ def _git(*argv, cwd):
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_commit_is_read_through_git_packed_refs_included(refs, tmp_path):
-    repo = tmp_path / "ref"
-    repo.mkdir()
+    repo = tmp_path / "my refs" / "ref"  # a path with a space: one line of git's answer
+    repo.mkdir(parents=True)
     (repo / "a.py").write_text("x = 1\n")
     _git("init", "-q", cwd=repo)
     _git("add", "-A", cwd=repo)

@@ -38,3 +38,22 @@ def test_the_recorded_tokenizer_is_kept_and_a_replaced_one_is_not(tmp_path, caps
     err = capsys.readouterr().err
     assert f"warning: the tokenizer data.path={data} was tokenised with ({tok}, its manifest.json 'tokenizer') " \
            "is not there" in err
+
+
+def test_init_weights_from_a_run_with_another_tokenizer_is_warned_about(tmp_path):
+    """train.init_weights from a checkpoint trained with another tokenizer (an earlier release's embedded
+    corpus: the audit's step-1 loss 7.91 where the right data gives 6.28) started silently."""
+    import hashlib
+
+    from megaloop.train.run_files import init_tokenizer_warning
+
+    step = tmp_path / "old" / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (tmp_path / "old" / "tokenizer.json").write_text("A")
+    digest = lambda text: hashlib.sha256(text.encode()).hexdigest()  # noqa: E731
+    cfg = {"data": {"path": "default"}, "model": {"seq_len": 128}}
+    assert init_tokenizer_warning(step, cfg, {"tokenizer_sha256": digest("A")}) is None
+    warn = init_tokenizer_warning(step, cfg, {"tokenizer_sha256": digest("B")})
+    assert warn.startswith(f"train.init_weights={step} was trained with tokenizer {tmp_path / 'old' / 'tokenizer.json'}")
+    assert "its embeddings map other token ids" in warn
+    assert init_tokenizer_warning(step, {}, {"tokenizer_sha256": digest("B")}) is None  # nothing known: no word

@@ -122,7 +122,7 @@ def _commit(root: Path) -> str:
     try:
         top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel", "HEAD"],
                              capture_output=True, text=True, timeout=30)
-        lines = top.stdout.split()
+        lines = top.stdout.splitlines()  # a path may hold spaces
         if top.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == root.resolve():
             return lines[1]
     except (OSError, subprocess.SubprocessError):  # no git here
