@@ -8,6 +8,8 @@ caches it as ``<cache>/default-tokenizer-<key>/``. It does not import ``megaloop
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import uuid
 from pathlib import Path
@@ -32,16 +34,23 @@ def cache_root(cache_dir: str | Path | None) -> Path:
     return path
 
 
-def build_once(final: Path, build: Callable[[Path], None]) -> Path:
+def build_once(final: Path, build: Callable[[Path], None], intact: Callable[[Path], bool] | None = None) -> Path:
     """Run ``build(tmp_dir)`` once per ``final`` across processes; publish by rename.
 
-    ``final`` counts as built when it holds ``provenance.json`` (written last by ``build``).
+    ``final`` counts as built when it holds ``provenance.json`` (written last by ``build``) and
+    ``intact(final)`` (when given) holds; one that fails it (a damaged or replaced file) is built again.
+    Temporary folders of builds killed earlier are removed by the next build (they stayed for good).
     """
-    if (final / "provenance.json").is_file():
+    def built() -> bool:
+        return (final / "provenance.json").is_file() and (intact is None or intact(final))
+
+    if built():
         return final
     with file_lock(final.parent / f".{final.name}.lock"):
-        if (final / "provenance.json").is_file():
+        if built():
             return final
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):  # the lock is ours: no build is under way
+            rmtree_quiet(stale)
         tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         try:
             build(tmp)
@@ -52,9 +61,11 @@ def build_once(final: Path, build: Callable[[Path], None]) -> Path:
     return final
 
 
-def _in_sample(source: str, text: str) -> bool:
-    import hashlib
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
+
+def _in_sample(source: str, text: str) -> bool:
     share = BPE_SAMPLE.get(source, 0.0)
     digest = hashlib.blake2b(text.encode(), key=b"megaloop-bpe-sample", digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2.0**64 < share
@@ -74,11 +85,18 @@ def ensure_default_tokenizer(cache_dir: str | Path | None = None, vocab_size: in
     def build(tmp: Path) -> None:
         docs = [d for d in extract().documents if _in_sample(d.source, d.text)]
         train_bytelevel_bpe((d.text for d in docs), tmp, vocab_size=vocab_size)
-        atomic_write_json(tmp / "provenance.json", {
+        atomic_write_json(tmp / "provenance.json", {"tokenizer_sha256": _sha256(tmp / "tokenizer.json"),
             "corpus": "embedded Python corpus (megaloop.data.stdlib_corpus)",
             "corpus_sha256": fingerprint, "vocab_size": vocab_size, "sample_share": BPE_SAMPLE,
             "sample_documents": len(docs), "sample_chars": sum(len(d.text) for d in docs),
             "trainer": "tokenizers BpeTrainer (byte-level, min_frequency=2)",
             "tokenizers_version": tokenizers.__version__, **platform_summary()})
 
-    return build_once(cache_root(cache_dir) / f"default-tokenizer-{key}", build) / "tokenizer.json"
+    def intact(final: Path) -> bool:  # a damaged or replaced tokenizer.json was used (and copied into runs)
+        try:
+            want = json.loads((final / "provenance.json").read_text()).get("tokenizer_sha256")
+            return want is None or _sha256(final / "tokenizer.json") == want  # caches before the record: as is
+        except (OSError, ValueError):
+            return False
+
+    return build_once(cache_root(cache_dir) / f"default-tokenizer-{key}", build, intact) / "tokenizer.json"

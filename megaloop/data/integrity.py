@@ -110,13 +110,23 @@ def verify_shard_hashes(root: Path, index: dict, cache_root: Path, part: tuple[i
                     atomic_write_json(stamp, {**read(), **ok})
 
 
-def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Path]:
+def refresh_cache_slot(slot: Path, index: dict, source: Path | None, check_raw: bool = False) -> list[Path]:
     """Drop the copies in cache slot ``slot`` that no longer match their shard, so streaming copies
     them again instead of reusing them: a compressed copy (streaming deletes one once unpacked, so a
     left one was cut short or failed its check) whose size or xxh64 differs from ``index.json``, an
-    unpacked one of another size, and (``source``: the local dataset directory) any copy older than
-    its shard file there (the file was replaced since). Returns what was removed."""
+    unpacked one of another size, or (``check_raw``: ``data.validate_hash``) whose xxh64 differs from
+    the raw hash ``index.json`` records (a damaged copy was trained on silently, and a badly damaged
+    one failed every later run blaming the intact shard; each copy is hashed once per size and mtime,
+    listed in ``slot/.megaloop-verified.json``), and (``source``: the local dataset directory) any
+    copy older than its shard file there (the file was replaced since). Returns what was removed."""
     dropped = []
+    memo_path = slot / ".megaloop-verified.json"
+    try:
+        memo = json.loads(memo_path.read_text()) if check_raw else {}
+    except (OSError, ValueError):
+        memo = {}
+    memo = memo if isinstance(memo, dict) else {}
+    seen = dict(memo)
     for shard in index.get("shards", []):
         zinfo, rinfo = shard.get("zip_data"), shard.get("raw_data")
         origin = source / stored_file(shard)["basename"] if source is not None and stored_file(shard) else None
@@ -124,7 +134,7 @@ def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Pat
             newer = origin.stat().st_mtime_ns if origin is not None else None
         except OSError:
             newer = None
-        for info, check_hash in ((zinfo, True), (rinfo, False)):
+        for info, check_hash in ((zinfo, True), (rinfo, check_raw)):
             if not info:
                 continue
             f = slot / info["basename"]
@@ -133,9 +143,18 @@ def refresh_cache_slot(slot: Path, index: dict, source: Path | None) -> list[Pat
             except OSError:
                 continue
             want = (info.get("hashes") or {}).get("xxh64") if check_hash else None
+            key = [st.st_size, st.st_mtime_ns, want]
+            if want and info is rinfo and memo.get(info["basename"]) == key:
+                want = None  # this copy, unchanged since it was hashed
             if (st.st_size != info.get("bytes") or (newer is not None and newer > st.st_mtime_ns)
                     or (want and xxh64_file(f) != want)):
+                seen.pop(info["basename"], None)
                 with contextlib.suppress(OSError):
                     f.unlink()
                     dropped.append(f)
+            elif info is rinfo and key[2]:
+                seen[info["basename"]] = key
+    if check_raw and seen != memo:
+        with contextlib.suppress(OSError):
+            atomic_write_json(memo_path, seen)
     return dropped

@@ -74,7 +74,8 @@ class _SoloDist:
 @contextlib.contextmanager
 def _solo_construction() -> Iterator[None]:
     """Build a StreamingDataset as a lone process, one construction per machine at a time."""
-    lock = Path(tempfile.gettempdir()) / "megaloop_streaming_prefix.lock"
+    # per user: a lock file of another user's (0644 in /tmp) stopped every later user with a PermissionError
+    lock = Path(tempfile.gettempdir()) / f"megaloop_streaming_prefix-{os.getuid()}.lock"
     with _PATCH_LOCK, file_lock(lock):
         saved = (_sd.dist, _sp.dist, _sw.dist, _sd.maybe_init_dist, _sp.SharedMemory)
         _sd.dist = _sp.dist = _sw.dist = _SoloDist  # type: ignore[assignment]
@@ -290,7 +291,8 @@ class _Source:
                 if index is None:  # remote: the index streaming copied into the slot, if any
                     with contextlib.suppress(OSError, ValueError):
                         index = json.loads((Path(local) / "index.json").read_text())
-                refresh_cache_slot(Path(local), index or {}, None if is_remote(self.path) else Path(self.remote))
+                refresh_cache_slot(Path(local), index or {}, None if is_remote(self.path) else Path(self.remote),
+                                   check_raw=bool(self.validate_hash))
                 with contextlib.suppress(FileNotFoundError):
                     (Path(local) / FAILURE_MARK).unlink()  # an earlier loader's failure
             with _solo_construction():

@@ -202,23 +202,23 @@ class Trainer:
         self.loader_iter = iter(self.loader)
 
     def _verify_data(self) -> None:
-        """The shard files of ``data.path`` and ``data.val_path`` against their ``index.json`` hashes,
-        before any loader reads them (the loaders skip it): the ranks of each machine share the
-        hashing of the whole dataset (1 in ``LOCAL_WORLD_SIZE`` each, so a machine with its own copy
-        checks all of it), and a damaged shard found by any rank stops every rank with the same
-        :class:`DataError` naming the shard and the rank (:func:`megaloop.runtime.agree.on_every_rank`)."""
+        """The shards of the training and validation sets against their ``index.json`` hashes before any
+        loader reads them: the ranks of a machine share the hashing (1 in ``LOCAL_WORLD_SIZE`` each), and a
+        damaged shard found by any rank stops every rank with one DataError naming it (``on_every_rank``)."""
         from megaloop.data.errors import DataError
+        from megaloop.data.loaders import resolve_data_path
         from megaloop.data.streaming import verify_dataset
 
         d = self.cfg.data
         local = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         part = local if 0 <= local[0] < local[1] else (0, 1)
 
-        def check() -> None:
-            for field, path in (("data.path", d.path), ("data.val_path", d.val_path)):
-                if path and not (path == "default" or str(path).startswith("default:")):  # the embedded set: ours
+        def check() -> None:  # the embedded set too: a damaged shard of it was named after the run dir was written
+            for field, path, split in (("data.path", d.path, "train"), ("data.val_path", self.val_path, "val")):
+                if path:
                     try:
-                        verify_dataset(str(path), d.cache_dir, d.validate_hash, part=part)
+                        verify_dataset(resolve_data_path(str(path), self.seq, d.cache_dir, split), d.cache_dir,
+                                       d.validate_hash, part=part)
                     except (DataError, OSError) as err:
                         raise DataError(f"{field}={path}: {err}") from None
 

@@ -312,3 +312,27 @@ def test_loader_start_is_quick_on_cached_default(cache, built):
     lo2 = build_train_loader(cfg, seq_len=128, micro_batch_size=4, dp_rank=1, dp_size=2, seed=0)
     b = [b["tokens"] for b in itertools.islice(iter(lo2), 3)]
     assert all((x == y).all() for x, y in zip(a, b))  # deterministic without shuffling too
+
+
+def test_a_damaged_cached_tokenizer_is_built_again_and_killed_builds_are_swept(cache, built):
+    """A replaced or truncated cached tokenizer.json was used as is (a replaced one tokenised new
+    datasets and was copied into runs; a truncated one failed every run naming a temp path), and every
+    killed build left its temporary folder for good."""
+    from megaloop.data.default_tokenizer import build_once, ensure_default_tokenizer
+
+    path = ensure_default_tokenizer(cache)
+    good = path.read_bytes()
+    assert json.loads((path.parent / "provenance.json").read_text())["tokenizer_sha256"]
+    path.write_bytes(good[: len(good) // 2])  # truncated
+    assert ensure_default_tokenizer(cache) == path and path.read_bytes() == good  # built again, the same bytes
+    calls = []
+
+    def build(tmp: Path) -> None:
+        tmp.mkdir()
+        (tmp / "provenance.json").write_text("{}")
+        calls.append(tmp)
+
+    (cache / ".other.tmp-4242-abcdef").mkdir()  # what a killed build of "other" leaves
+    build_once(cache / "other", build)
+    assert len(calls) == 1 and not list(cache.glob(".other.tmp-*"))
+    assert build_once(cache / "other", build) == cache / "other" and len(calls) == 1

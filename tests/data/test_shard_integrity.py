@@ -369,3 +369,27 @@ def test_two_ranks_stop_together_naming_the_rank_that_found_the_damage(tmp_path)
     assert proc.returncode != 0 and sorted(r for r, _ in lines) == ["0", "1"], proc.stderr[-3000:]
     assert len({text for _, text in lines}) == 1 and "(found by rank" in lines[0][1]
     assert not run.exists()
+
+
+def test_a_damaged_unpacked_copy_is_dropped_when_hashes_are_checked(data):
+    """An unpacked copy in the cache slot was checked by its size alone: one with flipped bytes was
+    trained on silently (other losses, no word), and a badly damaged one failed every later run
+    blaming the intact source shard. With data.validate_hash (the default) it is hashed against the raw
+    xxh64 of index.json once per size and mtime, and dropped when it differs."""
+    from megaloop.data.integrity import refresh_cache_slot
+
+    lo = _loader(data)
+    _take(lo, 96 // 4)
+    slot = Path(lo._ds.streams[0].local)
+    lo.close()
+    raws = sorted(slot.glob("*.mds"))
+    assert raws, sorted(p.name for p in slot.iterdir())
+    index = json.loads((data / "index.json").read_text())
+    assert refresh_cache_slot(slot, index, data, check_raw=True) == []
+    memo = json.loads((slot / ".megaloop-verified.json").read_text())
+    assert sorted(memo) == sorted(p.name for p in raws)  # each hashed once, then listed
+    _damage(raws[0])  # same size: the size check alone keeps it
+    assert refresh_cache_slot(slot, index, data, check_raw=False) == []
+    assert refresh_cache_slot(slot, index, data, check_raw=True) == [raws[0]]
+    assert raws[0].name not in json.loads((slot / ".megaloop-verified.json").read_text())
+    assert _take(_loader(data)) == 30  # copied again from the intact shard

@@ -2,6 +2,7 @@
 
 import fcntl
 import os
+from pathlib import Path
 
 from tests.train.helpers import metrics, run_train
 
@@ -174,3 +175,29 @@ def test_a_run_directory_removed_while_training_stops_at_the_next_save(tmp_path)
     assert any(line.startswith(f"megaloop: error: --run-dir {run}: removed or replaced while this run "
                                "trained") for line in err), err[-5:]
     # (a save already under way when the folder went may have recreated it; no later save does)
+
+
+def test_a_damaged_shard_of_the_embedded_corpus_is_named_before_the_run_dir_is_written(tmp_path):
+    """The embedded set was left out of the set-up check ("ours"): a damaged shard of it in the cache was
+    named only after config.yaml, data.json, tokenizer.json and metrics.jsonl had been written."""
+    import shutil
+
+    from megaloop.data.dataset_checks import default_cache_dir
+    from megaloop.data.loaders import resolve_data_path
+
+    src = Path(resolve_data_path("default", 128, None, "train")).parent  # CACHE/default-<key>
+    cache = tmp_path / "cache"
+    for folder in [src, *default_cache_dir().glob("default-tokenizer-*")]:
+        shutil.copytree(folder, cache / folder.name, copy_function=os.link)  # links: never write through them
+    shard = sorted((cache / src.name / "train" / "parts").glob("*/shard.*.mds.zstd"))[-1]  # not the first batch's
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.unlink()  # a file of its own, not the link to the shared cache's
+    shard.write_bytes(bytes(data))
+    run = tmp_path / "run"
+    proc = run_train(run, "train.max_steps=12", f"data.cache_dir={cache}", expect=2)
+    # the set-up check's words (the loader's, "failed its xxh64 check ... while being copied", came later,
+    # whenever streaming first copied the shard: on a warm slot after the run dir was written)
+    assert f"data.path=default: MDS shard {shard} is corrupt: its content does not match" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not run.exists()
