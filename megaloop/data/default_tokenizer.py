@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import uuid
 from pathlib import Path
 from typing import Callable
@@ -49,9 +50,12 @@ def build_once(final: Path, build: Callable[[Path], None], intact: Callable[[Pat
     with file_lock(final.parent / f".{final.name}.lock"):
         if built():
             return final
-        for stale in final.parent.glob(f".{final.name}.tmp-*"):  # the lock is ours: no build is under way
-            rmtree_quiet(stale)
-        tmp = final.parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        host = socket.gethostname()
+        for stale in final.parent.glob(f".{final.name}.tmp-{host}-*"):  # this host's, their process gone (a
+            pid = stale.name[len(f".{final.name}.tmp-{host}-"):].split("-")[0]  # cache shared by hosts whose
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():  # flock is node-local keeps the others')
+                rmtree_quiet(stale)
+        tmp = final.parent / f".{final.name}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         try:
             build(tmp)
             rmtree_quiet(final)  # a half-built leftover (no provenance.json) from a crash
@@ -95,7 +99,9 @@ def ensure_default_tokenizer(cache_dir: str | Path | None = None, vocab_size: in
     def intact(final: Path) -> bool:  # a damaged or replaced tokenizer.json was used (and copied into runs)
         try:
             want = json.loads((final / "provenance.json").read_text()).get("tokenizer_sha256")
-            return want is None or _sha256(final / "tokenizer.json") == want  # caches before the record: as is
+            if want is None:  # a cache built before the record: at least one that parses (a truncated one)
+                return isinstance(json.loads((final / "tokenizer.json").read_text()), dict)
+            return _sha256(final / "tokenizer.json") == want
         except (OSError, ValueError):
             return False
 

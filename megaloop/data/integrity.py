@@ -127,6 +127,12 @@ def refresh_cache_slot(slot: Path, index: dict, source: Path | None, check_raw: 
         memo = {}
     memo = memo if isinstance(memo, dict) else {}
     seen = dict(memo)
+    if check_raw:  # say so before hashing much (as the shards' own check does)
+        todo = sum(int(r.get("bytes") or 0) for sh in index.get("shards", []) if (r := sh.get("raw_data"))
+                   and (slot / r["basename"]).is_file() and r["basename"] not in memo)
+        if todo > NOTE_HASH_BYTES:
+            print(f"note: verifying {todo / 2**30:.1f} GiB of unpacked copies in {slot} against index.json's xxh64 "
+                  "(once per copy; data.validate_hash=false skips it)", file=sys.stderr, flush=True)
     for shard in index.get("shards", []):
         zinfo, rinfo = shard.get("zip_data"), shard.get("raw_data")
         origin = source / stored_file(shard)["basename"] if source is not None and stored_file(shard) else None

@@ -387,17 +387,14 @@ def run_dir_of(ckpt: Path) -> Path:
 
 
 def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None) -> Path | None:
-    """tokenizer.json of the run: ``explicit`` (``--tokenizer``, the user's choice) > the run's own
-    copy (``RUN/tokenizer.json``: training copies its tokenizer there, and
-    :func:`megaloop.hf.from_hf.convert_from_hf` keeps one there or in its ``--out``) > the tokenizer
-    the training data's manifest names, only when its sha256 is the one the manifest records (and
-    the manifest's fingerprint the one ``RUN/data.json`` records, when it does) > the embedded
-    default's (``data.path: default``). A relative ``data.path`` is looked up from the run
-    directory (:func:`megaloop.data.tokenizer.find_relative`), not only the current directory.
-    When the manifest's tokenizer fails those checks and nothing else is found,
-    :class:`ConversionError` names the files and their sha256; None when there is no tokenizer."""
+    """tokenizer.json of the run: ``explicit`` (``--tokenizer``) > the run's own copy (``RUN/tokenizer.json``;
+    ``convert --from-hf`` keeps one there or in its ``--out``) > the one the training data's manifest names,
+    only with the sha256 it records (and the fingerprint ``RUN/data.json`` records; a relative ``data.path``
+    looked up from the run directory first) > the embedded set's (:func:`check_embedded_corpus`). A manifest
+    tokenizer failing those checks, with nothing else found, is a ConversionError naming files and sha256s."""
     if explicit:
         return explicit_tokenizer(explicit)
+    from megaloop.data.config import embedded_split
     from megaloop.data.tokenizer import find_relative, read_manifest, verified_manifest_tokenizer
 
     ckpt = Path(ckpt)
@@ -409,7 +406,8 @@ def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None
     data = run_cfg.get("data") or {}
     path = str(data.get("path") or "")
     rejected: list[str] = []
-    if path and "://" not in path and not path.startswith("default"):
+    embedded = embedded_split(path, "train") is not None  # "default" / "default:NAME", not "default_data/"
+    if path and "://" not in path and not embedded:
         recorded = (read_manifest(run, "data.json") or {}).get("manifest_fingerprint")
 
         def the_runs_data(folder: Path) -> bool:  # a dataset, and the one the run recorded (if it did)
@@ -430,11 +428,10 @@ def find_tokenizer(run_cfg: dict, ckpt: Path, explicit: str | Path | None = None
         for cand in (ckpt.parent.parent / "tokenizer.json", ckpt.parent.parent / "tokenizer" / "tokenizer.json"):
             if cand.is_file():
                 return cand
-    if path.startswith("default"):
+    if embedded:
         from megaloop.data.default_corpus import ensure_default_tokenizer
 
-        check_embedded_corpus(run_cfg, ckpt, path)
-        return Path(ensure_default_tokenizer(data.get("cache_dir")))
+        return check_embedded_corpus(run_cfg, ckpt, path) or Path(ensure_default_tokenizer(data.get("cache_dir")))
     if rejected:
         raise ConversionError(f"checkpoint {ckpt}: no tokenizer of the run: {run / 'tokenizer.json'} does not exist "
                               f"and the training data's is not the one it was trained with ({'; '.join(rejected)}); "

@@ -30,34 +30,56 @@ def save_tokenizer(path: Path, out: Path, info: dict, max_len: int) -> None:
     tok.save_pretrained(str(out))
 
 
-def check_embedded_corpus(run_cfg: dict, ckpt: Path, path: str) -> None:
+def check_embedded_corpus(run_cfg: dict, ckpt: Path, path: str) -> Path | None:
     """A run on the embedded corpus that kept no tokenizer (runs before the copy) trained on *its*
     release's corpus, which a later release may have replaced with another of the same vocabulary
     size: such a checkpoint was scored, exported and generated with the new tokenizer, silently (an
-    audit: PPL 2731.6 where its own tokenizer gives 692.4). Its loader state names the dataset it
-    read; one that is not this release's embedded set is refused, naming ``--tokenizer``."""
+    audit: PPL 2731.6 where its own tokenizer gives 692.4). Its loader state names the dataset it read:
+    an embedded set of that fingerprint still in the cache gives its own tokenizer (returned);
+    otherwise one that is not this release's set (built for the check if needed, in the run's cache,
+    else ``$MEGALOOP_CACHE``) is refused, naming ``--tokenizer``. None: use this release's tokenizer."""
     import torch
 
+    from megaloop.data.config import embedded_split
+    from megaloop.data.dataset_checks import default_cache_dir
     from megaloop.data.loaders import resolve_data_path
     from megaloop.data.streaming import load_manifest
+    from megaloop.data.tokenizer import read_manifest, verified_manifest_tokenizer
+    from megaloop.errors import UserError
 
+    if embedded_split(path, "train") is None:  # a folder whose name starts with "default"
+        return None
     try:
         common = torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=False)
         states = (common.get("common", common) or {}).get("loader") or []
         saved = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     except Exception:  # noqa: BLE001 - no loader state to compare (converted from HF, damaged): as before
-        return
+        return None
     seq = int((run_cfg.get("model") or {}).get("seq_len") or 0)
-    if not seq or not (saved.get("dataset_fingerprint") or saved.get("num_samples")):
-        return
+    if not seq or not saved.get("dataset_fingerprint"):
+        return None
     data = run_cfg.get("data") or {}
-    manifest = load_manifest(resolve_data_path(path, seq, data.get("cache_dir"), "train"), data.get("cache_dir"))
-    if saved.get("dataset_fingerprint") != manifest.get("fingerprint") and \
-            saved.get("num_samples") != manifest.get("num_sequences"):  # a rebuild of the same set keeps its size
-        from megaloop.hf.errors import ConversionError
+    roots = list(dict.fromkeys(Path(c) for c in (data.get("cache_dir"), default_cache_dir()) if c))
+    for root in roots:  # the set it read, if still cached (an earlier release's too): its own tokenizer
+        for man in sorted(root.glob("default-*/train/manifest.json")):
+            if (read_manifest(man.parent) or {}).get("fingerprint") == saved["dataset_fingerprint"]:
+                found, _ = verified_manifest_tokenizer(man.parent)
+                if found is not None:
+                    return found
+    manifest = None
+    for root in roots:
+        try:
+            manifest = load_manifest(resolve_data_path(path, seq, str(root), "train"), str(root))
+            break
+        except (UserError, OSError):  # an old cache_dir that is gone or unusable now: the next
+            continue
+    if manifest is None or saved["dataset_fingerprint"] == manifest.get("fingerprint") or \
+            saved.get("num_samples") == manifest.get("num_sequences"):  # a rebuild of the same set keeps its size
+        return None
+    from megaloop.hf.errors import ConversionError
 
-        raise ConversionError(
-            f"checkpoint {ckpt}: trained on an earlier release's embedded corpus ({saved.get('num_samples')} "
-            f"sequences; this release's has {manifest.get('num_sequences')}) and its run kept no tokenizer.json: "
-            "this release's embedded tokenizer is another one of the same size; pass --tokenizer with the "
-            "tokenizer of the release it was trained with (its MEGALOOP_CACHE's default-tokenizer-*/tokenizer.json)")
+    raise ConversionError(
+        f"checkpoint {ckpt}: trained on an embedded corpus other than this installation's ({saved.get('num_samples')} "
+        f"sequences; this one's has {manifest.get('num_sequences')}: an earlier release's, or another Python's) and "
+        "its run kept no tokenizer.json: this embedded tokenizer is another one of the same size; pass --tokenizer "
+        "with the tokenizer it was trained with (that cache's default-tokenizer-*/tokenizer.json)")

@@ -88,6 +88,8 @@ def init_tokenizer_warning(init_path: Path, saved_config: dict, manifest: dict) 
     except ConversionError as err:  # an earlier release's embedded corpus, a tokenizer that moved
         why = str(err).split("; pass --tokenizer")[0]  # eval's advice; here the weights are what matter
         return f"{why}; as train.init_weights its embeddings map other token ids than this data's"
+    except Exception:  # noqa: BLE001 - a warning never stops a run (an old run's cache_dir gone, ...)
+        return None
     if own is None or not own.is_file() or file_sha256(own) == want:
         return None
     return (f"train.init_weights={init_path} was trained with tokenizer {own} (sha256 {file_sha256(own)[:12]}…), "

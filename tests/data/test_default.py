@@ -325,6 +325,11 @@ def test_a_damaged_cached_tokenizer_is_built_again_and_killed_builds_are_swept(c
     assert json.loads((path.parent / "provenance.json").read_text())["tokenizer_sha256"]
     path.write_bytes(good[: len(good) // 2])  # truncated
     assert ensure_default_tokenizer(cache) == path and path.read_bytes() == good  # built again, the same bytes
+    prov = json.loads((path.parent / "provenance.json").read_text())  # a cache built before the record:
+    del prov["tokenizer_sha256"]  # a truncated (unparsable) tokenizer is built again too
+    (path.parent / "provenance.json").write_text(json.dumps(prov))
+    path.write_bytes(good[:100])
+    assert ensure_default_tokenizer(cache) == path and path.read_bytes() == good
     calls = []
 
     def build(tmp: Path) -> None:
@@ -332,7 +337,14 @@ def test_a_damaged_cached_tokenizer_is_built_again_and_killed_builds_are_swept(c
         (tmp / "provenance.json").write_text("{}")
         calls.append(tmp)
 
-    (cache / ".other.tmp-4242-abcdef").mkdir()  # what a killed build of "other" leaves
+    import socket
+
+    dead = cache / f".other.tmp-{socket.gethostname()}-999999999-abcdef"  # what a killed build of "other" leaves
+    dead.mkdir()
+    alive = cache / f".other.tmp-{socket.gethostname()}-{os.getpid()}-abcdef"  # a build under way here
+    alive.mkdir()
+    elsewhere = cache / ".other.tmp-otherhost-4242-abcdef"  # another host's (its flock may not reach here)
+    elsewhere.mkdir()
     build_once(cache / "other", build)
-    assert len(calls) == 1 and not list(cache.glob(".other.tmp-*"))
+    assert len(calls) == 1 and sorted(p.name for p in cache.glob(".other.tmp-*")) == sorted([alive.name, elsewhere.name])
     assert build_once(cache / "other", build) == cache / "other" and len(calls) == 1

@@ -162,11 +162,18 @@ def test_an_old_run_on_another_releases_embedded_corpus_is_refused(tmp_path):
     cfg["model"] = {"seq_len": 128}
     loader = {"version": 1, "dataset_fingerprint": now["fingerprint"], "num_samples": now["num_sequences"]}
     torch.save({"common": {"loader": [loader]}}, step / "common.pt")
-    assert find_tokenizer(cfg, step) == Path(ensure_default_tokenizer())  # this release's corpus: its tokenizer
+    assert sha(find_tokenizer(cfg, step)) == sha(Path(ensure_default_tokenizer()))  # this corpus: its tokenizer
     torch.save({"common": {"loader": [dict(loader, dataset_fingerprint="fp-old", num_samples=1019)]}},
                step / "common.pt")
-    with pytest.raises(ConversionError, match=r"trained on an earlier release's embedded corpus \(1019 sequences; "
-                                              rf"this release's has {now['num_sequences']}\) .* pass --tokenizer"):
+    with pytest.raises(ConversionError, match=r"trained on an embedded corpus other than this installation's \(1019 "
+                                              rf"sequences; this one's has {now['num_sequences']}: .* pass --tokenizer"):
         find_tokenizer(cfg, step)
     own = write(tmp_path / "old_tok" / "tokenizer.json", "OLD")
     assert find_tokenizer(cfg, step, own) == own  # --tokenizer: the way on
+    # the earlier release's set still in the run's cache: its own tokenizer, found by the loader's fingerprint
+    old_set = tmp_path / "oldcache" / "default-0123456789abcdef"
+    manifest(old_set / "train", own, sha(own), fingerprint="fp-old")
+    cfg["data"]["cache_dir"] = str(tmp_path / "oldcache")
+    assert find_tokenizer(cfg, step) == own
+    # a folder whose name starts with "default" is no embedded set (it crashed the check)
+    assert find_tokenizer({"data": {"path": "default_data/train"}, "model": {"seq_len": 128}}, step) is None
