@@ -127,8 +127,7 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
     out = Path(cfg.out)
     check_out_dir(out)
     _refuse_dataset_out(out)
-    if cfg.train_manifest is not None:
-        _check_train_manifest(Path(cfg.train_manifest), cfg.holdout)
+    train_manifest = _check_train_manifest(Path(cfg.train_manifest), cfg.holdout) if cfg.train_manifest else None
     files = discover(cfg.input, cfg.sources)
     check_out_outside_input(cfg.input, out)
     if cfg.max_files_per_source:
@@ -138,8 +137,8 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
                 kept.append(f)
         files = kept
     tok = Tokenizer(cfg.tokenizer, eos_token=cfg.eos_token)
-    if cfg.train_manifest is not None:  # the ids the training data holds: another tokenizer or EOS was
-        _check_train_tokenizer(Path(cfg.train_manifest), tok)  # accepted here and refused by train later
+    if train_manifest is not None:  # the ids the training data holds: another tokenizer or EOS was
+        _check_train_tokenizer(Path(cfg.train_manifest), train_manifest, tok)  # accepted, refused by train later
     sizes = [(f.part, f.path.stat().st_size, f.path.stat().st_mtime_ns) for f in files]
     common = {"format": FORMAT, "tokenizer_sha256": tok.sha256, "holdout": cfg.holdout.to_dict(),
               "seed": cfg.seed, "files": sizes, "compression": cfg.compression}
@@ -177,8 +176,8 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
     return result
 
 
-def _check_train_manifest(path: Path, holdout: HoldoutSpec) -> None:
-    """``--train-manifest`` must be the converter's manifest, with ``holdout``'s bands."""
+def _check_train_manifest(path: Path, holdout: HoldoutSpec) -> dict:
+    """``--train-manifest`` must be the converter's manifest, with ``holdout``'s bands; returns it."""
     if path.is_dir():
         hint = f"; pass {path / 'manifest.json'}" if (path / "manifest.json").is_file() else ""
         raise DataError(f"--train-manifest {path}: is a folder, not a manifest.json{hint}")
@@ -199,12 +198,13 @@ def _check_train_manifest(path: Path, holdout: HoldoutSpec) -> None:
         raise DataError(f"holdout spec {holdout.to_dict()} differs from the one used for "
                         f"the training shards ({path}: {tm.get('holdout')}); "
                         "the eval sets would overlap training")
+    return tm
 
 
-def _check_train_tokenizer(path: Path, tok: Tokenizer) -> None:
+def _check_train_tokenizer(path: Path, tm: dict, tok: Tokenizer) -> None:
+    """``tok`` (with its ``--eos-token``) must be the tokenizer of the training manifest ``tm`` (at ``path``)."""
     from megaloop.data.tokenizer import manifest_eos_id, manifest_tokenizer_sha256
 
-    tm = json.loads(path.read_text())  # read and checked by _check_train_manifest
     want = manifest_tokenizer_sha256(tm)
     if want and want not in tok.sha256s:
         raise DataError(f"--tokenizer {tok.path} (sha256 {tok.sha256[:12]}…) is not the tokenizer of the training "

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -177,8 +178,6 @@ class MegaloopLM(LM):
         as every other eval verb does) and record it (``rope_extrapolated``)."""
         trained = int(self.engine.config.max_position_embeddings)
         if n > trained and not self.rope_extrapolated:
-            import sys
-
             print(f"warning: a request reaches {n} positions, beyond the training seq_len {trained}: RoPE positions "
                   f"{trained}..{n - 1} were never trained and are extrapolated", file=sys.stderr, flush=True)
         self.rope_extrapolated = self.rope_extrapolated or n > trained
@@ -281,8 +280,6 @@ class MegaloopLM(LM):
             ids = self.tok_encode(context) or [self.eot_token_id]
             if len(ids) > self.max_length - max_new:  # as lm-eval's HF model: room for max_gen_toks, said once
                 if not self._cut_prompts:
-                    import sys
-
                     print(f"warning: generate_until: a prompt of {len(ids)} tokens is cut on the left to "
                           f"{self.max_length - max_new} (max_length {self.max_length} - max_gen_toks {max_new})",
                           file=sys.stderr, flush=True)

@@ -38,8 +38,6 @@ def check_embedded_corpus(run_cfg: dict, ckpt: Path, path: str) -> Path | None:
     an embedded set of that fingerprint still in the cache gives its own tokenizer (returned);
     otherwise one that is not this release's set (built for the check if needed, in the run's cache,
     else ``$MEGALOOP_CACHE``) is refused, naming ``--tokenizer``. None: use this release's tokenizer."""
-    import torch
-
     from megaloop.data.config import embedded_split
     from megaloop.data.dataset_checks import default_cache_dir
     from megaloop.data.loaders import resolve_data_path
@@ -49,12 +47,13 @@ def check_embedded_corpus(run_cfg: dict, ckpt: Path, path: str) -> Path | None:
 
     if embedded_split(path, "train") is None:  # a folder whose name starts with "default"
         return None
+    from megaloop.hf.convert import read_common
+
     try:
-        common = torch.load(Path(ckpt) / "common.pt", map_location="cpu", weights_only=False)
-        states = (common.get("common", common) or {}).get("loader") or []
-        saved = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
-    except Exception:  # noqa: BLE001 - no loader state to compare (converted from HF, damaged): as before
+        states = read_common(Path(ckpt)).get("loader") or []
+    except UserError:  # unreadable: no loader state to compare (the load itself names the damage)
         return None
+    saved = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     seq = int((run_cfg.get("model") or {}).get("seq_len") or 0)
     if not seq or not saved.get("dataset_fingerprint"):
         return None

@@ -161,6 +161,9 @@ def test_an_old_run_on_another_releases_embedded_corpus_is_refused(tmp_path):
     cfg, step = run_layout(tmp_path, "default", fingerprint=None)  # no tokenizer.json, no data.json
     cfg["model"] = {"seq_len": 128}
     loader = {"version": 1, "dataset_fingerprint": now["fingerprint"], "num_samples": now["num_sequences"]}
+    (step / "metadata.json").write_text(json.dumps({  # what megatron's reader takes for a checkpoint
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+        "common_backend_version": 1}))
     torch.save({"common": {"loader": [loader]}}, step / "common.pt")
     assert sha(find_tokenizer(cfg, step)) == sha(Path(ensure_default_tokenizer()))  # this corpus: its tokenizer
     torch.save({"common": {"loader": [dict(loader, dataset_fingerprint="fp-old", num_samples=1019)]}},
