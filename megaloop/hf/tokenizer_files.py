@@ -47,11 +47,11 @@ def check_embedded_corpus(run_cfg: dict, ckpt: Path, path: str) -> Path | None:
 
     if embedded_split(path, "train") is None:  # a folder whose name starts with "default"
         return None
-    from megaloop.hf.convert import read_common
+    from megatron.core import dist_checkpointing  # the reader every other caller of common.pt uses
 
     try:
-        states = read_common(Path(ckpt)).get("loader") or []
-    except UserError:  # unreadable: no loader state to compare (the load itself names the damage)
+        states = (dist_checkpointing.load_common_state_dict(str(ckpt)).get("common") or {}).get("loader") or []
+    except Exception:  # noqa: BLE001 - unreadable: nothing to compare (the load itself names the damage)
         return None
     saved = states[0] if isinstance(states, list) and states and isinstance(states[0], dict) else {}
     seq = int((run_cfg.get("model") or {}).get("seq_len") or 0)
