@@ -32,8 +32,36 @@ def cmd_train(args: argparse.Namespace) -> int:
     from megaloop.config import load_config
     from megaloop.train.trainer import Trainer
 
+    check_config_not_run_file(args.config, args.run_dir)
     cfg = load_config(args.config, args.overrides, arm=args.arm)
     return Trainer(cfg, args.run_dir, resume=args.resume).run()
+
+
+def check_config_not_run_file(config: str, run_dir: str) -> None:
+    """Refuse a ``--config`` file that is the run's own ``config.yaml`` unless it is a saved config
+    as megaloop writes it: train rewrites that file with the resolved config, which would drop a
+    hand-written file's comments and ``base:`` and bake this command's overrides into it."""
+    from pathlib import Path
+
+    import yaml
+
+    from megaloop.config import resolve_config_path
+    from megaloop.config_utils import ConfigError
+
+    target = Path(run_dir) / "config.yaml"
+    try:
+        path = resolve_config_path(config)
+        same = target.is_file() and path.is_file() and os.path.samefile(path, target)
+        text = path.read_text() if same else ""
+        data = yaml.safe_load(text) if same else None
+    except (ConfigError, OSError, UnicodeDecodeError, yaml.YAMLError):
+        return  # load_config names what is wrong with the file
+    if not same or (isinstance(data, dict) and "base" not in data
+                    and yaml.safe_dump(data, sort_keys=False) == text):
+        return
+    raise ConfigError(f"--config {config}: this is the run's own config.yaml, which train rewrites with the "
+                      f"resolved config (its comments, base: and layout would be lost); copy it elsewhere "
+                      f"(cp {path} my.yaml) and pass --config my.yaml")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ applies dotlist overrides and validates every section; errors name the field.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,17 +232,42 @@ def arm_overrides(name: str) -> list[str]:
 def load_saved_config(path: str | Path) -> RunConfig:
     """A run's saved ``config.yaml``; model fields it lacks (written before they existed) take what
     such runs trained with (``model.config.with_legacy_defaults``), not today's defaults."""
-    data = load_yaml(path)
+    data = load_yaml(path, cls=RunConfig)
     if isinstance(data.get("model", {}), dict):
         data["model"] = with_legacy_defaults(data.get("model") or {})
     return from_dict(RunConfig, data)
+
+
+# model fields every release's saved config.yaml lists (the resolved config, every field), while
+# presets and hand-written files name a few: a file's ``model`` section holding all of them is a
+# run's saved config (or a copy of one)
+SAVED_CONFIG_MARKERS = ("arch", "num_query_groups", "ffn_hidden_size", "num_layers", "vocab_pad_multiple",
+                        "state_init", "eval_state_init", "eval_seed", "deq_std", "norm_eps", "transformer_impl")
+
+
+def legacy_fields(data: dict) -> dict:
+    """The model fields a saved config.yaml (:data:`SAVED_CONFIG_MARKERS`) written by an earlier
+    release lacks, with what that release trained with (``ModelConfig.LEGACY_DEFAULTS``); {} for
+    any other file (a preset or a hand-written config takes today's defaults)."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not all(k in model for k in SAVED_CONFIG_MARKERS):
+        return {}
+    return {k: v for k, v in ModelConfig.LEGACY_DEFAULTS.items() if k not in model}
 
 
 def load_config(name_or_path: str, overrides: list[str] | None = None, arm: str | None = None) -> RunConfig:
     """Preset name or YAML path, then a paper arm's overrides (``arm``), then ``section.key=value``
     overrides -> validated RunConfig."""
     renames = renamed_paths(RunConfig)
-    data = load_yaml(resolve_config_path(name_or_path), renames=renames)
+    path = resolve_config_path(name_or_path)
+    data = load_yaml(path, renames=renames, cls=RunConfig)
+    if legacy := legacy_fields(data):  # re-running an older release's config.yaml trains its model
+        data["model"] = {**legacy, **data["model"]}
+        if os.environ.get("RANK", "0") == "0":
+            given = ", ".join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in legacy.items())
+            print(f"note: {path} is a run's config.yaml from an earlier release (no {', '.join(legacy)}): "
+                  f"{given} as that release trained; add them to the file, or override, for today's defaults",
+                  file=sys.stderr, flush=True)
     if arm is not None and not str(arm).strip():
         raise ConfigError("--arm: empty name (an unset shell variable?); give an arm of megaloop/configs/arms.yaml")
     dotlist = (arm_overrides(arm) if arm else []) + list(overrides or [])

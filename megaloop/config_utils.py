@@ -7,6 +7,7 @@ and name the offending field (``model.num_heads``), so bad input fails before an
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -84,6 +85,42 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         self._check_unique(node)
         return super().construct_mapping(node, deep)
+
+
+# PyYAML's constructors raise these (not YAMLError) on a tag with a value it cannot take:
+# ``!!int`` alone, ``!!float abc``, ``!!bool x``, ``!!timestamp x``
+_CONSTRUCT_ERRORS = (ValueError, IndexError, KeyError, AttributeError, TypeError, OverflowError)
+
+
+def _raw_text(text: str) -> Any:
+    """``text`` read as YAML with every scalar kept as the text typed (``0123``, ``yes``); None when
+    that reading fails (it only supplies text fields' values; the typed reading reports errors)."""
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader)
+    except (yaml.YAMLError, *_CONSTRUCT_ERRORS):
+        return None
+
+
+def keep_text(data: Any, raw: Any, cls: Any) -> Any:
+    """``data`` (a typed YAML reading of a mapping for dataclass ``cls``) with each ``str`` field's
+    value as typed in ``raw`` (the same mapping read as text): YAML 1.1 reads ``name: 0123`` as
+    83, ``yes`` as True and ``2024_01`` as 202401, which a text field would then record. Nested
+    sections likewise; renamed fields under either name; anything else as it was."""
+    if not (isinstance(data, dict) and isinstance(raw, dict) and dataclasses.is_dataclass(cls)):
+        return data
+    hints = typing.get_type_hints(cls)
+    renamed = getattr(cls, "RENAMED", {})
+    out = dict(data)
+    for key, value in data.items():
+        tp = hints.get(renamed.get(key, key)) if isinstance(key, str) else None
+        if key not in raw or tp is None:
+            continue
+        if dataclasses.is_dataclass(tp):
+            out[key] = keep_text(value, raw[key], tp)
+        elif _is_text_field(tp) and value is not None and not isinstance(value, (str, dict, list)) \
+                and isinstance(raw[key], str):
+            out[key] = raw[key]
+    return out
 
 
 def _parse_scalar(text: str) -> Any:
@@ -197,7 +234,9 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     for key in data:
         if key not in names:
             where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(f"{where}: unknown field (known: {', '.join(sorted(names))})")
+            close = difflib.get_close_matches(str(key), sorted(names), n=1, cutoff=0.7)
+            hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+            raise ConfigError(f"{where}: unknown field (known: {', '.join(sorted(names))}){hint}")
     kwargs = {}
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else key
@@ -305,13 +344,14 @@ def apply_dotlist(data: dict, dotlist: list[str], cls: Any = None) -> dict:
                 raise ConfigError(f"override {key}: {p} is not a section")
         try:
             value = _parse_scalar(text)
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, *_CONSTRUCT_ERRORS) as e:
             raise ConfigError(f"override {key}: {text!r} is not a valid YAML value "
-                              f"({str(e).splitlines()[0]})") from None
+                              f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
         tp = _field_type(cls, parts)
         if _is_text_field(tp):
             value = _override_text(text, value)  # the override as typed, not as YAML reads it
         elif isinstance(value, dict) and dataclasses.is_dataclass(tp):
+            value = keep_text(value, _raw_text(text), tp)  # its text fields as typed, as above
             value = _new_names(value, tp, key.strip())  # merges into the section, whose keys already have the new names
         _set_override(node, parts[-1], value)
     return data
@@ -338,19 +378,23 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
-def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str, str] | None = None) -> dict:
+def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str, str] | None = None,
+              cls: Any = None) -> dict:
     """Read a YAML mapping; a file may name ``base: other.yaml`` (resolved beside it) to inherit.
     A key given twice in one mapping, a ``base`` that is not a file name, names no file, or leads
     back to a file already on the chain (a cycle) are ``ConfigError``s naming the file. ``renames``
     (old dotted path → new) renames old keys in each file before it merges with its base, so a
-    file's new name overrides its base's old one; one mapping holding both names is refused."""
+    file's new name overrides its base's old one; one mapping holding both names is refused. With
+    ``cls`` (the dataclass the mapping is for), text fields keep their values as typed
+    (:func:`keep_text`)."""
     path = Path(path)
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
+        text = path.read_text()
+        data = yaml.load(text, Loader=_UniqueKeyLoader) or {}
     except _DuplicateKeyError as e:
         raise ConfigError(f"config file {path}: {e}; give each key once") from None
     except yaml.YAMLError as e:
@@ -359,11 +403,22 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str
         raise ConfigError(f"config file {path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except _CONSTRUCT_ERRORS as e:  # a tag with a value it cannot take (`max_steps: !!float abc`)
+        raise ConfigError(f"config file {path}: not valid YAML: a tagged value cannot be read "
+                          f"({(str(e).splitlines() or [type(e).__name__])[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path}: top level must be a mapping")
     base = data.pop("base", None)
+    raw = _raw_text(text) if cls is not None else None
     if renames:
         _rename_in_file(data, renames, path)
+        if isinstance(raw, dict):
+            try:
+                _rename_in_file(raw, renames, path)
+            except ConfigError:
+                raw = None
+    if cls is not None:
+        data = keep_text(data, raw, cls)
     if base:
         if not isinstance(base, str):
             raise ConfigError(f"config file {path}: base: expected a YAML file name (resolved beside it), "
@@ -378,7 +433,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str
             what = "a directory" if parent.is_dir() else "no such file"
             raise ConfigError(f"config file {path}: base: {base!r} is {what} (looked for {parent}, "
                               f"beside {path.name}; give a YAML file's name or path)")
-        data = merge(load_yaml(parent, chain, renames), data)
+        data = merge(load_yaml(parent, chain, renames, cls), data)
     return data
 
 

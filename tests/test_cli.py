@@ -83,3 +83,29 @@ def test_the_deepspeed_launchers_local_rank_before_the_subcommand_is_dropped(mon
     assert os.environ["LOCAL_RANK"] == "1"
     assert _strip_local_rank(["--local-rank", "0", "distill-prefill"]) == ["distill-prefill"]
     assert _strip_local_rank(["rl", "--local_rank=0"]) == ["rl", "--local_rank=0"]  # the subcommand's own parser
+
+
+def test_train_refuses_a_hand_written_config_that_is_the_runs_own_config_yaml(tmp_path, capsys, monkeypatch):
+    """train rewrote the --config file it read when that was RUN_DIR/config.yaml: a hand-written file
+    lost its comments and base:, and took this command's overrides (a later --resume then stopped)."""
+    import megaloop.runtime.parallel as parallel
+    from megaloop.config import load_config, resolve_config_path
+
+    monkeypatch.setattr(parallel, "destroy_distributed", lambda: None)
+    run = tmp_path / "run"
+    run.mkdir()
+    own = run / "config.yaml"
+    text = f"# my experiment\nbase: {resolve_config_path('tiny')}\ntrain:\n  max_steps: 12\n"
+    own.write_text(text)
+    with pytest.raises(SystemExit) as err:
+        main(["train", "--config", str(own), "--run-dir", str(run), "train.stop_after=2"])
+    assert err.value.code == 2
+    assert f"--config {own}: this is the run's own config.yaml, which train rewrites" in capsys.readouterr().err
+    assert own.read_text() == text and sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+    # a saved config as megaloop writes it may be read in place (train writes what it holds); other paths pass
+    from megaloop.cli import check_config_not_run_file
+
+    load_config("tiny").dump(own)
+    check_config_not_run_file(str(own), str(run))
+    check_config_not_run_file(str(own), str(tmp_path / "elsewhere"))
+    check_config_not_run_file("tiny", str(run))

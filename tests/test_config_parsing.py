@@ -141,3 +141,76 @@ def test_override_without_a_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config("tiny", [override])
     assert _one_line(err).startswith(message)
+
+
+@pytest.mark.parametrize("override", ["train.max_steps=!!int", "train.max_steps=!!float abc", "logging.name=!!int",
+                                      "model.qk_norm=!!bool x", "logging.name=!!timestamp x"])
+def test_yaml_tags_with_values_they_cannot_take_are_one_line(override):
+    """PyYAML raises IndexError/ValueError/KeyError/AttributeError there, not YAMLError: a traceback, exit 1."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    assert _one_line(err).startswith(f"override {override.split('=')[0]}: ")
+
+
+def test_yaml_tag_in_a_config_file_is_one_line_naming_it(tmp_path):
+    f = tmp_path / "t.yaml"
+    f.write_text("train:\n  max_steps: !!float abc\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(f))
+    assert _one_line(err).startswith(f"config file {f}: not valid YAML: a tagged value cannot be read")
+
+
+def test_text_fields_keep_their_text_in_files_and_section_mappings(tmp_path):
+    """YAML 1.1 types ``0123`` (octal 83), ``yes`` (True) and ``2024_01`` (202401); a text field
+    recorded that reading in files and section mappings, while a ``key=value`` override kept the text."""
+    f = tmp_path / "name.yaml"
+    f.write_text(f"base: {resolve_config_path('tiny')}\nlogging:\n  name: 0123\ndata:\n  path: 2024_01\n")
+    cfg = load_config(str(f))
+    assert (cfg.logging.name, cfg.data.path) == ("0123", "2024_01")
+    assert load_config("tiny", ["logging={name: 0123}"]).logging.name == "0123"
+    assert load_config("tiny", ["logging={name: yes}", "data={path: 0123}"]).data.path == "0123"
+    assert load_config("tiny", ["logging={name: yes}"]).logging.name == "yes"
+    # numbers, booleans and null are read as before
+    g = tmp_path / "typed.yaml"
+    g.write_text(f"base: {resolve_config_path('tiny')}\ntrain:\n  max_steps: 0x10\nmodel:\n  qk_norm: no\n"
+                 "logging:\n  name: ~\n")
+    cfg = load_config(str(g))
+    assert (cfg.train.max_steps, cfg.model.qk_norm, cfg.logging.name) == (16, False, None)
+
+
+def test_an_earlier_releases_saved_config_trains_its_model(tmp_path, capsys):
+    """A run's config.yaml from before a model field existed re-ran under today's default (QK-norm,
+    √d embedding scale): another model than the run trained, while eval read the file as the run had."""
+    from megaloop.config import load_saved_config
+
+    run = tmp_path / "run.yaml"
+    load_config("tiny").dump(run)
+    old = tmp_path / "old.yaml"
+    old.write_text("".join(line for line in run.read_text().splitlines(keepends=True)
+                           if not line.lstrip().startswith(("qk_norm:", "embed_scale:"))))
+    cfg = load_config(str(old))
+    assert (cfg.model.qk_norm, cfg.model.embed_scale) == (False, 1.0)
+    assert cfg.model == load_saved_config(old).model
+    note = capsys.readouterr().err
+    assert note.startswith(f"note: {old} is a run's config.yaml from an earlier release (no ")
+    assert "model.qk_norm=false" in note and "model.embed_scale=1.0" in note
+    assert load_config(str(old), ["model.qk_norm=true"]).model.qk_norm is True  # an override still wins
+    capsys.readouterr()
+    # today's saved config, a preset and a hand-written partial file keep today's defaults, silently
+    assert load_config(str(run)).model == load_config("tiny").model
+    part = tmp_path / "part.yaml"
+    part.write_text(f"base: {resolve_config_path('tiny')}\nmodel:\n  hidden_size: 96\n")
+    assert load_config(str(part)).model.qk_norm is True
+    assert capsys.readouterr().err == ""
+
+
+def test_a_misspelled_key_gets_a_suggestion():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["train.max_step=3"])
+    assert _one_line(err).endswith("; did you mean train.max_steps?")
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", ["trian.max_steps=3"])
+    assert _one_line(err).endswith("; did you mean train?")
+    with pytest.raises(ConfigError) as err:  # nothing close: no guess
+        load_config("tiny", ["train.zzz=3"])
+    assert "did you mean" not in _one_line(err)

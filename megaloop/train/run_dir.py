@@ -313,7 +313,17 @@ def init_only_changes(saved: dict, cfg) -> str | None:
     if not diffs:
         return None
     return (f"note: {', '.join(diffs)} set up a new run's initial state; a resume continues the checkpoint's, so "
-            "these have no effect here (start a new --run-dir to use them)")
+            "these have no effect here and config.yaml keeps the checkpoint's values (start a new --run-dir "
+            "to use them)")
+
+
+def keep_init_fields(saved: dict, cfg) -> None:
+    """Set ``cfg``'s :data:`INIT_ONLY_FIELDS` to the checkpoint's (``saved``, its config) in place, so
+    the resumed run's ``config.yaml`` records the initial state the run has: re-running that file
+    trains the same run (it recorded a changed or dropped value that had no effect)."""
+    for sec, key in INIT_ONLY_FIELDS:
+        if key in (saved.get(sec) or {}):
+            setattr(getattr(cfg, sec), key, saved[sec][key])
 
 
 def vocab_hint(err: Exception, vocab: int, cfg, saved_model: dict | None = None) -> str:

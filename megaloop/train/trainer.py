@@ -43,8 +43,8 @@ from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads
 from megaloop.train.metrics import MetricsLogger
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
-                                    check_saved_layout, check_saved_optim, init_only_changes, set_aside_newer,
-                                    vocab_hint)
+                                    check_saved_layout, check_saved_optim, init_only_changes, keep_init_fields,
+                                    set_aside_newer, vocab_hint)
 from megaloop.train.run_files import init_tokenizer_warning, keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
@@ -327,6 +327,7 @@ class Trainer:
         self.last_saved = self.step
         if self.rank == 0 and (note := init_only_changes(common.get("config") or {}, self.cfg)):
             print(note, flush=True)  # after every refusal the load can still raise
+        keep_init_fields(common.get("config") or {}, self.cfg)  # config.yaml: the run's own initial state
         if self.rank == 0:
             for moved in set_aside_newer(self.ckpt, path):
                 self.rewound = True  # wandb: a new run (MetricsLogger)

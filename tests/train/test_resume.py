@@ -42,6 +42,10 @@ def test_stop_after_then_resume_is_bitwise(tmp_path, uninterrupted):
     assert ("note: depth.init=uniform (checkpoint: pln), train.init_seed=7 (checkpoint: None) set up a new "
             "run's initial state") in proc.stdout
     _same(metrics(tmp_path), uninterrupted)
+    # ... and config.yaml records the initial state the run has, so re-running it trains this run
+    # (it recorded the new values: a re-run of config.yaml differed from step 1)
+    saved = load_config(str(tmp_path / "config.yaml"))
+    assert (saved.depth.init, saved.train.init_seed) == ("pln", None)
 
 
 def test_counters_count_every_step_across_log_interval_and_resume(tmp_path, uninterrupted):
