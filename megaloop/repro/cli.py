@@ -38,11 +38,11 @@ from pathlib import Path
 
 from megaloop.errors import UserError
 from megaloop.repro import report as rep
-from megaloop.repro.evaluate import SUMMARY, checkpoint_step, evaluate_arm
+from megaloop.repro.evaluate import SUMMARY, check_eval_inputs, checkpoint_step, evaluate_arm
 from megaloop.repro.merge import merge_results
 from megaloop.repro.runs import (check_out, log, plan_sweep, resolve_lrs, run_dir, screen_point_done,
                                  screen_sweep, screened_groups, write_plan)
-from megaloop.repro.spec import Plan, check_seeds, load_plan, shipped_experiments
+from megaloop.repro.spec import Plan, check_seeds, experiment_path, load_plan, shipped_experiments
 from megaloop.runtime.files import nonempty_path
 from megaloop.sweep import Run, add_launch_args, execute, launch_from_args, pending, run_cli, slurm_active
 from megaloop.sweep_out import check_out_dir, check_out_kind, check_out_outside_data
@@ -272,6 +272,7 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     launch = launch_from_args(args, default_parallel=None)
     only = _arms(args)
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
+    check_eval_inputs(base.eval, str(experiment_path(args.experiment)))
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
     if not args.out:  # run_cli checked an explicit --out's shape; the default is checked here
         check_out_dir(str(out), probe=False)

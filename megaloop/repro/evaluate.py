@@ -28,11 +28,32 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from megaloop.repro.spec import Arm, EvalPlan
+from megaloop.repro.spec import Arm, EvalPlan, SpecError
 from megaloop.runtime.files import atomic_write_json, json_safe
 from megaloop.sweep import stopped
 
 SUMMARY = "summary.json"
+
+
+def check_eval_inputs(plan: EvalPlan, where: str) -> None:
+    """What the arms' evaluation reads, checked before any arm trains: a missing ``eval.data`` or
+    ``eval.synth`` file or an unknown harness task failed only after every arm had trained.
+    ``SpecError`` naming the field."""
+    from megaloop.config_utils import ConfigError
+    from megaloop.eval.harness import TASKS_DIR, _local_task_files
+
+    if plan.data != "default" and not Path(plan.data).is_dir():
+        raise SpecError(f"{where}: eval.data: {plan.data} is not a directory (an MDS validation set, or 'default')")
+    if plan.synth not in (None, "shipped") and not Path(plan.synth).is_file():
+        raise SpecError(f"{where}: eval.synth: {plan.synth} is not a file (a held-out problems JSONL of "
+                        "data_prep/make_synth.py, or 'shipped')")
+    if set(plan.harness) - set(_local_task_files([TASKS_DIR])):  # the shipped tasks need no lm-eval index
+        from megaloop.eval.harness import resolve_tasks
+
+        try:
+            resolve_tasks(plan.harness)
+        except ConfigError as err:
+            raise SpecError(f"{where}: eval.harness: {err}") from None
 RunFn = Callable[[list[str], Path, dict], int]  # (argv, log file, env) -> exit status
 
 

@@ -416,6 +416,7 @@ def render_markdown(results: dict) -> str:
         where = (f"**every point diverged** (extend the grid below: {sc.get('proposed_grid')})"
                  if sc.get("all_diverged") else "no finished point" if sc.get("best_lr") is None
                  else "provisional: the screen is incomplete" if sc.get("complete") is False
+                 else "**every point ties**: no optimum bracketed; screen higher LRs or longer" if sc.get("flat")
                  else "interior" if sc.get("interior")
                  else f"**{sc.get('edge')} edge** (extend the grid: {sc.get('proposed_grid')})")
         lines += [f"- **LR screen of `{g}`** (val CE at R={sc.get('eval_depth')} on `{sc.get('screen_set')}`, "

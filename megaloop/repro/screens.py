@@ -89,7 +89,10 @@ def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
     if "grid" in raw:
         if "range" in raw or "points" in raw:
             raise ConfigError(f"{where}.grid: give either grid or range/points, not both")
-        grid = sorted(set(lrs(raw["grid"], "grid")))
+        given = lrs(raw["grid"], "grid")
+        if repeated := sorted({x for x in given if given.count(x) > 1}):  # `lr-screen --grid` refuses these too
+            raise ConfigError(f"{where}.grid: learning rate {lr_tag(repeated[0])} is given twice; drop one")
+        grid = sorted(given)
     else:
         rng = raw.get("range", defaults.get("range"))
         if rng is None:
@@ -100,9 +103,9 @@ def screen_plan(raw: Any, config: str, cfg: Any, where: str = "") -> ScreenPlan:
             raise ConfigError(f"{where}.range: expected [lo, hi] with 0 < lo < hi, got {rng!r}")
         points = _positive_int(raw.get("points", defaults.get("points", 5)), f"{where}.points")
         grid = log_grid(lo_hi[0], lo_hi[1], points)
-    tags = [lr_tag(x) for x in grid]  # run folders are named by the rate at 3 significant digits
+    tags = [lr_tag(x) for x in grid]  # run folders are named by the rate at 6 significant digits
     if dups := sorted({t for t in tags if tags.count(t) > 1}):
-        raise ConfigError(f"{where}.grid: learning rates {dups[0]} coincide at 3 significant digits "
+        raise ConfigError(f"{where}.grid: learning rates {dups[0]} coincide at 6 significant digits "
                           "(the runs' folder names); drop one")
     if len(grid) < 3:
         raise ConfigError(f"{where}: the grid {grid} has fewer than 3 points: it cannot bracket an optimum")

@@ -45,8 +45,6 @@ anything runs; errors are ``SpecError`` (a ``UserError``: exit status 2) naming 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 import shlex
 from dataclasses import asdict, dataclass, field
@@ -57,6 +55,7 @@ import yaml
 
 from megaloop.config_utils import ConfigError, check_keys
 from megaloop.errors import UserError
+from megaloop.repro.eval_plan import EvalPlan
 from megaloop.repro.screens import ScreenPlan, as_rate, screen_plan
 from megaloop.repro.verdicts import parse_checks
 
@@ -132,70 +131,6 @@ def identity_overrides(overrides: list[str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- plan pieces
-@dataclass
-class EvalPlan:
-    """What every arm is evaluated on. ``depth``: the training depth R (native PPL@R, sharing
-    penalty at R, reference of the extrapolation); ``depths``: the sweep (its max is the
-    extrapolation depth); ``max_seqs``: validation sequences (None: the whole set); ``sweep``:
-    run the PPL sweep (needs validation data); ``synth``: held-out synthetic problems (a JSONL of
-    ``data_prep/make_synth.py``, or ``shipped``) scored by ``megaloop eval synth`` at every depth,
-    accuracy averaged over chain lengths k >= ``synth_min_k``."""
-
-    depth: int = 5
-    depths: list[int] = field(default_factory=lambda: [1, 2, 4, 5, 8, 16, 32, 64])
-    sharing: bool = True
-    data: str = "default"
-    max_seqs: int | None = None
-    batch_size: int = 4
-    harness: list[str] = field(default_factory=lambda: ["megaloop_toy_mc"])
-    harness_limit: int | None = None
-    sweep: bool = True
-    synth: str | None = None
-    synth_min_k: int = 3
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.depth, int) or isinstance(self.depth, bool) or self.depth < 1:
-            raise ConfigError(f"eval.depth: must be an integer >= 1, got {self.depth!r}")
-        if (not isinstance(self.depths, list) or not self.depths
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in self.depths)):
-            raise ConfigError(f"eval.depths: must be a non-empty list of integers >= 1, got {self.depths!r}")
-        self.depths = sorted(set(self.depths) | {self.depth})  # the training depth is always a row
-        if not isinstance(self.sharing, bool):
-            raise ConfigError(f"eval.sharing: expected true/false, got {self.sharing!r}")
-        if not isinstance(self.data, str) or not self.data:
-            raise ConfigError(f"eval.data: expected 'default' or an MDS validation directory, got {self.data!r}")
-        for name in ("max_seqs", "harness_limit"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"eval.{name}: must be an integer >= 1 or null, got {v!r}")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError(f"eval.batch_size: must be an integer >= 1, got {self.batch_size!r}")
-        if not isinstance(self.harness, list) or not all(isinstance(t, str) and t for t in self.harness):
-            raise ConfigError(f"eval.harness: must be a list of task names, got {self.harness!r}")
-        if not isinstance(self.sweep, bool):
-            raise ConfigError(f"eval.sweep: expected true/false, got {self.sweep!r}")
-        if self.synth is not None and (not isinstance(self.synth, str) or not self.synth):
-            raise ConfigError(f"eval.synth: expected 'shipped' or a held-out problems JSONL, got {self.synth!r}")
-        if not isinstance(self.synth_min_k, int) or isinstance(self.synth_min_k, bool) or self.synth_min_k < 1:
-            raise ConfigError(f"eval.synth_min_k: must be an integer >= 1, got {self.synth_min_k!r}")
-        if not (self.sweep or self.harness or self.synth):
-            raise ConfigError("eval: nothing to evaluate (sweep: false, no harness tasks, no synth problems)")
-
-    def to_dict(self) -> dict:
-        """The plan's fields; the synthetic-task fields only when used, so plans written before
-        they existed keep their digest."""
-        d = asdict(self)
-        if self.sweep:
-            del d["sweep"]
-        if self.synth is None:
-            del d["synth"], d["synth_min_k"]
-        return d
-
-    def digest(self) -> str:
-        """Stable hash: an arm's evaluation is redone when the plan changes."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
-
-
 def eval_plan(base: dict | None, update: dict | None, where: str) -> EvalPlan:
     merged = {**(base or {}), **(update or {})}
     unknown = sorted(set(merged) - set(EvalPlan.__dataclass_fields__))
@@ -300,7 +235,8 @@ def experiment_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
-            raise SpecError(f"--experiment: {p} does not exist")
+            raise SpecError(f"--experiment: {p} is a directory, not an experiment YAML" if p.is_dir()
+                            else f"--experiment: {p} does not exist")
         return p
     q = EXPERIMENTS_DIR / f"{name_or_path}.yaml"
     if not q.is_file():
@@ -319,7 +255,12 @@ def read_experiment(path: Path) -> dict:
     except SpecError as err:
         raise SpecError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        raise SpecError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecError(f"{path}: not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:
         raise SpecError(f"{path}: cannot read ({err.strerror})") from None
     if not isinstance(data, dict):
@@ -367,9 +308,16 @@ def _paper_arm(name: Any, where: str) -> list[str]:
 _UNSET = object()
 
 
-def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | None, list[str], list[str], Any]:
+def file_scales(data: dict) -> list[str]:
+    """The scales an experiment file defines (its ``scales:``, else the default ones)."""
+    scales = data.get("scales")
+    return list(map(str, scales)) if isinstance(scales, dict) and scales else list(DEFAULT_SCALES)
+
+
+def _arm_parts(name: str, raw: Any, scale: str, path: Path,
+               known_scales: list[str] = ()) -> tuple[str, str | None, list[str], list[str], Any]:
     """(label, paper arm, the paper arm's overrides, the arm's own overrides, its ``lr:`` or
-    ``_UNSET``) of one arm."""
+    ``_UNSET``) of one arm; an arm's ``scales:`` may only name ``known_scales`` (the file's)."""
     where = f"{path}: arm {name!r}"
     if raw is None:
         raise SpecError(f"{where}: empty arm (give overrides, or [] for the scale's config unchanged)")
@@ -384,6 +332,12 @@ def _arm_parts(name: str, raw: Any, scale: str, path: Path) -> tuple[str, str | 
         per_scale = raw.get("scales") or {}
         if not isinstance(per_scale, dict):
             raise SpecError(f"{where}: scales: expected a mapping of scale -> overrides")
+        unknown = [k for k in per_scale if str(k) not in known_scales] if known_scales else []
+        if unknown:  # a typo (`tnyi:`) dropped the arm's overrides at every scale, silently
+            raise SpecError(f"{where}: scales.{unknown[0]}: not a scale of this file (its scales: "
+                            f"{', '.join(known_scales)})")
+        for other in per_scale:  # every scale's overrides are checked, not only this run's
+            _overrides(per_scale[other], f"{where}: scales.{other}")
         ov += _overrides(per_scale.get(scale), f"{where}: scales.{scale}")
     else:
         ov = _overrides(raw, where)
@@ -507,12 +461,17 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
 
     for arm_name, arm_raw in raw:
         where = f"{path}: arm {arm_name!r}"
-        label, paper, paper_ov, arm_ov, lr_raw = _arm_parts(arm_name, arm_raw, scale, path)
+        label, paper, paper_ov, arm_ov, lr_raw = _arm_parts(arm_name, arm_raw, scale, path, file_scales(data))
         own_lr = lr_raw is not _UNSET
         lr, lr_ov = _lr(lr_raw if own_lr else data.get("lr"), where)
         if (lr is not None or lr_ov) and "optim.lr" in _keys(arm_ov + extras):
             raise SpecError(f"{where}: optim.lr is set by `lr:` ({lr_raw if own_lr else data.get('lr')!r}); "
                             "remove the override or the arm's `lr:`")
+        clash = sorted(set(_keys(paper_ov + arm_ov)) & set(_keys(extras)))
+        if clash:  # the last value wins: the arm would lose what makes it that arm, keeping its label
+            raise SpecError(f"command-line override {clash[0]}: arm {arm_name!r} of {path} sets it itself "
+                            f"(every arm gets the command line's overrides); drop it, or leave that arm out "
+                            f"with --arms")
         tool = [f"train.eval_depth={plan_eval.depth}", "logging.progress=false",
                 f"logging.name=repro-{name}-{scale}-{arm_name}"]
         full = [*paper_ov, *scale_ov, *common, *arm_ov, *lr_ov, *extras, *tool]

@@ -135,8 +135,8 @@ def run_screen(args: argparse.Namespace, extras: list[str]) -> int:
         return 3 if args.fail_on_edge else 1  # no LR selected: not a finished screen
     if args.fail_on_edge and not sel["complete"]:
         return 1  # points still queued: no edge verdict yet, and asked for one
-    if sel["edge"] and args.fail_on_edge:
-        return 3
+    if (sel["edge"] or sel.get("flat")) and args.fail_on_edge:
+        return 3  # no optimum bracketed: at an edge, or every point ties
     return 0
 
 

@@ -134,8 +134,13 @@ def select_best(points: list[dict]) -> dict:
                        proposed_grid=sorted(set(lrs) | {_round_sig(lrs[0] / ratio)}))
         return out
     i, ce = min(scored, key=lambda t: (t[1], t[0]))
-    out.update(best_index=i, best_lr=lrs[i], best_val_ce=ce)
+    out.update(best_index=i, best_lr=lrs[i], best_val_ce=ce, flat=False)
     if not complete:
+        return out
+    if len(scored) > 1 and all(c == ce for _, c in scored):
+        # every finished point ties exactly: the budget cannot tell these LRs apart, so there is no optimum
+        # to bracket (it was reported as the lowest LR on the lower edge, proposing lower LRs still)
+        out.update(interior=False, flat=True)
         return out
     n = len(lrs)
     if 0 < i < n - 1:

@@ -53,7 +53,7 @@ def write_results(screen: Screen, points: list[dict], sel: dict, argv_cmd: str |
         {"index": sel["best_index"], "lr": sel["best_lr"], "val_ce": sel["best_val_ce"],
          "run_dir": points[sel["best_index"]]["run_dir"]},
         "interior": sel["interior"], "edge": sel["edge"], "complete": sel["complete"],
-        "all_diverged": bool(sel.get("all_diverged")), "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
+        "all_diverged": bool(sel.get("all_diverged")), "flat": bool(sel.get("flat")), "proposed_grid": sel["proposed_grid"], "proposed_command": argv_cmd,
         "updated": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     atomic_write_json(out / "results.json", json_safe(result), sort_keys=False)  # a diverged point's NaN: null
@@ -93,6 +93,8 @@ def plot(screen: Screen, points: list[dict], sel: dict, path: Path) -> Path | No
     title = f"LR screen: {Path(screen.config).stem}, {screen.end_step} of {screen.max_steps} updates"
     if sel.get("all_diverged"):
         title += "\nEVERY POINT DIVERGED: extend the grid below"
+    elif sel.get("flat"):
+        title += "\nEVERY POINT TIES: no optimum bracketed"
     elif sel["edge"]:
         title += f"\nBEST ON THE {sel['edge'].upper()} EDGE: extend the grid"
     elif not sel["complete"]:
@@ -157,6 +159,10 @@ def report(screen: Screen, points: list[dict], sel: dict, proposal: str | None) 
               f"!!   proposed grid: {','.join(lr_tag(x) for x in sel['proposed_grid'])}\n!!   {proposal}\n{bar}")
     elif sel["best_index"] is None:
         print("  no finished point yet")
+    elif sel.get("flat"):
+        print(f"  every finished point ties at val_ce {sel['best_val_ce']:.6f}: this budget cannot tell these LRs "
+              f"apart, so no optimum is bracketed (lowest listed: {lr_tag(sel['best_lr'])}); screen higher LRs, "
+              "or longer (--stop-after)")
     elif sel["interior"]:
         print(f"  best lr {lr_tag(sel['best_lr'])} (val_ce {sel['best_val_ce']:.4f}) is interior to the grid")
     else:

@@ -69,7 +69,11 @@ def test_screen_plan_validates(tmp_path: Path) -> None:
     (lambda t: t.replace("stop_after: 1}", "stop_after: 1, points: 3}"), r"scales.test.screen.grid: give either grid"),
     (lambda t: t.replace("stop_after: 1}", "stop_after: 1, every: 3}"), r"scales.test.screen: unknown key\(s\) every"),
     (lambda t: t.replace("grid: [1e-3, 2e-3, 4e-3]", "grid: [1e-3, 1.0000001e-3, 2e-3, 4e-3]"),
-     r"scales.test.screen.grid: learning rates 0.001 coincide at 3 significant digits"),
+     r"scales.test.screen.grid: learning rates 0.001 coincide at 6 significant digits"),
+    # a repeated rate was dropped silently (lr-screen --grid refuses it), and [1e-3, 0.001, 2e-3] was
+    # reported as "fewer than 3 points"
+    (lambda t: t.replace("grid: [1e-3, 2e-3, 4e-3]", "grid: [1e-3, 0.001, 2e-3, 4e-3]"),
+     r"scales.test.screen.grid: learning rate 0.001 is given twice; drop one"),
     (lambda t: t.replace("stop_after: 1}", "stop_after: 1, screen_set: /nonexistent/screen}"),
      r"scales.test.screen.screen_set: /nonexistent/screen is not a directory"),
     (lambda t: t + "seeds: [1, 1]\n", r"seeds: \[1, 1\] repeats a seed"),

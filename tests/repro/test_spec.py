@@ -187,3 +187,47 @@ def test_a_run_train_would_refuse_is_named_while_planning() -> None:
     plan (and with slurm, every queued job) only met them there."""
     with pytest.raises(SpecError, match=r"arm 'huginn_bR': optim.warmup_steps: 30 warm-up steps and the WSD decay"):
         load_plan("tbptt", "tiny", ["train.max_steps=32"])
+
+
+def test_an_arms_scales_may_only_name_the_files_scales(tool, capsys, tmp_path: Path) -> None:
+    """A typo (`tnyi:`) dropped the arm's overrides at every scale, silently (exit 0)."""
+    p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
+                                           'b1: {overrides: [model.bptt_window=1], scales: {tset: "model.qk_norm=false"}}'))
+    err = _fail(tool, capsys, p)
+    assert "arm 'b1': scales.tset: not a scale of this file (its scales: test)" in err
+    bad = USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
+                            'b1: {overrides: [model.bptt_window=1], scales: {test: "x"}}')
+    assert "scales.test: override 'x' is not section.key=value" in _fail(tool, capsys, _write(tmp_path, bad))
+
+
+def test_command_line_overrides_may_not_replace_an_arms_own(tool, capsys, tmp_path: Path) -> None:
+    """`-- model.bptt_window=4` replaced what made each arm that arm, keeping its label (exit 0)."""
+    p = _write(tmp_path, USER_YAML)
+    err = _fail(tool, capsys, p, "--", "model.bptt_window=4")
+    assert f"command-line override model.bptt_window: arm 'full' of {p} sets it itself" in err
+    # settings the arms leave to the file (common:, the scale's) may still be overridden for every arm
+    assert [a.overrides[-4] for a in load_plan(str(p), "test", ["depth.depth=3"]).arms] == ["depth.depth=3"] * 2
+
+
+@pytest.mark.parametrize("eval_yaml, words", [
+    ("{depth: 2, data: /no/such/val}", "eval.data: /no/such/val is not a directory"),
+    ("{depth: 2, synth: /no/such.jsonl}", "eval.synth: /no/such.jsonl is not a file"),
+    ("{depth: 2, harness: [nosuchtask]}", "eval.harness: --tasks: unknown task(s) ['nosuchtask']"),
+    ("{depth: 2}", "eval.batch_size: must be an integer >= 1, got True"),
+])
+def test_a_bad_eval_plan_is_refused_before_any_arm_trains(tool, capsys, tmp_path: Path, eval_yaml, words) -> None:
+    """Each was accepted, every arm trained, and the evaluation then failed (exit 1)."""
+    text = USER_YAML.replace("eval: {depth: 2}", f"eval: {eval_yaml}")
+    if "batch_size" in words:
+        text = text.replace("batch_size: 2}", "batch_size: true}")
+    err = _fail(tool, capsys, _write(tmp_path, text))
+    assert words in err, err
+
+
+def test_yaml_errors_name_the_line_and_a_folder_is_not_missing(tool, capsys, tmp_path: Path) -> None:
+    p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
+                                           'b1: {label: "b=1" overrides: [model.bptt_window=1]}'))
+    err = _fail(tool, capsys, p)
+    assert f"{p}: not valid YAML at line 12, column " in err and "expected ',' or '}'" in err, err
+    assert tool.main(["--experiment", str(tmp_path), "--dry-run"]) == 2
+    assert f"--experiment: {tmp_path} is a directory, not an experiment YAML" in capsys.readouterr().err

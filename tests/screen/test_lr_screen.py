@@ -251,6 +251,31 @@ def test_a_screen_whose_every_point_diverged_proposes_a_lower_grid() -> None:
     assert not select_best(_pts([3.0, float("nan")], ["done", "diverged"]))["all_diverged"]
 
 
+def test_a_screen_whose_points_all_tie_claims_no_edge() -> None:
+    """Exact ties (LRs too low to matter) were reported as the lowest LR on the lower edge, proposing
+    lower LRs still."""
+    sel = select_best(_pts([8.5, 8.5, 8.5]))
+    assert sel["flat"] and sel["edge"] is None and sel["interior"] is False and sel["proposed_grid"] is None
+    assert sel["best_index"] == 0 and sel["best_val_ce"] == 8.5
+    sel = select_best(_pts([8.5, 8.5, float("nan")], ["done", "done", "diverged"]))
+    assert sel["flat"] and sel["edge"] is None
+    sel = select_best(_pts([8.5, 8.5, 8.7]))  # a partial tie still has an edge verdict
+    assert not sel["flat"] and sel["edge"] == "lower"
+
+
+def test_collect_of_a_tied_screen_says_so(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "scr"
+    grid = [1e-12, 2e-12, 4e-12]
+    for lr in grid:
+        _metrics(out / f"lr_{lr_tag(lr)}", [{"step": 6, "loss": 8.5, "val_ce": 8.561177571614584}])
+    argv = ["--config", "tiny", "--grid", ",".join(map(str, grid)), "--stop-after", "6", "--out", str(out), "--collect"]
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "every finished point ties at val_ce 8.561178" in text and "EDGE" not in text, text
+    assert json.loads((out / "results.json").read_text())["flat"] is True
+    assert cli.main([*argv, "--fail-on-edge"]) == 3
+
+
 def test_collect_of_an_all_diverged_screen_exits_non_zero(tmp_path: Path, capsys) -> None:
     """Every point diverged: it exited 0 ("no finished point yet", best None), with --fail-on-edge too."""
     out = tmp_path / "scr"
