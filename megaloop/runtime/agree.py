@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import datetime
 import importlib
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 
 from megaloop.errors import UserError
 
+T = TypeVar("T")
 SETUP_TIMEOUT_S = 6 * 3600  # the gather waits for the slowest rank's step this long
 
 
@@ -65,3 +66,29 @@ def on_every_rank(step: Callable[[], None], *, timeout_s: int = SETUP_TIMEOUT_S)
         raise UserError(f"rank {rank} failed during set-up ({name}: {text.splitlines()[0] if text else ''}); "
                         "see its traceback")
     raise _user_error_class(module, name)(f"{text} (found by rank {rank})")
+
+
+
+def on_every_rank_each_step(step: Callable[[], T], device: torch.device) -> T:
+    """The per-step form of :func:`on_every_rank` for a step's own reads (a batch with a bad token id
+    met mid-run on one rank): ``step()``'s result, after one MAX all-reduce of a failure flag on the
+    main group; only when some rank's ``step`` raised a :class:`UserError`, :func:`on_every_rank`
+    shares its message, so every rank stops with it instead of the others dying in their next
+    collective (a gloo traceback, exit 1) or waiting there. Collective: every rank calls it."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return step()
+    err: UserError | None = None
+    try:
+        out = step()
+    except UserError as e:
+        err = e
+    flag = torch.tensor([0.0 if err is None else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item():
+        def again() -> None:
+            if err is not None:
+                raise err
+
+        on_every_rank(again)
+    return out

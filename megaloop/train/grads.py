@@ -53,3 +53,21 @@ def finalize_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=
     sync_core_replica_grads(model)
     return finalize_model_grads(model, num_tokens, pg_collection=pg_collection,
                                 force_all_reduce=force_all_reduce)
+
+
+def grads_finite(model_chunks: list[torch.nn.Module]) -> bool:
+    """Whether the step's gradient is finite everywhere, the same answer on every rank (one MAX
+    all-reduce over the world). Read from each rank's grad buffers after megatron's finalize: a
+    non-finite value in any rank's local or reduced gradient makes the reduced gradient non-finite,
+    which megatron's FP32 and bf16 optimizers (no loss scaler) would apply, unclipped (a NaN norm
+    fails the clip's ``coeff < 1`` test), with a finite loss."""
+    flags = []
+    for m in model_chunks:
+        buffers = [*getattr(m, "buffers", []), *getattr(m, "expert_parallel_buffers", [])]
+        grads = [b.grad_data for b in buffers] or [g for p in m.parameters() if (g := _grad(p)) is not None]
+        flags += [~torch.isfinite(g).all() for g in grads if g.numel()]
+    device = flags[0].device if flags else torch.device("cpu")
+    bad = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)).float().reshape(1)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    return not bool(bad.item())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -171,6 +172,33 @@ class MetricsLogger:
                 wandb.teardown()
             print(f"warning: wandb failed at {what} ({type(err).__name__}: {err}); wandb logging is off for the "
                   f"rest of this launch, {self.path} keeps every step", file=sys.stderr, flush=True)
+
+
+def prior_metrics(sampler, m: dict) -> dict:
+    """A step's depth-prior fields: the sampler's mean, entropy and probabilities, and what its
+    update ``m`` reports (PopArt scale and baseline, advantages, per-depth CE)."""
+    out = {"prior_mean_depth": sampler.mean_depth(), "prior_entropy": sampler.entropy(),
+           "prior_probs": [round(float(p), 6) for p in sampler.probs()]}
+    for k in ("scale", "baseline", "adv_mean", "adv_abs_mean"):
+        if k in m:
+            out[f"prior_{k}"] = float(m[k])
+    if "per_depth_ce" in m:
+        out["per_depth_ce"] = {str(k): float(v) for k, v in m["per_depth_ce"].items()}
+    return out
+
+
+def nonfinite_warning(counters: dict, steps: int, streak: int, last: dict | None) -> str | None:
+    """The end-of-run line of a run that skipped non-finite steps (``train.nonfinite=skip`` never
+    reached ``max_nonfinite`` in a row) or whose final validation CE is not finite; None otherwise."""
+    skipped = int(counters.get("skipped_steps_total", 0))
+    val = (last or {}).get("val_ce")
+    bad_val = isinstance(val, float) and not math.isfinite(val)
+    if not skipped and not bad_val:
+        return None
+    parts = [f"{skipped} of the run's {steps} steps were skipped as non-finite"
+             + (f", the last {streak} in a row" if streak else "")] if skipped else []
+    parts += ["the final validation CE is not finite"] if bad_val else []
+    return f"warning: {'; '.join(parts)}: the run diverged or is diverging (lower optim.lr, check the data)"
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -302,6 +302,18 @@ def check_saved_optim(path: Path, saved: dict, optim) -> None:
 INIT_ONLY_FIELDS = (("depth", "init"), ("train", "init_seed"), ("train", "init_weights"))
 
 
+def check_saved_seeds(path, saved: dict, cfg) -> None:
+    """Refuse a resume under another ``train.seed`` or ``data.shuffle_seed``: the checkpoint's
+    depth sampler and data position keep its seeds, while h⁰ noise would take the new one."""
+    diffs = [f"{sec}.{key}={old} (this run: {new})" for sec, key in (("train", "seed"), ("data", "shuffle_seed"))
+             if (old := (saved.get(sec) or {}).get(key)) is not None
+             and old != (new := getattr(getattr(cfg, sec), key))]
+    if diffs:
+        keep = " ".join(d.split(" (")[0] for d in diffs)
+        raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; its depth sampler and data "
+                          f"order keep the checkpoint's seeds. Resume with {keep}, or start a new run")
+
+
 def init_only_changes(saved: dict, cfg) -> str | None:
     """The note for a resume that changed a field which only sets up a new run's initial state
     (the prior's init, the initial weights' seed or source): the checkpoint brings its own, so the

@@ -33,18 +33,18 @@ from megaloop.config_utils import ConfigError
 from megaloop.depth.sampler import DepthSampler, assert_plan_synchronised
 from megaloop.model.build import build_model, unwrap
 from megaloop.model.config import size_line
-from megaloop.runtime.agree import on_every_rank
+from megaloop.runtime.agree import on_every_rank, on_every_rank_each_step
 from megaloop.runtime.exits import EXIT_OK, shield_resource_tracker
 from megaloop.runtime.parallel import (ParallelDims, compute_device, init_distributed, stable_seed,
                                        world_size_from_env)
 from megaloop.runtime.stop import SignalStop, exit_code
 from megaloop.train.checkpoint import CheckpointManager, CheckpointSaveError
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
-from megaloop.train.grads import finalize_grads
-from megaloop.train.metrics import MetricsLogger
+from megaloop.train.grads import finalize_grads, grads_finite
+from megaloop.train.metrics import MetricsLogger, nonfinite_warning, prior_metrics
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
-                                    check_saved_layout, check_saved_optim, init_only_changes, keep_init_fields,
-                                    set_aside_newer, vocab_hint)
+                                    check_saved_layout, check_saved_optim, check_saved_seeds, init_only_changes,
+                                    keep_init_fields, set_aside_newer, vocab_hint)
 from megaloop.train.run_files import init_tokenizer_warning, keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
@@ -263,7 +263,8 @@ class Trainer:
                                             group=parallel_state.get_data_parallel_group())
         return {"step": self.step, "tokens": self.tokens,
                 "scheduler": pre.get("scheduler") or self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "loader": states, "nonfinite_run": self.nonfinite_run,
+                "sampler": self.sampler.state_dict(), "loader": states,  # the abandoned step is retrained, so not counted
+                "nonfinite_run": self.nonfinite_run - (1 if before_step else 0),
                 "counters": _copy_counters(self.counters), "config": self.cfg.to_dict()}
 
     def save(self, before_step: dict | None = None) -> Path:
@@ -291,7 +292,7 @@ class Trainer:
             raise
         self._check_saved_model(path, (common.get("config") or {}).get("model") or {})
         check_saved_optim(path, (common.get("config") or {}).get("optim") or {}, self.cfg.optim)
-        self._check_saved_seeds(path, common.get("config") or {})
+        check_saved_seeds(path, common.get("config") or {}, self.cfg)
         self.step, self.tokens = int(common["step"]), int(common["tokens"])
         self.nonfinite_run = int(common.get("nonfinite_run", 0))
         # checkpoints older than the counters: totals restart here and say from which step they count
@@ -339,17 +340,6 @@ class Trainer:
             changed = getattr(self, "horizon_changed_from", None)
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
-
-    def _check_saved_seeds(self, path: Path, saved: dict) -> None:
-        """Refuse a resume under another ``train.seed`` or ``data.shuffle_seed``: the checkpoint's
-        depth sampler and data position keep its seeds, while h⁰ noise would take the new one."""
-        diffs = [f"{sec}.{key}={old} (this run: {new})" for sec, key in (("train", "seed"), ("data", "shuffle_seed"))
-                 if (old := (saved.get(sec) or {}).get(key)) is not None
-                 and old != (new := getattr(getattr(self.cfg, sec), key))]
-        if diffs:
-            keep = " ".join(d.split(" (")[0] for d in diffs)
-            raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; its depth sampler and data "
-                              f"order keep the checkpoint's seeds. Resume with {keep}, or start a new run")
 
     def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with") -> None:
         """Refuse a checkpoint trained under other values of the model-defining fields (a changed
@@ -429,7 +419,8 @@ class Trainer:
             assert_plan_synchronised(depths)
         # a non-finite abort saves the state before this step (the batches it took, the LR it set)
         self._before_step = {"loader": self.loader.state_dict(), "scheduler": self.scheduler.state_dict()}
-        mbs = self._microbatches(step, depths, self.loader_iter)
+        # a bad batch met on one rank (DataError) stops every rank with its message
+        mbs = on_every_rank_each_step(lambda: self._microbatches(step, depths, self.loader_iter), self.device)
         self.scheduler.step(increment=1)  # LR of update step+1 (see schedule.py)
         for m in self.model:
             m.zero_grad_buffer()
@@ -438,23 +429,26 @@ class Trainer:
         ce_sums, counts = ce[:, 0], ce[:, 1]
         loss = float(ce_sums.sum() / counts.sum().clamp_min(1))
         rec: dict = {"step": step + 1, "loss": loss, "depths": depths}
-        if not math.isfinite(loss):
+        # a finite loss can still give a non-finite gradient (an overflow in backward): checked too
+        finite = math.isfinite(loss) and grads_finite(self.model)
+        if not finite:
             self.nonfinite_run += 1
             rec.update(skipped=1, nonfinite_run=self.nonfinite_run)
+            what = "loss" if not math.isfinite(loss) else f"gradient (loss {loss:.4g})"
             if cfg.train.nonfinite == "abort" or self.nonfinite_run > cfg.train.max_nonfinite:
                 raise NonFiniteLossError(
-                    f"non-finite loss at step {step + 1} (policy train.nonfinite={cfg.train.nonfinite}, "
+                    f"non-finite {what} at step {step + 1} (policy train.nonfinite={cfg.train.nonfinite}, "
                     f"{self.nonfinite_run} in a row; limit train.max_nonfinite={cfg.train.max_nonfinite})")
             grad_norm = float("nan")
         else:
             self.nonfinite_run = 0
             ok, grad_norm, _ = self.optimizer.step()
             grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            rec.update(self._prior_metrics(self.sampler.update(depths, ce_sums, counts)))
+            rec.update(prior_metrics(self.sampler, self.sampler.update(depths, ce_sums, counts)))
         self.step += 1
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # the step's kernels are done before its time is taken
-        step_tokens = int(counts.sum().item()) if math.isfinite(loss) else 0
+        step_tokens = int(counts.sum().item()) if finite else 0
         gtokens = cfg.train.global_batch_size * self.seq
         self.tokens += gtokens
         dt = time.perf_counter() - t0
@@ -464,7 +458,7 @@ class Trainer:
         c = self.counters
         c["model_flops_total"] += flops
         c["target_tokens_total"] += step_tokens
-        c["skipped_steps_total"] += 0 if math.isfinite(loss) else 1
+        c["skipped_steps_total"] += 0 if finite else 1
         for r in depths:
             c["depth_counts"][str(r)] = c["depth_counts"].get(str(r), 0) + 1
         rec.update(tokens=self.tokens, target_tokens=step_tokens, lr=self.optimizer.param_groups[0]["lr"],
@@ -475,16 +469,6 @@ class Trainer:
         if torch.cuda.is_available():
             rec["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         return rec
-
-    def _prior_metrics(self, m: dict) -> dict:
-        out = {"prior_mean_depth": self.sampler.mean_depth(), "prior_entropy": self.sampler.entropy(),
-               "prior_probs": [round(float(p), 6) for p in self.sampler.probs()]}
-        for k in ("scale", "baseline", "adv_mean", "adv_abs_mean"):
-            if k in m:
-                out[f"prior_{k}"] = float(m[k])
-        if "per_depth_ce" in m:
-            out["per_depth_ce"] = {str(k): float(v) for k, v in m["per_depth_ce"].items()}
-        return out
 
     # ================================================================ eval
     @cached_property
@@ -564,6 +548,7 @@ class Trainer:
                 limit = f"train.stop_after={t.stop_after}" if t.stop_after and t.stop_after < t.max_steps else \
                     f"train.max_steps={t.max_steps}"
                 self.metrics.message(f"nothing to train: the checkpoint's step {self.step} is at or past {limit}")
+            rec: dict | None = None
             while self.step < end:
                 try:
                     rec = self.train_step()
@@ -572,7 +557,11 @@ class Trainer:
                         self.metrics.message(f"aborting: {err}; the last finite state (step {self.step}) "
                                              "is already saved")
                     else:
-                        self.metrics.message(f"aborting: {err}; saving the last finite state (step {self.step})")
+                        last = self.step - (self.nonfinite_run - 1)  # train.nonfinite=skip: skipped steps before
+                        self.metrics.message(f"aborting: {err}; saving the last finite state (step {self.step})"
+                                             if last == self.step else f"aborting: {err}; saving step {self.step} "
+                                             f"(the weights of step {last}, the last finite update; the batches "
+                                             "of the skipped steps are not retrained)")
                         self.save(before_step=self._before_step)
                     raise
                 evaluated = bool(t.eval_interval and self.step % t.eval_interval == 0) or self.step == end
@@ -591,6 +580,8 @@ class Trainer:
                     break
             if self.last_saved != self.step:
                 self.save()
+            if code == EXIT_OK and (warn := nonfinite_warning(self.counters, self.step, self.nonfinite_run, rec)):
+                self.metrics.message(warn)  # a run that ended diverged said nothing, exit 0
             if code == EXIT_OK and stop.received:
                 self.metrics.message(f"signal received during the last step: the run is complete at step {self.step}")
         finally:

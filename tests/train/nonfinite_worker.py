@@ -1,5 +1,6 @@
 """Runs the trainer with a non-finite loss injected at chosen steps (argv: run_dir policy steps [overrides...])."""
 
+import os
 import sys
 import warnings
 
@@ -16,10 +17,15 @@ if __name__ == "__main__":  # checkpoint saving spawns a helper process that re-
     orig = Trainer._run_schedule
 
 
+    grad = os.environ.get("POISON") == "grad"  # a NaN in one gradient entry, the loss left finite
+
     def poisoned(self, mbs, forward_only, **kwargs):
         ce = orig(self, mbs, forward_only, **kwargs)
         if not forward_only and self.step + 1 in bad:
-            ce[0, 0] = float("nan")
+            if grad:
+                self.model[0].buffers[0].grad_data[0] = float("nan")
+            else:
+                ce[0, 0] = float("nan")
         return ce
 
 

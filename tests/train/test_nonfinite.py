@@ -10,9 +10,9 @@ from tests.train.helpers import env, metrics
 WORKER = ROOT / "tests" / "train" / "nonfinite_worker.py"
 
 
-def _run(tmp_path, policy, steps, *overrides):
+def _run(tmp_path, policy, steps, *overrides, poison="loss"):
     return subprocess.run([sys.executable, str(WORKER), str(tmp_path), policy, steps, *overrides], cwd=ROOT,
-                          env=env(), capture_output=True, text=True, timeout=600)
+                          env={**env(), "POISON": poison}, capture_output=True, text=True, timeout=600)
 
 
 def _common(ckpt):
@@ -76,3 +76,39 @@ def test_abort_at_the_first_step_with_the_distributed_optimizer_saves_and_resume
     resumed = [r["loss"] for r in metrics(tmp_path / "a") if "loss" in r and r.get("skipped") is None]
     fresh = [r["loss"] for r in metrics(tmp_path / "b") if "loss" in r]
     assert len(fresh) == 5 and resumed[-5:] == fresh, (resumed, fresh)
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_not_applied(tmp_path):
+    """Only the loss was checked: a NaN gradient (finite loss) went through the optimizer unclipped,
+    the weights turned NaN, and that state was saved as "the last finite state"."""
+    proc = _run(tmp_path / "skip", "skip", "2", poison="grad")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(tmp_path / "skip")
+    assert rows[1]["skipped"] == 1 and rows[1]["skipped_steps_total"] == 1 and rows[1]["loss"] == rows[1]["loss"]
+    assert all(r.get("skipped") is None and r["loss"] == r["loss"] for r in rows[2:])  # later losses finite
+    proc = _run(tmp_path / "abort", "abort", "2", poison="grad")
+    assert proc.returncode == 3 and "non-finite gradient (loss " in proc.stderr and "at step 2" in proc.stderr
+    assert _common(tmp_path / "abort" / "checkpoints" / "step_00000001")["step"] == 1
+
+
+def test_a_bad_batch_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    """At DP=2 the rank that read a bad token id mid-run stopped with its line while the other died in
+    its next collective: a gloo 'Connection closed by peer' traceback, exit 1."""
+    status = tmp_path / "status"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "train" / "bad_batch_worker.py"), str(tmp_path / "run"), "1", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**env(), "MEGALOOP_EXIT_STATUS_FILE": str(status)},
+                          capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and status.read_text().strip() == "2", out[-3000:]
+    for rank in (0, 1):  # each rank stops with the line (torchrun then prints its own ChildFailedError report)
+        assert (f"megaloop: error (rank {rank}): dataset D: token id 5000 outside the vocabulary [0, 4096) its "
+                "manifest.json records (found by rank 1)") in out, out[-3000:]
+    assert "Connection closed" not in out and "RuntimeError" not in out, out[-3000:]  # no rank died in a collective
+
+
+def test_a_run_that_ends_inside_a_skipped_streak_says_so(tmp_path):
+    """A run shorter than train.max_nonfinite steps of NaN ended with exit 0 and no word."""
+    proc = _run(tmp_path, "skip", "5", "train.max_nonfinite=3")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warning: 1 of the run's 5 steps were skipped as non-finite, the last 1 in a row" in proc.stdout
