@@ -63,7 +63,8 @@ def grads_finite(model_chunks: list[torch.nn.Module]) -> bool:
     fails the clip's ``coeff < 1`` test), with a finite loss."""
     flags = []
     for m in model_chunks:
-        buffers = [*getattr(m, "buffers", []), *getattr(m, "expert_parallel_buffers", [])]
+        buffers = [b for name in ("buffers", "expert_parallel_buffers")  # megatron DDP's lists (not Module.buffers)
+                   if isinstance(got := getattr(m, name, None), list) for b in got]
         grads = [b.grad_data for b in buffers] or [g for p in m.parameters() if (g := _grad(p)) is not None]
         flags += [~torch.isfinite(g).all() for g in grads if g.numel()]
     device = flags[0].device if flags else torch.device("cpu")
