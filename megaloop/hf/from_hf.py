@@ -48,6 +48,13 @@ def convert_from_hf(hf_dir: str | Path, out_root: str | Path, *, step: int = 0, 
     load_model_state(native, sd, strict=True, where=f"{hf_dir} (HF -> megaloop mapping)")
     run = RunConfig(model=mcfg)
     run.train.eval_depth = int(cfg.num_recurrences)  # the folder's default depth stays the default
+    dropped = {k: v for k, v in (("prefill_recurrences", cfg.prefill_recurrences), ("decode_recurrences",
+               cfg.decode_recurrences), ("kv_cache_mode", cfg.kv_cache_mode)) if v not in (None, "terminal")}
+    if dropped:  # HF generate's defaults; a megaloop checkpoint keeps the depth (train.eval_depth) alone
+        print(f"warning: {hf_dir}'s config.json sets {', '.join(f'{k}={v}' for k, v in dropped.items())}, which a "
+              f"megaloop checkpoint does not keep: the checkpoint (and a re-export) uses depth {cfg.num_recurrences} "
+              "and the terminal cache; give them to `megaloop generate` (--prefill-depth, --decode-depth, --cache) "
+              "or to the re-export's config", file=sys.stderr, flush=True)
     made_root = not out_root.exists()
     made: list[Path] = []  # tokenizer files this call wrote: removed again if it does not finish
     try:

@@ -112,15 +112,17 @@ class MegaloopAttention(nn.Module):
 
 class MegaloopEmbedding(nn.Embedding):
     """Token embedding whose output is multiplied by ``config.embedding_multiplier`` (1 = plain);
-    a tied head uses the unscaled weight."""
+    a tied head uses the unscaled weight. The factor is ``embed_scale``, the name PEFT looks for (as
+    on Gemma's scaled embedding) to scale a LoRA adapter's output alike, so a merged adapter equals
+    the trained one."""
 
     def __init__(self, config: MegaloopConfig):
         super().__init__(config.vocab_size, config.hidden_size)
-        self.multiplier = float(getattr(config, "embedding_multiplier", 1.0))
+        self.embed_scale = float(getattr(config, "embedding_multiplier", 1.0))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = super().forward(input_ids)
-        return x * self.multiplier if self.multiplier != 1.0 else x
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
 
 
 class MegaloopLayer(nn.Module):
@@ -156,3 +158,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items: Option
     loss = F.cross_entropy(flat, labels[:, 1:].reshape(-1).to(logits.device), ignore_index=-100,
                            reduction="mean" if num_items is None else "sum")
     return loss if num_items is None else loss / torch.as_tensor(num_items, device=loss.device)
+
+
+class VocabResizeMixin:
+    """``resize_token_embeddings(n)`` (tokens added in fine-tuning) also sets
+    ``config.tokenizer_vocab_size`` (the ids that are not padding) to ``n``: it stayed at the old
+    size, so generation and megaloop treated the new tokens as padding and never emitted them."""
+
+    def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, *args, **kwargs):
+        out = super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
+        if new_num_tokens is not None:
+            self.config.tokenizer_vocab_size = min(int(new_num_tokens), int(self.config.vocab_size))
+        return out

@@ -63,7 +63,7 @@ from .cache_megaloop import MegaloopCache, one_cache
 from .configuration_megaloop import MegaloopConfig
 from .injection_megaloop import DiagonalInjection, HuginnInjection, build_injection
 from .layers_megaloop import (MegaloopAttention, MegaloopEmbedding, MegaloopLayer, MegaloopRMSNorm,
-                              causal_lm_loss, rotary_cos_sin)
+                              VocabResizeMixin, causal_lm_loss, rotary_cos_sin)
 
 KV = tuple[torch.Tensor, torch.Tensor]
 BankReader = Callable[[str, int, int], Optional[KV]]  # (group, layer index, recurrence) -> cached (k, v)
@@ -205,7 +205,7 @@ class LoopedPass:
 
 
 # ----------------------------------------------------------------------------- models
-class MegaloopPreTrainedModel(PreTrainedModel):
+class MegaloopPreTrainedModel(VocabResizeMixin, PreTrainedModel):
     config_class = MegaloopConfig
     base_model_prefix = "model"
     supports_gradient_checkpointing = False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -71,7 +72,23 @@ def keep_tokenizer(run_dir: Path, manifest: dict, data_path: str | Path, configu
     return dst
 
 
-def init_tokenizer_warning(init_path: Path, saved_config: dict, manifest: dict) -> str | None:
+def same_tokenizer(a: Path, b: Path) -> bool:
+    """Whether two tokenizer.json files tokenise alike: equal but for their ``padding`` and
+    ``truncation`` blocks, which transformers adds when a tokenizer is used with ``padding=True``
+    before ``save_pretrained`` (the vocabulary and merges unchanged, the sha256 not)."""
+    def core(p: Path) -> dict | None:
+        try:
+            d = json.loads(Path(p).read_text())
+        except (OSError, ValueError):
+            return None
+        return {k: v for k, v in d.items() if k not in ("padding", "truncation")} if isinstance(d, dict) else None
+
+    x = core(a)
+    return x is not None and x == core(b)
+
+
+def init_tokenizer_warning(init_path: Path, saved_config: dict, manifest: dict,
+                           data_path: str | Path | None = None) -> str | None:
     """A warning when the checkpoint of ``train.init_weights`` (its run's config ``saved_config``) was
     trained with another tokenizer than the data's (``manifest``): its embeddings then map other ids
     (an earlier release's embedded corpus, or another tokenizer of the same size, started silently;
@@ -92,5 +109,11 @@ def init_tokenizer_warning(init_path: Path, saved_config: dict, manifest: dict) 
         return None
     if own is None or not own.is_file() or file_sha256(own) == want:
         return None
+    entry = manifest.get("tokenizer")  # the data's own file, found as keep_tokenizer finds it
+    src = Path(entry["path"]) if isinstance(entry, dict) and isinstance(entry.get("path"), str) else None
+    if src is not None and not src.is_absolute() and not src.is_file() and data_path is not None:
+        src = Path(str(data_path)) / src
+    if src is not None and src.is_file() and file_sha256(src) == want and same_tokenizer(own, src):
+        return None  # the same tokenizer, saved again by transformers
     return (f"train.init_weights={init_path} was trained with tokenizer {own} (sha256 {file_sha256(own)[:12]}…), "
             f"the data with {want[:12]}…: its embeddings map other token ids")

@@ -159,7 +159,8 @@ class Trainer:
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)
-                if warn := init_tokenizer_warning(init_path, self.ckpt.saved_config(init_path), manifest):
+                if warn := init_tokenizer_warning(init_path, self.ckpt.saved_config(init_path), manifest,
+                                                  self.loader.path):
                     print(f"warning: {warn}", file=sys.stderr, flush=True)
         self.tc.finalize_model_grads_func = finalize_grads
         self.tc.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
@@ -263,8 +264,8 @@ class Trainer:
                                             group=parallel_state.get_data_parallel_group())
         return {"step": self.step, "tokens": self.tokens,
                 "scheduler": pre.get("scheduler") or self.scheduler.state_dict(),
-                "sampler": self.sampler.state_dict(), "loader": states,  # the abandoned step is retrained, so not counted
-                "nonfinite_run": self.nonfinite_run - (1 if before_step else 0),
+                "sampler": self.sampler.state_dict(), "loader": states,
+                "nonfinite_run": self.nonfinite_run - (1 if before_step else 0),  # the abandoned step: retrained
                 "counters": _copy_counters(self.counters), "config": self.cfg.to_dict()}
 
     def save(self, before_step: dict | None = None) -> Path:

@@ -112,3 +112,24 @@ def test_a_killed_from_hf_is_cleared_by_the_same_command(megatron_world, exporte
     (other / "notes.txt").write_text("mine")
     assert main(["--from-hf", "--checkpoint", str(hf), "--out", str(other)]) == 2
     assert "is not empty" in capsys.readouterr().err and (other / "notes.txt").is_file()
+
+
+def test_hf_generate_settings_a_checkpoint_cannot_keep_are_named(megatron_world, exported, capsys):
+    """A folder saved with prefill_recurrences / decode_recurrences / kv_cache_mode (the README's own
+    example) lost them on the way back, silently (a re-export's plain forward differed by logits of 1.75)."""
+    import shutil
+
+    from megaloop.hf.from_hf import convert_from_hf
+
+    folder = exported / "hf_settings"
+    shutil.copytree(exported / "hf", folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "prefill_recurrences": 8, "decode_recurrences": 4,
+                                                    "kv_cache_mode": "per_visit"}))
+    capsys.readouterr()
+    convert_from_hf(folder, exported / "back_settings" / "checkpoints")
+    err = capsys.readouterr().err
+    assert "config.json sets prefill_recurrences=8, decode_recurrences=4, kv_cache_mode=per_visit, which a megaloop " \
+           "checkpoint does not keep" in err, err
+    convert_from_hf(exported / "hf", exported / "back_plain" / "checkpoints")
+    assert "does not keep" not in capsys.readouterr().err

@@ -57,3 +57,28 @@ def test_init_weights_from_a_run_with_another_tokenizer_is_warned_about(tmp_path
     assert warn.startswith(f"train.init_weights={step} was trained with tokenizer {tmp_path / 'old' / 'tokenizer.json'}")
     assert "its embeddings map other token ids" in warn
     assert init_tokenizer_warning(step, {}, {"tokenizer_sha256": digest("B")}) is None  # nothing known: no word
+
+
+def test_a_tokenizer_saved_again_by_transformers_is_the_same_tokenizer(tmp_path):
+    """transformers writes a `padding` block into tokenizer.json when the tokenizer was used with
+    padding=True before save_pretrained: the sha256 changed, and init_weights from a --from-hf
+    round trip warned that its embeddings map other token ids (the loss showed they did not)."""
+    import hashlib
+    import json
+
+    from megaloop.train.run_files import init_tokenizer_warning
+
+    step = tmp_path / "rt" / "checkpoints" / "step_00000000"
+    step.mkdir(parents=True)
+    core = {"version": "1.0", "model": {"type": "BPE", "vocab": {"a": 0, "b": 1}, "merges": []}}
+    (tmp_path / "rt" / "tokenizer.json").write_text(json.dumps({**core, "padding": {"pad_id": 0}}))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "tokenizer.json").write_text(json.dumps(core))
+    manifest = {"tokenizer_sha256": hashlib.sha256((data / "tokenizer.json").read_bytes()).hexdigest(),
+                "tokenizer": {"path": "tokenizer.json"}}
+    cfg = {"data": {"path": "default"}, "model": {"seq_len": 128}}
+    assert init_tokenizer_warning(step, cfg, manifest, data) is None
+    other = {**core, "model": {**core["model"], "vocab": {"a": 1, "b": 0}}}
+    (tmp_path / "rt" / "tokenizer.json").write_text(json.dumps({**other, "padding": {"pad_id": 0}}))
+    assert "its embeddings map other token ids" in init_tokenizer_warning(step, cfg, manifest, data)
