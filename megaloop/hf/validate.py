@@ -30,9 +30,8 @@ def compare_logits(native, hf_model, *, depth: int, vocab: int, seq_len: int, nu
     if ref.shape != got.shape:
         raise ConversionError(f"validation: logits shape {tuple(got.shape)} (HF) != {tuple(ref.shape)} (native)")
     if not torch.isfinite(ref).all():  # a diverged checkpoint: not a conversion fault (it read "error nan")
-        raise ConversionError(f"validation: the native model's own logits are not finite at depth {depth} (a "
-                              "diverged checkpoint? see its metrics.jsonl; train.nonfinite=skip keeps training on "
-                              "through non-finite steps): there is no working model to convert")
+        raise ConversionError(f"validation: the checkpoint's own logits are not finite at depth {depth} (a "
+                              "diverged checkpoint? see its metrics.jsonl): there is no working model to load")
     diff = (ref - got).abs().max().item()
     scale = ref.abs().max().item()
     return {"max_abs": diff, "max_rel": diff / max(scale, 1e-30), "error": diff / max(1.0, scale),

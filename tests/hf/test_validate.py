@@ -25,7 +25,7 @@ class _Fixed(torch.nn.Module):
 
 
 def test_non_finite_native_logits_are_named_as_a_diverged_checkpoint():
-    with pytest.raises(ConversionError, match=r"the native model's own logits are not finite at depth 3 \(a "
+    with pytest.raises(ConversionError, match=r"the checkpoint's own logits are not finite at depth 3 \(a "
                                               r"diverged checkpoint\?"):
         compare_logits(_Fixed(float("nan"), False), _Fixed(0.0, True), depth=3, vocab=8, seq_len=4)
     res = compare_logits(_Fixed(1.0, False), _Fixed(1.0, True), depth=3, vocab=8, seq_len=4)
