@@ -121,6 +121,16 @@ def _overrides(value: Any, where: str) -> list[str]:
     return items
 
 
+def _known_keys(ov: list[str], where: str) -> None:
+    """SpecError naming ``where`` for an override key that is no config field."""
+    from megaloop.config import RunConfig
+    from megaloop.config_utils import _field_type
+
+    for key in _keys(ov):
+        if _field_type(RunConfig, key.split(".")) is None:
+            raise SpecError(f"{where}: {key}: unknown field (see megaloop/config.py)")
+
+
 def _keys(ov: list[str]) -> list[str]:
     return [x.split("=", 1)[0].strip() for x in ov]
 
@@ -439,6 +449,8 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     name = str(data.get("name") or path.stem)
     config, scale_ov, scale_eval, note, screen_raw = _scale(data, scale, path)
     common = _overrides(data.get("common"), f"{path}: common")
+    for where, ov in ((f"{path}: scales.{scale}.overrides", scale_ov), (f"{path}: common", common)):
+        _known_keys(ov, where)  # named where they are, not on the first arm that carries them
     extras = _overrides(list(extras or []), "command-line override")
     seeds = seeds if seeds is not None else check_seeds(data.get("seeds"), f"{path}: seeds")
     if seeds is not None and "train.seed" in _keys(extras):

@@ -231,3 +231,10 @@ def test_yaml_errors_name_the_line_and_a_folder_is_not_missing(tool, capsys, tmp
     assert f"{p}: not valid YAML at line 12, column " in err and "expected ',' or '}'" in err, err
     assert tool.main(["--experiment", str(tmp_path), "--dry-run"]) == 2
     assert f"--experiment: {tmp_path} is a directory, not an experiment YAML" in capsys.readouterr().err
+
+
+def test_a_typo_in_common_is_named_there(tool, capsys, tmp_path: Path) -> None:
+    """It was blamed on the first arm (`arm 'full': trian: unknown field`)."""
+    err = _fail(tool, capsys, _write(tmp_path, USER_YAML.replace('common: "depth.kind=fixed depth.depth=2"',
+                                                                 'common: "depth.kind=fixed trian.seed=3"')))
+    assert "bad.yaml: common: trian.seed: unknown field" in err and "arm" not in err, err
