@@ -166,7 +166,21 @@ class VocabResizeMixin:
     size, so generation and megaloop treated the new tokens as padding and never emitted them."""
 
     def resize_token_embeddings(self, new_num_tokens: Optional[int] = None, *args, **kwargs):
+        old_real = int(self.config.tokenizer_vocab_size)
         out = super().resize_token_embeddings(new_num_tokens, *args, **kwargs)
         if new_num_tokens is not None:
             self.config.tokenizer_vocab_size = min(int(new_num_tokens), int(self.config.vocab_size))
+            unpad_generation(self, old_real)
         return out
+
+
+def unpad_generation(model, old_real: int) -> None:
+    """``generation_config.suppress_tokens`` after ``config.tokenizer_vocab_size`` changed from
+    ``old_real``: the padding ids (from the new size to ``vocab_size``) and the user's own ids below
+    the old padding; the export suppresses the padding ids, so added tokens were still never generated."""
+    gc = getattr(model, "generation_config", None)
+    if gc is None or gc.suppress_tokens is None:
+        return
+    real, rows = int(model.config.tokenizer_vocab_size), int(model.config.vocab_size)
+    gc.suppress_tokens = sorted({int(i) for i in gc.suppress_tokens if int(i) < min(old_real, real)}
+                                | set(range(real, rows))) or None

@@ -179,20 +179,24 @@ def _from_hf(path: Path, dtype: torch.dtype):
             for what, keys in wrong if keys)))
     tok = path / "tokenizer.json"
     if tok.is_file():
-        _count_added_tokens(model.config, tok)
+        _count_added_tokens(model, tok)
     return model, {"kind": "hf", "path": str(path), "step": None, "tokenizer": str(tok) if tok.is_file() else None,
                    "validation": None}
 
 
-def _count_added_tokens(config, tok: Path) -> None:
+def _count_added_tokens(model, tok: Path) -> None:
     """A folder whose tokenizer holds more tokens than ``config.tokenizer_vocab_size`` says (tokens
     added in HF fine-tuning: ``resize_token_embeddings`` before this release left the field as it was)
-    has those ids counted as real, with a note; they were treated as padding and never generated.
+    has those ids counted as real (and no longer suppressed in generation), with a note; they were
+    treated as padding and never generated.
     More tokens than the model has rows is refused."""
     import sys
 
     from tokenizers import Tokenizer
 
+    from megaloop.hf.layers_megaloop import unpad_generation
+
+    config = model.config
     try:
         n = Tokenizer.from_file(str(tok)).get_vocab_size(with_added_tokens=True)
     except Exception:  # noqa: BLE001 - an unreadable tokenizer is named where it is used
@@ -204,6 +208,7 @@ def _count_added_tokens(config, tok: Path) -> None:
         raise ConversionError(f"{tok}: {n} tokens, more than the model's {rows} embedding rows (config.json "
                               "vocab_size): not this model's tokenizer")
     config.tokenizer_vocab_size = n
+    unpad_generation(model, real)
     print(f"note: {tok} holds {n} tokens, config.json's tokenizer_vocab_size {real} (tokens added in fine-tuning): "
           f"ids {real}..{n - 1} count as tokens, not padding", file=sys.stderr, flush=True)
 

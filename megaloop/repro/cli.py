@@ -272,7 +272,7 @@ def run_experiment(args: argparse.Namespace, extras: list[str]) -> int:
     launch = launch_from_args(args, default_parallel=None)
     only = _arms(args)
     base = load_plan(args.experiment, args.scale, extras, _eval_update(args), only, seeds=_seeds(args))
-    check_eval_inputs(base.eval, str(experiment_path(args.experiment)))
+    check_eval_inputs(base.eval, str(experiment_path(args.experiment)), files=not launch.dry_run)
     out = Path(args.out or f"runs/repro_{base.experiment}_{base.scale}").resolve()
     if not args.out:  # run_cli checked an explicit --out's shape; the default is checked here
         check_out_dir(str(out), probe=False)

@@ -35,16 +35,21 @@ from megaloop.sweep import stopped
 SUMMARY = "summary.json"
 
 
-def check_eval_inputs(plan: EvalPlan, where: str) -> None:
+def check_eval_inputs(plan: EvalPlan, where: str, files: bool = True) -> None:
     """What the arms' evaluation reads, checked before any arm trains: a missing ``eval.data`` or
     ``eval.synth`` file or an unknown harness task failed only after every arm had trained.
-    ``SpecError`` naming the field."""
+    ``SpecError`` naming the field. ``files=False`` (``--dry-run``: data may be built later)
+    checks the task names alone."""
     from megaloop.config_utils import ConfigError
     from megaloop.eval.harness import TASKS_DIR, _local_task_files
+    from megaloop.eval.text_data import text_format
 
-    if plan.data != "default" and not Path(plan.data).is_dir():
-        raise SpecError(f"{where}: eval.data: {plan.data} is not a directory (an MDS validation set, or 'default')")
-    if plan.synth not in (None, "shipped") and not Path(plan.synth).is_file():
+    data = Path(plan.data)  # what `megaloop eval --data` takes: default[:set], an MDS folder, a text file
+    if files and not (plan.data == "default" or plan.data.startswith("default:") or data.is_dir()
+                      or (data.is_file() and text_format(plan.data) is not None)):
+        raise SpecError(f"{where}: eval.data: {plan.data} is no MDS validation folder or text file "
+                        "(.txt, .jsonl[.gz], .parquet), nor 'default'")
+    if files and plan.synth not in (None, "shipped") and not Path(plan.synth).is_file():
         raise SpecError(f"{where}: eval.synth: {plan.synth} is not a file (a held-out problems JSONL of "
                         "data_prep/make_synth.py, or 'shipped')")
     if set(plan.harness) - set(_local_task_files([TASKS_DIR])):  # the shipped tasks need no lm-eval index

@@ -442,7 +442,8 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     ``extras``: overrides of every arm (command line); ``eval_update``: eval-plan fields set on
     the command line; ``only``: train/evaluate only these arms (file arms or seeded run names);
     ``seeds``: the command line's seeds (replace the file's ``seeds:``)."""
-    from megaloop.config import load_config
+    from megaloop.config import RunConfig, load_config
+    from megaloop.config_utils import renamed_paths
 
     path = experiment_path(experiment)
     data = read_experiment(path)
@@ -460,6 +461,7 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
     plan_eval = eval_plan({**(data.get("eval") or {}), **scale_eval}, eval_update, f"{path}: eval")
     raw = _raw_arms(data, path)
     arms, settings, first_cfg = [], None, None
+    renames = renamed_paths(RunConfig)
 
     def load(where: str, overrides: list[str]):
         try:
@@ -479,7 +481,8 @@ def load_plan(experiment: str, scale: str, extras: list[str] | None = None,
         if (lr is not None or lr_ov) and "optim.lr" in _keys(arm_ov + extras):
             raise SpecError(f"{where}: optim.lr is set by `lr:` ({lr_raw if own_lr else data.get('lr')!r}); "
                             "remove the override or the arm's `lr:`")
-        clash = sorted(set(_keys(paper_ov + arm_ov)) & set(_keys(extras)))
+        clash = sorted({renames.get(k, k) for k in _keys(paper_ov + arm_ov)}  # old field names too (b_max)
+                       & {renames.get(k, k) for k in _keys(extras)})
         if clash:  # the last value wins: the arm would lose what makes it that arm, keeping its label
             raise SpecError(f"command-line override {clash[0]}: arm {arm_name!r} of {path} sets it itself "
                             f"(every arm gets the command line's overrides); drop it, or leave that arm out "

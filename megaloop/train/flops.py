@@ -61,7 +61,8 @@ def microbatch_flops(cfg: ModelConfig, vocab: int, seq_len: int, tokens: int, de
 
 # dense bf16 peaks (NVIDIA data sheets: half the sparse figures), the more specific names first:
 # "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" are slower parts than the SXM "NVIDIA H100 80GB HBM3"
-DEVICE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.0, "H100": 989.0, "A100": 312.0}
+DEVICE_PEAK_TFLOPS = {"H100 PCIe": 756.0, "H100 NVL": 835.0, "H200 NVL": 835.0, "H200": 989.0, "H100": 989.0,
+                      "A100": 312.0}
 
 
 def device_peak_tflops(configured: float) -> float:

@@ -66,7 +66,9 @@ def grads_finite(model_chunks: list[torch.nn.Module]) -> bool:
         buffers = [b for name in ("buffers", "expert_parallel_buffers")  # megatron DDP's lists (not Module.buffers)
                    if isinstance(got := getattr(m, name, None), list) for b in got]
         grads = [b.grad_data for b in buffers] or [g for p in m.parameters() if (g := _grad(p)) is not None]
-        flags += [~torch.isfinite(g).all() for g in grads if g.numel()]
+        # one sum per buffer (no buffer-sized mask): NaN and ±inf propagate into it; only a finite
+        # gradient whose sum passes 3e38 would read as non-finite, one far past any clip threshold
+        flags += [~torch.isfinite(g.sum()) for g in grads if g.numel()]
     device = flags[0].device if flags else torch.device("cpu")
     bad = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)).float().reshape(1)
     if torch.distributed.is_initialized():

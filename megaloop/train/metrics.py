@@ -198,7 +198,8 @@ def nonfinite_warning(counters: dict, steps: int, streak: int, last: dict | None
     parts = [f"{skipped} of the run's {steps} steps were skipped as non-finite"
              + (f", the last {streak} in a row" if streak else "")] if skipped else []
     parts += ["the final validation CE is not finite"] if bad_val else []
-    return f"warning: {'; '.join(parts)}: the run diverged or is diverging (lower optim.lr, check the data)"
+    tail = ": the run diverged or is diverging (lower optim.lr, check the data)" if streak or bad_val else ""
+    return f"warning: {'; '.join(parts)}{tail}"
 
 
 def read_metrics(path: Path) -> list[dict]:

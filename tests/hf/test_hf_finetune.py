@@ -44,6 +44,20 @@ def test_resized_tokens_are_tokens(tmp_path):
 
     from megaloop.hf.load import load_model
 
+    model = _model(tokenizer_vocab_size=60)
+    model.generation_config.suppress_tokens = list(range(60, 64))  # as an export writes it
+    model.resize_token_embeddings(62, pad_to_multiple_of=8)
+    assert (model.config.vocab_size, model.config.tokenizer_vocab_size) == (64, 62)
+    assert model.generation_config.suppress_tokens == [62, 63]  # still [60..63]: never generated
+
+    def favour_60(module, inputs, out):
+        out[..., 60] += 100.0
+        return out
+
+    hook = model.lm_head.register_forward_hook(favour_60)
+    new = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, do_sample=False)[0, 3:].tolist()
+    hook.remove()
+    assert new == [60, 60, 60], new
     model = _model()
     model.resize_token_embeddings(65)
     assert (model.config.vocab_size, model.config.tokenizer_vocab_size) == (65, 65)

@@ -205,12 +205,13 @@ def test_command_line_overrides_may_not_replace_an_arms_own(tool, capsys, tmp_pa
     p = _write(tmp_path, USER_YAML)
     err = _fail(tool, capsys, p, "--", "model.bptt_window=4")
     assert f"command-line override model.bptt_window: arm 'full' of {p} sets it itself" in err
+    assert "command-line override model.bptt_window: arm 'full'" in _fail(tool, capsys, p, "--", "model.b_max=4")
     # settings the arms leave to the file (common:, the scale's) may still be overridden for every arm
     assert [a.overrides[-4] for a in load_plan(str(p), "test", ["depth.depth=3"]).arms] == ["depth.depth=3"] * 2
 
 
 @pytest.mark.parametrize("eval_yaml, words", [
-    ("{depth: 2, data: /no/such/val}", "eval.data: /no/such/val is not a directory"),
+    ("{depth: 2, data: /no/such/val}", "eval.data: /no/such/val is no MDS validation folder or text file"),
     ("{depth: 2, synth: /no/such.jsonl}", "eval.synth: /no/such.jsonl is not a file"),
     ("{depth: 2, harness: [nosuchtask]}", "eval.harness: --tasks: unknown task(s) ['nosuchtask']"),
     ("{depth: 2}", "eval.batch_size: must be an integer >= 1, got True"),
@@ -220,8 +221,26 @@ def test_a_bad_eval_plan_is_refused_before_any_arm_trains(tool, capsys, tmp_path
     text = USER_YAML.replace("eval: {depth: 2}", f"eval: {eval_yaml}")
     if "batch_size" in words:
         text = text.replace("batch_size: 2}", "batch_size: true}")
-    err = _fail(tool, capsys, _write(tmp_path, text))
+    path = _write(tmp_path, text)
+    if "/no/such" in eval_yaml:  # files: checked when it runs; --dry-run prints the plan (data may come later)
+        assert tool.main(["--experiment", str(path), "--scale", "test", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+        capsys.readouterr()
+        assert tool.main(["--experiment", str(path), "--scale", "test", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert not (tmp_path / "out").exists()
+    else:
+        err = _fail(tool, capsys, path)
     assert words in err, err
+
+
+@pytest.mark.parametrize("data", ["default:screen", "val.txt", "val.jsonl.gz", "valdir"])
+def test_every_eval_data_the_evaluator_takes_is_accepted(tmp_path: Path, data) -> None:
+    from megaloop.repro.evaluate import check_eval_inputs
+
+    if not data.startswith("default"):
+        (tmp_path / data).mkdir() if data == "valdir" else (tmp_path / data).write_text("x")
+        data = str(tmp_path / data)
+    check_eval_inputs(EvalPlan(data=data), "spec.yaml")
 
 
 def test_yaml_errors_name_the_line_and_a_folder_is_not_missing(tool, capsys, tmp_path: Path) -> None:

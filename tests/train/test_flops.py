@@ -7,7 +7,7 @@ from megaloop.train.flops import device_peak_tflops
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0),
+                                        ("NVIDIA H100 NVL", 835.0), ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
                                         ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L4", 0.0)])
 def test_known_gpus_peak(monkeypatch, name, peak):
     """Every H100 counted as the SXM part's 989 TFLOP/s: PCIe (756) and NVL (835) runs under-reported MFU."""
