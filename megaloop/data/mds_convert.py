@@ -320,8 +320,9 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
     for f in files:
         st = f.path.stat()
         m = cfg.mix.multiplier(f.source, f.bucket)
+        extra = {"upsample": "per-document"} if m != int(m) else {}  # fractional copies chosen per document
         fp = json_sha(common | {"part": f.part, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                "multiplier": m})
+                                "multiplier": m} | extra)
         tasks.append(_Task(f, m, fp, out / "parts" / part_dirname(f.part), out / ".tmp",
                            cfg.seq_len, cfg.seed, cfg.holdout, dtype, cfg.compression,
                            cfg.shard_size_limit, cfg.packing, pad_id))

@@ -445,14 +445,13 @@ def doc_rank_key(text: str, seed: int) -> float:
 
 
 def copies_per_doc(keys: np.ndarray, multiplier: float) -> np.ndarray:
-    """Copies of each document: ``floor(m)`` plus one for the ``round(frac(m)·n)`` smallest keys."""
-    n = len(keys)
+    """Copies of each document: ``floor(m)``, plus one for each document whose seeded content key
+    (uniform in [0, 1)) is below ``frac(m)``: every document's expected count is ``m`` whatever
+    file holds it, and the choice does not depend on how documents are grouped into files. (It
+    was ``round(frac(m)·n)`` extra copies per file of n documents: a one-document file at m = 0.4
+    got none, so a source of small files vanished from the mix, and m = 1.5 gave one copy.)"""
     base = math.floor(multiplier)
-    out = np.full(n, base, dtype=np.int64)
-    extra = int(round((multiplier - base) * n))
-    if extra:
-        out[np.argsort(keys, kind="stable")[:extra]] += 1
-    return out
+    return np.full(len(keys), base, dtype=np.int64) + (np.asarray(keys) < multiplier - base)
 
 
 def _parse_pairs(text: str, what: str) -> dict[str, float]:

@@ -203,6 +203,14 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
                           text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256s", None),
                           tokenizer_hint=_own_val_hint(args.data, engine),
                           tokenizer_given=getattr(args, "tokenizer", None))
+    if engine.eos_id is not None and (_run_data_config(engine).get("mask_document_boundaries") is True):
+        # scored as the run trained and validated: no loss on the token after an EOS (it was counted,
+        # so `eval ppl` differed from the run's own val_ppl on the same sequences)
+        data.loss_mask = data.loss_mask * (data.tokens != int(engine.eos_id)).to(data.loss_mask.dtype)
+        if "mask" not in _WARNED:
+            _WARNED.add("mask")
+            print("note: the run trained with data.mask_document_boundaries=true: the token after each EOS is "
+                  "not scored, as in its validation", file=sys.stderr)
     trained = int(engine.config.max_position_embeddings)
     if data.seq_len > engine.max_context and args.max_context is None:
         engine.max_context = data.seq_len
@@ -212,6 +220,21 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
         print(f"warning: {data.seq_len}-token sequences exceed the training seq_len {trained}: RoPE positions "
               f"{trained}..{data.seq_len - 1} were never trained and are extrapolated", file=sys.stderr)
     return data
+
+
+def _run_data_config(engine) -> dict:
+    """The ``data`` section of the checkpoint's ``RUN/config.yaml``; {} for an HF folder or no run."""
+    if (getattr(engine, "source", None) or {}).get("kind") != "checkpoint":
+        return {}
+    import yaml
+
+    from megaloop.hf.convert import run_dir_of
+
+    try:
+        cfg = yaml.safe_load((run_dir_of(Path(engine.source["path"])) / "config.yaml").read_text())
+        return (cfg.get("data") or {}) if isinstance(cfg, dict) else {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return {}
 
 
 def _own_val_hint(data: str, engine) -> Optional[str]:

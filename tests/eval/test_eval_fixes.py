@@ -116,3 +116,33 @@ def test_the_default_sets_refusal_suggests_the_runs_val_path(cli, trained_run, t
     code, err = cli("eval", "ppl", "--checkpoint", str(run), "--max-seqs", "1", "--tokenizer", str(run / "tokenizer.json"))
     assert code == 2 and "--data: default was tokenised with tokenizer sha256" in err, err
     assert f", --tokenizer {run / 'tokenizer.json'} is " in err and "checkpoint's tokenizer is" not in err, err
+
+
+
+def test_a_run_that_masked_document_boundaries_is_scored_as_it_trained(cli, trained_run, trained_engine, val_data,
+                                                                         tmp_path):
+    """`eval ppl` counted the target after each EOS that the run's own validation leaves out
+    (data.mask_document_boundaries=true): on the same sequences it differed from the run's val_ppl."""
+    import json
+
+    import yaml
+
+    run = tmp_path / "masked"
+    shutil.copytree(trained_run / "checkpoints", run / "checkpoints")
+    shutil.copyfile(trained_run / "tokenizer.json", run / "tokenizer.json")
+    cfg = yaml.safe_load((trained_run / "config.yaml").read_text())
+    cfg["data"]["mask_document_boundaries"] = True
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    res, errs = {}, {}
+    for name, path in (("plain", trained_run), ("masked", run)):
+        code, errs[name] = cli("eval", "ppl", "--checkpoint", str(path), "--max-seqs", "8",
+                               "--json", str(tmp_path / f"{name}.json"))
+        assert code == 0, errs[name]
+        res[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert "mask_document_boundaries=true: the token after each EOS is not scored" in errs["masked"]
+    assert "mask_document_boundaries" not in errs["plain"]
+    eos = int(trained_engine.eos_id)
+    after_eos = int(((val_data.tokens == eos) & (val_data.loss_mask > 0)).sum())
+    assert after_eos > 0  # the embedded set's rows hold document boundaries
+    assert res["plain"]["tokens_native"] - res["masked"]["tokens_native"] == after_eos
+    assert res["masked"]["native_ppl"] != res["plain"]["native_ppl"]
