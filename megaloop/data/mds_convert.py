@@ -485,6 +485,8 @@ def _nothing_packed(cfg: ConvertConfig, sources: dict, kept: Path | None = None)
         why.append(f"{tot['docs_val'] + tot['docs_screen']} held out for val/screen")
     if zero:
         why.append(f"source weight 0 for {zero}")
+    if cfg.packing == "concat":  # 966 tokens in 40 one-document files fill no 32-token row
+        why.append(f"each input file is packed on its own, and a file's tail under {cfg.seq_len} tokens is dropped")
     counts = "; ".join(why)
     what = (f"{kept} keeps the dataset it held" if kept is not None else "no index.json or manifest.json")
     return NothingPackedError(f"no sequence of {cfg.seq_len} tokens could be packed from {cfg.input} ({counts}); "

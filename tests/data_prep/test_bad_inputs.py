@@ -176,6 +176,8 @@ def test_nothing_packable_publishes_nothing(tmp_path, fixture_tokenizer):
                                      workers=1, progress=False))
     # the counts travel with the error, for callers that word it for their own option (eval --seq-len)
     assert err.value.seq_len == 4096 and "1 empty document(s) skipped" in err.value.counts
+    # concat packs each file on its own: said, since the document total alone may exceed a row (an audit)
+    assert "each input file is packed on its own, and a file's tail under 4096 tokens is dropped" in str(err.value)
     assert not (out / "index.json").exists() and not (out / "manifest.json").exists()
 
 
