@@ -164,11 +164,12 @@ def test_plot_path_is_checked_before_compute(cli, trained_run, tmp_path, monkeyp
     assert code == 2 and "--plot" in err and "is a directory" in err, err
 
 
-def test_plot_without_extension_is_a_png_and_named():
+def test_plot_without_extension_is_a_png_and_named(tmp_path):
     from megaloop.inference.generate_cli import check_plot_path
 
-    assert str(check_plot_path("/tmp/sw", None, "x.png")) == "/tmp/sw.png"
-    assert str(check_plot_path(None, "/tmp/a.json", "x.png")) == "/tmp/a.png"
+    # under tmp_path: a fixed /tmp/sw failed wherever such a folder existed
+    assert str(check_plot_path(str(tmp_path / "sw"), None, "x.png")) == str(tmp_path / "sw.png")
+    assert str(check_plot_path(None, str(tmp_path / "a.json"), "x.png")) == str(tmp_path / "a.png")
 
 
 def test_default_plot_never_replaces_an_earlier_one(tmp_path, monkeypatch):
