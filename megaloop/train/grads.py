@@ -69,7 +69,8 @@ def grads_finite(model_chunks: list[torch.nn.Module]) -> bool:
         # one sum per buffer (no buffer-sized mask): NaN and ±inf propagate into it; only a finite
         # gradient whose sum passes 3e38 would read as non-finite, one far past any clip threshold
         flags += [~torch.isfinite(g.sum()) for g in grads if g.numel()]
-    device = flags[0].device if flags else torch.device("cpu")
+    device = flags[0].device if flags else next((p.device for m in model_chunks for p in m.parameters()),
+                                                torch.device("cpu"))  # the main group's device (NCCL: the GPU)
     bad = (torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)).float().reshape(1)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
