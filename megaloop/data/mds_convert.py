@@ -35,6 +35,7 @@ do not inherit the lock and end when the converter process dies, however it dies
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -320,7 +321,8 @@ def convert_txt360(cfg: ConvertConfig) -> dict:
     for f in files:
         st = f.path.stat()
         m = cfg.mix.multiplier(f.source, f.bucket)
-        extra = {"upsample": "per-document"} if m != int(m) else {}  # fractional copies chosen per document
+        # fractional copies are chosen per document (a product such as 0.7 x 10 counts as whole)
+        extra = {} if math.isclose(m, round(m), abs_tol=1e-9) else {"upsample": "per-document"}
         fp = json_sha(common | {"part": f.part, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
                                 "multiplier": m} | extra)
         tasks.append(_Task(f, m, fp, out / "parts" / part_dirname(f.part), out / ".tmp",

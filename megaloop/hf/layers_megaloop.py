@@ -179,8 +179,8 @@ def unpad_generation(model, old_real: int) -> None:
     ``old_real``: the padding ids (from the new size to ``vocab_size``) and the user's own ids below
     the old padding; the export suppresses the padding ids, so added tokens were still never generated."""
     gc = getattr(model, "generation_config", None)
-    if gc is None or gc.suppress_tokens is None:
-        return
     real, rows = int(model.config.tokenizer_vocab_size), int(model.config.vocab_size)
-    gc.suppress_tokens = sorted({int(i) for i in gc.suppress_tokens if int(i) < min(old_real, real)}
+    if gc is None or (gc.suppress_tokens is None and real >= rows):
+        return
+    gc.suppress_tokens = sorted({int(i) for i in gc.suppress_tokens or () if int(i) < min(old_real, real)}
                                 | set(range(real, rows))) or None

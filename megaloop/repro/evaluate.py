@@ -44,7 +44,12 @@ def check_eval_inputs(plan: EvalPlan, where: str, files: bool = True) -> None:
     from megaloop.eval.harness import TASKS_DIR, _local_task_files
     from megaloop.eval.text_data import text_format
 
-    data = Path(plan.data)  # what `megaloop eval --data` takes: default[:set], an MDS folder, a text file
+    from megaloop.data.config import EMBEDDED_SPLITS
+
+    data = Path(plan.data)  # what `megaloop eval --data` takes: default[:split], an MDS folder, a text file
+    if plan.data.startswith("default:") and plan.data.split(":", 1)[1] not in EMBEDDED_SPLITS:
+        raise SpecError(f"{where}: eval.data: unknown embedded split {plan.data!r} "
+                        f"({', '.join('default:' + s for s in EMBEDDED_SPLITS)})")
     if files and not (plan.data == "default" or plan.data.startswith("default:") or data.is_dir()
                       or (data.is_file() and text_format(plan.data) is not None)):
         raise SpecError(f"{where}: eval.data: {plan.data} is no MDS validation folder or text file "

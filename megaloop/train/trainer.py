@@ -394,7 +394,7 @@ class Trainer:
 
     def _run_schedule(self, mbs: list[dict], forward_only: bool, seq_len: int | None = None) -> torch.Tensor:
         """Run megatron's schedule over ``mbs``; returns global [M, 2] (CE sum, tokens) per
-        microbatch, float64 on the CPU (the one host synchronisation of a step)."""
+        microbatch, float64 on the CPU (a host synchronisation: the prior update needs it)."""
         self._ce = torch.zeros(len(mbs), 2, dtype=torch.float64, device=self.device)
         seq = (seq_len or self.seq) * (2 if self.cfg.model.looped and self.dims.pp > 1 else 1)
         iters = [iter(mbs) for _ in self.model]

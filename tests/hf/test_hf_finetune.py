@@ -61,6 +61,10 @@ def test_resized_tokens_are_tokens(tmp_path):
     model = _model()
     model.resize_token_embeddings(65)
     assert (model.config.vocab_size, model.config.tokenizer_vocab_size) == (65, 65)
+    assert _model().resize_token_embeddings(70, pad_to_multiple_of=8) is not None
+    padded = _model()  # no suppress list yet (the tokenizer filled every row): the new padding rows get one
+    padded.resize_token_embeddings(70, pad_to_multiple_of=8)
+    assert padded.generation_config.suppress_tokens == [70, 71]
     model.resize_token_embeddings(70, pad_to_multiple_of=8)  # padded rows stay padding
     assert (model.config.vocab_size, model.config.tokenizer_vocab_size) == (72, 70)
     # a folder saved before this release: the field still says 64, its tokenizer holds 70 tokens

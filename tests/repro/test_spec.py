@@ -243,6 +243,14 @@ def test_every_eval_data_the_evaluator_takes_is_accepted(tmp_path: Path, data) -
     check_eval_inputs(EvalPlan(data=data), "spec.yaml")
 
 
+def test_an_unknown_embedded_split_is_refused_even_in_a_dry_run() -> None:
+    from megaloop.repro.evaluate import check_eval_inputs
+
+    for files in (True, False):
+        with pytest.raises(SpecError, match=r"eval.data: unknown embedded split 'default:valx'"):
+            check_eval_inputs(EvalPlan(data="default:valx"), "spec.yaml", files=files)
+
+
 def test_yaml_errors_name_the_line_and_a_folder_is_not_missing(tool, capsys, tmp_path: Path) -> None:
     p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
                                            'b1: {label: "b=1" overrides: [model.bptt_window=1]}'))

@@ -13,3 +13,14 @@ def test_plain_modules_and_non_finite_entries():
     m.weight.grad[0, 0] = float("inf")
     assert not grads_finite([m])
     assert grads_finite([torch.nn.Linear(2, 2)])  # no gradient yet: nothing non-finite
+
+
+def test_the_end_of_run_warning():
+    from megaloop.train.metrics import nonfinite_warning
+
+    assert nonfinite_warning({"skipped_steps_total": 0}, 10, 0, {"val_ce": 3.0}) is None
+    one = nonfinite_warning({"skipped_steps_total": 1}, 10, 0, {"val_ce": 3.0})
+    assert one == "warning: 1 of the run's 10 steps were skipped as non-finite"  # no "diverging" for one old skip
+    bad = nonfinite_warning({"skipped_steps_total": 2}, 10, 2, {"val_ce": float("nan")})
+    assert bad.startswith("warning: 2 of the run's 10 steps were skipped as non-finite, the last 2 in a row; the "
+                          "final validation CE is not finite: the run diverged or is diverging")
