@@ -62,6 +62,7 @@ BAD_FLAGS = [
     (("--weight-decay", "nan"), "--weight-decay"), (("--kl-coef", "-1"), "--kl-coef"),
     (("--group-size", "1"), "--group-size"), (("--depth", "0"), "--depth"), (("--neumann-b", "0"), "--neumann-b"),
     (("--max-new-tokens", "0"), "--max-new-tokens"),
+    (("--arm", "reuse", "--bptt-window", "2"), "--bptt-window: applies to --arm bptt only"),  # was ignored, recorded
 ]
 
 

@@ -135,6 +135,9 @@ def _run(args: argparse.Namespace) -> int:
         if given and args.task.partition(":")[0] != "mbpp":  # they were ignored silently
             raise ValueError(f"{', '.join(given)}: configure the code-execution reward of mbpp: tasks; "
                              f"--task {args.task} runs no code")
+        if args.bptt_window is not None and args.arm != "bptt" and args.bptt_window >= 1:  # ignored, yet recorded
+            raise ValueError(f"--bptt-window: applies to --arm bptt only (this run: --arm {args.arm}, which "
+                             "backpropagates through its endpoint); drop it")
         args.reward_workers = 4 if args.reward_workers is None else args.reward_workers
         args.reward_mode = args.reward_mode or "all"
         if args.reward_workers < 1:

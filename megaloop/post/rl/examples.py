@@ -25,7 +25,8 @@ def read_jsonl(path: str | Path, required: Sequence[str] = ()) -> list[tuple[int
     except OSError as err:
         raise ValueError(f"{path}: cannot read ({err.strerror or err})") from None
     try:
-        lines = data.decode("utf-8").splitlines()
+        # JSONL lines end at "\n" only: splitlines() also split inside strings at U+2028, U+0085, ...
+        lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError as err:
         line = data[:err.start].count(b"\n") + 1
         raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start})") from None

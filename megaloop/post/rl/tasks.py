@@ -15,8 +15,10 @@ returns in the trusted parent (type-strict, see :mod:`megaloop.post.rl.verdict`)
 
 from __future__ import annotations
 
+import decimal
 import hashlib
 import json
+import math
 import random
 import re
 from pathlib import Path
@@ -71,12 +73,19 @@ class ExactAnswerReward:
 
 
 def _norm_number(s: str) -> str:
+    """The number's exact canonical text (``"1,000.50"`` → ``"1000.5"``, ``"-0"`` → ``"0"``); the text
+    itself when it is no finite number. Decimal, not float: floats made integers past 2^53 equal
+    and a 309-digit number infinite (``int(inf)`` raised mid-run)."""
     s = s.replace(",", "").strip()
     try:
-        v = float(s)
-    except ValueError:
+        v = decimal.Decimal(s)
+    except decimal.InvalidOperation:
         return s
-    return str(int(v)) if v == int(v) else repr(v)
+    if not v.is_finite():
+        return s
+    if v.is_zero():
+        return "0"
+    return format(decimal.Context(prec=max(28, len(s))).normalize(v), "f")
 
 
 class FinalNumberReward:
@@ -156,7 +165,10 @@ class JsonlTask:
                 raise ValueError(f"{self.path}:{lineno}: {answer_key!r} must be a string or a number, got "
                                  f"{_shown(raw)}")
             meta = {k: v for k, v in rec.items() if k not in (key, answer_key)}
-            answer = answer_fn(str(raw))
+            if isinstance(raw, float) and not math.isfinite(raw):
+                raise ValueError(f"{self.path}:{lineno}: {answer_key!r} is {raw}: give a finite number")
+            # "answer": 7.0 is 7 (str gave "7.0", which a completion "7" never matched under exact:)
+            answer = answer_fn(str(int(raw)) if isinstance(raw, float) and raw.is_integer() else str(raw))
             problem = answer_check(answer) if answer_check else None
             if problem:
                 raise ValueError(f"{self.path}:{lineno}: {problem}")
@@ -199,6 +211,8 @@ def exact_answer_problem(answer: str) -> str | None:
     if "\n" in answer.strip():
         return (f"answer {answer[:60]!r} spans several lines (the reward compares the completion's first line "
                 "with it, so it could never be 1): give a one-line answer")
+    if not answer.strip():  # rewarded an empty completion (an immediate EOS): RL trained the model to stop
+        return f"answer {answer!r} is empty (the reward would be 1 for an empty completion): give the answer"
     return None
 
 

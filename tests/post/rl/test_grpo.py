@@ -60,6 +60,29 @@ def test_rewards_are_exact(tmp_path):
         make_task("nope")
 
 
+def test_jsonl_task_edges(tmp_path):
+    """An audit of the RL task files: floats made integers past 2^53 equal and a 309-digit number raise
+    OverflowError mid-run; a record holding U+2028 was split inside its string; an empty exact: answer
+    rewarded an empty completion; "answer": 7.0 under exact: never matched "7"."""
+    f = FinalNumberReward()
+    assert f(Example("q", "12345678901234567891"), "so 12345678901234567890") == 0.0
+    assert f(Example("q", "9007199254740993"), "9007199254740993") == 1.0
+    assert f(Example("q", "5"), "x " + "9" * 400) == 0.0 and f(Example("q", "1" * 400), "1" * 400) == 1.0
+    assert f(Example("q", "-0"), "0") == 1.0 and f(Example("q", "2.50"), "#### 2.5") == 1.0
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"prompt": "a\u2028b\u0085c 1+1=", "answer": "2"}, ensure_ascii=False) + "\r\n"
+                    + json.dumps({"prompt": "3+4=", "answer": 7.0}) + "\n", encoding="utf-8")
+    task = make_task(f"exact:{path}")
+    assert [e.answer for e in task.examples] == ["2", "7"] and "\u2028" in task.examples[0].prompt
+    for bad, words in (("", "is empty"), ("   ", "is empty")):
+        path.write_text(json.dumps({"prompt": "1+1=", "answer": bad}) + "\n")
+        with pytest.raises(ValueError, match=words):
+            make_task(f"exact:{path}")
+    path.write_text('{"prompt": "1+1=", "answer": NaN}\n')
+    with pytest.raises(ValueError, match="'answer' is nan: give a finite number"):
+        make_task(f"exact:{path}")
+
+
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     g = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
