@@ -211,8 +211,6 @@ def exact_answer_problem(answer: str) -> str | None:
     if "\n" in answer.strip():
         return (f"answer {answer[:60]!r} spans several lines (the reward compares the completion's first line "
                 "with it, so it could never be 1): give a one-line answer")
-    if not answer.strip():  # rewarded an empty completion (an immediate EOS): RL trained the model to stop
-        return f"answer {answer!r} is empty (the reward would be 1 for an empty completion): give the answer"
     return None
 
 
@@ -262,7 +260,14 @@ def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = Fa
     if kind == "gsm8k" and path:
         return Gsm8kTask(path)
     if kind == "exact" and path:
-        return JsonlTask(path, ExactMatchReward(), answer_check=exact_answer_problem)
+        task = JsonlTask(path, ExactMatchReward(), answer_check=exact_answer_problem)
+        if empty := sum(not e.answer.strip() for e in task.examples):  # rewarded silently: said once
+            import sys
+
+            print(f"warning: {path}: {empty} of {len(task.examples)} answers are empty: the reward is 1 for a "
+                  "completion that ends at once (or starts with a newline), which RL then trains the model to do",
+                  file=sys.stderr, flush=True)
+        return task
     raise ValueError(f"unknown task {spec!r}; one of {sorted(TASKS)}, gsm8k:PATH.jsonl, exact:PATH.jsonl, "
                      "mbpp:PATH.jsonl")
 

@@ -60,7 +60,7 @@ def test_rewards_are_exact(tmp_path):
         make_task("nope")
 
 
-def test_jsonl_task_edges(tmp_path):
+def test_jsonl_task_edges(tmp_path, capsys):
     """An audit of the RL task files: floats made integers past 2^53 equal and a 309-digit number raise
     OverflowError mid-run; a record holding U+2028 was split inside its string; an empty exact: answer
     rewarded an empty completion; "answer": 7.0 under exact: never matched "7"."""
@@ -74,10 +74,11 @@ def test_jsonl_task_edges(tmp_path):
                     + json.dumps({"prompt": "3+4=", "answer": 7.0}) + "\n", encoding="utf-8")
     task = make_task(f"exact:{path}")
     assert [e.answer for e in task.examples] == ["2", "7"] and "\u2028" in task.examples[0].prompt
-    for bad, words in (("", "is empty"), ("   ", "is empty")):
-        path.write_text(json.dumps({"prompt": "1+1=", "answer": bad}) + "\n")
-        with pytest.raises(ValueError, match=words):
-            make_task(f"exact:{path}")
+    capsys.readouterr()
+    for blank in ("", "   "):  # allowed (a task may train stopping at once), but said: it was silent
+        path.write_text(json.dumps({"prompt": "1+1=", "answer": blank}) + "\n")
+        make_task(f"exact:{path}")
+        assert "1 of 1 answers are empty: the reward is 1 for a completion that ends at once" in capsys.readouterr().err
     path.write_text('{"prompt": "1+1=", "answer": NaN}\n')
     with pytest.raises(ValueError, match="'answer' is nan: give a finite number"):
         make_task(f"exact:{path}")
