@@ -92,6 +92,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _CONSTRUCT_ERRORS = (ValueError, IndexError, KeyError, AttributeError, TypeError, OverflowError)
 
 
+def yaml_error_text(err: yaml.YAMLError) -> str:
+    """One line for a PyYAML error: ``not valid YAML (line L, column C): problem`` (no place when
+    PyYAML gives no mark). Config files, experiment files and mix-weights files word it alike."""
+    mark = getattr(err, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return f"not valid YAML{where}: {getattr(err, 'problem', None) or (str(err).splitlines() or [''])[0]}"
+
+
 def _raw_text(text: str) -> Any:
     """``text`` read as YAML with every scalar kept as the text typed (``0123``, ``yes``); None when
     that reading fails (it only supplies text fields' values; the typed reading reports errors)."""
@@ -398,9 +406,7 @@ def load_yaml(path: str | Path, _chain: tuple[Path, ...] = (), renames: dict[str
     except _DuplicateKeyError as e:
         raise ConfigError(f"config file {path}: {e}; give each key once") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise ConfigError(f"config file {path}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        raise ConfigError(f"config file {path}: {yaml_error_text(e)}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except _CONSTRUCT_ERRORS as e:  # a tag with a value it cannot take (`max_steps: !!float abc`)

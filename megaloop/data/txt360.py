@@ -518,10 +518,9 @@ class MixSpec:
             try:
                 data = yaml.safe_load(path.read_text()) or {}
             except yaml.YAMLError as err:  # one line with the place, as --config says it
-                mark = getattr(err, "problem_mark", None)
-                where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-                what = getattr(err, "problem", None) or str(err).splitlines()[0]
-                raise DataError(f"weights file {path}: not valid YAML{where}: {what}") from None
+                from megaloop.config_utils import yaml_error_text
+
+                raise DataError(f"weights file {path}: {yaml_error_text(err)}") from None
             except UnicodeDecodeError as err:
                 raise DataError(f"weights file {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
             if not isinstance(data, dict) or set(data) - {"source_weights", "bucket_upsample"}:

@@ -197,13 +197,14 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
     engine's context (RoPE extrapolation, warned once) unless ``--max-context`` was given."""
     from megaloop.eval.ppl import load_eval_data
 
+    run_data = _run_data_config(engine)  # the checkpoint's RUN/config.yaml data section, read once
     data = load_eval_data(args.data, seq_len=args.seq_len, max_seqs=args.max_seqs if max_seqs == -1 else max_seqs,
                           vocab_size=engine.vocab_size, default_seq_len=engine.config.max_position_embeddings,
                           encode=_document_encoder(engine), eos_id=engine.eos_id,
                           text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256s", None),
-                          tokenizer_hint=_own_val_hint(args.data, engine),
+                          tokenizer_hint=_own_val_hint(args.data, engine, run_data),
                           tokenizer_given=getattr(args, "tokenizer", None))
-    if engine.eos_id is not None and (_run_data_config(engine).get("mask_document_boundaries") is True):
+    if engine.eos_id is not None and run_data.get("mask_document_boundaries") is True:
         # scored as the run trained and validated: no loss on the token after an EOS (it was counted,
         # so `eval ppl` differed from the run's own val_ppl on the same sequences)
         data.loss_mask = data.loss_mask * (data.tokens != int(engine.eos_id)).to(data.loss_mask.dtype)
@@ -237,26 +238,20 @@ def _run_data_config(engine) -> dict:
         return {}
 
 
-def _own_val_hint(data: str, engine) -> Optional[str]:
+def _own_val_hint(data: str, engine, run_data: dict) -> Optional[str]:
     """For the embedded default set (``--data`` not given): the run's own validation set
-    (``data.val_path`` of the checkpoint's ``RUN/config.yaml``) as ``--data PATH``, None when the
+    (``data.val_path`` of ``run_data``, the checkpoint's ``RUN/config.yaml`` data section) as ``--data PATH``, None when the
     checkpoint is no run or its config sets none. Offered when the default set's tokenizer is not
     the checkpoint's."""
-    if data != "default" or (getattr(engine, "source", None) or {}).get("kind") != "checkpoint":
+    if data != "default":
         return None
-    import yaml
-
+    val = run_data.get("val_path")
+    if not val or not isinstance(val, str):
+        return None
     from megaloop.data.tokenizer import find_relative
     from megaloop.hf.convert import run_dir_of
 
     run = run_dir_of(Path(engine.source["path"]))
-    try:
-        cfg = yaml.safe_load((run / "config.yaml").read_text())
-        val = (cfg.get("data") or {}).get("val_path")
-    except (OSError, ValueError, AttributeError, yaml.YAMLError):
-        return None
-    if not val or not isinstance(val, str):
-        return None
     local = not (val.startswith("default") or _is_remote(val))
     found = find_relative(val, run, lambda p: (p / "manifest.json").is_file()) if local else None
     return f"evaluate on the run's own validation set: --data {found or val} (data.val_path in {run / 'config.yaml'})"

@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from megaloop.config_utils import ConfigError, check_keys
+from megaloop.config_utils import ConfigError, check_keys, yaml_error_text
 from megaloop.errors import UserError
 from megaloop.repro.eval_plan import EvalPlan
 from megaloop.repro.screens import ScreenPlan, as_rate, screen_plan
@@ -265,10 +265,7 @@ def read_experiment(path: Path) -> dict:
     except SpecError as err:
         raise SpecError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise SpecError(f"{path}: not valid YAML{where}: {problem}") from None
+        raise SpecError(f"{path}: {yaml_error_text(err)}") from None
     except UnicodeDecodeError as err:
         raise SpecError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:

@@ -255,7 +255,7 @@ def test_yaml_errors_name_the_line_and_a_folder_is_not_missing(tool, capsys, tmp
     p = _write(tmp_path, USER_YAML.replace('b1: {label: "b=1", overrides: [model.bptt_window=1]}',
                                            'b1: {label: "b=1" overrides: [model.bptt_window=1]}'))
     err = _fail(tool, capsys, p)
-    assert f"{p}: not valid YAML at line 12, column " in err and "expected ',' or '}'" in err, err
+    assert f"{p}: not valid YAML (line 12, column " in err and "expected ',' or '}'" in err, err
     assert tool.main(["--experiment", str(tmp_path), "--dry-run"]) == 2
     assert f"--experiment: {tmp_path} is a directory, not an experiment YAML" in capsys.readouterr().err
 

@@ -21,6 +21,7 @@ import json
 import math
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
@@ -262,8 +263,6 @@ def make_task(spec: str, *, reward_workers: int = 1, unsafe_code_exec: bool = Fa
     if kind == "exact" and path:
         task = JsonlTask(path, ExactMatchReward(), answer_check=exact_answer_problem)
         if empty := sum(not e.answer.strip() for e in task.examples):  # rewarded silently: said once
-            import sys
-
             print(f"warning: {path}: {empty} of {len(task.examples)} answers are empty: the reward is 1 for a "
                   "completion that ends at once (or starts with a newline), which RL then trains the model to do",
                   file=sys.stderr, flush=True)
