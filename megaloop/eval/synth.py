@@ -79,28 +79,48 @@ def load_problems(path: str | Path = SHIPPED, ks: Optional[Sequence[int]] = None
     return out
 
 
-def run_heldout(checkpoint: str | Path) -> Optional[Path]:
-    """The held-out set of the synthetic tree a run trained on: ``RUN/data.json`` names the MDS set,
-    whose manifest names its input tree; a tree with ``synth.json`` (``make_synth.py``'s completion
-    mark) gives its ``heldout.jsonl``. None when any link is missing (another corpus, a moved tree,
-    an HF folder). The shipped set is the held-out set of the default settings only: a tree made
-    with another modulus, ``--eval-seed``, ``--eval-ks`` or ``--eval-per-k`` trains on some of it."""
+def run_tree(checkpoint: str | Path) -> tuple[Optional[Path], Optional[dict]]:
+    """The synthetic tree a run trained on and its ``synth.json``: ``RUN/data.json`` names the MDS
+    set, whose manifest names its input tree (``make_synth.py``'s completion mark is ``synth.json``).
+    ``(None, None)`` when any link is missing (another corpus, a moved tree, an HF folder)."""
     from megaloop.data.tokenizer import find_relative, read_manifest
 
     p = Path(checkpoint)
     run = next((d for d in (p, p.parent, p.parent.parent) if (d / "data.json").is_file()), None)
     if run is None:
-        return None
+        return None, None
     data = str((read_manifest(run, "data.json") or {}).get("path") or "")
     folder = find_relative(data, run, lambda f: read_manifest(f) is not None) if data else None
     given = str((read_manifest(folder) or {}).get("input") or "") if folder is not None else ""
     # the converter records --input as typed (often relative to where it ran): looked up as data.path is
     tree = find_relative(given, folder, lambda t: read_manifest(t, "synth.json") is not None) if given else None
     info = read_manifest(tree, "synth.json") if tree is not None else None
-    if not info or not isinstance(info.get("heldout"), dict):
+    return (Path(tree), info) if info else (None, None)
+
+
+def run_heldout(checkpoint: str | Path) -> Optional[Path]:
+    """The held-out set (``heldout.jsonl``) of the synthetic tree a run trained on (:func:`run_tree`);
+    None when there is none. The shipped set is the held-out set of the default settings only: a
+    tree made with another modulus, ``--eval-seed``, ``--eval-ks`` or ``--eval-per-k`` trains on some of it."""
+    tree, info = run_tree(checkpoint)
+    if tree is None or not isinstance(info.get("heldout"), dict):
         return None
-    held = Path(tree) / str(info["heldout"].get("file") or "heldout.jsonl")
+    held = tree / str(info["heldout"].get("file") or "heldout.jsonl")
     return held if held.is_file() else None
+
+
+def old_generator_note(checkpoint: str | Path) -> Optional[str]:
+    """A note when the run's synthetic tree was made by generator 1, whose training programs could
+    begin with a held-out program and show its answer (``megaloop.data.synth`` docstring)."""
+    from megaloop.data.synth import GENERATOR
+
+    tree, info = run_tree(checkpoint)
+    if tree is None or int(info.get("generator") or 1) >= GENERATOR:
+        return None
+    return (f"note: {tree} was made by an earlier make_synth.py (synth.json has no \"generator\": {GENERATOR}): "
+            "its training programs may begin with a held-out program and show that program's answer as a "
+            "comment (with the defaults, 50/48/19 of the 50 held-out problems at k = 1/2/3); rebuild the tree "
+            "and retrain for an uncontaminated table")
 
 
 def _encode(lm, problems: Sequence[dict]) -> list[tuple[list[int], list[int]]]:

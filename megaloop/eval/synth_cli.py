@@ -66,7 +66,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
     """Print the k × R table, write the PNG (and ``--json``)."""
     from megaloop.eval.decode_score import check_scoring
     from megaloop.eval.depth_sweep import parse_depths
-    from megaloop.eval.synth import DEFAULT_DEPTHS, SHIPPED, load_problems, plot_synth, run_heldout, synth_table
+    from megaloop.eval.synth import (DEFAULT_DEPTHS, SHIPPED, load_problems, old_generator_note, plot_synth,
+                                      run_heldout, synth_table)
     from megaloop.inference.generate_cli import is_untied
 
     for flag in ("depth", "decode_depth"):
@@ -97,6 +98,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(f"problems: {source} (the held-out set of the synthetic tree the run trained on; --problems "
               "chooses another)", flush=True)
     source = source or SHIPPED
+    if (note := old_generator_note(args.checkpoint)) is not None:
+        print(note, file=sys.stderr, flush=True)
     problems = load_problems(source, _parse_ks(args.ks), args.limit)
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     if not engine.config.looped:  # one pass: every depth would give the same column; one, at the run's eval depth

@@ -48,6 +48,15 @@ def test_synth_launcher_builds_trains_and_prints_the_table(tmp_path: Path) -> No
         "--eval-ks 1-2 --eval-per-k 3', not '--num-docs 700 --num-files 2 --eval-ks 1-2 --eval-per-k 3' (NUM_DOCS, "
         f"SYNTH_ARGS): give another DATA_DIR, or remove {tmp_path / 'data'} to rebuild it")
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
+    # a tree of generator 1 (synth.json without "generator") may train on held-out answers: refused, not reused
+    path = tmp_path / "data" / "tree" / "synth.json"
+    path.write_text(json.dumps({k: v for k, v in info.items() if k != "generator"}))
+    old = _run(tmp_path, expect=2)
+    assert old.stderr.strip().splitlines()[-1] == (
+        f"launch/synth.sh: {tmp_path / 'data' / 'tree'} was made by an earlier make_synth.py, whose training programs "
+        f"could begin with a held-out program and show its answer: remove {tmp_path / 'data'} to rebuild it, or give "
+        "another DATA_DIR")
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
 
 
 def test_bad_eval_knobs_are_refused_before_anything_is_built(tmp_path: Path) -> None:

@@ -222,7 +222,16 @@ def test_eval_synth_scores_the_held_out_set_of_the_runs_own_tree(tmp_path, capsy
     out = tmp_path / "res.json"
     args = parser.parse_args(["synth", "--checkpoint", str(hf), "--depths", "1", "--json", str(out), "--device", "cpu"])
     assert args.fn(args) == 0
-    assert f"problems: {tree / 'heldout.jsonl'} (the held-out set of the synthetic tree" in capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert f"problems: {tree / 'heldout.jsonl'} (the held-out set of the synthetic tree" in printed
+    # a tree of generator 1 (no "generator" in synth.json) may have trained on held-out answers: said, also
+    # with --problems; a tree of generator 2 is not
+    assert f"note: {tree} was made by an earlier make_synth.py" in err
+    args = parser.parse_args(["synth", "--checkpoint", str(hf), "--depths", "1", "--json", str(out_json := tmp_path / "r2.json"),
+                              "--device", "cpu", "--problems", str(tree / "heldout.jsonl")])
+    assert args.fn(args) == 0 and "was made by an earlier make_synth.py" in capsys.readouterr().err
+    (tree / "synth.json").write_text(json.dumps({"generator": 2, "heldout": {"file": "heldout.jsonl", "num": 3}}))
+    assert args.fn(args) == 0 and "earlier make_synth.py" not in capsys.readouterr().err and out_json.is_file()
     res = json.loads(out.read_text())
     assert res["problems"] == str(tree / "heldout.jsonl") and res["ks"] == [2] and res["n"] == [3]
     args = parser.parse_args(["synth", "--checkpoint", str(hf), "--depths", "1", "--ks", "1", "--limit", "1",
