@@ -45,9 +45,16 @@ else
   # worst case 60+80+150+110+80 s = 8 min; expected well under half of that
   T_PROBE=60 T_LOGITS=80 T_TRAIN=150 T_FP8=110 T_BENCH=80
 fi
+# $OUT must be new, empty or an earlier check's (its .gpu_check_out mark): the clean-up below deletes
+# *.log and train_* there, which in any other folder (OUT=runs, OUT=.) are someone's files
+if [ -d "$OUT" ] && [ ! -f "$OUT/.gpu_check_out" ] && [ -n "$(ls -A "$OUT")" ]; then
+  echo "gpu_check: OUT=$OUT holds files that are not a gpu_check's output; give a new or empty folder" >&2
+  exit 2
+fi
 mkdir -p "$OUT" "$RUNS"
 OUT="$(cd "$OUT" && pwd)"
 RUNS="$(cd "$RUNS" && pwd)"
+touch "$OUT/.gpu_check_out"
 # outputs of an earlier run must not stand in for this one's
 rm -rf "$OUT"/steps.tsv "$OUT"/summary.json "$OUT"/device.json "$OUT"/logits.json "$OUT"/loop_overhead*.json \
   "$OUT"/train_* "$OUT"/*.log "$OUT"/plan_calibration.json

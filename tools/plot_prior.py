@@ -109,7 +109,8 @@ def plot_prior(metrics: Path, out: Path, log_scale: bool = False, max_depth: int
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     if max_depth:
         ax.set_ylim(0.5, min(max_depth, r_max) + 0.5)
-    ax.set_title(f"learned depth prior ({len(rows)} steps, r_max={r_max})")
+    span = f"steps {int(steps[0])}-{int(steps[-1])}" if len(rows) > 1 else f"step {int(steps[0])}"
+    ax.set_title(f"learned depth prior ({span}, {len(rows)} logged, r_max={r_max})")  # it said "3 steps" for 30
     ax.legend(loc="upper right")
     ax2.plot(steps, mean, color="C0", marker=dot, label="mean depth")
     ax2.set_ylabel("mean depth", color="C0")

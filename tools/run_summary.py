@@ -21,8 +21,8 @@ from megaloop.train.summary import is_run_file, one_line, summarize  # noqa: E40
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run_dir", help="a megaloop run directory (holds metrics.jsonl)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("run_dir", help="a megaloop run directory (holds metrics.jsonl), or its metrics.jsonl")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the summary here")
     args = p.parse_args(argv)
     try:

@@ -134,7 +134,7 @@ def _cluster(args, cluster_ov: list[str]):
     """The cluster description and whether ``auto`` found no GPU here (``auto`` = this machine's
     GPU; without one, the shipped h100 with the overrides: there is nothing to plan on, but the
     overrides and flags are still checked against it)."""
-    from megaloop.plan.cluster import load_cluster, shipped_clusters
+    from megaloop.plan.cluster import device_cluster, load_cluster
 
     name = args.cluster
     if name.strip().lower() == "auto":
@@ -144,8 +144,7 @@ def _cluster(args, cluster_ov: list[str]):
             return load_cluster("h100", cluster_ov), True
         gpu = torch.cuda.get_device_name(0)
         mem = torch.cuda.get_device_properties(0).total_memory / 2**30
-        base = next((c for c in shipped_clusters() if c.upper() in gpu.upper()), "h100")
-        return load_cluster(base, [f"gpu={gpu.replace(' ', '_')}", f"gpu_memory_gib={mem:.1f}", *cluster_ov]), False
+        return device_cluster(gpu, [f"gpu={gpu.replace(' ', '_')}", f"gpu_memory_gib={mem:.1f}", *cluster_ov])[0], False
     return load_cluster(name, cluster_ov), False
 
 

@@ -99,6 +99,21 @@ def shipped_clusters() -> list[str]:
     return sorted(p.stem for p in CLUSTER_DIR.glob("*.yaml"))
 
 
+def device_cluster(gpu_name: str, overrides: list[str] | None = None) -> tuple[ClusterSpec, str]:
+    """The shipped description for a GPU named as ``torch.cuda.get_device_name`` says (``h100`` when
+    none matches) and its name; the dense peaks are the named part's (``train.flops.DEVICE_PEAK_TFLOPS``:
+    an "H100 PCIe" is planned at 756 TFLOP/s bf16, not the SXM's 989; FP8 twice that), before
+    ``overrides``. Bandwidths stay the shipped node's (SXM/HGX)."""
+    from megaloop.train.flops import DEVICE_PEAK_TFLOPS
+
+    base = next((c for c in shipped_clusters() if c.upper() in gpu_name.upper()), "h100")
+    peak = next((v for k, v in DEVICE_PEAK_TFLOPS.items() if k.upper() in gpu_name.upper()), None)
+    spec = load_cluster(base)
+    part = [] if peak is None or peak == spec.peak_bf16_tflops else \
+        [f"peak_bf16_tflops={peak}"] + ([f"peak_fp8_tflops={2 * peak}"] if spec.peak_fp8_tflops else [])
+    return load_cluster(base, [*part, *(overrides or [])]), base
+
+
 def load_cluster(name_or_path: str, overrides: list[str] | None = None) -> ClusterSpec:
     """Shipped name (``h100``, ``h200``, ``b200``; case-insensitive) or a YAML path, then
     ``cluster.KEY=VALUE`` (or ``KEY=VALUE``) overrides. Errors about the file name ``--cluster``;

@@ -24,8 +24,10 @@ RUN_FOLDERS = ("checkpoints", "eval", "wandb")  # a run's checkpoints, reproduce
 def is_run_file(path: str | Path, run_dir: str | Path) -> bool:
     """Whether ``path`` is one of ``run_dir``'s own files (its metrics log and rotated copies, config,
     data record, tokenizer, lock, the sweep commands' logs and records, anything under checkpoints/,
-    eval/ or wandb/): what a tool must not write over."""
+    eval/ or wandb/): what a tool must not write over. ``run_dir`` may be given as its metrics file."""
     target, run = Path(path).resolve(), Path(run_dir).resolve()
+    if run.is_file():  # RUN/metrics.jsonl given for RUN (summarize takes either): its folder's files
+        run = run.parent
     own = {(run / n).resolve() for n in RUN_FILES} | {p.resolve() for p in run.glob("metrics.jsonl*")}
     return target in own or any((run / d).resolve() in target.parents for d in RUN_FOLDERS)
 

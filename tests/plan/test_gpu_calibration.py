@@ -31,3 +31,19 @@ def test_plan_calibration_records_predictions(tmp_path: Path) -> None:
     assert 0 < r["predicted_step_s"] < 10 and 0 < r["predicted_peak_allocated_gib"] < 139.8
     assert r["memory_error"] == r["predicted_peak_allocated_gib"] / 30.0 - 1
     assert r["implied_gemm_efficiency"] == out["assumptions"]["gemm_efficiency"] * r["predicted_step_s"] / 0.9
+
+
+def test_a_slower_part_of_a_shipped_gpu_is_planned_at_its_own_peak() -> None:
+    """`plan --cluster auto` and the calibration took the SXM H100's 989 TFLOP/s for an "H100 PCIe" (756), so
+    the implied GEMM efficiency a user copies into a cluster YAML was off by 1.31x; the trainer's MFU already
+    used the part's peak."""
+    from megaloop.plan.cluster import device_cluster
+
+    sxm, base = device_cluster("NVIDIA H100 80GB HBM3")
+    assert base == "h100" and (sxm.peak_bf16_tflops, sxm.peak_fp8_tflops) == (989.0, 1979.0)
+    pcie, base = device_cluster("NVIDIA H100 PCIe")
+    assert base == "h100" and (pcie.peak_bf16_tflops, pcie.peak_fp8_tflops) == (756.0, 1512.0)
+    nvl, base = device_cluster("NVIDIA H200 NVL", ["gpu_memory_gib=139.8"])
+    assert base == "h200" and nvl.peak_bf16_tflops == 835.0 and nvl.gpu_memory_gib == 139.8
+    assert device_cluster("NVIDIA H100 PCIe", ["peak_bf16_tflops=700"])[0].peak_bf16_tflops == 700.0  # overrides win
+    assert device_cluster("NVIDIA GeForce RTX 4090")[1] == "h100"  # unknown parts: the h100 description, as before

@@ -56,3 +56,19 @@ def test_a_result_its_row_cannot_table_is_one_line_naming_it(tmp_path, monkeypat
     bad.write_text("{")
     with pytest.raises(SystemExit, match="not valid JSON"):
         report.render()
+
+
+def test_a_failed_gpu_check_is_marked_in_its_row(tmp_path, monkeypatch):
+    """A failed GPU check's summary (ok: false) was tabled as a normal row of throughputs."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(BENCH))
+    summary = {"mode": "gpu", "ok": False, "problems": ["logits: fp32 max|d| 5.0e-01 exceeds the tolerance"],
+               "device_name": "NVIDIA H200", "date": "2026-12-07T10:00:00",
+               "train": {"bf16": {"config": "S", "median": {"tokens_per_s": 4305.0, "mfu": 0.058}}},
+               "logits": {"fp32_max_abs_err": 0.5}}
+    row = report._gpu_check_row(summary)[1]
+    assert row.startswith("**check FAILED** (logits: fp32 max|d| 5.0e-01 exceeds the tolerance); S bf16: **4,305 tokens/s**")
+    assert "FAILED" not in report._gpu_check_row({**summary, "ok": True, "problems": []})[1]

@@ -73,6 +73,16 @@ def test_gpu_mode_refuses_without_cuda(tmp_path: Path) -> None:
     assert any("step probe failed" in p for p in summary["problems"])
     gpu = RESULTS / "gpu_check.json"
     assert not gpu.exists() or json.loads(gpu.read_text()).get("date") != summary["date"]
+    # an earlier check's OUT (its mark) is cleaned and reused; a folder of other files is refused untouched:
+    # the clean-up deleted *.log and train_* in whatever OUT named (OUT=runs lost its train_* runs)
+    assert _run(tmp_path, smoke=False, timeout=240).returncode == 1 and (tmp_path / "out" / "summary.json").is_file()
+    theirs = tmp_path / "theirs"
+    (theirs / "train_2025").mkdir(parents=True)
+    (theirs / "experiment.log").write_text("keep")
+    proc = _run(tmp_path, smoke=False, timeout=60, OUT=str(theirs))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"gpu_check: OUT={theirs} holds files that are not a gpu_check's output; give a new or empty folder")
+    assert sorted(p.name for p in theirs.iterdir()) == ["experiment.log", "train_2025"]
 
 
 def test_unusable_python_fails_clearly(tmp_path: Path) -> None:

@@ -74,6 +74,13 @@ def test_a_json_that_is_a_run_file_or_cannot_be_written_is_refused_first(tmp_pat
         assert proc.returncode == 2 and says in proc.stderr and proc.stdout == "", (out, proc.stderr)
         assert "Traceback" not in proc.stderr
     assert (run / "metrics.jsonl").read_text() == before
+    # the run given as its metrics file (summarize reads either): its files were not protected, and
+    # --json replaced the log, config.yaml or the checkpoints' pointer with the summary, exit 0
+    (run / "config.yaml").write_text("model: {}\n")
+    for out in (run / "metrics.jsonl", run / "config.yaml", run / "checkpoints" / "latest"):
+        proc = _tool(run / "metrics.jsonl", "--json", out)
+        assert proc.returncode == 2 and "is one of the run's own files" in proc.stderr, (out, proc.stderr)
+    assert (run / "metrics.jsonl").read_text() == before and (run / "config.yaml").read_text() == "model: {}\n"
     proc = _tool(run, "--json", tmp_path / "new" / "deeper" / "s.json")  # a new folder is fine: created
     assert proc.returncode == 0 and (tmp_path / "new" / "deeper" / "s.json").is_file(), proc.stderr
     proc = _tool(run, "--json", run / "summary.json")

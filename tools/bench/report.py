@@ -141,6 +141,9 @@ def _gpu_check_row(d: dict) -> tuple[str, str] | None:
     lg = d.get("logits") or {}
     if "fp32_max_abs_err" in lg:
         parts.append(f"GPU vs CPU FP32 logits max|Δ| {lg['fp32_max_abs_err']:.1e}")
+    if d.get("ok") is not True:  # a failed check is copied too (what it measured is a record): said so first
+        problems = "; ".join(str(p) for p in (d.get("problems") or [])) or "no problems recorded"
+        parts.insert(0, f"**check FAILED** ({problems})")
     return ("GPU check (`tools/gpu_check.sh`): training throughput, MFU, peak memory", "; ".join(parts))
 
 

@@ -30,12 +30,12 @@ DEFAULT_CORPUS_VOCAB = 4096  # the embedded corpus's tokenizer (megaloop.data.de
 
 
 def _cluster(device: dict):
-    from megaloop.plan.cluster import load_cluster, shipped_clusters
+    from megaloop.plan.cluster import device_cluster
 
     name = str(device.get("device") or "")
-    base = next((c for c in shipped_clusters() if c.upper() in name.upper()), "h100")
     over = [f"gpu_memory_gib={device['device_mem_gib']}"] if device.get("device_mem_gib") else []
-    return load_cluster(base, over), base, bool(device.get("cuda_available"))
+    spec, base = device_cluster(name, over)  # the part's own peaks (H100 PCIe / NVL are slower than SXM)
+    return spec, base, bool(device.get("cuda_available"))
 
 
 def calibrate_run(run_dir: Path, cluster, warmup: int) -> dict:
@@ -75,13 +75,20 @@ def calibrate_run(run_dir: Path, cluster, warmup: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description="The planner's predictions for a tools/gpu_check.sh output folder's "
+                                "training runs beside their measured step time and memory (OUT/plan_calibration.json).")
     p.add_argument("out")
     p.add_argument("--runs", nargs="*", default=["bf16"])
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args()
     out = Path(args.out)
-    device = json.loads((out / "device.json").read_text())
+    try:
+        device = json.loads((out / "device.json").read_text())
+    except (OSError, ValueError) as err:
+        p.error(f"{out / 'device.json'}: cannot be read ({getattr(err, 'strerror', None) or err}); "
+                "give a gpu_check.sh output folder")
+    if not isinstance(device, dict):
+        p.error(f"{out / 'device.json'}: not a JSON object")
     cluster, base, cuda = _cluster(device)
     result = {"device": device.get("device"), "cluster_description": base, "comparable": cuda,
               "assumptions": {k: getattr(cluster, k) for k in ("gemm_efficiency", "comm_efficiency", "layer_overhead_us",

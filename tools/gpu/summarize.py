@@ -81,7 +81,7 @@ def summarize_run(run_dir: Path, warmup: int, cuda: bool, problems: list[str]) -
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description="Summarise a tools/gpu_check.sh output folder into OUT/summary.json.")
     p.add_argument("out")
     p.add_argument("--mode", choices=("gpu", "cpu_smoke"), required=True)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
@@ -89,14 +89,23 @@ def main() -> None:
     p.add_argument("--runs", nargs="*", default=["bf16"], help="training runs that must be present")
     args = p.parse_args()
     out = Path(args.out)
+    if not out.is_dir():
+        p.error(f"out: {out} is not a folder (a gpu_check.sh output)")
+    if args.warmup < 0:
+        p.error(f"--warmup: must be >= 0, got {args.warmup}")
     problems: list[str] = []
 
     steps: dict[str, dict] = {}
     tsv = out / "steps.tsv"
     if tsv.is_file():
-        for line in tsv.read_text().splitlines():
-            name, rc, secs = line.split("\t")
-            steps[name] = {"rc": int(rc), "seconds": int(secs)}
+        for n, line in enumerate(tsv.read_text().splitlines(), 1):
+            try:
+                name, rc, secs = line.split("\t")
+                rc, secs = int(rc), int(secs)
+            except ValueError:  # a torn or edited line: named, the others still read
+                problems.append(f"steps.tsv line {n} is not NAME<TAB>RC<TAB>SECONDS: {line[:80]!r}")
+                continue
+            steps[name] = {"rc": rc, "seconds": secs}
             if int(rc) != 0:
                 why = "timed out" if int(rc) in (124, 137) else f"exit {rc}"
                 problems.append(f"step {name} failed ({why}); see {name}.log")
@@ -127,7 +136,7 @@ def main() -> None:
 
     # the planner's predictions for the training runs (tools/gpu/plan_calibration.py); informational
     calib = out / "plan_calibration.json"
-    plan_calibration = json.loads(calib.read_text()) if calib.is_file() else None
+    plan_calibration = _read_json(calib, []) if calib.is_file() else None  # a torn one fails nothing
 
     summary = {
         "mode": args.mode, "ok": not problems, "problems": problems,

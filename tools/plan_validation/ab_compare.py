@@ -16,17 +16,31 @@ import sys
 from pathlib import Path
 
 
+def _read(path: str) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"ab_compare: {path}: cannot be read as JSON "
+                         f"({getattr(err, 'strerror', None) or err})") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"ab_compare: {path}: not a run.py results file (a JSON object)")
+    return data
+
+
 def compare(a_files: list[str], b_files: list[str]) -> dict[str, dict]:
     if len(a_files) != len(b_files) or not a_files:
         raise SystemExit("ab_compare: --a and --b need the same number (>= 1) of result files")
     out: dict[str, dict] = {}
-    pairs = [(json.loads(Path(a).read_text()), json.loads(Path(b).read_text())) for a, b in zip(a_files, b_files)]
+    pairs = [(_read(a), _read(b)) for a, b in zip(a_files, b_files)]
     names = [k for k, v in pairs[0][0].items() if isinstance(v, dict) and v.get("mode") == "timing"]
+    if not names:
+        raise SystemExit(f"ab_compare: {a_files[0]} holds no timing run (tools/plan_validation/run.py results)")
     for name in names:
         rounds = []
         for i, (a, b) in enumerate(pairs):
-            if name not in b:
-                raise SystemExit(f"ab_compare: {b_files[i]} has no run {name!r}")
+            for side, files in ((a, a_files), (b, b_files)):
+                if not isinstance(side.get(name), dict) or "rows" not in side[name]:
+                    raise SystemExit(f"ab_compare: {files[i]} has no timing run {name!r}")
             ra, rb = a[name]["rows"], b[name]["rows"]
             if [r["depths"] for r in ra] != [r["depths"] for r in rb]:
                 raise SystemExit(f"ab_compare: {name}: round {i + 1} drew different depths in A and B")

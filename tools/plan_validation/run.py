@@ -289,13 +289,19 @@ def main() -> None:
     p.add_argument("--results", default=str(HERE / "results.json"))
     p.add_argument("--reuse", action="store_true", help="re-evaluate the rank files already in --keep DIR")
     args = p.parse_args()
+    if args.only is not None and (not args.only or set(args.only) - set(RUNS)):  # before any data is written
+        p.error(f"--only: give one or more of {', '.join(RUNS)}" +
+                (f" (unknown: {', '.join(sorted(set(args.only) - set(RUNS)))})" if args.only else ""))
+    path = Path(args.results)
+    try:
+        results = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as err:
+        p.error(f"--results {path}: cannot be read as JSON ({getattr(err, 'strerror', None) or err})")
     work = Path(args.keep or tempfile.mkdtemp(prefix="plan_validation_"))
     data = work / "data"
     from megaloop.data.synthetic import write_synthetic_mds
 
     write_synthetic_mds(data, **DATA)
-    path = Path(args.results)
-    results = json.loads(path.read_text()) if path.is_file() else {}
     names = args.only or list(RUNS)
     timing_ranks: dict[str, list[dict]] = {}
     for name in names:
