@@ -573,6 +573,9 @@ class MegaloopForCausalLM(MegaloopPreTrainedModel, GenerationMixin):
         """Inputs of one generate() step for transformers 4.x (``past_key_values``, ``cache_position``)
         and 5.x (``cache`` or ``past_key_values``, ``next_sequence_length``, ``is_first_iteration``)."""
         past_key_values = one_cache(past_key_values, cache)
+        if not use_cache and self.exit_policy(*(kwargs.get(k) for k in ("exit_criterion", "min_depth", "max_depth"))):
+            raise ValueError("exit_criterion: adaptive depth runs in cached one-token decode steps; generate("
+                             "use_cache=False) ran every step at full depth instead: drop use_cache=False or the criterion")
         past = past_key_values.get_seq_length() if past_key_values is not None else 0
         if GENERATE_V5:  # tokens to run: the new ones (None = all the given ones)
             n = next_sequence_length

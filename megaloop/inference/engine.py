@@ -45,7 +45,7 @@ from megaloop.hf.load import load_model
 from megaloop.inference.adaptive import DepthLog, ExitPolicy, adaptive_decode, exit_policy
 from megaloop.inference.kv_cache import (MODES, cache_stats, check_depth, check_mode, held_depth, kv_bytes_per_token,
                                          memory_report, select_rows)
-from megaloop.inference.sampling import SamplingParams, pick_tokens
+from megaloop.inference.sampling import SamplingParams, pick_tokens, row_generators
 
 Prompt = Union[str, Sequence[int]]
 
@@ -428,10 +428,7 @@ class InferenceEngine:
         policy = self.policy(exit_criterion, min_depth, max_depth, finished_rows)
         log = DepthLog()
         stop = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
-        gen = None
-        if not params.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little"))
+        base_seed = (int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little"))
 
         work0 = self.depth_log.row_recurrences
         t0 = self._sync_time()
@@ -444,11 +441,13 @@ class InferenceEngine:
         out_depths: list[list[int]] = [[] for _ in range(n)]
         texts, reasons = [""] * n, [""] * n
         rows = list(range(n))  # original row of each state row
+        # one stream per row: a row's sample does not depend on the others or on when they finish
+        gens = None if params.greedy else row_generators(base_seed, n, self.device)
         peak = state.cache.kv_bytes()
         steps = fed = 0  # decode forwards; (row, token) pairs fed through them
         eos = self.eos_id
         while True:
-            nxt = pick_tokens(state.logits, params, gen).tolist()
+            nxt = pick_tokens(state.logits, params, None if gens is None else [gens[r] for r in rows]).tolist()
             keep = []
             for j, row in enumerate(rows):
                 tok = int(nxt[j])

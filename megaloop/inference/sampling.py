@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -30,8 +31,20 @@ class SamplingParams:
         self.greedy = self.temperature == 0
 
 
-def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """Next tokens [b] from logits [b, V] (the real vocabulary)."""
+def row_generators(seed: int, rows: int, device="cpu") -> list[torch.Generator]:
+    """One sampling stream per batch row, seeded from (``seed``, row): a row's sample depends on its
+    prompt, the seed and its place in the batch only, not on the other rows or when they finish."""
+    gens = []
+    for row in range(rows):
+        digest = hashlib.sha256(f"megaloop-sample:{int(seed)}:{row}".encode()).digest()
+        gens.append(torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1))
+    return gens
+
+
+def pick_tokens(logits: torch.Tensor, params: SamplingParams,
+                generator: Optional[Union[torch.Generator, Sequence[torch.Generator]]]) -> torch.Tensor:
+    """Next tokens [b] from logits [b, V] (the real vocabulary); ``generator`` one stream for the batch
+    or one per row (:func:`row_generators`)."""
     if params.greedy:
         return logits.argmax(-1)
     logits = logits.double()  # FP64: a temperature below FP32's range (5e-324) is not a division by zero
@@ -47,7 +60,10 @@ def pick_tokens(logits: torch.Tensor, params: SamplingParams, generator: Optiona
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest set reaching top_p
         drop[:, 0] = False
         scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(-1)
+    probs = scores.softmax(-1)
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.stack([torch.multinomial(probs[i], 1, generator=g)[0] for i, g in enumerate(generator)])
 
 
-__all__ = ["SamplingParams", "pick_tokens"]
+__all__ = ["SamplingParams", "pick_tokens", "row_generators"]

@@ -108,6 +108,11 @@ def test_hf_generate_adaptive_equals_engine(tmp_path):
     assert g.past_key_values.exit_depths == []
     with pytest.raises(ValueError, match="exit_criterion: unknown criterion 'entropy'"):
         model.generate(PROMPTS, max_new_tokens=2, exit_criterion="entropy:1")
+    # without a cache every step is a full forward: the criterion was ignored without a word
+    with pytest.raises(ValueError, match=r"exit_criterion: adaptive depth runs in cached one-token decode steps"):
+        model.generate(PROMPTS, max_new_tokens=2, do_sample=False, use_cache=False, exit_criterion="argmax:2")
+    assert model.generate(PROMPTS, max_new_tokens=2, do_sample=False, use_cache=False).shape == (PROMPTS.shape[0],
+                                                                                              PROMPTS.shape[1] + 2)
 
 
 def test_isolated_export_adaptive_generate_equals_engine(tmp_path):

@@ -137,6 +137,21 @@ def test_sampling_is_seeded_and_filters():
     assert max(hot.results[0].token_ids) < 32
 
 
+def test_a_rows_sample_does_not_depend_on_the_other_rows():
+    """One generator served the batch: when another row finished early (a stop string, EOS) every later
+    draw shifted, and a row's text changed with its neighbours. Each row now has its own stream."""
+    eng = make_engine(seed=6)
+    kw = dict(temperature=1.5, seed=11, max_new_tokens=12, stop_at_eos=False)
+    both = eng.generate(["abc", "de"], **kw).results
+    first = eng.decode_text(both[0].token_ids[:2])
+    assert len(first) >= 1 and first not in eng.decode_text(both[1].token_ids)
+    cut = eng.generate(["abc", "de"], stop=first, **kw).results  # row 0 now stops early
+    assert cut[0].finish_reason == "stop" and len(cut[0].token_ids) < len(both[0].token_ids)
+    assert cut[1].token_ids == both[1].token_ids
+    assert eng.generate(["abc"], **kw).results[0].token_ids == both[0].token_ids  # row 0: its stream alone too
+    assert eng.generate(["abc", "zz", "de"], **kw).results[0].token_ids == both[0].token_ids
+
+
 @contextlib.contextmanager
 def forced(eng, tokens):
     """Make the head emit ``tokens[n]`` at its n-th call (the last one repeats): a forward hook."""
