@@ -190,6 +190,11 @@ class RunConfig:
         # an untied model has no recurrence: a sampled or learned depth would only feed the prior noise
         require(self.model.looped or self.depth.kind == "fixed", "depth.kind",
                 f"model.arch=untied has no recurrence depth; use depth.kind=fixed (got {self.depth.kind!r})")
+        require(self.model.fp8 or self.model.fp8_recipe == "tensorwise", "model.fp8_recipe",  # it was recorded, unused
+                f"{self.model.fp8_recipe!r} is FP8's scaling recipe, but model.fp8 is off (null): add model.fp8=hybrid "
+                "(or e4m3), or drop the recipe")
+        require(self.model.looped or self.depth.depth == 1, "depth.depth",  # it was logged as if it had run
+                f"model.arch=untied has no recurrence depth; it runs depth 1 (got {self.depth.depth})")
 
     def to_dict(self) -> dict:
         return to_dict(self)
@@ -285,7 +290,7 @@ def _check_cap_override(cfg: RunConfig, file_cap) -> None:
     at R_max, so the cap (PLN's and Poisson's) would be ignored, silently. Presets may carry a cap for
     their PLN arms; only an override is refused."""
     d = cfg.depth
-    if d.kind == "learned" and d.cap < d.r_max and d.cap != file_cap:
-        raise ConfigError(f"depth.cap: {d.cap} is below depth.r_max={d.r_max}, but depth.kind=learned draws "
-                          f"1..r_max (its PLN init's tail sits at r_max) and does not use the cap; set "
-                          f"depth.r_max to bound the depths")
+    if d.kind == "learned" and d.cap != d.r_max and d.cap != file_cap:
+        raise ConfigError(f"depth.cap: {d.cap} is {'below' if d.cap < d.r_max else 'above'} depth.r_max={d.r_max}, "
+                          f"but depth.kind=learned draws 1..r_max (its PLN init's tail sits at r_max) and does not "
+                          f"use the cap; set depth.r_max to bound the depths")

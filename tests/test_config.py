@@ -38,6 +38,17 @@ def test_untied_presets_train_at_fixed_depth():
     with pytest.raises(ConfigError, match="depth.kind"):  # refused when training starts
         load_config("untied4", ["depth.kind=learned"]).check_trainable()
     load_config("untied4").check_trainable()
+    # a fixed depth other than 1 trained the one pass while metrics, summary and plots logged depth 7
+    with pytest.raises(ConfigError, match=r"^depth\.depth: model\.arch=untied has no recurrence depth; it runs depth 1 "
+                                          r"\(got 7\)"):
+        load_config("untied4", ["depth.depth=7"]).check_trainable()
+
+
+def test_an_fp8_recipe_without_fp8_is_refused_when_training_starts():
+    """`model.fp8_recipe=delayed` without `model.fp8` trained in bf16/FP32 and recorded the recipe, no note."""
+    with pytest.raises(ConfigError, match=r"^model\.fp8_recipe: 'delayed' is FP8's scaling recipe, but model\.fp8 is off"):
+        load_config("tiny", ["model.fp8_recipe=delayed"]).check_trainable()
+    load_config("tiny", ["model.fp8_recipe=delayed"])  # a saved config holding it still loads (eval)
 
 
 def test_arms_file_is_not_a_preset():
@@ -67,6 +78,17 @@ def test_a_cap_override_below_a_learned_priors_r_max_is_refused():
     assert load_config("tiny", ["depth.r_max=32"]).depth.r_max == 32
     assert load_config("tiny", ["depth.kind=pln"]).depth.cap == 16
     assert load_config("tiny", ["depth.cap=16"]).depth.cap == 16
+    # one above r_max was ignored as silently (the draws stayed in 1..16)
+    with pytest.raises(ConfigError, match=r"^depth\.cap: 64 is above depth\.r_max=16, but depth\.kind=learned"):
+        load_config("tiny", ["depth.cap=64"])
+
+
+def test_a_target_mean_outside_the_priors_support_is_refused():
+    """init=uniform_1_10 keeps the prior on 1..10; depth.target_mean=15 trained, and the mean penalty piled
+    the prior onto depth 10 (p(10) = 0.99 after 300 updates)."""
+    with pytest.raises(ConfigError, match=r"^depth\.target_mean: init=uniform_1_10 keeps the prior on depths 1\.\.10"):
+        load_config("tiny", ["depth.init=uniform_1_10", "depth.target_mean=15"])
+    assert load_config("tiny", ["depth.init=uniform_1_10", "depth.target_mean=10"]).depth.target_mean == 10
 
 
 def test_a_files_new_name_overrides_its_bases_old_name(tmp_path):

@@ -77,6 +77,9 @@ class DepthConfig:
         if self.kind == "learned":
             require(self.init != "uniform_1_10" or self.r_max >= 10, "depth.r_max",
                     f"init=uniform_1_10 needs r_max >= 10, got {self.r_max}")
+            require(self.init != "uniform_1_10" or self.target_mean <= 10, "depth.target_mean",
+                    f"init=uniform_1_10 keeps the prior on depths 1..10, so a target mean of {self.target_mean:g} "
+                    "cannot be reached (the mean penalty piles the prior onto depth 10); give one <= 10")
             require(self.init != "pln" or 1.0 < self.mean < self.r_max, "depth.mean",
                     f"init=pln needs a PLN mean in (1, r_max={self.r_max}), got {self.mean}")
             require(self.init != "pln" or self.r_max >= 2, "depth.r_max", "init=pln needs r_max >= 2")

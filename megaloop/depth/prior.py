@@ -89,6 +89,11 @@ class LearnedDepthPrior:
                 self.active = init_state["active"].clone()
                 init = init_state["logits"].clone()
                 self.init_source = init_state.get("checkpoint")
+                on = torch.nonzero(self.active).flatten()
+                lo, hi = int(on.min()) + 1, int(on.max()) + 1
+                require(lo <= cfg.target_mean <= hi, "depth.target_mean",
+                        f"{cfg.target_mean:g} is outside the support {lo}..{hi} that {cfg.init} starts from (the mean "
+                        "penalty would pile the prior onto its edge); give one inside it")
         elif cfg.init == "pln":
             init = pln_probs(cfg.mean, cfg.sigma, r_max).log()  # φ₀ = log p_PLN capped at r_max
         elif cfg.init == "uniform":

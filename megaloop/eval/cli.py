@@ -374,7 +374,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 def cmd_eval_states(args: argparse.Namespace) -> int:
     """Per-recurrence depth-use diagnostics (megaloop.eval.states) on the first --max-seqs (16)
     sequences of --data at --depth (default 16), evaluation-time state init."""
-    from megaloop.eval.states import format_table, trace_diagnostics
+    from megaloop.eval.states import format_table, input_positions, trace_diagnostics
 
     _check_args(args)
     engine = build_engine(args)
@@ -387,7 +387,8 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
 
         check_trace_memory(engine, num_seqs=data.num_seqs, seq_len=data.seq_len, depth=depth)
     ids = data.tokens.to(engine.device)
-    diag = trace_diagnostics(engine.model, ids, depth, mask=data.loss_mask.to(engine.device))
+    # the input tokens, not the scored targets: the loss mask left each row's last token out
+    diag = trace_diagnostics(engine.model, ids, depth, mask=input_positions(data.loss_mask).to(engine.device))
     table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
           f"RMS(e) = {fmt(diag['rms_e'])}",
           ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))

@@ -103,6 +103,16 @@ def trace_export(model, input_ids: torch.Tensor, depth: int) -> dict:
 
 
 @torch.no_grad()
+def input_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """The real input tokens [n, L] (float 0/1) of rows whose ``loss_mask`` [n, L] marks scored
+    targets: every position up to one past the row's last scored target. The last position (no
+    target), the token after each EOS under ``data.mask_document_boundaries`` and the last real
+    token of a padded row are inputs all the same; only padding after it is not."""
+    idx = torch.arange(loss_mask.shape[1], device=loss_mask.device)
+    last = torch.where(loss_mask > 0, idx, torch.full_like(idx, -1)).max(dim=1).values
+    return (idx[None, :] <= last[:, None] + 1).float()
+
+
 def trace_diagnostics(model, input_ids: torch.Tensor, depth: int, mask: Optional[torch.Tensor] = None) -> dict:
     """:func:`state_diagnostics` of :func:`trace_export`'s trace, computed recurrence by recurrence:
     three states and one injection split are held at a time, so memory does not grow with ``depth``

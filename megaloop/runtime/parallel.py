@@ -61,6 +61,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+MEGATRON_SEED_LIMIT = 2 ** 64 - 2 ** 16  # room for megatron's +2718 (+ TP / expert rank) seed offsets
+
+
 def init_distributed(dims: ParallelDims, seed: int, timeout_s: int = 600) -> None:
     """Start torch.distributed and megatron-core's groups for ``dims``; seed every RNG.
 
@@ -93,7 +96,9 @@ def init_distributed(dims: ParallelDims, seed: int, timeout_s: int = 600) -> Non
             virtual_pipeline_model_parallel_size=dims.vpp if (dims.vpp or 1) > 1 else None,
         )
     seed_everything(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # megatron seeds its model-parallel streams at seed + 2718 + rank offsets, which overflowed a 64-bit
+    # seed for the top of the range train.seed takes ([0, 2**64)): those seeds wrap (nothing else changes)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed % MEGATRON_SEED_LIMIT)
     # model_parallel_cuda_manual_seed re-seeds the (redirected) default generator with a
     # per-stage offset; layouts must not change initial weights, so restore the plain seed.
     seed_everything(seed)

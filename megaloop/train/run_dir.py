@@ -257,6 +257,25 @@ def check_saved_layout(path: Path, saved: dict, cfg) -> None:
     (``saved``: the checkpoint's run config, {} when unreadable: the load names why)."""
     check_saved_optimizer_layout(path, saved.get("parallel") or {}, cfg.parallel)
     check_saved_seq_len(path, saved.get("model") or {}, cfg.model)
+    check_saved_precision(path, saved.get("model") or {}, cfg.model)
+
+
+def check_saved_precision(path: Path, saved: dict, model) -> None:
+    """Refuse, before loading, a resume under another ``model.bf16`` or ``model.fp8``: it trained on in
+    the other precision and rewrote ``config.yaml`` as if the whole run had (a plain optimizer's state
+    failed to load with a KeyError traceback, or was blamed on damaged files). ``saved``: the
+    checkpoint's ``model`` section (a field it lacks is not checked)."""
+    diffs = [(k, saved[k], getattr(model, k)) for k in ("bf16", "fp8")
+             if k in saved and (saved[k] or None) != (getattr(model, k) or None)]
+    if diffs:
+        what = ", ".join(f"model.{k}={_yaml_value(old)} (this run: {_yaml_value(new)})" for k, old, new in diffs)
+        keep = " ".join(f"model.{k}={_yaml_value(old)}" for k, old, _ in diffs)
+        raise ConfigError(f"checkpoint {path} was trained with {what}; resume with {keep}, or start a new run "
+                          f"in the other precision from its weights in a new --run-dir with train.init_weights={path}")
+
+
+def _yaml_value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
 
 
 def check_saved_seq_len(path: Path, saved: dict, model) -> None:

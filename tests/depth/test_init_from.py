@@ -57,6 +57,25 @@ def test_bad_init_from_exits_2_naming_the_option(tmp_path):
     assert not (tmp_path / "b" / "checkpoints").exists()
 
 
+def test_a_target_mean_outside_the_source_priors_support_is_refused():
+    """init=from:PATH starts from the other run's support; a target mean outside it was accepted."""
+    import torch
+
+    from megaloop.config import load_config
+    from megaloop.config_utils import ConfigError
+    from megaloop.depth.prior import LearnedDepthPrior
+
+    cfg = load_config("tiny", ["depth.init=from:/elsewhere", "depth.target_mean=12"]).depth
+    active = torch.zeros(cfg.r_max, dtype=torch.bool)
+    active[:10] = True
+    state = {"active": active, "logits": torch.zeros(cfg.r_max, dtype=torch.float64)}
+    with pytest.raises(ConfigError, match=r"^depth\.target_mean: 12 is outside the support 1\.\.10 that "
+                                          r"from:/elsewhere starts from"):
+        LearnedDepthPrior(cfg, state)
+    cfg.target_mean = 9.5
+    assert LearnedDepthPrior(cfg, state).probs()[10:].sum() == 0
+
+
 def test_plan_starts_from_the_source_prior(capsys, source):
     """`megaloop plan` planned a uniform law for depth.init=from:PATH (and accepted a PATH that did
     not exist): it now reads PATH's prior as training does."""

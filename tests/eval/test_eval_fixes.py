@@ -146,3 +146,25 @@ def test_a_run_that_masked_document_boundaries_is_scored_as_it_trained(cli, trai
     assert after_eos > 0  # the embedded set's rows hold document boundaries
     assert res["plain"]["tokens_native"] - res["masked"]["tokens_native"] == after_eos
     assert res["masked"]["native_ppl"] != res["plain"]["native_ppl"]
+    # eval states averages over the input tokens: it used the loss mask, which left each row's last token
+    # (and, on a masked run, the token after each EOS) out, so a run and its HF export disagreed
+    import torch
+
+    from megaloop.eval.states import input_positions, trace_diagnostics
+
+    for name, path in (("plain", trained_run), ("masked", run)):
+        code, err = cli("eval", "states", "--checkpoint", str(path), "--max-seqs", "2", "--depth", "3",
+                        "--json", str(tmp_path / f"states_{name}.json"))
+        assert code == 0, err
+        res[name] = json.loads((tmp_path / f"states_{name}.json").read_text())
+    from megaloop.eval.ppl import load_eval_data
+
+    two = load_eval_data("default", default_seq_len=trained_engine.max_context, max_seqs=2,
+                         vocab_size=trained_engine.vocab_size)  # the rows --max-seqs 2 picks (one per source)
+    every = trace_diagnostics(trained_engine.model, two.tokens, 3)
+    targets = trace_diagnostics(trained_engine.model, two.tokens, 3, mask=two.loss_mask)
+    for name in ("plain", "masked"):
+        assert abs(res[name]["rms_e"] - every["rms_e"]) < 1e-6 * every["rms_e"], (name, res[name]["rms_e"], every["rms_e"])
+    assert abs(targets["rms_e"] - every["rms_e"]) > 1e-5 * every["rms_e"]  # the check can tell them apart
+    padded = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0, 0.0]])  # row 0: 3 real tokens, then padding
+    assert input_positions(padded).tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5]

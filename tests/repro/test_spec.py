@@ -139,6 +139,8 @@ def test_shipped_experiments(name: str) -> None:
         assert "depth.init=uniform_1_10" in arms["uniform10"].overrides
     if name == "untied":
         assert not arms["untied12"].looped and "model.num_layers=12" in arms["untied12"].overrides
+        # they set depth.depth=5, which an untied model logged without running it (now refused)
+        assert all("depth.depth=5" not in arms[a].overrides for a in ("untied4", "untied12"))
     # the synthetic-task scale: the synth preset, no PPL sweep, held-out answers at every depth
     synth = load_plan(name, "synth")
     assert synth.config == "synth" and {a.name for a in synth.arms} == EXPECTED_ARMS[name]

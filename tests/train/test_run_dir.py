@@ -102,6 +102,10 @@ def test_changed_optim_settings_on_resume_are_refused(tmp_path):
     line = _one_error_line(run_train(tmp_path, "train.max_steps=4", "model.seq_len=64", resume="auto", expect=2))
     assert "was trained with model.seq_len=128 (this run: 64)" in line and "resume with model.seq_len=128" in line, line
     assert _snapshot(tmp_path) == before
+    # another precision: it trained on in bf16 and rewrote config.yaml as if the run had been bf16 throughout
+    line = _one_error_line(run_train(tmp_path, "train.max_steps=4", "model.bf16=true", resume="auto", expect=2))
+    assert "was trained with model.bf16=false (this run: true); resume with model.bf16=false" in line, line
+    assert _snapshot(tmp_path) == before
 
 
 def test_a_run_directory_in_use_is_refused(tmp_path):

@@ -98,7 +98,11 @@ def load_student_for(model: nn.Module, path: str | Path) -> nn.Module:
         if key in tc and getattr(model.config, key, None) != tc[key]:
             raise ConfigError(f"--student: {path} was distilled from a model with {key}={tc[key]!r}, "
                               f"this one has {getattr(model.config, key, None)!r}")
-    if info.get("teacher_digest") and info["teacher_digest"] != weights_digest(model):
+    if p.dtype == torch.float16:  # FP16's rounding (and underflow) is not BF16's: the digest cannot match
+        if info.get("teacher_digest"):
+            print(f"note: --student {path}: under --dtype fp16 megaloop cannot check that it was distilled from these "
+                  "weights (it warned that it was not, even for its own teacher); fp32 or bf16 check it", file=sys.stderr)
+    elif info.get("teacher_digest") and info["teacher_digest"] != weights_digest(model):
         print(f"warning: --student {path} was distilled from other weights of the same shape "
               f"({info.get('teacher', 'teacher not recorded')}); its prefill approximates that model's recurrence, "
               f"not this one's (distill a student from this checkpoint for a faithful prefill)", file=sys.stderr)
