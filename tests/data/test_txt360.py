@@ -59,3 +59,41 @@ def test_fractional_copies_are_chosen_per_document_not_per_file():
         assert abs(whole.mean() - m) < 0.03, (m, whole.mean())  # binomial sd ~0.008
         assert set(np.unique(whole)) <= {int(m), int(m) + 1}
     assert (copies_per_doc(keys, 3.0) == 3).all()
+
+
+def test_common_crawls_top_bucket_is_the_top_bucket(tmp_path, capsys):
+    """The release names Common Crawl's top duplicate bucket ``1001-30000000`` (the curated sources'
+    ``1001-inf``): its files fell to bucket ``none`` (x1 where the bucket below got x5), with only a note,
+    and ``--bucket-upsample 1001-30000000=5`` was refused as an unknown bucket."""
+    import pytest
+
+    from megaloop.data.errors import DataError
+    from megaloop.data.txt360 import MixSpec
+
+    root = tmp_path / "TxT360"
+    _write(root / "data/common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000.jsonl.gz", ["a"], gz=True)
+    _write(root / "data/common-crawl/CC-MAIN-2016-36/101-1000/chunk_000_0000.jsonl.gz", ["b"], gz=True)
+    _write(root / "data/pubmed_central/1001-inf/0_1.jsonl", ["c"])
+    found = {f.part: f.bucket for f in discover(root)}
+    assert found == {"common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000": "1001-inf",
+                     "common-crawl/CC-MAIN-2016-36/101-1000/chunk_000_0000": "101-1000",
+                     "pubmed_central/1001-inf/0_1": "1001-inf"}
+    assert "look like duplicate buckets" not in capsys.readouterr().err
+    assert MixSpec().multiplier("common-crawl", found["common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000"]) == 5.0
+    assert MixSpec.from_args(bucket_upsample="1001-30000000=3").multiplier("common-crawl", "1001-inf") == 3.0
+    with pytest.raises(DataError, match=r"'1001-30000000' is bucket '1001-inf'; they were given 3 and 2"):
+        MixSpec.from_args(bucket_upsample="1001-30000000=3,1001-inf=2")
+
+
+def test_a_git_lfs_pointer_is_named_as_one(tmp_path):
+    """A clone without git-lfs leaves pointer files: a .jsonl.gz one was called "not gzip-compressed,
+    rename it", and the renamed file "invalid JSON"."""
+    import pytest
+
+    from megaloop.data.errors import DataError
+
+    pointer = "version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 123\n"
+    for name in ("chunk.jsonl.gz", "0_1.jsonl"):
+        (tmp_path / name).write_text(pointer)
+        with pytest.raises(DataError, match=r"a Git LFS pointer, not the data .*`git lfs pull`"):
+            list(read_jsonl(tmp_path / name))
