@@ -102,7 +102,6 @@ def trace_export(model, input_ids: torch.Tensor, depth: int) -> dict:
     return {"e": p.e, "states": states, "parts": parts}
 
 
-@torch.no_grad()
 def input_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """The real input tokens [n, L] (float 0/1) of rows whose ``loss_mask`` [n, L] marks scored
     targets: every position up to one past the row's last scored target. The last position (no
@@ -113,6 +112,7 @@ def input_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return (idx[None, :] <= last[:, None] + 1).float()
 
 
+@torch.no_grad()
 def trace_diagnostics(model, input_ids: torch.Tensor, depth: int, mask: Optional[torch.Tensor] = None) -> dict:
     """:func:`state_diagnostics` of :func:`trace_export`'s trace, computed recurrence by recurrence:
     three states and one injection split are held at a time, so memory does not grow with ``depth``

@@ -114,7 +114,12 @@ def test_streamed_diagnostics_equal_the_full_trace(injection):
     ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     want = state_diagnostics(mask=mask, **trace_export(model, ids, 6))
+    grad_on = []  # the trace builds no autograd graph (one release lost the decorator: memory grew with R)
+    hooks = [m.register_forward_hook(lambda *_: grad_on.append(torch.is_grad_enabled())) for m in model.modules()]
     got = trace_diagnostics(model, ids, 6, mask=mask)
+    for h in hooks:
+        h.remove()
+    assert grad_on and not any(grad_on) and torch.is_grad_enabled()
     assert got["rms_e"] == want["rms_e"]
     assert [r.keys() for r in got["per_recurrence"]] == [r.keys() for r in want["per_recurrence"]]
     for r1, r2 in zip(got["per_recurrence"], want["per_recurrence"]):
