@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 from megaloop.config_utils import ConfigError
 from megaloop.eval.ppl import EvalData, evaluate_ppl
 from megaloop.inference.kv_cache import check_depth
-from megaloop.runtime.files import save_figure
+from megaloop.runtime.files import new_figure, save_figure
 
 DEFAULT_DEPTHS = (1, 2, 4, 5, 8, 16, 32, 64)
 
@@ -96,14 +96,9 @@ def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, 
 
 def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence depth") -> Path:
     """Write a PNG (matplotlib Agg): PPL against depth (log2 x axis), one line per protocol."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
     rows = result["rows"]
     xs = [r["depth"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    fig, ax = new_figure(figsize=(6, 4), dpi=120)
     series = [("native_ppl", "native (parallel forward)", "o-")]
     if result.get("sharing"):
         series += [("terminal_ppl", "terminal KV sharing", "s--"), ("per_visit_ppl", "per-visit (full KV)", "^:")]

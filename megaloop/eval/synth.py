@@ -265,11 +265,10 @@ def plot_synth(table: SynthTable, path: str | Path, title: str = "synthetic prog
     """PNG (matplotlib Agg): accuracy and CE against k, one line per depth R."""
     import matplotlib
 
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    from megaloop.runtime.files import new_figure
 
-    fig, (ax_a, ax_c) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    cmap = plt.get_cmap("viridis")
+    fig, (ax_a, ax_c) = new_figure(1, 2, figsize=(10, 4), dpi=120)
+    cmap = matplotlib.colormaps["viridis"]
     for j, r in enumerate(table.depths):
         color = cmap(j / max(1, len(table.depths) - 1))
         ax_a.plot(table.ks, [row[j] for row in table.acc], "o-", color=color, label=f"R={r}")

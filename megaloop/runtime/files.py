@@ -156,6 +156,18 @@ def atomic_write_json(path: str | Path, obj: Any, *, indent: int = 2, sort_keys:
     atomic_write_text(path, json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n")
 
 
+def new_figure(nrows: int = 1, ncols: int = 1, **kwargs: Any) -> tuple[Any, Any]:
+    """A matplotlib ``Figure`` on its own Agg canvas and its axes (``Figure.subplots``): pyplot's backend,
+    a notebook's inline one included, is left as it is (``matplotlib.use("Agg", force=True)`` switched
+    the caller's session to Agg)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(nrows, ncols)
+
+
 def save_figure(fig: Any, path: str | Path) -> Path:
     """Lay out a matplotlib ``fig``, write it to ``path`` whole or not at all (parents created; a failed
     write, e.g. a full disk, keeps the previous figure: it was truncated in place), close it; returns
