@@ -338,6 +338,31 @@ def damaged_files(path: Path) -> list[str]:
     return bad
 
 
+def _unwrap_failure(inner):
+    inner = getattr(inner, "exc", inner)  # torch wraps each in a _WrappedException
+    if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+        inner = inner[0]  # or keeps (exception, traceback frames)
+    return inner
+
+
+def _rank_failures(err: BaseException) -> list:
+    """The per-rank exceptions of torch's ``CheckpointException`` (empty for any other error)."""
+    failures = getattr(err, "failures", None)
+    return [_unwrap_failure(v) for v in failures.values()] if isinstance(failures, dict) else []
+
+
+def raise_load_error(err: BaseException, path: Path) -> None:
+    """Re-raise a failed ``dist_checkpointing.load`` as one :class:`CheckpointError` line; an interrupt
+    stays an interrupt, also when torch's reader wrapped it as one rank's failure (a Ctrl-C during a
+    load was reported as "could not be read: KeyboardInterrupt on rank 0 (a missing or damaged
+    *.distcp ...?)", sending the user after a healthy checkpoint)."""
+    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+        raise err
+    if any(isinstance(e, KeyboardInterrupt) for e in _rank_failures(err)):
+        raise KeyboardInterrupt from err
+    raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err, path)}") from err
+
+
 def _load_failure(err: BaseException, path: Path | None = None) -> str:
     """One line for a failed ``dist_checkpointing.load``: the damaged files of checkpoint ``path``
     when they can be found (:func:`damaged_files`), else the first per-rank exception of torch's
@@ -349,9 +374,7 @@ def _load_failure(err: BaseException, path: Path | None = None) -> str:
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, inner = next(iter(failures.items()))
-        inner = getattr(inner, "exc", inner)  # torch wraps each in a _WrappedException
-        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
-            inner = inner[0]  # or keeps (exception, traceback frames)
+        inner = _unwrap_failure(inner)
         text = f": {_first_sentence(inner)}" if str(inner) else ""
         return f"{type(inner).__name__} on rank {rank}{text} (a missing or damaged *.distcp / .metadata file?)"
     return f"{type(err).__name__}: {_first_sentence(err)}"
@@ -566,9 +589,7 @@ class CheckpointManager:
             loaded = dist_checkpointing.load(sd, str(path))
             fill_repeats(loaded, repeats)
         except BaseException as err:  # torch's CheckpointException derives from BaseException
-            if isinstance(err, (KeyboardInterrupt, SystemExit)):
-                raise
-            raise CheckpointError(f"checkpoint {path} could not be read: {_load_failure(err, path)}") from err
+            raise_load_error(err, path)
         for i, chunk in enumerate(model_chunks):
             load_model_state(unwrap(chunk), loaded[f"model{i}"], strict=strict, where=str(path))
         if optimizer is not None:

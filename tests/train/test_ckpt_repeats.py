@@ -44,3 +44,17 @@ def test_without_repeats_nothing_changes():
     sd = {"model0": {"a": _st("a", torch.zeros(2))}, "optimizer": {"x": [[_st("b", torch.zeros(2))]]}}
     repeats = set_repeats_aside(sd)
     assert not repeats and isinstance(sd["optimizer"]["x"], list)
+
+
+def test_an_interrupt_inside_the_reader_stays_an_interrupt(tmp_path):
+    """torch's reader wraps a Ctrl-C as one rank's failure of a CheckpointException: it was reported as a
+    damaged checkpoint ("KeyboardInterrupt on rank 0 (a missing or damaged *.distcp / .metadata file?)")."""
+    import pytest
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from megaloop.train.checkpoint import CheckpointError, raise_load_error
+
+    with pytest.raises(KeyboardInterrupt):
+        raise_load_error(CheckpointException("load failed", {0: _wrap_exception(KeyboardInterrupt())}), tmp_path)
+    with pytest.raises(CheckpointError, match=r"could not be read"):  # any other failure: the one line
+        raise_load_error(CheckpointException("load failed", {0: _wrap_exception(ValueError("bad bytes"))}), tmp_path)
