@@ -31,6 +31,7 @@ init) count real tokens only, so a sequence gives the same tokens alone or in a 
 
 from __future__ import annotations
 
+import numbers
 import os
 import sys
 import time
@@ -261,6 +262,18 @@ class InferenceEngine:
                              depth or self.decode_depth, tokens, batch_size, self.dtype)
 
     # ------------------------------------------------------------ inputs
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """One prompt (a string or a sequence of token ids: list, tensor, numpy array) or a batch of
+        them, as a list of prompts (``prefill`` read ``[5, 6, 7]`` as three prompts: a TypeError)."""
+        if hasattr(prompts, "tolist") and not isinstance(prompts, (str, list, tuple)):  # torch / numpy
+            prompts = prompts.tolist()
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        one = bool(prompts) and isinstance(prompts[0], numbers.Integral) and not isinstance(prompts[0], bool)
+        return [prompts] if one else prompts
+
     def _as_ids(self, prompt: Prompt) -> list[int]:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids:  # packed training data starts documents after EOS
@@ -315,9 +328,7 @@ class InferenceEngine:
         depth = check_depth(depth if depth is not None else self.prefill_depth, "--prefill-depth")
         ddepth = check_depth(decode_depth if decode_depth is not None else self.decode_depth, "--decode-depth")
         mode = check_mode(cache_mode or self.cache_mode, "--cache")
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
-        ids_list = [self._as_ids(p) for p in prompts]
+        ids_list = [self._as_ids(p) for p in self._prompt_list(prompts)]
         if not ids_list:
             raise ConfigError("no prompts given")
         for p in ids_list:
@@ -335,7 +346,11 @@ class InferenceEngine:
         adaptive per-row depth (``state.last_depths``, ``depth_log``); updates ``state``; returns FP32
         logits [b, V] over the real vocabulary."""
         depth = check_depth(depth if depth is not None else state.decode_depth, "--decode-depth")
-        tokens = tokens.reshape(-1, 1).to(self.device)
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1)  # a list or an int too
+        if tokens.device.type == "cpu" and not bool(((tokens >= 0) & (tokens < self.vocab_size)).all()):
+            raise ConfigError(f"decode: token ids {tokens.flatten().tolist()[:5]} outside the vocabulary "
+                              f"[0, {self.vocab_size})")  # (an IndexError from the embedding)
+        tokens = tokens.to(self.device)
         b = tokens.shape[0]
         if b != state.batch_size:
             raise ValueError(f"decode: {b} tokens for a batch of {state.batch_size}")
@@ -417,17 +432,14 @@ class InferenceEngine:
         ``exit_criterion`` (``latent:1e-3`` …, ``min_depth``, ``max_depth``, ``finished_rows``; default
         the engine's policy, ``"none"`` = fixed depth): decode steps at adaptive per-token depth.
         """
-        if isinstance(prompts, torch.Tensor):
-            prompts = prompts.tolist()
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
-        batch = [prompts] if single else list(prompts)
+        batch = self._prompt_list(prompts)
         if max_new_tokens < 1:
             raise ConfigError(f"--max-new-tokens: must be >= 1, got {max_new_tokens}")
         params = SamplingParams(0.0 if greedy else temperature, top_k, top_p, seed)
         mode = check_mode(cache_mode or self.cache_mode, "--cache")
         policy = self.policy(exit_criterion, min_depth, max_depth, finished_rows)
         log = DepthLog()
-        stop = [s for s in ([stop] if isinstance(stop, str) else list(stop)) if s]
+        stop = [s for s in ([stop] if isinstance(stop, str) else list(stop or [])) if s]
         base_seed = (int(seed) if seed is not None else int.from_bytes(os.urandom(7), "little"))
 
         work0 = self.depth_log.row_recurrences

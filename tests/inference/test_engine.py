@@ -248,3 +248,22 @@ def test_from_hf_folder_and_score_with_prefix(tmp_path):
 
     with pytest.raises(CheckpointError, match="not a megaloop HF folder"):
         InferenceEngine.from_hf(tmp_path)
+
+
+def test_prompts_and_tokens_in_the_forms_a_notebook_passes():
+    """prefill([5, 6, 7]) read three prompts (TypeError), numpy ids were not one prompt, decode took only a
+    tensor (AttributeError for a list), an out-of-vocabulary decode token was an IndexError, stop=None a
+    TypeError."""
+    import numpy as np
+
+    eng = make_engine(seed=6)
+    one = eng.prefill([[5, 6, 7]])
+    for form in ([5, 6, 7], torch.tensor([5, 6, 7]), np.array([5, 6, 7]), list(np.array([5, 6, 7]))):
+        state = eng.prefill(form)
+        assert state.batch_size == 1 and torch.equal(state.logits, one.logits)
+    greedy = eng.generate([5, 6, 7], max_new_tokens=4, stop_at_eos=False).results[0].token_ids
+    assert eng.generate(np.array([5, 6, 7]), max_new_tokens=4, stop_at_eos=False, stop=None).results[0].token_ids == greedy
+    a, b = eng.prefill([5, 6, 7]), eng.prefill([5, 6, 7])
+    assert torch.equal(eng.decode(a, [9]), eng.decode(b, 9))
+    with pytest.raises(ConfigError, match=r"^decode: token ids \[5000\] outside the vocabulary \[0, 32\)"):
+        eng.decode(eng.prefill([5, 6, 7]), torch.tensor([5000]))
