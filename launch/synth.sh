@@ -32,7 +32,7 @@ if [ -f "$DATA_DIR/tree/synth.json" ]; then
   fi
   if ! python -c 'import json, sys; from megaloop.data.synth import GENERATOR as G
 sys.exit(int(json.load(open(sys.argv[1])).get("generator") or 1) < G)' "$DATA_DIR/tree/synth.json"; then
-    echo "launch/synth.sh: $DATA_DIR/tree was made by an earlier make_synth.py, whose training programs could begin with a held-out program and show its answer: remove $DATA_DIR to rebuild it, or give another DATA_DIR" >&2
+    echo "launch/synth.sh: $DATA_DIR/tree was made by an earlier make_synth.py, whose training programs could begin with a held-out program and show its answer: remove $DATA_DIR to rebuild it (and $RUN_DIR, which trained on it), or give another DATA_DIR and RUN_DIR" >&2
     exit 2
   fi
 else

@@ -47,14 +47,18 @@ else
 fi
 # $OUT must be new, empty or an earlier check's (its .gpu_check_out mark): the clean-up below deletes
 # *.log and train_* there, which in any other folder (OUT=runs, OUT=.) are someone's files
-if [ -d "$OUT" ] && [ ! -f "$OUT/.gpu_check_out" ] && [ -n "$(ls -A "$OUT")" ]; then
-  echo "gpu_check: OUT=$OUT holds files that are not a gpu_check's output; give a new or empty folder" >&2
-  exit 2
-fi
+# the same for GPU_CHECK_RUNS, where each training run's folder is removed before it runs again
+for dir_var in OUT RUNS; do
+  dir="${!dir_var}"
+  if [ -d "$dir" ] && [ ! -f "$dir/.gpu_check_out" ] && [ -n "$(ls -A "$dir")" ]; then
+    echo "gpu_check: ${dir_var/RUNS/GPU_CHECK_RUNS}=$dir holds files that are not a gpu_check's output; give a new or empty folder" >&2
+    exit 2
+  fi
+done
 mkdir -p "$OUT" "$RUNS"
 OUT="$(cd "$OUT" && pwd)"
 RUNS="$(cd "$RUNS" && pwd)"
-touch "$OUT/.gpu_check_out"
+touch "$OUT/.gpu_check_out" "$RUNS/.gpu_check_out"
 # outputs of an earlier run must not stand in for this one's
 rm -rf "$OUT"/steps.tsv "$OUT"/summary.json "$OUT"/device.json "$OUT"/logits.json "$OUT"/loop_overhead*.json \
   "$OUT"/train_* "$OUT"/*.log "$OUT"/plan_calibration.json

@@ -204,6 +204,9 @@ def _data(args: argparse.Namespace, engine, *, max_seqs: Optional[int] = -1):
                           text_field="text" if args.text_field is None else args.text_field, tokenizer_sha256=getattr(engine.tokenizer, "sha256s", None),
                           tokenizer_hint=_own_val_hint(args.data, engine, run_data),
                           tokenizer_given=getattr(args, "tokenizer", None))
+    from megaloop.eval.states import input_positions
+
+    data.inputs = input_positions(data.loss_mask)  # before the boundary mask below, which zeroes real inputs
     if engine.eos_id is not None and run_data.get("mask_document_boundaries") is True:
         # scored as the run trained and validated: no loss on the token after an EOS (it was counted,
         # so `eval ppl` differed from the run's own val_ppl on the same sequences)
@@ -374,7 +377,7 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
 def cmd_eval_states(args: argparse.Namespace) -> int:
     """Per-recurrence depth-use diagnostics (megaloop.eval.states) on the first --max-seqs (16)
     sequences of --data at --depth (default 16), evaluation-time state init."""
-    from megaloop.eval.states import format_table, input_positions, trace_diagnostics
+    from megaloop.eval.states import format_table, trace_diagnostics
 
     _check_args(args)
     engine = build_engine(args)
@@ -388,7 +391,7 @@ def cmd_eval_states(args: argparse.Namespace) -> int:
         check_trace_memory(engine, num_seqs=data.num_seqs, seq_len=data.seq_len, depth=depth)
     ids = data.tokens.to(engine.device)
     # the input tokens, not the scored targets: the loss mask left each row's last token out
-    diag = trace_diagnostics(engine.model, ids, depth, mask=input_positions(data.loss_mask).to(engine.device))
+    diag = trace_diagnostics(engine.model, ids, depth, mask=data.inputs.to(engine.device))
     table(f"Recurrence diagnostics at R={depth} — {data.num_seqs} × {data.seq_len} tokens, "
           f"RMS(e) = {fmt(diag['rms_e'])}",
           ["r", "‖h^r−h^(r−1)‖/‖h^r‖", "state share of injection", "RMS h^r", "contraction"], format_table(diag))

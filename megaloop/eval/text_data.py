@@ -43,6 +43,7 @@ class EvalData:
     loss_mask: torch.Tensor
     source: str = ""
     sources: Optional[list[str]] = None
+    inputs: Optional[torch.Tensor] = None  # real input positions [n, L] (eval.states.input_positions); None: not set
 
     @property
     def num_seqs(self) -> int:

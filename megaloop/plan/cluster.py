@@ -109,8 +109,10 @@ def device_cluster(gpu_name: str, overrides: list[str] | None = None) -> tuple[C
     base = next((c for c in shipped_clusters() if c.upper() in gpu_name.upper()), "h100")
     peak = next((v for k, v in DEVICE_PEAK_TFLOPS.items() if k.upper() in gpu_name.upper()), None)
     spec = load_cluster(base)
+    no_fp8 = "A100" in gpu_name.upper()  # Ampere has no FP8 tensor cores
     part = [] if peak is None or peak == spec.peak_bf16_tflops else \
-        [f"peak_bf16_tflops={peak}"] + ([f"peak_fp8_tflops={2 * peak}"] if spec.peak_fp8_tflops else [])
+        [f"peak_bf16_tflops={peak}"] + (["peak_fp8_tflops=null"] if no_fp8 else
+                                         [f"peak_fp8_tflops={2 * peak}"] if spec.peak_fp8_tflops else [])
     return load_cluster(base, [*part, *(overrides or [])]), base
 
 

@@ -35,6 +35,25 @@ from megaloop.sweep import stopped
 SUMMARY = "summary.json"
 
 
+def _warn_old_synth_tree(tree: Path) -> None:
+    """A warning (before training) when ``tree`` is a synthetic tree of generator 1, whose training
+    programs could show held-out answers (``megaloop.data.synth``); a note in each arm's evaluation
+    log alone was easy to miss."""
+    import json
+    import sys
+
+    from megaloop.data.synth import GENERATOR
+
+    try:
+        info = json.loads((tree / "synth.json").read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(info, dict) and int(info.get("generator") or 1) < GENERATOR:
+        print(f"warning: {tree} was made by an earlier make_synth.py: its training programs may show the answers "
+              "of held-out problems with k <= 3, which the synthetic claims score; rebuild it (bash launch/synth.sh "
+              "with a new DATA_DIR) for an uncontaminated comparison", file=sys.stderr, flush=True)
+
+
 def check_eval_inputs(plan: EvalPlan, where: str, files: bool = True) -> None:
     """What the arms' evaluation reads, checked before any arm trains: a missing ``eval.data`` or
     ``eval.synth`` file or an unknown harness task failed only after every arm had trained.
@@ -57,6 +76,8 @@ def check_eval_inputs(plan: EvalPlan, where: str, files: bool = True) -> None:
     if files and plan.synth not in (None, "shipped") and not Path(plan.synth).is_file():
         raise SpecError(f"{where}: eval.synth: {plan.synth} is not a file (a held-out problems JSONL of "
                         "data_prep/make_synth.py, or 'shipped')")
+    if files and plan.synth not in (None, "shipped"):
+        _warn_old_synth_tree(Path(plan.synth).parent)
     if set(plan.harness) - set(_local_task_files([TASKS_DIR])):  # the shipped tasks need no lm-eval index
         from megaloop.eval.harness import resolve_tasks
 

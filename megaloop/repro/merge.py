@@ -70,7 +70,9 @@ def _resolved(config: str, overrides: list[str], where: Path, arm: str, revision
         cfg = _flat(to_dict(load_config(config, then + _fixed(overrides))))
     except ConfigError as e:
         raise UserError(f"--merge: {where}: arm {arm!r} does not resolve on config {config!r}: {e}") from None
-    return {k: v for k, v in cfg.items() if k != "train.seed" and not k.startswith("logging.")}
+    # an untied model runs depth 1 whatever depth.depth says (the committed untied arms set 5; now 1)
+    ignore = {"train.seed"} | ({"depth.depth"} if cfg.get("model.arch") == "untied" else set())
+    return {k: v for k, v in cfg.items() if k not in ignore and not k.startswith("logging.")}
 
 
 def _runs(results: dict, path: Path, out: Path) -> list[dict]:

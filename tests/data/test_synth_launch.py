@@ -54,8 +54,8 @@ def test_synth_launcher_builds_trains_and_prints_the_table(tmp_path: Path) -> No
     old = _run(tmp_path, expect=2)
     assert old.stderr.strip().splitlines()[-1] == (
         f"launch/synth.sh: {tmp_path / 'data' / 'tree'} was made by an earlier make_synth.py, whose training programs "
-        f"could begin with a held-out program and show its answer: remove {tmp_path / 'data'} to rebuild it, or give "
-        "another DATA_DIR")
+        f"could begin with a held-out program and show its answer: remove {tmp_path / 'data'} to rebuild it (and {tmp_path / 'run'}, "
+        "which trained on it), or give another DATA_DIR and RUN_DIR")
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "data").rglob("*")) == before
 
 

@@ -120,7 +120,7 @@ def test_the_default_sets_refusal_suggests_the_runs_val_path(cli, trained_run, t
 
 
 def test_a_run_that_masked_document_boundaries_is_scored_as_it_trained(cli, trained_run, trained_engine, val_data,
-                                                                         tmp_path):
+                                                                         tmp_path, monkeypatch):
     """`eval ppl` counted the target after each EOS that the run's own validation leaves out
     (data.mask_document_boundaries=true): on the same sequences it differed from the run's val_ppl."""
     import json
@@ -168,3 +168,17 @@ def test_a_run_that_masked_document_boundaries_is_scored_as_it_trained(cli, trai
     assert abs(targets["rms_e"] - every["rms_e"]) > 1e-5 * every["rms_e"]  # the check can tell them apart
     padded = torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0, 0.0]])  # row 0: 3 real tokens, then padding
     assert input_positions(padded).tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0], [1.0] * 5]
+    # a row whose next-to-last token is EOS: the boundary mask zeroes its last target, and positions taken
+    # from that mask left the row's real last token out (the run and its export still disagreed)
+    import megaloop.eval.ppl as ppl
+    from megaloop.eval.text_data import EvalData, shifted_targets
+
+    edge = two.tokens[:1].clone()
+    edge[0, -2] = int(trained_engine.eos_id)
+    monkeypatch.setattr(ppl, "load_eval_data", lambda *a, **k: EvalData(edge, *shifted_targets(edge, trained_engine.eos_id)))
+    code, err = cli("eval", "states", "--checkpoint", str(run), "--max-seqs", "1", "--depth", "3",
+                    "--json", str(tmp_path / "edge.json"))
+    assert code == 0, err
+    got = json.loads((tmp_path / "edge.json").read_text())["rms_e"]
+    want = trace_diagnostics(trained_engine.model, edge, 3)["rms_e"]
+    assert abs(got - want) < 1e-6 * want, (got, want)

@@ -47,3 +47,5 @@ def test_a_slower_part_of_a_shipped_gpu_is_planned_at_its_own_peak() -> None:
     assert base == "h200" and nvl.peak_bf16_tflops == 835.0 and nvl.gpu_memory_gib == 139.8
     assert device_cluster("NVIDIA H100 PCIe", ["peak_bf16_tflops=700"])[0].peak_bf16_tflops == 700.0  # overrides win
     assert device_cluster("NVIDIA GeForce RTX 4090")[1] == "h100"  # unknown parts: the h100 description, as before
+    a100 = device_cluster("NVIDIA A100-SXM4-80GB")[0]
+    assert a100.peak_bf16_tflops == 312.0 and a100.peak_fp8_tflops is None  # no FP8 on Ampere

@@ -159,6 +159,18 @@ def test_previous_defaults_sit_under_the_preset_and_the_overrides(tmp_path: Path
     assert qk(str(own), [], 1) is True  # the preset said so; the old default did not apply
 
 
+def test_an_untied_arms_depth_setting_does_not_split_a_merge(tmp_path: Path) -> None:
+    """The committed untied results set depth.depth=5 on their untied arms (which never ran it); the shipped
+    experiment no longer does (now refused), and --merge refused new seeds: "depth.depth 5 vs 1"."""
+    from megaloop.repro.merge import _resolved
+
+    arm = ["model.arch=untied", "model.num_layers=4", "depth.kind=fixed", "depth.depth=1"]
+    assert _resolved("tiny", arm + ["depth.depth=5"], tmp_path, "untied4", 2) == _resolved("tiny", arm, tmp_path, "untied4", 2)
+    looped = ["depth.kind=fixed"]  # a looped arm's depth still counts
+    assert _resolved("tiny", looped + ["depth.depth=5"], tmp_path, "a", 2) != _resolved("tiny", looped + ["depth.depth=4"],
+                                                                                       tmp_path, "a", 2)
+
+
 def test_merge_refuses_runs_trained_on_other_data(tool, tmp_path: Path, capsys) -> None:
     """Runs that recorded their data's content fingerprint (data.json) merge only when it is the same;
     a file written before the fingerprint was recorded merges with either."""

@@ -245,6 +245,22 @@ def test_every_eval_data_the_evaluator_takes_is_accepted(tmp_path: Path, data) -
     check_eval_inputs(EvalPlan(data=data), "spec.yaml")
 
 
+def test_a_synthetic_tree_of_generator_1_is_warned_about_before_training(tmp_path: Path, capsys) -> None:
+    """A reproduce on an old tree (held-out answers in its training programs) said so only in each arm's
+    evaluation log, after training."""
+    import json
+
+    from megaloop.repro.evaluate import check_eval_inputs
+
+    (tmp_path / "heldout.jsonl").write_text("{}\n")
+    (tmp_path / "synth.json").write_text(json.dumps({"heldout": {"file": "heldout.jsonl"}}))
+    check_eval_inputs(EvalPlan(synth=str(tmp_path / "heldout.jsonl")), "spec.yaml")
+    assert f"warning: {tmp_path} was made by an earlier make_synth.py" in capsys.readouterr().err
+    (tmp_path / "synth.json").write_text(json.dumps({"generator": 2, "heldout": {"file": "heldout.jsonl"}}))
+    check_eval_inputs(EvalPlan(synth=str(tmp_path / "heldout.jsonl")), "spec.yaml")
+    assert "earlier make_synth.py" not in capsys.readouterr().err
+
+
 def test_an_unknown_embedded_split_is_refused_even_in_a_dry_run() -> None:
     from megaloop.repro.evaluate import check_eval_inputs
 
