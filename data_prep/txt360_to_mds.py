@@ -9,7 +9,7 @@ Output: ``DIR/index.json`` + ``DIR/parts/*/shard.*.mds.zstd`` (samples: ``tokens
 hash, seq_len, vocab_size, eos_id, total_tokens, num_sequences, mixture, holdout spec).
 
 Mixing (defaults): source weight 1 for every source; bucket upsampling 1-1:1, 2-5:2, 6-10:3,
-11-100:4, 101-1000:5, 1001-inf:5 (Common Crawl's ``1001-30000000`` folders are that bucket) (copies per document; fractional parts choose documents by
+11-100:4, 101-1000:5, 1001-inf:5, 1001-30000000:5 (Common Crawl's name for its top bucket) (copies per document; fractional parts choose documents by
 seeded hash). Override with ``--weights FILE`` (YAML/JSON with ``source_weights`` and/or
 ``bucket_upsample``) and/or ``--source-weights cc=1,wiki=2 --bucket-upsample 2-5=1.5``.
 

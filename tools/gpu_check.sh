@@ -50,6 +50,9 @@ fi
 # the same for GPU_CHECK_RUNS, where each training run's folder is removed before it runs again
 for dir_var in OUT RUNS; do
   dir="${!dir_var}"
+  if [ "$dir_var" = RUNS ] && [ "$dir" = "$OUT/runs" ] && [ -f "$OUT/.gpu_check_out" ]; then
+    continue  # the smoke mode's runs inside an earlier check's OUT
+  fi
   if [ -d "$dir" ] && [ ! -f "$dir/.gpu_check_out" ] && [ -n "$(ls -A "$dir")" ]; then
     echo "gpu_check: ${dir_var/RUNS/GPU_CHECK_RUNS}=$dir holds files that are not a gpu_check's output; give a new or empty folder" >&2
     exit 2

@@ -415,6 +415,16 @@ _RECORDED = {"selected_sources": "--sources", "mix": "the mix (--weights/--sourc
 _MARK_TMP = re.compile(r"\.(manifest|index)\.json\..+\.tmp")
 
 
+def _with_new_buckets(key: str, value):
+    """An earlier manifest's ``mix`` with the buckets added since at their defaults (``1001-30000000``):
+    the same mix as before, not "converted with other settings"."""
+    if key != "mix" or not isinstance(value, dict) or not isinstance(value.get("bucket_upsample"), dict):
+        return value
+    from megaloop.data.txt360 import DEFAULT_BUCKET_UPSAMPLE
+
+    return {**value, "bucket_upsample": {**DEFAULT_BUCKET_UPSAMPLE, **value["bucket_upsample"]}}
+
+
 def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
     """Without ``--overwrite``, refuse an ``out`` whose dataset was converted from another input or
     with other settings (only changed input *files* update a dataset in place), and a non-empty
@@ -431,7 +441,7 @@ def _refuse_foreign(out: Path, old: dict | None, new: dict) -> None:
             if old.get(k, "concat" if k == "packing" else None) != new.get(k)
             and not (k == "input" and Path(str(old.get(k))).resolve() == Path(str(new.get(k))).resolve())]
     diff += [f"{name}: {old[k]!r} -> {new.get(k)!r}" for k, name in _RECORDED.items()
-             if k in old and old[k] != new.get(k)]
+             if k in old and _with_new_buckets(k, old[k]) != new.get(k)]
     if diff:
         raise DataError(f"--out {out} holds a dataset converted with other settings ({'; '.join(diff)}); "
                         "pass --overwrite to replace it, or choose another --out")

@@ -35,17 +35,15 @@ import numpy as np
 
 from megaloop.data.errors import DataError
 
-BUCKETS = ("1-1", "2-5", "6-10", "11-100", "101-1000", "1001-inf")
-# the release names Common Crawl's top bucket "1001-30000000" (the curated sources' is "1001-inf"): the same
-# bucket, read and weighted as "1001-inf" (before this release its files fell to "none", x1 instead of x5)
-BUCKET_ALIASES = {"1001-30000000": "1001-inf"}
-BUCKET_NAMES = {**{b: b for b in BUCKETS}, **BUCKET_ALIASES}  # folder name -> bucket
+# the release names Common Crawl's top bucket "1001-30000000" (the curated sources' is "1001-inf"): a bucket
+# of its own, weighted as the top bucket by default (before this release its files fell to "none", x1 not x5)
+BUCKETS = ("1-1", "2-5", "6-10", "11-100", "101-1000", "1001-inf", "1001-30000000")
 NO_BUCKET = "none"
 LFS_POINTER = b"version https://git-lfs"
 # Default repetition per duplicate-count bucket: about one more copy per bucket step, capped at 5
 # so boilerplate that survives in thousands of crawls does not dominate. Configurable.
 DEFAULT_BUCKET_UPSAMPLE: dict[str, float] = {
-    "1-1": 1.0, "2-5": 2.0, "6-10": 3.0, "11-100": 4.0, "101-1000": 5.0, "1001-inf": 5.0,
+    "1-1": 1.0, "2-5": 2.0, "6-10": 3.0, "11-100": 4.0, "101-1000": 5.0, "1001-inf": 5.0, "1001-30000000": 5.0,
     NO_BUCKET: 1.0,
 }
 
@@ -94,7 +92,7 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
     entries = sorted(p for p in data.iterdir() if not p.name.startswith("."))
     src_dirs = [p for p in entries if p.is_dir()]
     known = [p.name for p in src_dirs]
-    as_buckets = [n for n in known if n in BUCKET_NAMES]
+    as_buckets = [n for n in known if n in BUCKETS]
     if as_buckets:
         raise DataError(f"--input {root}: {data} holds duplicate-count bucket folders {as_buckets}, so it is "
                         "one source's folder; pass the TxT360 root (holding data/) or its data/ folder, "
@@ -128,14 +126,14 @@ def discover(root: str | Path, sources: list[str] | None = None) -> list[InputFi
         if not files:
             _note(f"source {sdir.name!r} has no .jsonl/.jsonl.gz file and is skipped")
         odd = sorted({p for f in files for p in f.relative_to(sdir).parts[:-1]
-                      if _BUCKET_LIKE.match(p) and p not in BUCKET_NAMES})
+                      if _BUCKET_LIKE.match(p) and p not in BUCKETS})
         if odd:
-            _note(f"{sdir}: folder(s) {odd} look like duplicate buckets but are not one of {list(BUCKET_NAMES)}; "
+            _note(f"{sdir}: folder(s) {odd} look like duplicate buckets but are not one of {list(BUCKETS)}; "
                   f"their files get bucket {NO_BUCKET!r} (upsampled as --bucket-upsample {NO_BUCKET}=X says, "
                   f"default {DEFAULT_BUCKET_UPSAMPLE[NO_BUCKET]:g})")
         for f in files:
             rel = f.relative_to(sdir).parts
-            bucket = next((BUCKET_NAMES[p] for p in rel[:-1] if p in BUCKET_NAMES), NO_BUCKET)
+            bucket = next((p for p in rel[:-1] if p in BUCKETS), NO_BUCKET)
             stem = f.name[: -len(".jsonl.gz")] if f.name.endswith(".gz") else f.name[: -len(".jsonl")]
             part = "/".join((sdir.name, *rel[:-1], stem))
             found.append(InputFile(path=f, source=sdir.name, bucket=bucket, part=part))
@@ -161,7 +159,7 @@ def _holds_bucket(folder: Path, depth: int) -> bool:
         subs = sorted((e for e in os.scandir(folder) if e.is_dir()), key=lambda e: e.name)
     except OSError:
         return False
-    if any(e.name in BUCKET_NAMES for e in subs):
+    if any(e.name in BUCKETS for e in subs):
         return True
     return depth > 1 and any(_holds_bucket(Path(e.path), depth - 1) for e in subs[:50])
 
@@ -501,20 +499,10 @@ class MixSpec:
             for k, v in table.items():
                 if not (math.isfinite(v) and v >= 0):
                     raise DataError(f"{where} of {k!r} must be a finite number >= 0, got {v}")
-        unknown = set(self.bucket_upsample) - set(BUCKET_NAMES) - {NO_BUCKET}
+        unknown = set(self.bucket_upsample) - set(BUCKETS) - {NO_BUCKET}
         if unknown:
             raise DataError(f"unknown bucket(s) {sorted(unknown)}; buckets are "
-                            f"{list(BUCKETS) + [NO_BUCKET]} ({', '.join(f'{a} = {b}' for a, b in BUCKET_ALIASES.items())})")
-        if any(a in self.bucket_upsample for a in BUCKET_ALIASES):  # an alias's factor is its bucket's
-            table = dict(self.bucket_upsample)
-            for alias, bucket in BUCKET_ALIASES.items():
-                if alias in table:
-                    v = table.pop(alias)
-                    if bucket in table and table[bucket] != v and table[bucket] != DEFAULT_BUCKET_UPSAMPLE[bucket]:
-                        raise DataError(f"bucket upsample: {alias!r} is bucket {bucket!r}; they were given "
-                                        f"{v:g} and {table[bucket]:g}")
-                    table[bucket] = v
-            object.__setattr__(self, "bucket_upsample", table)
+                            f"{list(BUCKETS) + [NO_BUCKET]}")
 
     def multiplier(self, source: str, bucket: str) -> float:
         """Expected copies per document of (source, bucket)."""

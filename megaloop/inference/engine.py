@@ -348,8 +348,8 @@ class InferenceEngine:
         depth = check_depth(depth if depth is not None else state.decode_depth, "--decode-depth")
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1, 1)  # a list or an int too
         if tokens.device.type == "cpu" and not bool(((tokens >= 0) & (tokens < self.vocab_size)).all()):
-            raise ConfigError(f"decode: token ids {tokens.flatten().tolist()[:5]} outside the vocabulary "
-                              f"[0, {self.vocab_size})")  # (an IndexError from the embedding)
+            bad = [t for t in tokens.flatten().tolist() if not 0 <= t < self.vocab_size]
+            raise ConfigError(f"decode: token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
         tokens = tokens.to(self.device)
         b = tokens.shape[0]
         if b != state.batch_size:

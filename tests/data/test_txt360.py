@@ -64,7 +64,8 @@ def test_fractional_copies_are_chosen_per_document_not_per_file():
 def test_common_crawls_top_bucket_is_the_top_bucket(tmp_path, capsys):
     """The release names Common Crawl's top duplicate bucket ``1001-30000000`` (the curated sources'
     ``1001-inf``): its files fell to bucket ``none`` (x1 where the bucket below got x5), with only a note,
-    and ``--bucket-upsample 1001-30000000=5`` was refused as an unknown bucket."""
+    and ``--bucket-upsample 1001-30000000=5`` was refused as an unknown bucket. It is a bucket of its own,
+    x5 by default like ``1001-inf``, and weighted apart from the curated sources' top bucket."""
     import pytest
 
     from megaloop.data.errors import DataError
@@ -75,14 +76,15 @@ def test_common_crawls_top_bucket_is_the_top_bucket(tmp_path, capsys):
     _write(root / "data/common-crawl/CC-MAIN-2016-36/101-1000/chunk_000_0000.jsonl.gz", ["b"], gz=True)
     _write(root / "data/pubmed_central/1001-inf/0_1.jsonl", ["c"])
     found = {f.part: f.bucket for f in discover(root)}
-    assert found == {"common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000": "1001-inf",
+    assert found == {"common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000": "1001-30000000",
                      "common-crawl/CC-MAIN-2016-36/101-1000/chunk_000_0000": "101-1000",
                      "pubmed_central/1001-inf/0_1": "1001-inf"}
     assert "look like duplicate buckets" not in capsys.readouterr().err
     assert MixSpec().multiplier("common-crawl", found["common-crawl/CC-MAIN-2016-36/1001-30000000/chunk_000_0000"]) == 5.0
-    assert MixSpec.from_args(bucket_upsample="1001-30000000=3").multiplier("common-crawl", "1001-inf") == 3.0
-    with pytest.raises(DataError, match=r"'1001-30000000' is bucket '1001-inf'; they were given 3 and 2"):
-        MixSpec.from_args(bucket_upsample="1001-30000000=3,1001-inf=2")
+    mix = MixSpec.from_args(bucket_upsample="1001-30000000=0")  # drop Common Crawl's top bucket alone
+    assert (mix.multiplier("common-crawl", "1001-30000000"), mix.multiplier("pubmed_central", "1001-inf")) == (0.0, 5.0)
+    with pytest.raises(DataError, match=r"unknown bucket\(s\) \['1001-3000'\]"):
+        MixSpec.from_args(bucket_upsample="1001-3000=3")
 
 
 def test_a_git_lfs_pointer_is_named_as_one(tmp_path):

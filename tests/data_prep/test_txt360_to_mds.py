@@ -137,6 +137,11 @@ def test_rerun_skips_finished_work(tmp_path, txt360_tree, fixture_tokenizer, con
     # Changing one input file redoes exactly that partition; results are deterministic.
     f = src / "data" / "beta" / "2-5" / "0_1.jsonl"
     f.write_text(f.read_text() + json.dumps({"text": "One more small document.", "meta": {}}) + "\n")
+    # a manifest of the previous release lacks the bucket added since (1001-30000000): the same mix, not
+    # "converted with other settings" (the update was refused without --overwrite)
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["mix"]["bucket_upsample"]["1001-30000000"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
     third = _convert(src, fixture_tokenizer, out)
     assert third["_run"]["parts_skipped"] == 6
     fresh = _convert(src, fixture_tokenizer, tmp_path / "fresh")

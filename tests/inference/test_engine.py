@@ -266,4 +266,4 @@ def test_prompts_and_tokens_in_the_forms_a_notebook_passes():
     a, b = eng.prefill([5, 6, 7]), eng.prefill([5, 6, 7])
     assert torch.equal(eng.decode(a, [9]), eng.decode(b, 9))
     with pytest.raises(ConfigError, match=r"^decode: token ids \[5000\] outside the vocabulary \[0, 32\)"):
-        eng.decode(eng.prefill([5, 6, 7]), torch.tensor([5000]))
+        eng.decode(eng.prefill([[5, 6, 7], [5, 6]]), torch.tensor([1, 5000]))
