@@ -30,8 +30,8 @@ if [ -f "$DATA_DIR/tree/synth.json" ]; then
     echo "launch/synth.sh: $DATA_DIR/tree was built with make_synth.py '$(cat "$DATA_DIR/tree/make_synth_args")', not '$WANT' (NUM_DOCS, SYNTH_ARGS): give another DATA_DIR, or remove $DATA_DIR to rebuild it" >&2
     exit 2
   fi
-  if ! python -c 'import json, sys; from megaloop.data.synth import GENERATOR as G
-sys.exit(int(json.load(open(sys.argv[1])).get("generator") or 1) < G)' "$DATA_DIR/tree/synth.json"; then
+  if ! python -c 'import json, sys; from megaloop.data.synth import GENERATOR, tree_generator
+sys.exit(tree_generator(json.load(open(sys.argv[1]))) < GENERATOR)' "$DATA_DIR/tree/synth.json"; then
     echo "launch/synth.sh: $DATA_DIR/tree was made by an earlier make_synth.py, whose training programs could begin with a held-out program and show its answer: remove $DATA_DIR to rebuild it (and $RUN_DIR, which trained on it), or give another DATA_DIR and RUN_DIR" >&2
     exit 2
   fi

@@ -259,6 +259,11 @@ def heldout_records(problems: Sequence[Problem]) -> list[dict]:
     return out
 
 
+def tree_generator(info: dict) -> int:
+    """The generator of a tree from its ``synth.json`` (1: written before ``generator`` was recorded)."""
+    return int(info.get("generator") or 1)
+
+
 def prefix_prompts(p: Problem) -> list[str]:
     """The held-out-style prompts of ``p`` cut after each of its target updates (j = 1..k): a
     held-out program equal to one of them has its answer at update j of ``p``."""
@@ -397,5 +402,5 @@ def _write_synth_tree(root: Path, spec: TreeSpec, tokenizer: bool,
 
 
 __all__ = ["GENERATOR", "HELDOUT_KS", "HELDOUT_PER_K", "HELDOUT_SEED", "Problem", "SOURCE", "SynthConfig", "TreeSpec",
-           "draw_problem", "every_update_matters", "heldout_problems", "heldout_records", "prefix_prompts", "run_program",
+           "draw_problem", "every_update_matters", "tree_generator", "heldout_problems", "heldout_records", "prefix_prompts", "run_program",
            "training_documents", "write_char_tokenizer", "write_synth_tree"]

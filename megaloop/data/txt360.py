@@ -337,8 +337,7 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
                     rec = json.loads(line)
                 except json.JSONDecodeError as err:
                     if lineno == 1 and line.encode("utf-8", "replace").startswith(LFS_POINTER):
-                        raise DataError(f"{path}: a Git LFS pointer, not the data (a clone without git-lfs, or "
-                                        "GIT_LFS_SKIP_SMUDGE=1): fetch the files with `git lfs pull`") from None
+                        raise DataError(_lfs_pointer(path)) from None
                     what = err.msg[:-3] if err.msg.endswith(" at") else err.msg  # "Invalid control character at"
                     raise DataError(f"{path}:{lineno}: invalid JSON ({what} at column {err.colno})") from None
                 if not isinstance(rec, dict):
@@ -363,9 +362,8 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
         raise DataError(_not_utf8(path, err)) from None
     except gzip.BadGzipFile as err:
         head = _head(path)
-        if head is not None and _starts_with(path, LFS_POINTER):
-            raise DataError(f"{path}: a Git LFS pointer, not the data (a clone without git-lfs, or "
-                            "GIT_LFS_SKIP_SMUDGE=1): fetch the files with `git lfs pull`") from None
+        if _head(path, len(LFS_POINTER)) == LFS_POINTER:
+            raise DataError(_lfs_pointer(path)) from None
         if head != GZIP_MAGIC and head is not None:
             raise DataError(f"{path}: named .gz but not gzip-compressed (it starts with {head!r}); rename it to "
                             f"{path.name[:-3]}") from None
@@ -377,19 +375,16 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, str]]:
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _starts_with(path: Path, prefix: bytes) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(prefix)) == prefix
-    except OSError:
-        return False
+def _lfs_pointer(path: Path) -> str:
+    return (f"{path}: a Git LFS pointer, not the data (a clone without git-lfs, or GIT_LFS_SKIP_SMUDGE=1): "
+            "fetch the files with `git lfs pull`")
 
 
-def _head(path: Path) -> bytes | None:
-    """The first two bytes of ``path`` (None: unreadable)."""
+def _head(path: Path, n: int = 2) -> bytes | None:
+    """The first ``n`` bytes of ``path`` (None: unreadable)."""
     try:
         with open(path, "rb") as f:
-            return f.read(2)
+            return f.read(n)
     except OSError:
         return None
 

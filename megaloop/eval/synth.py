@@ -112,10 +112,10 @@ def run_heldout(checkpoint: str | Path) -> Optional[Path]:
 def old_generator_note(checkpoint: str | Path) -> Optional[str]:
     """A note when the run's synthetic tree was made by generator 1, whose training programs could
     begin with a held-out program and show its answer (``megaloop.data.synth`` docstring)."""
-    from megaloop.data.synth import GENERATOR
+    from megaloop.data.synth import GENERATOR, tree_generator
 
     tree, info = run_tree(checkpoint)
-    if tree is None or int(info.get("generator") or 1) >= GENERATOR:
+    if tree is None or tree_generator(info) >= GENERATOR:
         return None
     return (f"note: {tree} was made by an earlier make_synth.py (synth.json has no \"generator\": {GENERATOR}): "
             "its training programs may begin with a held-out program and show that program's answer as a "

@@ -16,6 +16,7 @@ models). HF folders load as saved (``megaloop convert`` validated them). ``sourc
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import NamedTuple, Optional, Union
@@ -300,42 +301,36 @@ def _join_launched_world(path) -> None:
     init_distributed(ParallelDims(world=world), int((run_cfg.get("train") or {}).get("seed", 1234)))
 
 
-def _rng_states() -> tuple:
-    """Python's, numpy's and torch's (CPU and CUDA) generator states."""
+@contextlib.contextmanager
+def _callers_rng():
+    """Put Python's, numpy's and torch's (``torch.random.fork_rng``: CPU and every CUDA device)
+    generator states back afterwards: a checkpoint load seeds them all with the run's seed."""
     import random
 
     import numpy as np
 
-    return (random.getstate(), np.random.get_state(), torch.get_rng_state(),
-            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-
-
-def _set_rng_states(states: tuple) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
-    if states[3] is not None:
-        torch.cuda.set_rng_state_all(states[3])
+    py, npy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(py)
+            np.random.set_state(npy)
 
 
 def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool, tokenizer: Optional[Path] = None):
     from megaloop.runtime.cpu_compat import redirect_active, release_redirect
 
     megatron_in_use = redirect_active()  # e.g. a trainer in this process: leave its CPU layer as it is
-    rng = _rng_states()  # the load seeds every generator with the run's seed: the caller's are put back
     try:
-        _join_launched_world(path)
-        native, mcfg, run_cfg, ckpt, common = load_native(path)
-        model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
-        check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
+        with _callers_rng():
+            _join_launched_world(path)
+            native, mcfg, run_cfg, ckpt, common = load_native(path)
+            model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
+            check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
     finally:  # also after a failed load (the CPU layer stayed on, redirecting the caller's "cuda" tensors)
         if not megatron_in_use:  # megatron was needed to read the checkpoint only: plain PyTorch from here on
             release_redirect()
-        _set_rng_states(rng)
     return model, {"kind": "checkpoint", "path": str(ckpt), "step": common.get("step"),
                    "tokenizer": str(tok) if tok else None,
                    "validation": check and {k: check[k] for k in ("error", "max_abs", "depth", "seq_len", "num_seqs")}}

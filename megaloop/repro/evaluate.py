@@ -39,16 +39,13 @@ def _warn_old_synth_tree(tree: Path) -> None:
     """A warning (before training) when ``tree`` is a synthetic tree of generator 1, whose training
     programs could show held-out answers (``megaloop.data.synth``); a note in each arm's evaluation
     log alone was easy to miss."""
-    import json
     import sys
 
-    from megaloop.data.synth import GENERATOR
+    from megaloop.data.synth import GENERATOR, tree_generator
+    from megaloop.data.tokenizer import read_manifest
 
-    try:
-        info = json.loads((tree / "synth.json").read_text())
-    except (OSError, ValueError):
-        return
-    if isinstance(info, dict) and int(info.get("generator") or 1) < GENERATOR:
+    info = read_manifest(tree, "synth.json")
+    if info is not None and tree_generator(info) < GENERATOR:
         print(f"warning: {tree} was made by an earlier make_synth.py: its training programs may show the answers "
               "of held-out problems with k <= 3, which the synthetic claims score; rebuild it (bash launch/synth.sh "
               "with a new DATA_DIR) for an uncontaminated comparison", file=sys.stderr, flush=True)
