@@ -16,7 +16,8 @@ from typing import Any
 from megaloop.config import LoggingConfig
 from megaloop.errors import UserError
 
-CONSOLE_KEYS = ("loss", "lr", "grad_norm", "mean_depth", "prior_mean_depth", "tokens_per_s", "tflops", "mfu")
+CONSOLE_KEYS = ("loss", "lr", "grad_norm", "mean_depth", "prior_mean_depth", "tokens_per_s", "tflops", "mfu",
+                "val_ce")
 WANDB_ID_FILE = "wandb_id"  # RUN/wandb_id: the wandb run this run directory's log continues
 
 
@@ -78,7 +79,9 @@ class MetricsLogger:
             run_id = wandb_run_id(run_dir, cfg.name, new=start_step == 0 or rewound)
             self._wandb = wandb.init(project=cfg.project, name=cfg.name or run_dir.resolve().name, mode=cfg.wandb,
                                      dir=str(run_dir), config=config_dict, resume="allow", id=run_id)
-        if cfg.progress and sys.stderr.isatty():
+        # rich draws the bar on stdout: with stdout redirected (`> train.log`, `| tee`) and stderr still
+        # a terminal, the terminal showed nothing and the file no step line, only the bar's last frame
+        if cfg.progress and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),

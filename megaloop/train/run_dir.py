@@ -21,6 +21,7 @@ import fcntl
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megaloop.config_utils import ConfigError
@@ -176,18 +177,25 @@ def check_resume_source(ckpt: CheckpointManager, run_dir: Path, path: Path) -> N
                       "or resume this directory's own checkpoints")
 
 
-def set_aside_newer(ckpt: CheckpointManager, path: Path) -> list[Path]:
+def set_aside_newer(ckpt: CheckpointManager, path: Path, on_rewind: Callable[[], None] | None = None) -> list[Path]:
     """Move the checkpoints of ``ckpt.root`` newer than ``path`` (one of its own) into
     ``root/superseded/`` and point ``latest`` at ``path``; returns the new locations. Rank 0 only.
     Resuming a checkpoint of another directory (allowed only when this one holds no complete
-    checkpoint) sets this directory's ``metrics.jsonl`` aside instead (:func:`set_aside_metrics`)."""
+    checkpoint) sets this directory's ``metrics.jsonl`` aside instead (:func:`set_aside_metrics`).
+    ``on_rewind()`` runs first whenever the run continues another line of history than its newest
+    checkpoint's (either case; the trainer replaces the wandb run id there): once a checkpoint has
+    moved, nothing on disk says that a later launch continues a rewound run."""
     if path.resolve().parent != ckpt.root.resolve():
+        if on_rewind is not None:
+            on_rewind()
         set_aside_metrics(ckpt.root.parent, path)
         return []
     step = step_of(path)
     newer = [p for p in ckpt.all_step_dirs() if step_of(p) > step]
     moved = []
     if newer:
+        if on_rewind is not None:
+            on_rewind()
         dest = ckpt.root / SUPERSEDED
         try:
             dest.mkdir(exist_ok=True)

@@ -41,7 +41,7 @@ from megaloop.runtime.stop import SignalStop, exit_code
 from megaloop.train.checkpoint import CheckpointManager, CheckpointSaveError
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads, grads_finite
-from megaloop.train.metrics import MetricsLogger, nonfinite_warning, prior_metrics
+from megaloop.train.metrics import MetricsLogger, nonfinite_warning, prior_metrics, wandb_run_id
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
                                     check_saved_layout, check_saved_optim, check_saved_seeds, init_only_changes,
                                     keep_init_fields, set_aside_newer, vocab_hint)
@@ -331,8 +331,7 @@ class Trainer:
             print(note, flush=True)  # after every refusal the load can still raise
         keep_init_fields(common.get("config") or {}, self.cfg)  # config.yaml: the run's own initial state
         if self.rank == 0:
-            for moved in set_aside_newer(self.ckpt, path):
-                self.rewound = True  # wandb: a new run (MetricsLogger)
+            for moved in set_aside_newer(self.ckpt, path, on_rewind=self._rewind):
                 print(f"resuming from an older step: {moved.name} moved to {moved.parent} (kept, not pruned)",
                       flush=True)
         if torch.distributed.is_initialized():
@@ -341,6 +340,13 @@ class Trainer:
             changed = getattr(self, "horizon_changed_from", None)
             note = f" (schedule horizon {changed} -> {self.cfg.train.max_steps})" if changed else ""
             print(f"resumed from {path} at step {self.step}{note}", flush=True)
+
+    def _rewind(self) -> None:
+        """The run continues another line of history than its newest checkpoint's: wandb gets a new
+        run (a run keeps only increasing steps; MetricsLogger). The id is replaced now, before any
+        checkpoint is set aside: a launch stopped between the two continued the old run next time."""
+        self.rewound = True
+        wandb_run_id(self.run_dir, self.cfg.logging.name, new=True)
 
     def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with") -> None:
         """Refuse a checkpoint trained under other values of the model-defining fields (a changed

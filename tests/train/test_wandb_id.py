@@ -33,3 +33,37 @@ def test_a_fresh_start_or_rewind_without_wandb_drops_a_stale_id(tmp_path):
                             start_step=start, config_dict={}, rewound=rewound)
         log.close()
         assert (tmp_path / WANDB_ID_FILE).exists() is kept, (start, rewound)
+
+
+def test_a_rewind_renews_the_id_before_any_checkpoint_moves(tmp_path):
+    """A resume from an older checkpoint that stopped after setting the newer ones aside but before
+    the logger wrote a new id (SIGTERM during set-up, a data error) left the old id: the next
+    ``--resume auto`` (nothing left to set aside) logged the redone steps into the old wandb run,
+    twice over with other values. The trainer's ``_rewind`` replaces the id first."""
+    from types import SimpleNamespace
+
+    from megaloop.train.checkpoint import CheckpointManager
+    from megaloop.train.run_dir import set_aside_newer
+    from megaloop.train.trainer import Trainer
+    from tests.train.test_checkpoint_faults import _fake_checkpoint
+
+    root = tmp_path / "checkpoints"
+    older, newer = _fake_checkpoint(root, 8), _fake_checkpoint(root, 12)
+    old_id = wandb_run_id(tmp_path, "run", new=True)
+    trainer = SimpleNamespace(run_dir=tmp_path, cfg=SimpleNamespace(logging=LoggingConfig(name="run")))
+    seen = []
+
+    def rewind():
+        seen.append(newer.is_dir())  # nothing moved yet
+        Trainer._rewind(trainer)
+
+    moved = set_aside_newer(CheckpointManager(root), older, on_rewind=rewind)
+    assert seen == [True] and [m.name for m in moved] == ["step_00000012"] and trainer.rewound
+    renewed = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    assert renewed not in ("", old_id)
+    # the launch stops here; the next one resumes the newest left (step 8), not a rewind: the new id
+    assert wandb_run_id(tmp_path, "run", new=False) == renewed
+    assert set_aside_newer(CheckpointManager(root), older, on_rewind=rewind) == [] and seen == [True]
+    # resuming another run's checkpoint into this folder is another line of history too
+    set_aside_newer(CheckpointManager(root), _fake_checkpoint(tmp_path / "other" / "checkpoints", 4), on_rewind=rewind)
+    assert len(seen) == 2 and (tmp_path / WANDB_ID_FILE).read_text().strip() not in (old_id, renewed)
