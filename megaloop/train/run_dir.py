@@ -32,8 +32,10 @@ LOCK_NAME = ".megaloop.lock"
 SUPERSEDED = "superseded"  # checkpoints of an abandoned line, kept (never pruned)
 # optimizer/scheduler fields a checkpoint restores on load (param groups, scheduler state); a new
 # value would be ignored, so a resume must keep them. clip_grad is read from the config each step.
-RESTORED_OPTIM_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "schedule",
-                         "warmup_steps", "decay_fraction", "decay_style")
+RESTORED_OPTIM_FIELDS = ("lr", "min_lr", "weight_decay", "beta1", "beta2", "eps", "schedule", "warmup_steps")
+# the WSD decay's shape: megatron's scheduler state does not hold it (schedule.py rebuilds it from the
+# config), so a new value would reshape the schedule the trained steps followed; compared under wsd only
+WSD_SHAPE_FIELDS = ("decay_fraction", "decay_style")
 
 
 class RunDirError(CheckpointError):
@@ -313,17 +315,22 @@ def check_saved_optimizer_layout(path: Path, saved: dict, parallel) -> None:
 
 def check_saved_optim(path: Path, saved: dict, optim) -> None:
     """Refuse a resume whose ``optim.*`` differs from the checkpoint's in a field the checkpoint's
-    optimizer/scheduler state would override (the new value would be silently ignored)."""
+    optimizer/scheduler state would override (the new value would be silently ignored), or, under
+    the WSD schedule, in the decay's shape (rebuilt from the config: it would reshape the schedule the
+    trained steps followed). ``decay_*`` of a cosine or constant schedule are unused: not compared."""
     if not saved:
         return  # a checkpoint written before configs were stored with it: nothing to compare
-    diffs = [(k, saved[k], getattr(optim, k)) for k in RESTORED_OPTIM_FIELDS
-             if k in saved and saved[k] != getattr(optim, k)]
+    fields = RESTORED_OPTIM_FIELDS + (WSD_SHAPE_FIELDS if saved.get("schedule", "wsd") == "wsd" else ())
+    diffs = [(k, saved[k], getattr(optim, k)) for k in fields if k in saved and saved[k] != getattr(optim, k)]
     if diffs:
         what = ", ".join(f"optim.{k}={old!r} (this run: {new!r})" for k, old, new in diffs)
         keep = " ".join(f"optim.{k}={old}" for k, old, _ in diffs)
-        raise ConfigError(f"checkpoint {path} was trained with {what}; its optimizer and schedule state would "
-                          f"override the new value(s). Resume with {keep}, or extend the horizon with "
-                          "train.max_steps alone")
+        why = [reason for reason, names in (
+            ("its optimizer and schedule state would override the new value(s)", RESTORED_OPTIM_FIELDS),
+            ("the WSD decay is rebuilt from the config, so the new value(s) would reshape the schedule its "
+             "trained steps followed", WSD_SHAPE_FIELDS)) if any(k in names for k, _, _ in diffs)]
+        raise ConfigError(f"checkpoint {path} was trained with {what}; {'; '.join(why)}. Resume with {keep}, or "
+                          "extend the horizon with train.max_steps alone")
 
 
 INIT_ONLY_FIELDS = (("depth", "init"), ("train", "init_seed"), ("train", "init_weights"))

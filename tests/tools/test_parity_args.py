@@ -19,13 +19,16 @@ from parity_args import masked_command  # noqa: E402
     (["--trace-depth", "0"], "--trace-depth: must be >= 1, got 0"),
     (["--depths", "-1", "5"], "--depths: depths are >= 1, got [-1]"),
     (["--depths", "0"], "--depths: depths are >= 1, got [0]"),
-    (["--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["--steps", "0"], "--steps: must be >= 2 (the warm-up's step must end before the schedule's horizon), got 0"),
+    (["--steps", "1"], "--steps: must be >= 2"),  # a ConfigError traceback after set-up
     (["--batch", "12", "--micro-batch", "8"], "--micro-batch: 8 does not divide --batch 12"),
     (["--lr", "-1"], "--lr: must be a number > 0, got -1.0"),
     (["--mean-depth", "0"], "--mean-depth: must be >= 1, got 0.0"),
     (["--threads", "0"], "--threads: must be >= 1, got 0"),
     (["--ref-path", "/tmp"], "--ref-path: --system megaloop trains no reference"),
     (["model.nonsense=1"], "override: model.nonsense: unknown field"),
+    # at odds with the protocol's depth.cap=64: a ConfigError traceback once the run was set up
+    (["depth.kind=learned", "depth.r_max=16"], "override: depth.cap: 64 is above depth.r_max=16"),
 ])
 def test_bad_options_are_refused_before_training(tmp_path: Path, capsys, argv, words) -> None:
     with pytest.raises(SystemExit) as exit_info:

@@ -70,3 +70,22 @@ def test_bench_vs_refs_names_its_own_option_for_an_incomplete_checkout(tmp_path)
     proc = _run(tmp_path, "bench_vs_refs.py", "--huginn", str(tmp_path / "huginn"), "--hidden", "64", "--heads", "4",
                 "--seq", "16", "--batch", "1", "--reps", "1")
     _refused(proc, "bench_vs_refs.py", f"--huginn: {tmp_path / 'huginn'}: the huginn reference cannot be imported")
+
+
+def test_a_checkout_at_another_commit_is_named(refs, tmp_path, monkeypatch, capsys):
+    """A checkout of another revision that the harness can configure was accepted without a word."""
+    marker = tmp_path / "recpre" / "model_dynamic.py"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("")
+
+    class Fake:
+        def __init__(self, root, shape, seed):
+            self.commit = commit
+
+    monkeypatch.setitem(refs.REFERENCES, "huginn", Fake)
+    for commit, words in (("ebe6645" + "0" * 33, "is at commit ebe664500000; the README's huginn results come from "
+                                                 "59e0b69b"),
+                          ("unknown", "its commit is unknown"), ("59e0b69b" + "1" * 32, None)):
+        refs.load_reference("huginn", tmp_path, None, 0)
+        err = capsys.readouterr().err
+        assert (words in err) if words else err == "", (commit, err)

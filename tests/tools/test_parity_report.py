@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.conftest import ROOT
 
@@ -165,3 +168,10 @@ def test_runs_of_other_depths_get_their_own_columns(tmp_path: Path) -> None:
     assert "| a | megaloop | 10 | 3.500 | 50.00 | – | – | 48.00 | 4.00 % |" in md
     assert "| b | megaloop | 10 | 3.600 | 40.00 | – | 39.50 | 39.00 | 2.50 % |" in md
     assert "| c | megaloop | 10 | 3.700 | – | 44.00 | – | – | nan % |" in md
+
+
+def test_the_report_without_scipy_is_one_line(monkeypatch) -> None:
+    """scipy is in the [eval] extra only: --report on init-draw groups was an ImportError traceback."""
+    monkeypatch.setitem(sys.modules, "scipy", None)
+    with pytest.raises(SystemExit, match=r"--report: the Welch tests .* need scipy"):
+        _parity().welch([4.0, 5.0], [6.0, 7.0])

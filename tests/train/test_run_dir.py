@@ -211,3 +211,26 @@ def test_a_damaged_shard_of_the_embedded_corpus_is_named_before_the_run_dir_is_w
     assert f"data.path=default: MDS shard {shard} is corrupt: its content does not match" in proc.stderr, \
         proc.stderr[-2000:]
     assert not run.exists()
+
+
+def test_the_wsd_shape_is_refused_for_its_own_reason_and_only_under_wsd(tmp_path):
+    """``decay_fraction``/``decay_style`` are not in megatron's scheduler state (the refusal said they
+    would come back from it), and a cosine run resumed with another (unused) decay_style was refused."""
+    import pytest
+
+    from megaloop.config import OptimConfig
+    from megaloop.config_utils import ConfigError
+    from megaloop.train.run_dir import check_saved_optim
+
+    saved = OptimConfig(schedule="cosine", warmup_steps=8).__dict__ | {}
+    check_saved_optim(tmp_path, saved, OptimConfig(schedule="cosine", warmup_steps=8, decay_style="cosine",
+                                                   decay_fraction=0.5))
+    saved = OptimConfig().__dict__ | {}
+    with pytest.raises(ConfigError) as info:
+        check_saved_optim(tmp_path, saved, OptimConfig(decay_style="cosine"))
+    msg = str(info.value)
+    assert "optim.decay_style='linear' (this run: 'cosine')" in msg and "rebuilt from the config" in msg, msg
+    assert "would override" not in msg, msg
+    with pytest.raises(ConfigError, match=r"optim.lr=0.003 \(this run: 0.001\), optim.decay_fraction=0.2 \(this run: "
+                                          r"0.5\); its optimizer and schedule state would override .*; the WSD decay"):
+        check_saved_optim(tmp_path, saved, OptimConfig(lr=1e-3, decay_fraction=0.5))

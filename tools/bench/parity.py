@@ -129,7 +129,7 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
 
     run_dir = out_dir / f"run_{args.label}"
     if (run_dir / "checkpoints").exists():
-        sys.exit(f"parity.py: {run_dir} holds an earlier run of label {args.label!r}: choose another --label "
+        sys.exit(f"{run_dir} holds an earlier run of label {args.label!r}: choose another --label "
                  "or remove that directory (nothing was changed)")
     t = _trainer(args, overrides, run_dir)
     losses, depths = [], []
@@ -154,20 +154,36 @@ def run_megaloop(args, overrides: list[str], out_dir: Path) -> dict:
     ids, mask = _trace_ids(_val_batches(t), args.trace_seqs)
     diag = trace_diagnostics(hf, ids, args.trace_depth, mask=mask)
     copying = megaloop_copying(hf, t.cfg.model.seq_len, args.seed)
+    prior = {"probs": [round(float(p), 8) for p in t.sampler.probs()], "mean_depth": t.sampler.mean_depth()}
     return {"losses": losses, "depths": depths, "val_ppl": val, "val_ppl_zero_init": val_zero, "states": diag,
-            "copying": copying, "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides}
+            "copying": copying, "train_wall_s": wall, "config": t.cfg.to_dict()["model"], "overrides": overrides,
+            "depth_prior_final": prior}  # the learned prior's (a fixed law's own) distribution after training
 
 
-def run_reference(args, out_dir: Path) -> dict:
+def run_reference(args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="parity_loader_") as scratch:  # a refused run leaves nothing in OUT
+        t = _trainer(args, [], Path(scratch) / "run")  # megaloop's loaders and validation plan only
+        try:
+            return _train_reference(args, t)
+        finally:
+            t.close()
+
+
+def _train_reference(args, t) -> dict:
     from megaloop.eval.states import state_diagnostics
     from parity_refs import Shape, load_reference, make_optimizer, train_step, wsd_lr
 
-    t = _trainer(args, [], out_dir / f"run_{args.label}")  # megaloop's loaders and validation plan only
     m = t.cfg.model
     mean_rec = reference_mean_recurrence(args)
     shape = Shape.of(m, t.vocab, mean_depth=mean_rec, bptt_window=args.bptt_window)
     ref = load_reference(args.system, args.ref_path, shape, args.init_seed)  # seeds its initial weights
     opt = make_optimizer(ref)
+    # The committed reference curves ran before megaloop's loader read its first batch at set-up
+    # (loaders.warm): torch's DataLoader iterator took its base seed from the global generator here,
+    # after the reference drew its weights, and the reference's training-time h^0 draws follow that
+    # stream. One int64 drawn here keeps them (without it every later draw shifted by one: Huginn's
+    # step-1 loss 8.518011 where the committed runs have 8.512683).
+    torch.empty((), dtype=torch.int64).random_()
     warm = max(1, round(0.1 * args.steps))
     losses, depths = [], []
     t0 = time.perf_counter()
@@ -294,8 +310,11 @@ def _init_draw_groups(res: list[dict]) -> list[list[dict]]:
 def welch(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     """Welch's unequal-variance t test of mean(xs) vs mean(ys): (t, Welch–Satterthwaite df,
     two-sided p). Needs >= 2 values on each side."""
-    from scipy import stats
-
+    try:
+        from scipy import stats
+    except ImportError:  # an ImportError traceback, exit 1 and no report
+        raise SystemExit("--report: the Welch tests of the init-draw groups need scipy "
+                         "(pip install -e '.[eval]', or pip install scipy)") from None
     r = stats.ttest_ind(xs, ys, equal_var=False)
     return float(r.statistic), float(r.df), float(r.pvalue)
 
@@ -502,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--check-forward: {args.check_forward} does not exist")
     if args.preset not in MEGALOOP_CONFIGS:
         p.error(f"--preset: unknown {args.preset!r}; one of {sorted(MEGALOOP_CONFIGS)}")
-    check_args(p, args, MEGALOOP_CONFIGS)
+    check_args(p, args, MEGALOOP_CONFIGS, _protocol_overrides)
     torch.set_num_threads(args.threads)
     init_given = args.init_seed is not None
     args.init_seed = args.init_seed if init_given else args.seed
@@ -531,11 +550,14 @@ def main(argv: list[str] | None = None) -> int:
         _write_result(out, args.label, res)
         print("\n".join(summary_lines(res)))
         return 0 if res["agree"] else 1
+    if (out / f"{args.label}.json").exists():  # a reference run replaced it without a word
+        raise SystemExit(f"{out / (args.label + '.json')} holds an earlier result of label {args.label!r}: choose "
+                         "another --label or remove that file (nothing was changed)")
     if args.system == "megaloop":
         init = [f"train.init_seed={args.init_seed}"] if init_given else []
         res = run_megaloop(args, MEGALOOP_CONFIGS[args.preset] + init + list(args.overrides), out)
     else:
-        res = run_reference(args, out)
+        res = run_reference(args)
     res.update(label=args.label, system=args.system, steps=args.steps, depths_evaluated=args.depths,
                seed=args.seed, init_seed=args.init_seed,
                command=masked_command(argv, REF_PATH=args.ref_path))

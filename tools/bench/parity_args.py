@@ -64,12 +64,15 @@ def build_parser(doc: str, presets: list[str], out_default: str) -> argparse.Arg
     return p
 
 
-_AT_LEAST_ONE = ("steps", "batch", "micro_batch", "bptt_window", "trace_depth", "trace_seqs", "threads")
+_AT_LEAST_ONE = ("batch", "micro_batch", "bptt_window", "trace_depth", "trace_seqs", "threads")
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, configs: dict[str, list[str]]) -> None:
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, configs: dict[str, list[str]],
+               protocol=lambda args: []) -> None:
     """``p.error`` (one line, exit 2) for an option that would fail later: several failed only after the
     whole training run (``--trace-depth 0``, ``--depths -1``), whose rerun was then refused."""
+    if args.steps < 2:  # the warm-up takes max(1, 10 %) of the steps and must end before the horizon
+        p.error(f"--steps: must be >= 2 (the warm-up's step must end before the schedule's horizon), got {args.steps}")
     for name in _AT_LEAST_ONE:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -91,8 +94,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, configs: di
         from megaloop.config import load_config
         from megaloop.errors import UserError
 
-        try:  # an unknown or bad override: one line now, not a traceback when the run starts
-            load_config(args.base, configs.get(args.preset, []) + list(args.overrides))
+        try:  # an unknown or bad override, or one at odds with the protocol's (protocol(args)): one line now,
+            # not a traceback when the run starts
+            load_config(args.base, protocol(args) + configs.get(args.preset, []) + list(args.overrides))
         except UserError as err:
             p.error(f"override: {err}")
 

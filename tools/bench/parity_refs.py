@@ -336,7 +336,7 @@ def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Refe
     """Import reference ``name`` from the checkout at ``path`` (errors name the path)."""
     root = reference_root(name, path)
     try:
-        return REFERENCES[name](root, shape, seed)
+        ref = REFERENCES[name](root, shape, seed)
     except ImportError as err:  # a checkout missing files, or a package the reference needs
         raise SystemExit(f"--ref-path: {root}: the {name} reference cannot be imported ({type(err).__name__}: "
                          f"{err}); pass a complete checkout and install what it imports") from None
@@ -344,6 +344,14 @@ def load_reference(name: str, path: str | Path, shape: Shape, seed: int) -> Refe
         raise SystemExit(f"--ref-path: {root}: the {name} reference cannot be configured as the harness does "
                          f"({type(err).__name__}: {err}); pass a checkout at commit {TESTED_COMMITS[name]}, the "
                          "one the harness was written against") from None
+    tested = TESTED_COMMITS[name]
+    if ref.commit != "unknown" and not ref.commit.startswith(tested):  # it was accepted without a word
+        print(f"warning: {root} is at commit {ref.commit[:12]}; the README's {name} results come from {tested} "
+              "(the harness was written against it): a difference from them may be the revision's", file=sys.stderr)
+    elif ref.commit == "unknown":
+        print(f"note: {root}: its commit is unknown (no git repository, no COMMIT file); the result records "
+              f"'unknown' (the README's results come from {tested})", file=sys.stderr)
+    return ref
 
 
 def wsd_lr(step: int, peak: float, total: int, warmup: int, decay_fraction: float) -> float:
