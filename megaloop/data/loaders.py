@@ -242,6 +242,14 @@ class TrainLoader:
                             f"resume with {keep}, or start a new run")
         self._epoch = int(sd["epoch"])
         self._base_samples = int(sd["sample_in_epoch"])
+        if self._base_samples % self.dp_size:  # streaming rounds the offset down: samples trained twice
+            fits = [d for d in range(1, 65) if self._base_samples % d == 0]
+            raise DataError(f"data loader state: the checkpoint's position in epoch {self._epoch} is sample "
+                            f"{self._base_samples}, which data-parallel size {self.dp_size} does not divide "
+                            f"(streaming would start each rank at sample {self._base_samples - self._base_samples % self.dp_size} "
+                            f"and train {self._base_samples % self.dp_size} sample(s) twice); resume at a "
+                            f"data-parallel size that divides it ({', '.join(map(str, fits[:8]))}"
+                            f"{', ...' if len(fits) > 8 else ''}), or from a checkpoint at a position it divides")
         self._batches = 0
         self.num_canonical_nodes = int(sd["num_canonical_nodes"])
         self.shuffle_seed = int(sd["shuffle_seed"])

@@ -42,7 +42,7 @@ class ModelConfig:
         "arch", "hidden_size", "num_heads", "n_prelude", "n_core",
         "n_coda", "num_layers", "injection", "exit_norm", "qk_norm", "qk_norm_gain", "qk_bias",
         "sandwich_norm", "input_norm", "state_readout", "state_final_norm", "tie_embeddings",
-        "embed_scale", "adapter_bias")
+        "embed_scale", "adapter_bias", "rope_base", "norm_eps")
 
     arch: str = "looped"
     hidden_size: int = 256

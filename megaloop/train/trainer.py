@@ -155,7 +155,8 @@ class Trainer:
             try:
                 self.ckpt.load(init_path, self.model)
             except CheckpointError as err:
-                raise CheckpointError(f"train.init_weights: {err}{vocab_hint(err, self.vocab, cfg)}") from None
+                hint = vocab_hint(err, self.vocab, cfg, self.ckpt.saved_model_config(init_path))  # another padding
+                raise CheckpointError(f"train.init_weights: {err}{hint}") from None  # multiple: named (not the tokenizer)
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)

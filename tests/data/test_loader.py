@@ -209,6 +209,22 @@ def test_resume_at_another_dp_size_keeps_the_global_order(synth):
     assert sorted(everything) == list(range(96))  # nothing repeated, nothing skipped
 
 
+def test_resume_at_a_dp_size_that_does_not_divide_the_position_is_refused(synth):
+    """9 samples consumed at DP=1 (an odd global batch), resumed at DP=2: streaming rounded the offset
+    down to 8 with a warning of its own, sample 8 was trained twice and every later one shifted."""
+    one = _loader(synth, dp_size=1, mbs=3, num_canonical_nodes=2)
+    list(itertools.islice(iter(one), 3))
+    sd = one.state_dict()
+    assert sd["sample_in_epoch"] == 9
+    two = _loader(synth, dp_rank=0, dp_size=2, mbs=3, num_canonical_nodes=2)
+    with pytest.raises(DataError, match=r"position in epoch 0 is sample 9, which data-parallel size 2 does not "
+                                        r"divide .*train 1 sample\(s\) twice\); resume at a data-parallel size "
+                                        r"that divides it \(1, 3, 9\)"):
+        two.load_state_dict(sd)
+    three = _loader(synth, dp_rank=0, dp_size=3, mbs=3, num_canonical_nodes=3)
+    three.load_state_dict({**sd, "num_canonical_nodes": 3})  # 3 divides 9: accepted
+
+
 def test_loaders_give_back_descriptors_and_shared_memory(synth):
     """Building, using and dropping loaders (closed or not, train or eval) returns every file
     descriptor and shared-memory segment; a new loader's cost does not grow with the number of

@@ -22,6 +22,9 @@ def test_arch_differences_names_changed_fields_and_reads_missing_ones_as_legacy(
     assert arch_differences({**saved, "arch": "untied", "num_layers": 6, "n_core": 9}, untied) == []
     assert arch_differences({**saved, "n_core": 2, "num_layers": 12}, cfg) == []  # num_layers: untied only
     assert arch_differences({**saved, "exit_norm": False}, cfg) == []  # only huginn_linear has one
+    # RoPE's base and the norms' epsilon change what the weights compute: a resume took them silently
+    assert arch_differences({**saved, "rope_base": 100.0, "norm_eps": 0.5}, cfg) == [
+        ("rope_base", 100.0, 10000.0), ("norm_eps", 0.5, 1e-5)]
     # training-only fields (window, recompute, precision) may change on resume
     assert arch_differences({**saved, "bptt_window": 2, "recompute": True, "bf16": True}, cfg) == []
 

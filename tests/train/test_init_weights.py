@@ -97,3 +97,8 @@ def test_another_vocabulary_is_named(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"pads its vocabulary to a multiple of 128, this run to 1000: use "
                                               r"model.vocab_pad_multiple=128$"):
         t.setup()
+    t.close()
+    # and as train.init_weights: it blamed the tokenizer ("train on data tokenised with the checkpoint's")
+    with pytest.raises(CheckpointError, match=r"^train.init_weights: .*pads its vocabulary to a multiple of 128, this "
+                                              r"run to 1000: use model.vocab_pad_multiple=128$"):
+        _trainer(tmp_path / "dst2", f"train.init_weights={tmp_path / 'src'}", "model.vocab_pad_multiple=1000")
