@@ -242,22 +242,28 @@ class TrainLoader:
                             f"resume with {keep}, or start a new run")
         self._epoch = int(sd["epoch"])
         self._base_samples = int(sd["sample_in_epoch"])
-        if self._base_samples % self.dp_size:  # streaming rounds the offset down: samples trained twice
-            fits = [d for d in range(1, 65) if self._base_samples % d == 0]
-            raise DataError(f"data loader state: the checkpoint's position in epoch {self._epoch} is sample "
-                            f"{self._base_samples}, which data-parallel size {self.dp_size} does not divide "
-                            f"(streaming would start each rank at sample {self._base_samples - self._base_samples % self.dp_size} "
-                            f"and train {self._base_samples % self.dp_size} sample(s) twice); resume at a "
-                            f"data-parallel size that divides it ({', '.join(map(str, fits[:8]))}"
-                            f"{', ...' if len(fits) > 8 else ''}), or from a checkpoint at a position it divides")
         self._batches = 0
         self.num_canonical_nodes = int(sd["num_canonical_nodes"])
+        if self.cfg.num_canonical_nodes not in (None, self.num_canonical_nodes):  # it was ignored, while
+            raise DataError(  # config.yaml recorded it: a re-run of that file trained another order
+                f"data loader state: the checkpoint's sample order uses {self.num_canonical_nodes} canonical nodes "
+                f"(this run: data.num_canonical_nodes={self.cfg.num_canonical_nodes}); resume with "
+                f"data.num_canonical_nodes={self.num_canonical_nodes} (or null: the checkpoint's), or start a new run")
         self.shuffle_seed = int(sd["shuffle_seed"])
         self.initial_dp_size = int(sd["initial_dp_size"])
         ncn = self.num_canonical_nodes
         require(ncn % self.dp_size == 0 or self.dp_size % ncn == 0, "data.num_canonical_nodes",
                 f"the checkpoint's sample order uses {ncn} canonical nodes, which does not fit "
                 f"dp_size={self.dp_size} (one must divide the other)")
+        pos = self._base_samples
+        if pos % self.dp_size:  # streaming rounds the offset down: samples trained twice
+            fits = [d for d in range(1, 65) if pos % d == 0 and (ncn % d == 0 or d % ncn == 0)]
+            raise DataError(f"data loader state: the checkpoint's position in epoch {self._epoch} is sample {pos}, "
+                            f"which data-parallel size {self.dp_size} does not divide (streaming would start at "
+                            f"sample {pos - pos % self.dp_size} and train {pos % self.dp_size} sample(s) twice); "
+                            f"resume at a data-parallel size that divides it and fits its {ncn} canonical nodes "
+                            f"({', '.join(map(str, fits[:8]))}{', ...' if len(fits) > 8 else ''}), or keep the "
+                            "checkpoint's size to the end of the epoch (the next one starts at sample 0)")
         self.batches_per_epoch = (samples_per_rank(self.num_samples, ncn, self.dp_size)
                                   // self.micro_batch_size)
         self._generation += 1  # invalidate running iterators

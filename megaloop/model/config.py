@@ -42,7 +42,10 @@ class ModelConfig:
         "arch", "hidden_size", "num_heads", "n_prelude", "n_core",
         "n_coda", "num_layers", "injection", "exit_norm", "qk_norm", "qk_norm_gain", "qk_bias",
         "sandwich_norm", "input_norm", "state_readout", "state_final_norm", "tie_embeddings",
-        "embed_scale", "adapter_bias", "rope_base", "norm_eps")
+        "embed_scale", "adapter_bias")
+    # they change what the weights compute too, but a run that starts from other weights may change
+    # them on purpose (context extension: a longer seq_len with a larger RoPE base): resume only
+    RESUME_FIELDS: ClassVar[tuple[str, ...]] = ("rope_base", "norm_eps")
 
     arch: str = "looped"
     hidden_size: int = 256
@@ -249,9 +252,10 @@ def with_legacy_defaults(saved: dict) -> dict:
     return {**ModelConfig.LEGACY_DEFAULTS, **saved}
 
 
-def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, object]]:
-    """``(field, saved, current)`` for each of ``ModelConfig.ARCH_FIELDS`` that ``cfg``'s architecture
-    uses and where the saved model config dict (a checkpoint's) differs from ``cfg``. A field the
+def arch_differences(saved: dict, cfg: ModelConfig, resume: bool = True) -> list[tuple[str, object, object]]:
+    """``(field, saved, current)`` for each of ``ModelConfig.ARCH_FIELDS`` (and, for a ``resume``, of
+    ``RESUME_FIELDS``) that ``cfg``'s architecture uses and where the saved model config dict (a
+    checkpoint's) differs from ``cfg``. A field the
     saved config lacks counts as its ``LEGACY_DEFAULTS`` value (skipped if it has none); renamed
     fields are read under today's name; ``embed_scale`` compares the multiplier ("sqrt_d" = √d)."""
     saved = with_legacy_defaults({ModelConfig.RENAMED.get(k, k): v for k, v in saved.items()})
@@ -261,7 +265,7 @@ def arch_differences(saved: dict, cfg: ModelConfig) -> list[tuple[str, object, o
     if cfg.injection != "huginn_linear":
         skip |= {"exit_norm", "adapter_bias"}
     out = []
-    for name in ModelConfig.ARCH_FIELDS:
+    for name in ModelConfig.ARCH_FIELDS + (ModelConfig.RESUME_FIELDS if resume else ()):
         if name in skip or name not in saved:
             continue
         old, new = saved[name], getattr(cfg, name)

@@ -337,26 +337,16 @@ INIT_ONLY_FIELDS = (("depth", "init"), ("train", "init_seed"), ("train", "init_w
 
 
 def check_saved_seeds(path, saved: dict, cfg) -> None:
-    """Refuse a resume under another ``train.seed``, ``data.shuffle_seed`` or ``data.num_canonical_nodes``:
-    the checkpoint's depth sampler and data position keep its seeds and partition, while h⁰ noise would
-    take the new seed."""
+    """Refuse a resume under another ``train.seed`` or ``data.shuffle_seed``: the checkpoint's
+    depth sampler and data position keep its seeds, while h⁰ noise would take the new one (the
+    loader refuses another ``data.num_canonical_nodes``)."""
     diffs = [f"{sec}.{key}={old} (this run: {new})" for sec, key in (("train", "seed"), ("data", "shuffle_seed"))
              if (old := (saved.get(sec) or {}).get(key)) is not None
              and old != (new := getattr(getattr(cfg, sec), key))]
-    # the sample order's partition: the loader state keeps the checkpoint's, and config.yaml recorded the
-    # ignored new value, so a re-run of it trained another order (null = derived, compared as written)
-    data = saved.get("data") or {}
-    if "num_canonical_nodes" in data and data["num_canonical_nodes"] != cfg.data.num_canonical_nodes:
-        diffs.append(f"data.num_canonical_nodes={_null(data['num_canonical_nodes'])} "
-                     f"(this run: {_null(cfg.data.num_canonical_nodes)})")
     if diffs:
         keep = " ".join(d.split(" (")[0] for d in diffs)
         raise ConfigError(f"checkpoint {path} was trained with {', '.join(diffs)}; its depth sampler and data "
-                          f"order keep the checkpoint's seeds and partition. Resume with {keep}, or start a new run")
-
-
-def _null(value) -> str:
-    return "null" if value is None else str(value)
+                          f"order keep the checkpoint's seeds. Resume with {keep}, or start a new run")
 
 
 def init_only_changes(saved: dict, cfg) -> str | None:

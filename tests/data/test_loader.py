@@ -212,17 +212,36 @@ def test_resume_at_another_dp_size_keeps_the_global_order(synth):
 def test_resume_at_a_dp_size_that_does_not_divide_the_position_is_refused(synth):
     """9 samples consumed at DP=1 (an odd global batch), resumed at DP=2: streaming rounded the offset
     down to 8 with a warning of its own, sample 8 was trained twice and every later one shifted."""
-    one = _loader(synth, dp_size=1, mbs=3, num_canonical_nodes=2)
+    one = _loader(synth, dp_size=1, mbs=3, num_canonical_nodes=1)
     list(itertools.islice(iter(one), 3))
     sd = one.state_dict()
     assert sd["sample_in_epoch"] == 9
-    two = _loader(synth, dp_rank=0, dp_size=2, mbs=3, num_canonical_nodes=2)
+    two = _loader(synth, dp_rank=0, dp_size=2, mbs=3, num_canonical_nodes=1)
     with pytest.raises(DataError, match=r"position in epoch 0 is sample 9, which data-parallel size 2 does not "
                                         r"divide .*train 1 sample\(s\) twice\); resume at a data-parallel size "
-                                        r"that divides it \(1, 3, 9\)"):
+                                        r"that divides it and fits its 1 canonical nodes \(1, 3, 9\), or keep"):
         two.load_state_dict(sd)
-    three = _loader(synth, dp_rank=0, dp_size=3, mbs=3, num_canonical_nodes=3)
-    three.load_state_dict({**sd, "num_canonical_nodes": 3})  # 3 divides 9: accepted
+    three = _loader(synth, dp_rank=0, dp_size=3, mbs=3, num_canonical_nodes=1)
+    three.load_state_dict(sd)  # 3 divides 9: accepted, as offered
+    # sizes the canonical nodes do not fit are not offered (they are refused on their own)
+    at2 = _loader(synth, dp_size=1, mbs=3, num_canonical_nodes=2)
+    list(itertools.islice(iter(at2), 3))
+    with pytest.raises(DataError, match=r"fits its 2 canonical nodes \(1\), or keep"):
+        _loader(synth, dp_rank=0, dp_size=2, mbs=3, num_canonical_nodes=2).load_state_dict(at2.state_dict())
+
+
+def test_resume_under_another_explicit_partition_is_refused(synth):
+    """The loader kept the checkpoint's num_canonical_nodes while config.yaml recorded the new value,
+    so a re-run of that file trained another order; null resumes with the checkpoint's."""
+    two = _loader(synth, num_canonical_nodes=2)
+    list(itertools.islice(iter(two), 2))
+    sd = two.state_dict()
+    with pytest.raises(DataError, match=r"sample order uses 2 canonical nodes \(this run: data.num_canonical_nodes=4\)"
+                                        r"; resume with data.num_canonical_nodes=2 \(or null"):
+        _loader(synth, num_canonical_nodes=4).load_state_dict(sd)
+    derived = _loader(synth)  # null: the checkpoint's
+    derived.load_state_dict(sd)
+    assert derived.num_canonical_nodes == 2
 
 
 def test_loaders_give_back_descriptors_and_shared_memory(synth):

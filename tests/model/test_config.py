@@ -25,6 +25,7 @@ def test_arch_differences_names_changed_fields_and_reads_missing_ones_as_legacy(
     # RoPE's base and the norms' epsilon change what the weights compute: a resume took them silently
     assert arch_differences({**saved, "rope_base": 100.0, "norm_eps": 0.5}, cfg) == [
         ("rope_base", 100.0, 10000.0), ("norm_eps", 0.5, 1e-5)]
+    assert arch_differences({**saved, "rope_base": 100.0, "norm_eps": 0.5}, cfg, resume=False) == []  # init_weights
     # training-only fields (window, recompute, precision) may change on resume
     assert arch_differences({**saved, "bptt_window": 2, "recompute": True, "bf16": True}, cfg) == []
 

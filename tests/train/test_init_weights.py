@@ -71,6 +71,16 @@ def test_another_model_or_a_missing_checkpoint_is_refused(tmp_path) -> None:
         _trainer(tmp_path / "a", f"train.init_weights={tmp_path / 'src'}", "model.qk_norm=false")
     with pytest.raises(CheckpointError, match=rf"^train.init_weights: checkpoint {tmp_path / 'none'} does not exist"):
         _trainer(tmp_path / "b", f"train.init_weights={tmp_path / 'none'}")
+    # context extension (a larger RoPE base, another norm epsilon) from the weights is not another model;
+    # as a resume it is (ModelConfig.RESUME_FIELDS)
+    _trainer(tmp_path / "c", f"train.init_weights={tmp_path / 'src'}", "model.rope_base=50000",
+             "model.norm_eps=1e-6").close()
+    from megaloop.train.trainer import Trainer
+
+    t = Trainer(load_config("tiny", [*SMALL, "model.rope_base=50000"]), tmp_path / "src", resume="auto")
+    with pytest.raises(ConfigError, match=r"model.rope_base: checkpoint 10000.0, this run 50000.0"):
+        t.setup()
+    t.close()
 
 
 def test_another_vocabulary_is_named(tmp_path) -> None:

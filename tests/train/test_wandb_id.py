@@ -67,3 +67,9 @@ def test_a_rewind_renews_the_id_before_any_checkpoint_moves(tmp_path):
     # resuming another run's checkpoint into this folder is another line of history too
     set_aside_newer(CheckpointManager(root), _fake_checkpoint(tmp_path / "other" / "checkpoints", 4), on_rewind=rewind)
     assert len(seen) == 2 and (tmp_path / WANDB_ID_FILE).read_text().strip() not in (old_id, renewed)
+    # a new folder holds no id to replace: nothing written (the logger makes one), so a set-up that
+    # fails after this leaves the folder as empty as before (the run directory lock removes it)
+    fresh = SimpleNamespace(run_dir=tmp_path / "fresh", cfg=trainer.cfg)
+    fresh.run_dir.mkdir()
+    Trainer._rewind(fresh)
+    assert fresh.rewound and not any(fresh.run_dir.iterdir())
