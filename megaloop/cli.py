@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="train a model (torchrun for several processes)")
     t.add_argument("--config", default="tiny", help="preset name (tiny, S, M, L, untied4, ...) or YAML path")
-    t.add_argument("--run-dir", default="runs/default", type=nonempty_path, help="metrics.jsonl, config.yaml, checkpoints/")
+    t.add_argument("--run-dir", default="runs/default", type=nonempty_path, help="metrics.jsonl, config.yaml, checkpoints/ (default runs/default)")
     t.add_argument("--resume", default=None, help="'auto' = latest complete checkpoint in RUN_DIR, or a path")
     t.add_argument("--arm", default=None,
                    help="a paper arm from megaloop/configs/arms.yaml (fixed5, pln5, learned, u64, untied12, ...), "

@@ -180,7 +180,8 @@ def add_launch_args(p: argparse.ArgumentParser, default_parallel: str) -> None:
                    "slurm: array throttle %%K (default none)")
     p.add_argument("--threads", type=int, help="local: CPU thread budget split among the runs (default: all usable)")
     p.add_argument("--threads-per-run", "--threads-per-arm", type=int, dest="threads_per_run",
-                   help="local: torch threads of each process (default: the budget / runs at a time / --nproc)")
+                   help="local: torch threads of each process (default: the budget / runs at a time / --nproc; "
+                        "--threads-per-arm is an older name)")
     p.add_argument("--nproc", type=int, default=1, help="local: processes per run (torchrun --standalone)")
     p.add_argument("--devices", help="local: comma-separated CUDA devices, --nproc per run")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",

@@ -33,7 +33,8 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
                             "checkpoint's tokenizer")
         p.add_argument("--text-field", default=None,
                        help="JSONL field / parquet column of a .jsonl[.gz]/.parquet --data file (default: text)")
-        p.add_argument("--max-seqs", type=int, default=None, help="evaluate at most N sequences")
+        p.add_argument("--max-seqs", type=int, default=None,
+                       help="evaluate at most N sequences (default: all; states 16; fixed-point --per-source 0: 4)")
         p.add_argument("--seq-len", type=int, default=None,
                        help="tokens per evaluation sequence (paper: 8192; default: the MDS set's length, else "
                             "the training seq_len); beyond the training length RoPE positions are extrapolated")
@@ -62,6 +63,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
+    next(a for a in p._actions if a.dest == "decode_depth").help = argparse.SUPPRESS  # refused: rows decode at R
     add_memory_option(p)
     p.set_defaults(fn=cmd_eval_sweep)
 
@@ -301,7 +303,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     for mode in ("terminal", "per_visit"):
         value = getattr(res, f"{mode}_ppl")
         if value is not None:
-            rows.append([f"{mode} cache (prefill {res.prefix_len} at P={res.prefill_depth})", value, res.tokens_scored,
+            at = "by the student" if args.student else f"at P={res.prefill_depth}"  # it printed P=3 for a student
+            rows.append([f"{mode} cache (prefill {res.prefix_len} {at})", value, res.tokens_scored,
                          res.kv_bytes_per_token[mode]])
     table(f"PPL at R={res.depth} — {data.num_seqs} × {data.seq_len} tokens, first {res.prefix_len} prefilled "
           f"({data.source})",
@@ -314,8 +317,8 @@ def cmd_eval_ppl(args: argparse.Namespace) -> int:
     for mode, stats in (res.adaptive_depths or {}).items():
         print(f"adaptive decode ({stats['criterion']}, {mode} cache, second half scored token by token): "
               f"{depth_summary(stats)}")
-    write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source,
-                            **res.to_dict()})
+    write_json(args.json, {"command": "eval ppl", "engine": engine.describe(), "data": data.source, **res.to_dict(),
+                            **({"prefill_depth": None, "prefill": "student"} if args.student else {})})
     return 0
 
 

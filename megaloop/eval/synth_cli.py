@@ -42,6 +42,9 @@ def add_synth_parser(sub) -> None:
                         "(the default with --cache none)")
     p.add_argument("--batch-size", type=int, default=64, help="problems scored together")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else synth_table.png)")
+    for action in p._actions:  # refused (cmd_synth): every depth of --depths is the prefill and decode budget
+        if action.dest in ("depth", "decode_depth"):
+            action.help = argparse.SUPPRESS
     add_memory_option(p)
     p.set_defaults(fn=cmd_synth)
 

@@ -313,7 +313,7 @@ def add_generate_parser(sub) -> None:
     add_engine_options(p)
     add_student_option(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt at most (default 64)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     mode.add_argument("--temperature", type=float, default=None, help="sample at this temperature")

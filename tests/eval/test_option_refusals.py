@@ -323,6 +323,12 @@ def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp
     with pytest.raises(SystemExit):  # fixed-point refuses --depth, so its help does not offer it
         main(["eval", "fixed-point", "--help"])
     assert "--depth " not in capsys.readouterr().out
+    # nor do synth (--depth, --decode-depth) and sweep (--decode-depth): they offered them with defaults
+    for verb, refused in (("synth", ("--depth ", "--decode-depth")), ("sweep", ("--decode-depth",))):
+        with pytest.raises(SystemExit):
+            main(["eval", verb, "--help"])
+        shown = capsys.readouterr().out
+        assert not [flag for flag in refused if flag in shown] and "--prefill-depth" in shown, (verb, shown)
 
 
 @pytest.mark.parametrize("argv, msg", [
