@@ -213,10 +213,15 @@ def _main(argv: list[str], verb: str | None) -> None:
     except NonFiniteLossError as err:
         print(f"megaloop: stopped: {err}", file=sys.stderr)
         code = 3
-    except Exception as err:  # a full disk: one line
+    except Exception as err:  # a full disk, or a collective that another rank's exit broke: one line
         from megaloop.runtime.files import report_storage_full
+        from megaloop.runtime.parallel import peer_lost_line
 
-        code = report_storage_full(err, f"megaloop {verb}" if verb else "megaloop")
+        if (line := peer_lost_line(err)) is not None:
+            print(line, file=sys.stderr, flush=True)
+            code = 1
+        else:
+            code = report_storage_full(err, f"megaloop {verb}" if verb else "megaloop")
     finally:
         from megaloop.runtime.parallel import destroy_distributed
 

@@ -136,6 +136,22 @@ def destroy_distributed() -> None:
         torch.distributed.destroy_process_group()
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited or there was a network error")  # gloo's and NCCL's words for it
+
+
+def peer_lost_line(err: BaseException) -> str | None:
+    """The one line for this rank when ``err`` is a collective that failed because another rank of the
+    job ended first (its own output says why): it was a gloo traceback on every surviving rank, which
+    torchrun could name as the root cause; None for any other error."""
+    if not torch.distributed.is_initialized() or not any(w in str(err) for w in PEER_LOST):
+        return None
+    rank = torch.distributed.get_rank()
+    first = str(err).strip().splitlines()[0][:200]
+    return (f"megaloop: stopped (rank {rank}): another rank of the job ended first and this rank's collective "
+            f"failed ({type(err).__name__}: {first}); that rank's own error, above or in its log, says why")
+
+
 def stable_seed(*parts: object) -> int:
     """A 63-bit seed from a tuple of ints/strings, identical on every rank and run."""
     import hashlib

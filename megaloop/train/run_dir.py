@@ -90,10 +90,12 @@ class RunDirLock:
             raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "
                               f"to end or choose another --run-dir (lock {self.path})")
 
-    def check_held(self, what: str) -> None:
+    def check_held(self, what: str, collective: bool = True) -> None:
         """Collective: raise :class:`RunDirError` on every rank when rank 0's lock file is no longer the
         one it locked (the run directory was removed or replaced while training). A save there
-        recreated the folder, without its lock, so another run could take it and both wrote into it."""
+        recreated the folder, without its lock, so another run could take it and both wrote into it.
+        ``collective=False``: rank 0 alone checks (after a failed save, when the other ranks may still
+        wait inside megatron's save: a collective here deadlocked the job)."""
         lost = False
         if self.fd is not None:
             try:
@@ -101,7 +103,7 @@ class RunDirLock:
                 lost = (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino)
             except OSError:
                 lost = True
-        if not _agree(not lost):
+        if not (_agree(not lost) if collective else not lost):
             raise RunDirError(f"--run-dir {self.path.parent}: removed or replaced while this run trained (its lock "
                               f"{self.path} is gone); stopping without {what}, so that no other run's files are "
                               "written over")

@@ -273,8 +273,8 @@ class Trainer:
         self._lock.check_held(f"saving step {self.step}")  # a deleted run dir was recreated by the save
         try:
             path = self.ckpt.save(self.step, self.model, self.optimizer, self._common(before_step))
-        except CheckpointSaveError:  # every rank: the folder may have gone during the save (the cause, not ENOENT)
-            self._lock.check_held(f"saving step {self.step}")
+        except CheckpointSaveError:  # the folder may have gone during the save (the cause, not ENOENT); no
+            self._lock.check_held(f"saving step {self.step}", collective=False)  # collective: peers may be in the save
             raise
         self.last_saved = self.step
         self.metrics.message(f"saved checkpoint {path}")
