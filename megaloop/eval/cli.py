@@ -18,7 +18,7 @@ from megaloop.config_utils import ConfigError
 from megaloop.eval.tables import depth_summary, fmt, lengths, table
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, add_student_option, build_engine,
                                              check_engine_args, check_outputs_not_inputs, check_plot_path,
-                                             write_json)
+                                             hide_options, write_json)
 from megaloop.runtime.argtypes import seed_int
 
 
@@ -63,7 +63,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
-    next(a for a in p._actions if a.dest == "decode_depth").help = argparse.SUPPRESS  # refused: rows decode at R
+    hide_options(p, "decode_depth", "max_depth")  # refused (cmd_eval_sweep): each row decodes, and caps its depth, at R
     add_memory_option(p)
     p.set_defaults(fn=cmd_eval_sweep)
 
@@ -96,7 +96,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--max-steps", type=int, default=1024, help="recurrence limit per solve (<= 1024)")
     p.add_argument("--control-depth", type=int, default=5, help="depth of the finite-prefix control (0: off)")
     p.add_argument("--no-zero-init", action="store_true", help="skip the zero current-token init check")
-    next(a for a in p._actions if a.dest == "depth").help = argparse.SUPPRESS  # refused: solves run to convergence
+    hide_options(p, "depth")  # refused: solves run to convergence
     add_memory_option(p)
     p.set_defaults(fn=cmd_eval_fixed_point)
 
@@ -565,7 +565,9 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
         how = f"adaptive depth token by token ({policy.spec}, depth {policy.min_depth}..{policy.max_depth})"
     else:
         how = f"D={c['decode_depth']} token by token"
-    table(f"lm-eval ({c['cache_mode']} cache, P={c['prefill_depth']}, {how})",
+    if args.student:  # the student prefills: the prefill depth is unused (it printed and recorded the default)
+        c.update(prefill_depth=None, prefill="student")
+    table(f"lm-eval ({c['cache_mode']} cache, P={c.get('prefill') or c['prefill_depth']}, {how})",
           ["task", "metric", "value", "n"], rows)
     extra = {}
     if policy is not None:  # every adaptive decode step of the run (scoring and generate_until)

@@ -22,7 +22,7 @@ import sys
 
 from megaloop.config_utils import ConfigError
 from megaloop.inference.generate_cli import (add_engine_options, add_memory_option, build_engine, check_engine_args,
-                                             check_outputs_not_inputs, check_plot_path, write_json)
+                                             check_outputs_not_inputs, check_plot_path, hide_options, write_json)
 
 
 def add_synth_parser(sub) -> None:
@@ -42,9 +42,7 @@ def add_synth_parser(sub) -> None:
                         "(the default with --cache none)")
     p.add_argument("--batch-size", type=int, default=64, help="problems scored together")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else synth_table.png)")
-    for action in p._actions:  # refused (cmd_synth): every depth of --depths is the prefill and decode budget
-        if action.dest in ("depth", "decode_depth"):
-            action.help = argparse.SUPPRESS
+    hide_options(p, "depth", "decode_depth", "max_depth")  # refused (cmd_synth): --depths set them
     add_memory_option(p)
     p.set_defaults(fn=cmd_synth)
 

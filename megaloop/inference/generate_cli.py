@@ -18,6 +18,13 @@ from megaloop.runtime.files import atomic_write_text, json_safe, nonempty_path
 
 
 # ----------------------------------------------------------------------------- shared options
+def hide_options(p: argparse.ArgumentParser, *dests: str) -> None:
+    """Leave options a command refuses out of its --help (``add_engine_options`` gives every verb them)."""
+    for action in p._actions:
+        if action.dest in dests:
+            action.help = argparse.SUPPRESS
+
+
 def add_engine_options(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit"),
                        cache_default="terminal", decode: bool = True) -> None:
     """``--checkpoint``, ``--json``, depths, cache, device / dtype, tokenizer, context, adaptive exit.

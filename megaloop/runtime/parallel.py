@@ -138,13 +138,17 @@ def destroy_distributed() -> None:
 
 PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
              "remote process exited or there was a network error")  # gloo's and NCCL's words for it
+BACKEND = ("gloo", "NCCL", "ProcessGroup")  # in the message of a collective's error (gloo's: its pair.cc path)
 
 
 def peer_lost_line(err: BaseException) -> str | None:
     """The one line for this rank when ``err`` is a collective that failed because another rank of the
     job ended first (its own output says why): it was a gloo traceback on every surviving rank, which
-    torchrun could name as the root cause; None for any other error."""
-    if not torch.distributed.is_initialized() or not any(w in str(err) for w in PEER_LOST):
+    torchrun could name as the root cause; None for any other error (a reset download, a closed pipe
+    of this rank's own: their traceback stays), and in a one-process world."""
+    text = str(err)
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+            and any(w in text for w in PEER_LOST) and any(b in text for b in BACKEND)):
         return None
     rank = torch.distributed.get_rank()
     first = str(err).strip().splitlines()[0][:200]

@@ -91,8 +91,8 @@ class RunDirLock:
                               f"to end or choose another --run-dir (lock {self.path})")
 
     def check_held(self, what: str, collective: bool = True) -> None:
-        """Collective: raise :class:`RunDirError` on every rank when rank 0's lock file is no longer the
-        one it locked (the run directory was removed or replaced while training). A save there
+        """Collective (unless ``collective=False``): raise :class:`RunDirError` on every rank when rank 0's
+        lock file is no longer the one it locked (the run directory was removed or replaced while training). A save there
         recreated the folder, without its lock, so another run could take it and both wrote into it.
         ``collective=False``: rank 0 alone checks (after a failed save, when the other ranks may still
         wait inside megatron's save: a collective here deadlocked the job)."""
@@ -373,6 +373,9 @@ def keep_init_fields(saved: dict, cfg) -> None:
     for sec, key in INIT_ONLY_FIELDS:
         if key in (saved.get(sec) or {}):
             setattr(getattr(cfg, sec), key, saved[sec][key])
+    data = saved.get("data") or {}  # null resumes with the checkpoint's partition: config.yaml names it (a
+    if cfg.data.num_canonical_nodes is None and "num_canonical_nodes" in data:  # re-run at another DP size
+        cfg.data.num_canonical_nodes = data["num_canonical_nodes"]  # would have derived another one)
 
 
 def vocab_hint(err: Exception, vocab: int, cfg, saved_model: dict | None = None) -> str:

@@ -156,7 +156,7 @@ class Trainer:
                 self.ckpt.load(init_path, self.model)
             except CheckpointError as err:
                 hint = vocab_hint(err, self.vocab, cfg, self.ckpt.saved_model_config(init_path))  # another padding
-                raise CheckpointError(f"train.init_weights: {err}{hint}") from None  # multiple: named (not the tokenizer)
+                raise CheckpointError(f"train.init_weights: {err}{hint}") from None  # multiple named, not the tokenizer
             if self.rank == 0:
                 print(f"model weights from {init_path} (train.init_weights); optimizer, schedule, depth sampler "
                       "and data order start at step 0", flush=True)
@@ -346,7 +346,7 @@ class Trainer:
         """Another line of history than the newest checkpoint's: a new wandb run (one keeps only increasing
         steps), its id set before any checkpoint moves (a launch stopped in between continued the old one)."""
         self.rewound = True
-        if (self.run_dir / WANDB_ID_FILE).is_file():  # none yet (a new folder): MetricsLogger makes one
+        if (self.run_dir / WANDB_ID_FILE).is_file() or (self.run_dir / "wandb").is_dir():  # a new folder: no id
             wandb_run_id(self.run_dir, self.cfg.logging.name, new=True)
 
     def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with", resume: bool = True) -> None:

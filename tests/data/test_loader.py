@@ -230,6 +230,19 @@ def test_resume_at_a_dp_size_that_does_not_divide_the_position_is_refused(synth)
         _loader(synth, dp_rank=0, dp_size=2, mbs=3, num_canonical_nodes=2).load_state_dict(at2.state_dict())
 
 
+def test_a_position_past_the_last_full_step_of_the_new_size_is_not_refused(synth):
+    """At the exact end of an epoch (95 of 96 samples at micro batch 5) DP=2 has nothing left in it:
+    no sample repeats, so the refusal (which advised keeping the size to the epoch's end) does not fire."""
+    one = _loader(synth, mbs=5, num_canonical_nodes=1)
+    list(itertools.islice(iter(one), 19))
+    sd = one.state_dict()
+    assert (sd["epoch"], sd["sample_in_epoch"]) == (0, 95)
+    two = _loader(synth, dp_rank=0, dp_size=2, mbs=5, num_canonical_nodes=1)
+    two.load_state_dict(sd)
+    next(iter(two))
+    assert two.epoch == 1
+
+
 def test_resume_under_another_explicit_partition_is_refused(synth):
     """The loader kept the checkpoint's num_canonical_nodes while config.yaml recorded the new value,
     so a re-run of that file trained another order; null resumes with the checkpoint's."""

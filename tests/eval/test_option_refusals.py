@@ -324,7 +324,8 @@ def test_a_max_context_below_the_sequences_is_refused_by_every_verb(cli, hf, tmp
         main(["eval", "fixed-point", "--help"])
     assert "--depth " not in capsys.readouterr().out
     # nor do synth (--depth, --decode-depth) and sweep (--decode-depth): they offered them with defaults
-    for verb, refused in (("synth", ("--depth ", "--decode-depth")), ("sweep", ("--decode-depth",))):
+    for verb, refused in (("synth", ("--depth ", "--decode-depth", "--max-depth")),
+                          ("sweep", ("--decode-depth", "--max-depth"))):
         with pytest.raises(SystemExit):
             main(["eval", verb, "--help"])
         shown = capsys.readouterr().out

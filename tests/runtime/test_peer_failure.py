@@ -14,12 +14,19 @@ from megaloop.runtime import parallel
 def test_a_collective_broken_by_another_ranks_exit_is_one_line(monkeypatch):
     monkeypatch.setattr(parallel.torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(parallel.torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(parallel.torch.distributed, "get_world_size", lambda: 2)
     err = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:7574. This is "
                        "typically caused by a remote worker crashing.\nmore")
     line = parallel.peer_lost_line(err)
     assert line.startswith("megaloop: stopped (rank 0): another rank of the job ended first") and "\n" not in line
     assert "Connection closed by peer" in line and "says why" in line
     assert parallel.peer_lost_line(RuntimeError("shape mismatch")) is None  # a bug keeps its traceback
+    # this rank's own broken connections are not another rank's exit (review): their traceback stays
+    for own in (BrokenPipeError(32, "Broken pipe"), ConnectionResetError(104, "Connection reset by peer"),
+                ConnectionError("('Connection aborted.', ConnectionResetError(104, 'Connection reset by peer'))")):
+        assert parallel.peer_lost_line(own) is None, own
+    monkeypatch.setattr(parallel.torch.distributed, "get_world_size", lambda: 1)  # train's one-process group
+    assert parallel.peer_lost_line(err) is None
     monkeypatch.setattr(parallel.torch.distributed, "is_initialized", lambda: False)
     assert parallel.peer_lost_line(err) is None
 

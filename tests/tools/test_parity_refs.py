@@ -85,7 +85,8 @@ def test_a_checkout_at_another_commit_is_named(refs, tmp_path, monkeypatch, caps
     monkeypatch.setitem(refs.REFERENCES, "huginn", Fake)
     for commit, words in (("ebe6645" + "0" * 33, "is at commit ebe664500000; the README's huginn results come from "
                                                  "59e0b69b"),
-                          ("unknown", "its commit is unknown"), ("59e0b69b" + "1" * 32, None)):
+                          ("unknown", "its commit is unknown"), ("59e0b69b" + "1" * 32, None), ("59e0b69", None),
+                          ("", "is at commit ; the README"), ("5", "is at commit 5; the README")):
         refs.load_reference("huginn", tmp_path, None, 0)
         err = capsys.readouterr().err
         assert (words in err) if words else err == "", (commit, err)

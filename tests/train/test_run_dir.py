@@ -234,3 +234,17 @@ def test_the_wsd_shape_is_refused_for_its_own_reason_and_only_under_wsd(tmp_path
     with pytest.raises(ConfigError, match=r"optim.lr=0.003 \(this run: 0.001\), optim.decay_fraction=0.2 \(this run: "
                                           r"0.5\); its optimizer and schedule state would override .*; the WSD decay"):
         check_saved_optim(tmp_path, saved, OptimConfig(lr=1e-3, decay_fraction=0.5))
+
+
+def test_a_null_partition_resumed_records_the_checkpoints():
+    """A resume with data.num_canonical_nodes=null trains the checkpoint's partition; config.yaml wrote
+    null, and a re-run of it at another DP size derived another order (review)."""
+    from megaloop.config import load_config
+    from megaloop.train.run_dir import keep_init_fields
+
+    cfg = load_config("tiny", ["data.num_canonical_nodes=null"])
+    keep_init_fields({"data": {"num_canonical_nodes": 1}}, cfg)
+    assert cfg.data.num_canonical_nodes == 1
+    cfg = load_config("tiny", ["data.num_canonical_nodes=2"])
+    keep_init_fields({"data": {"num_canonical_nodes": 1}}, cfg)  # explicit: the loader refuses it, not this
+    assert cfg.data.num_canonical_nodes == 2

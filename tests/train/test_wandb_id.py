@@ -73,3 +73,8 @@ def test_a_rewind_renews_the_id_before_any_checkpoint_moves(tmp_path):
     fresh.run_dir.mkdir()
     Trainer._rewind(fresh)
     assert fresh.rewound and not any(fresh.run_dir.iterdir())
+    # a folder from before RUN/wandb_id (wandb/ holds the run named after the folder): renewed too (review)
+    legacy = SimpleNamespace(run_dir=tmp_path / "legacy", cfg=trainer.cfg)
+    (legacy.run_dir / "wandb" / "offline-run-20261201_101010-run").mkdir(parents=True)
+    Trainer._rewind(legacy)
+    assert wandb_run_id(legacy.run_dir, "run", new=False).startswith("run-")
