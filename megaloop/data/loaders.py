@@ -255,9 +255,10 @@ class TrainLoader:
         require(ncn % self.dp_size == 0 or self.dp_size % ncn == 0, "data.num_canonical_nodes",
                 f"the checkpoint's sample order uses {ncn} canonical nodes, which does not fit "
                 f"dp_size={self.dp_size} (one must divide the other)")
+        self.batches_per_epoch = (samples_per_rank(self.num_samples, ncn, self.dp_size)
+                                  // self.micro_batch_size)
         pos = self._base_samples  # (at or past this size's last full step the epoch is over: nothing repeats)
-        usable = samples_per_rank(self.num_samples, ncn, self.dp_size) // self.micro_batch_size * \
-            self.micro_batch_size * self.dp_size
+        usable = self.batches_per_epoch * self.micro_batch_size * self.dp_size
         if pos % self.dp_size and pos < usable:  # streaming rounds the offset down: samples trained twice
             fits = [d for d in range(1, 65) if pos % d == 0 and (ncn % d == 0 or d % ncn == 0)]
             raise DataError(f"data loader state: the checkpoint's position in epoch {self._epoch} is sample {pos}, "
@@ -266,8 +267,6 @@ class TrainLoader:
                             f"resume at a data-parallel size that divides it and fits its {ncn} canonical nodes "
                             f"({', '.join(map(str, fits[:8]))}{', ...' if len(fits) > 8 else ''}), or keep the "
                             "checkpoint's size to the end of the epoch (the next one starts at sample 0)")
-        self.batches_per_epoch = (samples_per_rank(self.num_samples, ncn, self.dp_size)
-                                  // self.micro_batch_size)
         self._generation += 1  # invalidate running iterators
 
     @property

@@ -402,5 +402,5 @@ def _write_synth_tree(root: Path, spec: TreeSpec, tokenizer: bool,
 
 
 __all__ = ["GENERATOR", "HELDOUT_KS", "HELDOUT_PER_K", "HELDOUT_SEED", "Problem", "SOURCE", "SynthConfig", "TreeSpec",
-           "draw_problem", "every_update_matters", "tree_generator", "heldout_problems", "heldout_records", "prefix_prompts", "run_program",
-           "training_documents", "write_char_tokenizer", "write_synth_tree"]
+           "draw_problem", "every_update_matters", "heldout_problems", "heldout_records", "prefix_prompts",
+           "run_program", "training_documents", "tree_generator", "write_char_tokenizer", "write_synth_tree"]

@@ -48,6 +48,14 @@ def wandb_run_id(run_dir: Path, name: str | None, *, new: bool) -> str:
     return run_id
 
 
+def renew_wandb_id(run_dir: Path, name: str | None) -> None:
+    """A new wandb run id for a run directory whose history is rewound, recorded at once (the trainer
+    calls it before any checkpoint moves); a folder that never logged to wandb (no ``RUN/wandb_id``, no
+    ``wandb/``) gets none here: the logger makes one, and a failed set-up leaves the folder empty."""
+    if (run_dir / WANDB_ID_FILE).is_file() or (run_dir / "wandb").is_dir():
+        wandb_run_id(run_dir, name, new=True)
+
+
 class MetricsLogger:
     """Append-only JSONL + console + wandb sink for per-step metrics."""
 

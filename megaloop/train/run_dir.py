@@ -373,9 +373,11 @@ def keep_init_fields(saved: dict, cfg) -> None:
     for sec, key in INIT_ONLY_FIELDS:
         if key in (saved.get(sec) or {}):
             setattr(getattr(cfg, sec), key, saved[sec][key])
-    data = saved.get("data") or {}  # null resumes with the checkpoint's partition: config.yaml names it (a
-    if cfg.data.num_canonical_nodes is None and "num_canonical_nodes" in data:  # re-run at another DP size
-        cfg.data.num_canonical_nodes = data["num_canonical_nodes"]  # would have derived another one)
+    # null resumes with the checkpoint's partition: config.yaml names it (a re-run of null at another DP
+    # size would derive another one)
+    data = saved.get("data") or {}
+    if cfg.data.num_canonical_nodes is None and "num_canonical_nodes" in data:
+        cfg.data.num_canonical_nodes = data["num_canonical_nodes"]
 
 
 def vocab_hint(err: Exception, vocab: int, cfg, saved_model: dict | None = None) -> str:

@@ -41,7 +41,7 @@ from megaloop.runtime.stop import SignalStop, exit_code
 from megaloop.train.checkpoint import CheckpointManager, CheckpointSaveError
 from megaloop.train.flops import device_peak_tflops, microbatch_flops
 from megaloop.train.grads import finalize_grads, grads_finite
-from megaloop.train.metrics import WANDB_ID_FILE, MetricsLogger, nonfinite_warning, prior_metrics, wandb_run_id
+from megaloop.train.metrics import MetricsLogger, nonfinite_warning, prior_metrics, renew_wandb_id
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
                                     check_saved_layout, check_saved_optim, check_saved_seeds, init_only_changes,
                                     keep_init_fields, set_aside_newer, vocab_hint)
@@ -101,7 +101,8 @@ class Trainer:
                 init_path = find_checkpoint(cfg.train.init_weights)
             except CheckpointError as err:
                 raise CheckpointError(f"train.init_weights: {err}") from None
-            self._check_saved_model(init_path, self.ckpt.saved_model_config(init_path), "start from it with", False)
+            self._check_saved_model(init_path, self.ckpt.saved_model_config(init_path), "start from it with",
+                                    resume=False)
         init_state = None
         if cfg.depth.kind == "learned" and cfg.depth.init_from is not None and resume_path is None:
             from megaloop.train.prior_init import load_prior_init
@@ -346,8 +347,7 @@ class Trainer:
         """Another line of history than the newest checkpoint's: a new wandb run (one keeps only increasing
         steps), its id set before any checkpoint moves (a launch stopped in between continued the old one)."""
         self.rewound = True
-        if (self.run_dir / WANDB_ID_FILE).is_file() or (self.run_dir / "wandb").is_dir():  # a new folder: no id
-            wandb_run_id(self.run_dir, self.cfg.logging.name, new=True)
+        renew_wandb_id(self.run_dir, self.cfg.logging.name)
 
     def _check_saved_model(self, path: Path, saved: dict, advice: str = "resume it with", resume: bool = True) -> None:
         """Refuse a checkpoint trained under other values of the model-defining fields (a changed
