@@ -216,3 +216,26 @@ def test_resume_on_a_teacher_replaced_in_place_by_other_weights_is_refused(tiny_
     replace_weights(teacher)
     err = _resume_error(teacher, text, out, capsys)
     assert len(err) == 1 and f"--teacher {teacher} holds other weights than the teacher" in err[0], err
+
+
+def test_resume_with_the_teacher_and_data_moved_continues_as_at_their_old_paths(tiny_teacher, tmp_path, capsys):
+    """--teacher is identified by its weights digest and --data by its SHA-256: moved, the same files
+    resumed only back at their old paths (compared by path), now the run continues as it would there;
+    other text at --data is still refused."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    teacher, text, a = _student_run(tiny_teacher, tmp_path)
+    b, c = tmp_path / "b", tmp_path / "c"
+    shutil.copytree(a, b)
+    shutil.copytree(a, c)
+    assert _main(_args(teacher, text, a, "--steps", "2", "--warmup", "0", "--resume")) == 0
+    moved, moved_text = teacher.rename(tmp_path / "moved"), text.rename(tmp_path / "moved.txt")
+    assert _main(_args(moved, moved_text, b, "--steps", "2", "--warmup", "0", "--resume")) == 0
+    wa, wb = load_file(a / "student.safetensors"), load_file(b / "student.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    moved_text.write_text("Other words entirely, for another run. " * 40)
+    err = _resume_error(moved, moved_text, c, capsys)
+    assert len(err) == 1 and "--data" in err[0] and "other flags" in err[0], err

@@ -175,3 +175,23 @@ def test_resume_on_a_model_replaced_in_place_by_other_weights_is_refused(tiny_te
     assert _rl_run(model, out, 2, "--resume") == 2
     line = one_error_line(capsys)
     assert f"--model {str(model.resolve())!r} (weights sha256 " in line and "→" in line, line
+
+
+def test_resume_with_the_model_moved_continues_as_at_its_old_path(tiny_teacher, tmp_path):
+    """--model is identified by its weights digest: the same model moved to another path resumed only
+    back at the old path (the path was compared before the load), now it continues as it would there."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    _, hf_dir = tiny_teacher
+    model, a, b = tmp_path / "m", tmp_path / "a", tmp_path / "b"
+    shutil.copytree(hf_dir, model)
+    assert _rl_run(model, a, 1) == 0
+    shutil.copytree(a, b)
+    assert _rl_run(model, a, 2, "--resume") == 0
+    moved = model.rename(tmp_path / "moved")
+    assert _rl_run(moved, b, 2, "--resume") == 0
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -18,7 +18,7 @@ import torch
 from megaloop.config_utils import ConfigError
 from megaloop.post.distill.cli import main as distill_main
 from megaloop.post.rl.cli import main as rl_main
-from tests.post.cli_helpers import fake_hf, one_error_line
+from tests.post.cli_helpers import fake_hf, one_error_line, replace_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -167,12 +167,16 @@ def test_rl_resume_checks_model_and_steps_first_and_counts_earlier_seconds(tiny_
     out = tmp_path / "rl"
     assert _rl(model, out, 2) == 0
     capsys.readouterr()
+    # another model of the same shape at another path (it used to resume silently): named by its weights
+    # digest once it loads (the path alone was compared first, so a moved copy of the same model was refused)
+    other = tmp_path / "other"
+    shutil.copytree(hf_dir, other)
+    replace_weights(other)
+    assert _rl(other, out, 3, "--resume") == 2
+    line = one_error_line(capsys)
+    assert f"--model '{model.resolve()}' (weights sha256 " in line and f"'{other.resolve()}' (weights" in line, line
     with monkeypatch.context() as m:
         _no_load(m)
-        # another model (same shape: it used to resume silently; another shape: a 63-line traceback)
-        assert _rl(hf_dir, out, 3, "--resume") == 2
-        line = one_error_line(capsys)
-        assert f"--model '{model.resolve()}' → '{Path(hf_dir).resolve()}'" in line, line
         # fewer --steps than the checkpoint's step (wrote an inconsistent megaloop_rl.json)
         assert _rl(model, out, 1, "--resume") == 2
         assert "--steps 1: below the checkpoint's step 2" in one_error_line(capsys)

@@ -184,7 +184,8 @@ def _run(args: argparse.Namespace) -> int:
         if isinstance(client.get("run"), dict) and not stored.get("run"):
             from megaloop.post.runs import latest_tag
 
-            _compare_runs(client["run"], record, f"{ckpt}/{latest_tag(ckpt)}")
+            _compare_runs(client["run"], record, f"{ckpt}/{latest_tag(ckpt)}",
+                          teacher_digest=bool(client.get("teacher_digest")))
         if not stored.get("teacher_digest"):  # no sidecar read before the load
             _check_same_teacher(client.get("teacher_digest"), digest, args.teacher, ckpt)
         start = int(client["step"])
@@ -304,14 +305,28 @@ def _run_record(args: argparse.Namespace, cfg) -> dict:
                if args.data == "default" else str(Path(args.data).resolve()), max_chars=args.max_chars,
                num_layers=args.num_layers, init_state=args.init_state, student_init=args.student_init,
                deepspeed=args.deepspeed, steps=cfg.steps)
+    if args.data != "default" and Path(args.data).is_file():  # a moved copy resumes (compared by content)
+        from megaloop.data.tokenizer import file_sha256
+
+        rec["data_sha256"] = file_sha256(args.data)
     return rec
 
 
-def _compare_runs(old: dict, new: dict, where: str) -> None:
+def _compare_runs(old: dict, new: dict, where: str, *, teacher_digest: bool = False) -> None:
+    """Refuse (one line, each flag old -> new) a --resume whose run record ``new`` differs from the
+    checkpoint's ``old``. ``teacher_digest``: the checkpoint recorded its teacher's weights digest, which
+    decides once the teacher loads (:func:`_check_same_teacher`), so its path may move; --data is
+    compared by content where both records hold its SHA-256."""
     from megaloop.config_utils import ConfigError
 
-    diffs = [f"{RESUME_FIELDS[k]} {old[k]!r} -> {new.get(k)!r}" for k in RESUME_FIELDS
-             if k in old and old[k] != new.get(k)]
+    def same(k: str) -> bool:
+        if k == "teacher" and teacher_digest:
+            return True
+        if k == "data" and old.get("data_sha256") and new.get("data_sha256"):
+            return old["data_sha256"] == new["data_sha256"]
+        return old[k] == new.get(k)
+
+    diffs = [f"{RESUME_FIELDS[k]} {old[k]!r} -> {new.get(k)!r}" for k in RESUME_FIELDS if k in old and not same(k)]
     if diffs:
         raise ConfigError(f"--resume: {where} was trained with other flags: {', '.join(diffs)}; resume with the "
                           "same flags (only --steps may grow) or start a fresh --out")
@@ -340,7 +355,7 @@ def _check_resume(ckpt: Path, record: dict, deepspeed: str | None) -> dict:
     stored = checkpoint_facts(ckpt, tag, RUN_FILE)
     check_tool(stored, f"{ckpt}/{tag}", "student")
     if isinstance(stored.get("run"), dict):
-        _compare_runs(stored["run"], record, f"{ckpt}/{tag}")
+        _compare_runs(stored["run"], record, f"{ckpt}/{tag}", teacher_digest=bool(stored.get("teacher_digest")))
     check_layout(stored, f"{ckpt}/{tag}", world=launched_world(), deepspeed=deepspeed)
     step = stored.get("step")
     if isinstance(step, int) and record["steps"] < step:

@@ -285,8 +285,9 @@ def warn_prompt_lengths(model, tok, task, spec: str, max_new_tokens: int) -> Non
 def _check_resume(ckpt: Path, cfg, meta: dict, deepspeed: str | None) -> dict:
     """The latest checkpoint's recorded facts (:func:`megaloop.post.runs.checkpoint_facts`), after
     refusing — before the model loads — a ``--resume`` on another engine or process count, with
-    settings that change the training (``--model`` included; each named, old → new) or with a
-    ``--steps`` below the checkpoint's step."""
+    settings that change the training (each named, old → new; ``--model`` by path only for a checkpoint
+    that recorded no weights digest, else by its weights once loaded) or with a ``--steps`` below the
+    checkpoint's step."""
     from megaloop.config_utils import ConfigError
     from megaloop.post.engine import launched_world
     from megaloop.post.rl.grpo import config_dict, refuse_changes
