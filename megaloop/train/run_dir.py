@@ -3,6 +3,8 @@ lost, and no setting is silently ignored.
 
 - :class:`RunDirLock`: one run per run directory (an exclusive ``flock`` on ``RUN/.megaloop.lock``
   held by rank 0 for the run's lifetime; released by the kernel if the process dies).
+- :func:`finish_interrupted_publish`: a re-save of a step killed between its two renames is
+  finished (or undone) once the lock is held, before any rank looks for the checkpoint to resume.
 - :func:`check_fresh_start`: a run started without ``--resume`` refuses a directory that holds
   another run's checkpoints (``--resume auto`` continues it).
 - :func:`check_resume_source` / :func:`set_aside_newer`: resuming from a checkpoint of this run
@@ -51,7 +53,10 @@ class RunDirLock:
         self.fd: int | None = None
         self.created = False  # rank 0 made the run directory (release may remove it again)
 
-    def acquire(self, rank: int) -> None:
+    def acquire(self, rank: int, held: Callable[[], None] | None = None) -> None:
+        """Collective: rank 0 takes the lock (else :class:`RunDirError` on every rank) and then, before the
+        other ranks go on, runs ``held`` (repairs only the lock holder may make, e.g.
+        :func:`finish_interrupted_publish`)."""
         holder, taken, unusable, fd = "", False, "", None
         if rank == 0:
             try:
@@ -85,6 +90,8 @@ class RunDirLock:
                 self.fd = fd
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{lock_holder()}\n".encode(), 0)
+                if held is not None:
+                    held()
         if not _agree(not taken):
             who = f" ({holder})" if holder else ""
             raise RunDirError(f"--run-dir {self.path.parent}: another megaloop run is using it{who}; wait for it "
@@ -118,6 +125,32 @@ class RunDirLock:
         if discard_unused and self.created and [p.name for p in self.path.parent.iterdir()] == [LOCK_NAME]:
             self.path.unlink()
             self.path.parent.rmdir()
+
+
+def finish_interrupted_publish(ckpt: CheckpointManager) -> None:
+    """Rank 0, the run directory locked: finish a re-save of a step that a kill cut between its two
+    renames (:meth:`CheckpointManager._publish`: ``step_N`` -> ``.old_step_N``, ``.tmp_step_N`` ->
+    ``step_N``), which left no ``step_N``: the resume went back to an older checkpoint, the next save
+    deleted the new copy and ``.old_step_N`` stayed for good. The complete new copy is published, else
+    the old one is put back; a ``.old_step_N`` beside its ``step_N`` is removed. One line each; a
+    failure warns (the resume then starts from the newest ``step_*`` as before)."""
+    from megaloop.train.checkpoint import is_complete
+
+    for old in sorted(ckpt.root.glob(".old_step_*")) if ckpt.root.is_dir() else ():
+        final, new = ckpt.root / old.name[len(".old_"):], ckpt.root / f".tmp_{old.name[len('.old_'):]}"
+        try:
+            if final.exists():
+                shutil.rmtree(old)
+                continue
+            use = new if new.is_dir() and is_complete(new) else old
+            os.rename(use, final)
+            if use is new:
+                shutil.rmtree(old)
+            print(f"{final.name}: a save of it was cut short between its renames; "
+                  f"{'its new copy' if use is new else 'the copy it replaced'} is {final} again", flush=True)
+        except OSError as err:
+            print(f"warning: {old} left as it is ({err.strerror}): a save of {final.name} was cut short; "
+                  f"move it to {final} to resume from it", flush=True)
 
 
 def check_run_dir_location(run_dir: Path, data_paths: dict[str, str | None], *, flag: str = "--run-dir",

@@ -44,7 +44,7 @@ from megaloop.train.grads import finalize_grads, grads_finite
 from megaloop.train.metrics import MetricsLogger, nonfinite_warning, prior_metrics, renew_wandb_id
 from megaloop.train.run_dir import (RunDirLock, check_fresh_start, check_resume_source, check_run_dir_location,
                                     check_saved_layout, check_saved_optim, check_saved_seeds, init_only_changes,
-                                    keep_init_fields, set_aside_newer, vocab_hint)
+                                    finish_interrupted_publish, keep_init_fields, set_aside_newer, vocab_hint)
 from megaloop.train.run_files import init_tokenizer_warning, keep_tokenizer, record_data, recorded_content
 from megaloop.train.schedule import build_scheduler
 from megaloop.train.val_set import check_val_manifest, mixval_plan, read_val_batches
@@ -87,7 +87,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.run_dir / "checkpoints", keep=cfg.train.keep_checkpoints)
         check_run_dir_location(self.run_dir, {"data.path": cfg.data.path, "data.val_path": cfg.data.val_path})
         self._lock = RunDirLock(self.run_dir)
-        self._lock.acquire(self.rank)  # one run per directory; released when run() ends
+        self._lock.acquire(self.rank, held=lambda: finish_interrupted_publish(self.ckpt))  # released when run() ends
         resume_path = self.ckpt.resolve(self.resume) if self.resume else None
         if self.resume is None:
             check_fresh_start(self.ckpt, self.run_dir)

@@ -178,6 +178,53 @@ def test_latest_is_the_newest_complete_checkpoint_whatever_the_pointer_says(tmp_
     assert (root / "latest").read_text() == "step_00000008" and newest.is_dir()
 
 
+def test_a_resave_cut_between_its_renames_is_finished_when_the_next_run_takes_the_lock(tmp_path, capsys):
+    """_publish re-saving step N renames step_N to .old_step_N, then .tmp_step_N to step_N; a kill between
+    the two left no step_N: the resume went back to an older step, the next save deleted the new copy and
+    .old_step_N stayed for good. The next run holding the lock publishes the new copy (else puts the
+    old one back) and drops an .old_step_N whose step_N exists."""
+    from megaloop.train.run_dir import RunDirLock, finish_interrupted_publish
+
+    root = tmp_path / "checkpoints"
+    _fake_checkpoint(root, 2)
+    for step, new in ((4, True), (6, False)):  # the new copy complete / never written
+        os.rename(_fake_checkpoint(root, step), root / f".old_step_{step:08d}")
+        if new:
+            (_fake_checkpoint(root, 40) / "megaloop.json").write_text(json.dumps({"step": 4, "new": True}))
+            os.rename(root / "step_00000040", root / f".tmp_step_{step:08d}")
+    _fake_checkpoint(root, 8)
+    (root / ".old_step_00000008").mkdir()  # killed after the publish, before the old copy's removal
+    ckpt = CheckpointManager(root)
+    assert ckpt.latest().name == "step_00000008" and len(ckpt.complete_checkpoints()) == 2
+    lock = RunDirLock(tmp_path)
+    lock.acquire(0, held=lambda: finish_interrupted_publish(ckpt))
+    lock.release()
+    assert [p.name for p in ckpt.complete_checkpoints()] == ["step_00000002", "step_00000004", "step_00000006",
+                                                           "step_00000008"]
+    assert json.loads((root / "step_00000004" / "megaloop.json").read_text()) == {"step": 4, "new": True}
+    assert json.loads((root / "step_00000006" / "megaloop.json").read_text()) == {"step": 6}
+    assert not list(root.glob(".old_step_*")) and not list(root.glob(".tmp_step_*"))
+    out = capsys.readouterr().out
+    assert "step_00000004: a save of it was cut short between its renames; its new copy is" in out, out
+    assert "step_00000006: a save of it was cut short between its renames; the copy it replaced is" in out, out
+    assert "step_00000008" not in out
+
+
+def test_a_resave_cut_between_its_renames_resumes_from_that_step(tmp_path):
+    """The trainer repairs the cut re-save before it looks for the checkpoint: --resume auto goes on
+    from step 4 (it went back to step 2 and redid steps 3-4)."""
+    run_train(tmp_path, "train.max_steps=4", "train.save_interval=2")
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_00000004", root / ".tmp_step_00000004")
+    os.rename(root / "step_00000004", root / ".old_step_00000004")
+    before = metrics(tmp_path)
+    proc = run_train(tmp_path, "train.max_steps=5", "train.save_interval=2", resume="auto")
+    assert "step_00000004: a save of it was cut short between its renames; its new copy is" in proc.stdout
+    assert "resumed" in proc.stdout and [r["step"] for r in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    assert metrics(tmp_path)[:4] == before
+    assert not list(root.glob(".old_step_*")) and not list(root.glob(".tmp_step_*"))
+
+
 # ---------------------------------------------------------------- 5: a superseded checkpoint
 def test_resuming_an_own_superseded_checkpoint_is_refused_with_the_true_reason(tmp_path):
     root = tmp_path / "checkpoints"
