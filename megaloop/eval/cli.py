@@ -44,8 +44,7 @@ def _common(p: argparse.ArgumentParser, *, cache_choices=("terminal", "per_visit
 
 def add_eval_parser(sub) -> None:
     """Add ``eval`` (with ``ppl``, ``sweep``, ``states``, ``copying``, ``fixed-point``, ``harness``, ``synth``)."""
-    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl | sweep | states | copying | fixed-point | harness | "
-                                     "synth")
+    ev = sub.add_parser("eval", help="evaluate a checkpoint: ppl|sweep|states|copying|fixed-point|harness|synth")
     esub = ev.add_subparsers(dest="eval_cmd", required=True)
 
     p = esub.add_parser("ppl", help="PPL: native, terminal-sharing and per-visit protocols + sharing penalty")
@@ -60,7 +59,8 @@ def add_eval_parser(sub) -> None:
     p = esub.add_parser("sweep", help="PPL across depths: table + PNG plot")
     _common(p, cache_choices=None)  # --sharing scores both cache modes
     p.add_argument("--depths", default="1,2,4,5,8,16,32,64", help="comma-separated depths")
-    p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth")
+    p.add_argument("--sharing", action="store_true", help="also terminal / per-visit PPL and penalty per depth, "
+                   "beside the native PPL of the same tokens (after the prefix)")
     p.add_argument("--prefix-len", type=int, default=None, help="tokens prefilled by --sharing (default half)")
     p.add_argument("--plot", default=None, help="PNG path (default: next to --json, else depth_sweep.png)")
     hide_options(p, "decode_depth", "max_depth")  # refused (cmd_eval_sweep): each row decodes, and caps its depth, at R
@@ -357,10 +357,11 @@ def cmd_eval_sweep(args: argparse.Namespace) -> int:
                   ("native", "terminal", "per_visit") if args.sharing else ("native",))
     res = depth_sweep(engine, data, depths, sharing=args.sharing, prefill_depth=args.prefill_depth,
                       batch_size=args.batch_size, prefix_len=args.prefix_len)
-    cols = ["R", "native PPL"] + (["terminal PPL", "per-visit PPL", "penalty %"] if args.sharing else [])
-    rows = [[r["depth"], r["native_ppl"]] + ([r["terminal_ppl"], r["per_visit_ppl"], r["sharing_penalty_pct"]]
-                                             if args.sharing else []) for r in res["rows"]]
-    table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, rows)
+    keys = ["native_ppl"] + ["native_ppl_second_half", "terminal_ppl", "per_visit_ppl", "sharing_penalty_pct"] * args.sharing
+    cols = ["R", "native PPL" + " (all)" * args.sharing] + ["native (2nd half)", "terminal PPL", "per-visit PPL",
+                                                           "penalty %"] * args.sharing  # the caches' tokens: 2nd half
+    table(f"PPL vs depth — {data.num_seqs} × {data.seq_len} tokens", cols, [[r["depth"]] + [r[k] for k in keys]
+                                                                            for r in res["rows"]])
     for r in res["rows"]:
         for mode, stats in (r.get("adaptive_depths") or {}).items():
             print(f"R={r['depth']} adaptive decode ({stats['criterion']}, max depth {stats['max_depth']}, {mode} "
@@ -453,8 +454,7 @@ def cmd_eval_copying(args: argparse.Namespace) -> int:
           ["R", "CE first (nats)", "CE repeat (nats)", "copy gain (nats)"], rows)
     write_json(args.json, {"command": "eval copying", "engine": engine.describe(), "half_len": half,
                            "num_seqs": args.num_seqs, "seed": args.seed, "excluded_ids": sorted(special),
-                           **lengths(engine, 2 * half),
-                           "depths": res})
+                           **lengths(engine, 2 * half), "depths": res})
     return 0
 
 

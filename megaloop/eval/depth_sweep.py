@@ -54,7 +54,9 @@ def row_policy(policy, depth: int):
 def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, *, sharing: bool = False,
                 prefill_depth: Optional[int] = None, batch_size: int = 4, reference_depth: Optional[int] = None,
                 log=None, prefix_len: Optional[int] = None) -> dict:
-    """Rows ``{depth, native_ppl, [terminal_ppl, per_visit_ppl, sharing_penalty_pct]}`` plus
+    """Rows ``{depth, native_ppl, [native_ppl_second_half, terminal_ppl, per_visit_ppl, sharing_penalty_pct]}``
+    (``native_ppl`` over every position; the cache protocols and ``native_ppl_second_half`` over the
+    positions after the prefix, the same tokens) plus
     ``reference_depth`` (default the engine's depth, i.e. the training/eval depth) and
     ``extrapolation_pct`` = 100·(PPL at the deepest depth / PPL at the reference − 1).
     ``prefix_len``: tokens prefilled by the sharing protocols (default half the sequence). With
@@ -78,7 +80,8 @@ def depth_sweep(engine, data: EvalData, depths: Sequence[int] = DEFAULT_DEPTHS, 
             engine.exit = saved
         row = {"depth": d, "native_ppl": res.native_ppl, "seconds": res.seconds, "in_sweep": d in depths}
         if sharing:
-            row.update(terminal_ppl=res.terminal_ppl, per_visit_ppl=res.per_visit_ppl,
+            row.update(native_ppl_second_half=res.native_ppl_second_half,  # the positions the caches score
+                       terminal_ppl=res.terminal_ppl, per_visit_ppl=res.per_visit_ppl,
                        sharing_penalty_pct=res.sharing_penalty_pct)
             if base is not None:  # None: R < min_depth, the row decodes at fixed depth R
                 row["adaptive_depths"] = res.adaptive_depths
@@ -99,11 +102,12 @@ def plot_sweep(result: dict, path: str | Path, title: str = "PPL vs recurrence d
     rows = result["rows"]
     xs = [r["depth"] for r in rows]
     fig, ax = new_figure(figsize=(6, 4), dpi=120)
-    series = [("native_ppl", "native (parallel forward)", "o-")]
-    if result.get("sharing"):
-        series += [("terminal_ppl", "terminal KV sharing", "s--"), ("per_visit_ppl", "per-visit (full KV)", "^:")]
+    series = [("native_ppl", "native (parallel forward, all positions)", "o-"),
+              ("native_ppl_second_half", "native (after the prefix)", "x-"),  # with --sharing: the caches' tokens
+              ("terminal_ppl", "terminal KV sharing", "s--"), ("per_visit_ppl", "per-visit (full KV)", "^:")]
     for key, label, style in series:
-        ax.plot(xs, [r[key] for r in rows], style, label=label)
+        if key in rows[0]:
+            ax.plot(xs, [r[key] for r in rows], style, label=label)
     ax.axvline(result["reference_depth"], color="grey", lw=0.8, ls="--", label=f"R={result['reference_depth']}")
     ax.set_xscale("log", base=2)
     lo, hi = min(xs + [result["reference_depth"]]), max(xs + [result["reference_depth"]])

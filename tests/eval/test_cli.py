@@ -27,7 +27,8 @@ def cli(megatron_world, monkeypatch, capsys):
     return run
 
 
-def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
+def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # rich wraps the tables' headers at 80
     ck = str(trained_run)
     code, out, _ = cli("eval", "ppl", "--checkpoint", ck, "--max-seqs", "2", "--json", str(tmp_path / "ppl.json"))
     assert code == 0 and "sharing penalty" in out and "terminal cache" in out
@@ -41,6 +42,12 @@ def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path):
     assert code == 0 and "\nextrapolation: PPL(R=4) / PPL(R=3)" in out and (tmp_path / "sweep.png").is_file()
     sweep = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["depth"] for r in sweep["rows"]] == [1, 4] and sweep["prefix_len"] == 32
+    # the native column is over every position, the caches' over the positions after the prefix: the table and
+    # JSON give the native PPL of those too (at R=1 per-visit is the plain forward: a 25 % "gain" showed)
+    assert "native PPL (all)" in out and "native (2nd half)" in out, out
+    r1 = sweep["rows"][0]
+    assert r1["native_ppl_second_half"] != r1["native_ppl"]
+    assert abs(r1["native_ppl_second_half"] / r1["per_visit_ppl"] - 1) < 1e-4, r1
     assert (sweep["seq_len"], sweep["training_seq_len"], sweep["rope_extrapolated"]) == (128, 128, False)
     code, out, err = cli("eval", "sweep", "--checkpoint", ck, "--max-seqs", "1", "--depths", "1", "--seq-len", "160",
                          "--json", str(tmp_path / "s160.json"), "--plot", str(tmp_path / "s160.png"))
