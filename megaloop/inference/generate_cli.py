@@ -272,11 +272,35 @@ def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtyp
     """The :class:`~megaloop.inference.engine.InferenceEngine` of the options (``--student`` attached)."""
     from megaloop.inference.engine import InferenceEngine
 
-    return InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
-                                tokenizer=args.tokenizer, student=getattr(args, "student", None), depth=args.depth,
-                                prefill_depth=args.prefill_depth, decode_depth=args.decode_depth, cache_mode=cache_mode,
-                                max_context=args.max_context, exit_criterion=args.exit, min_depth=args.min_depth,
-                                max_depth=args.max_depth, finished_rows=args.finished_rows)
+    engine = InferenceEngine.load(args.checkpoint, device=args.device, dtype=dtype or args.dtype,
+                                  tokenizer=args.tokenizer, student=getattr(args, "student", None), depth=args.depth,
+                                  prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
+                                  cache_mode=cache_mode, max_context=args.max_context, exit_criterion=args.exit,
+                                  min_depth=args.min_depth, max_depth=args.max_depth, finished_rows=args.finished_rows)
+    if getattr(args, "cmd", None) == "generate" or getattr(args, "eval_cmd", None) in ("ppl", "harness"):  # decode
+        note_folder_generation_settings(engine, cache=getattr(args, "cache", None) in ("terminal", "per_visit"))
+    return engine
+
+
+def note_folder_generation_settings(engine, *, cache: bool) -> None:
+    """One note on stderr when an HF folder's config.json sets generation settings (``prefill_recurrences``,
+    ``decode_recurrences``, ``kv_cache_mode``: HF ``generate``'s defaults) other than the ones this command
+    runs at: megaloop takes its own options (default the depth R and the terminal cache), and ran at
+    them without a word while HF generate on the same folder used the folder's. ``cache``: the command
+    decodes through the one cache mode its --cache names, so ``kv_cache_mode`` is compared too."""
+    if engine.source.get("kind") != "hf":
+        return
+    cfg, used = engine.config, {"prefill_recurrences": engine.prefill_depth, "decode_recurrences": engine.decode_depth}
+    if cache:
+        used["kv_cache_mode"] = engine.cache_mode
+    differ = {k: (getattr(cfg, k, None), v) for k, v in used.items() if getattr(cfg, k, None) not in (None, v)}
+    if differ:
+        flags = {"prefill_recurrences": "--prefill-depth", "decode_recurrences": "--decode-depth",
+                 "kv_cache_mode": "--cache"}
+        print(f"note: {engine.source['path']}'s config.json sets {', '.join(f'{k}={a}' for k, (a, _) in differ.items())}"
+              f" (HF generate's defaults); this command runs at "
+              f"{', '.join(f'{flags[k]} {b}' for k, (_, b) in differ.items())}, its own options", file=sys.stderr,
+              flush=True)
 
 
 def write_json(path: Optional[str], payload: dict) -> None:

@@ -379,3 +379,26 @@ def test_ppl_on_an_untied_model_prints_no_sharing_penalty(megatron_world, hf_unt
     out = capsys.readouterr().out
     assert done.value.code == 0 and "sharing penalty: none (an untied model has one pass" in out, out
     assert "PPL_terminal/PPL_fullKV" not in out
+
+
+def test_a_folders_generation_settings_other_than_the_commands_are_noted(cli, hf, tmp_path):
+    """An HF folder saved with prefill_recurrences / decode_recurrences / kv_cache_mode (HF generate's
+    defaults, the README's from_pretrained example): megaloop generate ran at its own defaults (R, R,
+    terminal) without a word while HF generate on the folder used the folder's."""
+    import shutil
+
+    folder = tmp_path / "hf_settings"
+    shutil.copytree(hf, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "prefill_recurrences": 8, "decode_recurrences": 4,
+                                                    "kv_cache_mode": "per_visit"}))
+    run = ("generate", "--prompt", "ab", "--max-new-tokens", "2", "--device", "cpu", "--checkpoint")
+    code, err = cli(*run, str(folder))
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert code == 0 and notes == [f"note: {folder}'s config.json sets prefill_recurrences=8, decode_recurrences=4, "
+                                   "kv_cache_mode=per_visit (HF generate's defaults); this command runs at "
+                                   "--prefill-depth 3, --decode-depth 3, --cache terminal, its own options"], err
+    code, err = cli(*run, str(folder), "--prefill-depth", "8", "--decode-depth", "4", "--cache", "per_visit")
+    assert code == 0 and "note:" not in err, err
+    code, err = cli(*run, str(hf))
+    assert code == 0 and "note:" not in err, err
