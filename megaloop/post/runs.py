@@ -144,6 +144,25 @@ def write_sidecar(ckpt: str | Path, tag: str, name: str, payload: dict) -> None:
     atomic_write_text(d / name, json.dumps(payload, indent=1, default=str))
 
 
+def save_checkpoint(engine, ckpt: str | Path, tag: str, state: dict, sidecar: str, fields: dict) -> None:
+    """Rank 0 writes ``ckpt/tag/<sidecar>`` (``fields``: readable before a model loads), then ``engine``
+    saves ``state`` and moves ``latest``, so ``latest`` never names a step without its sidecar. A save
+    that fails or is interrupted (a second Ctrl-C during the stop's save) has rank 0 remove the step
+    folder it made, which ``latest`` never named: it stayed, empty or with the sidecar alone."""
+    import shutil
+
+    d = Path(ckpt) / tag
+    made = engine.rank == 0 and not d.exists()
+    try:
+        if engine.rank == 0:
+            write_sidecar(ckpt, tag, sidecar, fields)
+        engine.save(ckpt, tag, state)
+    except BaseException:
+        if made and latest_tag(Path(ckpt)) != tag:
+            shutil.rmtree(d, ignore_errors=True)
+        raise
+
+
 def latest_tag(ckpt: Path) -> str | None:
     f = Path(ckpt) / "latest"
     try:

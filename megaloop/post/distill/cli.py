@@ -207,14 +207,12 @@ def _run(args: argparse.Namespace) -> int:
     before = float((client.get("seconds") if args.resume else 0.0) or 0.0)
 
     def save(step: int) -> None:
-        from megaloop.post.runs import sidecar_fields, write_sidecar
+        from megaloop.post.runs import save_checkpoint, sidecar_fields
 
-        tag = f"step{step:06d}"
         state = {"step": step, "sigma2": sigma2, "run": record, "seconds": before + time.time() - t0,
-                 "teacher_digest": digest}
-        if lead:  # readable before anything is loaded, so --resume checks its flags first; written before
-            write_sidecar(ckpt, tag, RUN_FILE, sidecar_fields(state, "megaloop distill-prefill", engine))
-        engine.save(ckpt, tag, state)  # the save moves `latest`, so it never names a step without it
+                 "teacher_digest": digest}  # the sidecar: so --resume checks the flags before anything loads
+        save_checkpoint(engine, ckpt, f"step{step:06d}", state, RUN_FILE,
+                        sidecar_fields(state, "megaloop distill-prefill", engine))
 
     if lead and args.warmup is None and cfg.warmup >= cfg.steps > 0:
         from megaloop.post.distill.prefill_student import warmup_steps

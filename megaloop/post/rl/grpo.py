@@ -419,14 +419,12 @@ class GRPOTrainer:
         """Checkpoint (engine state + step + training seconds) under ``directory/step{N:06d}``, its sidecar
         ``rl_run.json`` (:mod:`megaloop.post.runs`: readable before a model loads) written first by rank 0,
         so ``latest`` never names a step without one (a kill between the two lost it for good)."""
-        from megaloop.post.runs import RL_SIDECAR, sidecar_fields, write_sidecar
+        from megaloop.post.runs import RL_SIDECAR, save_checkpoint, sidecar_fields
 
-        tag = f"step{self.step_no:06d}"
         state = {"step": self.step_no, "config": config_dict(self.cfg), "meta": self.meta,
                  "seconds": self.seconds}
-        if self.engine.rank == 0:
-            write_sidecar(directory, tag, RL_SIDECAR, sidecar_fields(state, "megaloop rl", self.engine, **self.record))
-        self.engine.save(directory, tag, state)
+        save_checkpoint(self.engine, directory, f"step{self.step_no:06d}", state, RL_SIDECAR,
+                        sidecar_fields(state, "megaloop rl", self.engine, **self.record))
 
     def load(self, directory: str | Path, tag: str | None = None) -> bool:
         """Resume from the latest (or ``tag``) checkpoint in ``directory``; False if there is none.
