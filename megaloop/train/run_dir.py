@@ -84,6 +84,8 @@ class RunDirLock:
                 os.close(fd)
                 print(f"warning: {self.path}: could not lock the run directory ({err.strerror}); "
                       "make sure no other run uses it", flush=True)
+                if held is not None:
+                    held()
             else:
                 from megaloop.data._fsutil import lock_holder  # "pid N on HOST", as data-prep locks say
 
@@ -140,7 +142,10 @@ def finish_interrupted_publish(ckpt: CheckpointManager) -> None:
         final, new = ckpt.root / old.name[len(".old_"):], ckpt.root / f".tmp_{old.name[len('.old_'):]}"
         try:
             if final.exists():
-                shutil.rmtree(old)
+                if is_complete(final):  # published; the kill came before the old copy's removal
+                    shutil.rmtree(old)
+                else:  # not this rename's doing (a partial copy, files deleted): left to the user
+                    print(f"warning: {old} kept: {final} is incomplete", flush=True)
                 continue
             use = new if new.is_dir() and is_complete(new) else old
             os.rename(use, final)

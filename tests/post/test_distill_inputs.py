@@ -239,3 +239,12 @@ def test_resume_with_the_teacher_and_data_moved_continues_as_at_their_old_paths(
     moved_text.write_text("Other words entirely, for another run. " * 40)
     err = _resume_error(moved, moved_text, c, capsys)
     assert len(err) == 1 and "--data" in err[0] and "other flags" in err[0], err
+    # a moved teacher whose folder holds another tokenizer: its SHA-256 decides (the path did before)
+    from tests.conftest import bpe_tokenizer
+
+    moved_text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    other = tmp_path / "other_tok"
+    shutil.copytree(moved, other)
+    bpe_tokenizer(other)
+    err = _resume_error(other, moved_text, c, capsys)
+    assert len(err) == 1 and "other flags: the teacher's tokenizer (sha256 " in err[0], err

@@ -194,6 +194,8 @@ def test_a_resave_cut_between_its_renames_is_finished_when_the_next_run_takes_th
             os.rename(root / "step_00000040", root / f".tmp_step_{step:08d}")
     _fake_checkpoint(root, 8)
     (root / ".old_step_00000008").mkdir()  # killed after the publish, before the old copy's removal
+    _fake_checkpoint(root, 10, complete=False)  # an incomplete step_N (a partial copy) keeps its .old_step_N
+    os.rename(_fake_checkpoint(root, 12), root / ".old_step_00000010")
     ckpt = CheckpointManager(root)
     assert ckpt.latest().name == "step_00000008" and len(ckpt.complete_checkpoints()) == 2
     lock = RunDirLock(tmp_path)
@@ -203,8 +205,10 @@ def test_a_resave_cut_between_its_renames_is_finished_when_the_next_run_takes_th
                                                            "step_00000008"]
     assert json.loads((root / "step_00000004" / "megaloop.json").read_text()) == {"step": 4, "new": True}
     assert json.loads((root / "step_00000006" / "megaloop.json").read_text()) == {"step": 6}
-    assert not list(root.glob(".old_step_*")) and not list(root.glob(".tmp_step_*"))
+    assert [p.name for p in root.glob(".old_step_*")] == [".old_step_00000010"]
+    assert not list(root.glob(".tmp_step_*"))
     out = capsys.readouterr().out
+    assert "warning: " in out and ".old_step_00000010 kept: " in out and "step_00000010 is incomplete" in out, out
     assert "step_00000004: a save of it was cut short between its renames; its new copy is" in out, out
     assert "step_00000006: a save of it was cut short between its renames; the copy it replaced is" in out, out
     assert "step_00000008" not in out

@@ -103,7 +103,8 @@ def _run(args: argparse.Namespace) -> int:
     from megaloop.hf.load import check_model_path, load_model
     from megaloop.post.ds_config import load_ds_config
     from megaloop.post.engine import init_post_distributed, launched_world, make_engine
-    from megaloop.post.rl.io import check_out, model_tokenizer, warn_rope_extrapolation
+    from megaloop.post.rl.io import check_out, model_tokenizer, tokenizer_identity, warn_rope_extrapolation
+    from megaloop.post.runs import latest_tag
     from megaloop.runtime.stop import SignalStop, exit_code, stop_line
 
     _check_flags(args)
@@ -142,6 +143,9 @@ def _run(args: argparse.Namespace) -> int:
     teacher.to(device).eval()
     digest = weights_digest(teacher)
     _check_same_teacher(stored.get("teacher_digest"), digest, args.teacher, ckpt)
+    record["tokenizer_sha256"] = tokenizer_identity(tok)["tokenizer_sha256"]  # compared by content on --resume
+    if isinstance(stored.get("run"), dict):
+        _compare_runs(stored["run"], record, f"{ckpt}/{latest_tag(ckpt)}", teacher_digest=bool(stored.get("teacher_digest")))
     try:
         read: dict = {}
         ids = token_stream(tok, args.data, args.max_chars or None, info=read)
@@ -182,8 +186,6 @@ def _run(args: argparse.Namespace) -> int:
         # sidecars, or killed between the save and the sidecar's write), whose client state is in
         # zero_pp_rank_0_mp_rank_00_model_states.pt, a file checkpoint_facts does not read
         if isinstance(client.get("run"), dict) and not stored.get("run"):
-            from megaloop.post.runs import latest_tag
-
             _compare_runs(client["run"], record, f"{ckpt}/{latest_tag(ckpt)}",
                           teacher_digest=bool(client.get("teacher_digest")))
         if not stored.get("teacher_digest"):  # no sidecar read before the load
@@ -318,13 +320,17 @@ def _compare_runs(old: dict, new: dict, where: str, *, teacher_digest: bool = Fa
     from megaloop.config_utils import ConfigError
 
     def same(k: str) -> bool:
-        if k == "teacher" and teacher_digest:
-            return True
+        if k == "teacher" and teacher_digest or k == "tokenizer" and old.get("tokenizer_sha256"):
+            return True  # by content: the teacher's weights, the tokenizer's SHA-256 (below, once it is known)
         if k == "data" and old.get("data_sha256") and new.get("data_sha256"):
             return old["data_sha256"] == new["data_sha256"]
         return old[k] == new.get(k)
 
     diffs = [f"{RESUME_FIELDS[k]} {old[k]!r} -> {new.get(k)!r}" for k in RESUME_FIELDS if k in old and not same(k)]
+    was, now = old.get("tokenizer_sha256"), new.get("tokenizer_sha256")
+    if was and now and was != now:  # the teacher's own (--tokenizer left out) had no check: a moved copy may hold another
+        what = f"--tokenizer {new['tokenizer']!r}" if new.get("tokenizer") else "the teacher's tokenizer"
+        diffs.append(f"{what} (sha256 {was[:12]} -> {now[:12]})")
     if diffs:
         raise ConfigError(f"--resume: {where} was trained with other flags: {', '.join(diffs)}; resume with the "
                           "same flags (only --steps may grow) or start a fresh --out")
