@@ -277,22 +277,31 @@ def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtyp
                                   prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
                                   cache_mode=cache_mode, max_context=args.max_context, exit_criterion=args.exit,
                                   min_depth=args.min_depth, max_depth=args.max_depth, finished_rows=args.finished_rows)
-    if getattr(args, "cmd", None) == "generate" or getattr(args, "eval_cmd", None) in ("ppl", "harness"):  # decode
-        note_folder_generation_settings(engine, cache=getattr(args, "cache", None) in ("terminal", "per_visit"))
+    src = engine.source
+    if src.get("kind") == "checkpoint" and Path(src["path"]).resolve() != Path(args.checkpoint).resolve():
+        print(f"checkpoint: {src['path']} (step {src.get('step')}, the newest in {args.checkpoint})", file=sys.stderr,
+              flush=True)  # a run training there saves newer ones: which step a result is of (it was in --json only)
+    cmd, cache = getattr(args, "eval_cmd", None) or getattr(args, "cmd", None), getattr(args, "cache", None)
+    if cmd in ("generate", "ppl", "harness") and cache != "none":  # the commands that prefill and decode
+        keys = ["prefill_recurrences"] * (getattr(args, "student", None) is None)  # a student prefills
+        keys += ["decode_recurrences"] * (cmd != "ppl" or args.exit is not None)  # ppl: one parallel pass
+        keys += ["kv_cache_mode"] * (cmd != "ppl" and cache in ("terminal", "per_visit"))  # ppl: its protocols
+        note_folder_generation_settings(engine, keys)
     return engine
 
 
-def note_folder_generation_settings(engine, *, cache: bool) -> None:
-    """One note on stderr when an HF folder's config.json sets generation settings (``prefill_recurrences``,
-    ``decode_recurrences``, ``kv_cache_mode``: HF ``generate``'s defaults) other than the ones this command
-    runs at: megaloop takes its own options (default the depth R and the terminal cache), and ran at
-    them without a word while HF generate on the same folder used the folder's. ``cache``: the command
-    decodes through the one cache mode its --cache names, so ``kv_cache_mode`` is compared too."""
+def note_folder_generation_settings(engine, keys: list[str]) -> None:
+    """One note on stderr when an HF folder's config.json sets generation settings (``keys`` of
+    ``prefill_recurrences``, ``decode_recurrences``, ``kv_cache_mode``: HF ``generate``'s defaults, those
+    the command uses) other than the ones this command runs at: megaloop takes its own options (default
+    the depth R and the terminal cache), and ran at them without a word while HF generate on the same
+    folder used the folder's."""
     if engine.source.get("kind") != "hf":
         return
-    cfg, used = engine.config, {"prefill_recurrences": engine.prefill_depth, "decode_recurrences": engine.decode_depth}
-    if cache:
-        used["kv_cache_mode"] = engine.cache_mode
+    cfg = engine.config
+    used = {k: v for k, v in (("prefill_recurrences", engine.prefill_depth), ("decode_recurrences",
+                                                                                engine.decode_depth),
+                              ("kv_cache_mode", engine.cache_mode)) if k in keys}
     differ = {k: (getattr(cfg, k, None), v) for k, v in used.items() if getattr(cfg, k, None) not in (None, v)}
     if differ:
         flags = {"prefill_recurrences": "--prefill-depth", "decode_recurrences": "--decode-depth",

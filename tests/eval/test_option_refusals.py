@@ -402,3 +402,12 @@ def test_a_folders_generation_settings_other_than_the_commands_are_noted(cli, hf
     assert code == 0 and "note:" not in err, err
     code, err = cli(*run, str(hf))
     assert code == 0 and "note:" not in err, err
+    # eval ppl scores its second half in one parallel pass (no decode depth without --exit) and its own
+    # protocols (no cache mode): the prefill depth alone is named
+    text = tmp_path / "t.txt"
+    text.write_text("abc def ghi jkl mno pqr stu vwx yz " * 20)
+    code, err = cli("eval", "ppl", "--checkpoint", str(folder), "--data", str(text), "--seq-len", "32", "--max-seqs",
+                    "1", "--device", "cpu", "--cache", "per_visit")
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert code == 0 and notes == [f"note: {folder}'s config.json sets prefill_recurrences=8 (HF generate's "
+                                   "defaults); this command runs at --prefill-depth 3, its own options"], err
