@@ -83,6 +83,13 @@ def _remove_created(created: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megaloop.runtime.stop import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path: it killed the build without a word
+        return _build(argv)
+
+
+def _build(argv: list[str] | None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.eval_sets import EvalSetsConfig, build_eval_sets
@@ -113,9 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: nothing half-written is published; rerun the same command", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        from megaloop.runtime.stop import interrupt_exit
+
+        how, code = interrupt_exit(err)
+        print(f"{how}: nothing half-written is published; rerun the same command", file=sys.stderr)
+        return code
     except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
         from megaloop.runtime.files import report_storage_full
 

@@ -117,6 +117,13 @@ def _link_default_corpus(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megaloop.runtime.stop import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path, which removes the partial tree
+        return _make(argv)
+
+
+def _make(argv: list[str] | None) -> int:
     args = parse_args(argv)
     from megaloop.errors import UserError, report
     from megaloop.data.synth import SynthConfig, TreeSpec, write_synth_tree
@@ -136,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
                                 add_sources=_link_default_corpus if args.with_default_corpus else None)
     except UserError as err:
         return report(err, "make_synth")
-    except KeyboardInterrupt:  # write_synth_tree removed what it wrote (it was a traceback and half a tree)
-        print(f"make_synth: interrupted: --out {args.out} is as it was", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:  # write_synth_tree removed what it wrote (it was a traceback and half a tree)
+        from megaloop.runtime.stop import interrupt_exit
+
+        how, code = interrupt_exit(err)
+        print(f"make_synth: {how}: --out {args.out} is as it was", file=sys.stderr)
+        return code
     print(json.dumps({"out": str(root), "num_docs": info["num_docs"], "train_chars": info["train_chars"],
                       "heldout": info["heldout"]["num"], **({"linked_sources": info["linked_sources"]}
                                                            if "linked_sources" in info else {})}))

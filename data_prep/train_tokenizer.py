@@ -110,6 +110,13 @@ _END = object()
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megaloop.runtime.stop import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path: it killed the run without a word
+        return _train(argv)
+
+
+def _train(argv: list[str] | None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.tokenizer import Tokenizer, train_bytelevel_bpe
@@ -152,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: --out {args.out} is as it was", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as err:
+        from megaloop.runtime.stop import interrupt_exit
+
+        how, code = interrupt_exit(err)
+        print(f"{how}: --out {args.out} is as it was", file=sys.stderr)
+        return code
     except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
         from megaloop.runtime.files import report_storage_full
 

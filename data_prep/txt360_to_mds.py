@@ -39,9 +39,7 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import sys
-import threading
 from pathlib import Path
 
 
@@ -86,29 +84,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so the worker pool is stopped and the temporary files removed."""
-
-
-_MAIN_PID = os.getpid()
-
-
-def _on_sigterm(signum, frame):  # noqa: ARG001
-    if os.getpid() != _MAIN_PID:  # a worker forked before it reset the handler: just end
-        os._exit(128 + signum)
-    raise Terminated
-
-
 def main(argv: list[str] | None = None) -> int:
+    from megaloop.runtime.stop import sigterm_raises
+
+    with sigterm_raises():  # SIGTERM stops the worker pool and removes the temporary files, as Ctrl-C does
+        return _convert(argv)
+
+
+def _convert(argv: list[str] | None) -> int:
     args = parse_args(argv)
     from megaloop.data.errors import DataError
     from megaloop.data.mds_convert import ConvertConfig, convert_txt360
     from megaloop.data.txt360 import HoldoutSpec, MixSpec
 
-    global _MAIN_PID
-    _MAIN_PID = os.getpid()
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         tokenizer = args.tokenizer
         if tokenizer == "default":
@@ -129,16 +117,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as err:
-        how = "terminated" if isinstance(err, Terminated) else "interrupted"
+        from megaloop.runtime.stop import interrupt_exit
+
+        how, code = interrupt_exit(err)
         print(f"{how}: finished parts are kept; rerun the same command to resume", file=sys.stderr)
-        return 143 if isinstance(err, Terminated) else 130
+        return code
     except Exception as err:  # a full disk: one line (it was a traceback), else the traceback
         from megaloop.runtime.files import report_storage_full
 
         return report_storage_full(err)
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     run = manifest.pop("_run")
     summary = {k: manifest.get(k) for k in ("total_tokens", "num_sequences", "dropped_tokens",
                                             "pad_tokens", "packing", "vocab_size", "eos_id",

@@ -15,6 +15,7 @@ step (or the final writes) lets the run complete: it exits 0. The previous handl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -101,3 +102,36 @@ def stop_line(prog: str, sig: int, step: int, checkpoint: str | Path | None) -> 
     if checkpoint is None:
         return f"{prog}: {what} at step {step}; no checkpoint was written (exit {code})"
     return f"{prog}: {what} at step {step}: checkpoint {checkpoint} written; continue with --resume (exit {code})"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM inside :func:`sigterm_raises`: raised like Ctrl-C, so a command's interrupt path (worker
+    pools stopped, temporary files removed, one line) runs for it too; exit 143 (128 + SIGTERM)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """For the one-shot tools (data preparation): SIGTERM (slurm, ``timeout``) raises :class:`Terminated`
+    in the main thread instead of killing the process at once, without a word or its clean-up. A
+    process forked inside (a worker that has not reset the handler yet) just ends. The previous
+    handler comes back on exit; off the main thread (signals cannot be set there) nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    main_pid = os.getpid()
+
+    def on_sigterm(signum, frame):  # noqa: ARG001
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def interrupt_exit(err: KeyboardInterrupt) -> tuple[str, int]:
+    """``("terminated" | "interrupted", exit status)`` of an interrupt: 143 for :class:`Terminated`, else 130."""
+    return ("terminated", 143) if isinstance(err, Terminated) else ("interrupted", EXIT_INTERRUPTED)

@@ -151,12 +151,41 @@ def test_a_second_conversion_into_the_same_out_names_the_holder(tmp_path, fixtur
     assert (out / ".lock").read_text() == ""  # no stale holder left for the next one to name
 
 
-def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer, sig):
+    """SIGTERM (slurm, timeout) takes the builder's interrupt path, as the converter's: one line, exit 143
+    (it killed the builder at once, without a word, exit -15)."""
     tree, out = _tree(tmp_path / "tree"), tmp_path / "eval"
     proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL_CLI, "--input", str(tree), "--out", str(out),
                              "--tokenizer", str(fixture_tokenizer), "--workers", "2", "--no-progress"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _kill_main_process(proc, signal.SIGKILL, out, "build_eval_sets")
+    err = _kill_main_process(proc, sig, out, "build_eval_sets")
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143
+        assert err.decode().strip() == "terminated: nothing half-written is published; rerun the same command"
+        assert not out.exists()  # the folder this build created is removed again
+
+
+def test_sigterm_stops_the_tokenizer_trainer_with_one_line(tmp_path):
+    """train_tokenizer.py on SIGTERM: --out as it was, one line, exit 143 (it died at once, exit -15)."""
+    tree, out = _tree(tmp_path / "tree"), tmp_path / "tok"
+    slow = ("import os, sys, time\nimport megaloop.data.tokenizer as t\n"
+            "def slow(*a, **k):\n    os.write(1, b'training\\n')\n    time.sleep(120)\n"
+            "t.train_bytelevel_bpe = slow\nimport importlib.util\n"
+            "spec = importlib.util.spec_from_file_location('tt', 'data_prep/train_tokenizer.py')\n"
+            "cli = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(cli)\nsys.exit(cli.main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", slow, "--input", str(tree), "--out", str(out), "--vocab-size",
+                             "300"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"training\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and err.decode().strip() == f"terminated: --out {out} is as it was", err
+    assert not out.exists() and not list(tmp_path.glob(".tok.train_tokenizer-tmp-*"))
 
 
 @pytest.mark.parametrize("tool", ["txt360_to_mds", "build_eval_sets"])
