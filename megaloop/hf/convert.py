@@ -50,6 +50,7 @@ import torch
 
 from megaloop.hf.configuration_megaloop import MegaloopConfig
 from megaloop.hf.errors import ConversionError
+from megaloop.hf.live_read import load_newest
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
 from megaloop.hf.staging import put_back, staging_dir, sweep_stale
 from megaloop.hf.tokenizer_files import check_embedded_corpus, save_tokenizer, tokenizer_info
@@ -144,9 +145,8 @@ def _describe(mcfg) -> str:
 
 # ============================================================================ native model
 def load_native(checkpoint: str | Path, *, seed: int | None = None):
-    """Load a checkpoint into a TP=1/PP=1 FP32 native model in eval mode.
-
-    Returns ``(model: LoopedGPT, model_cfg: ModelConfig, run_cfg: dict, ckpt: Path, common: dict)``.
+    """A checkpoint in a TP=1/PP=1 FP32 native model in eval mode (a run's that may be training there:
+    :func:`megaloop.hf.live_read.load_newest`): ``(LoopedGPT, ModelConfig, run_cfg, ckpt, common)``.
     Starts a 1-process torch.distributed/megatron world if none is running. A missing, incomplete
     or inconsistent checkpoint raises :class:`~megaloop.train.checkpoint.CheckpointError`.
     """
@@ -546,7 +546,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
         raise ConversionError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
     tokenizer = explicit_tokenizer(tokenizer) if tokenizer else None
     out = Path(os.path.abspath(out))
-    native, mcfg, run_cfg, ckpt, common = load_native(checkpoint)
+    native, mcfg, run_cfg, ckpt, common = load_newest(checkpoint)  # a run training there may prune it
     hf_model, tok_path = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences,
                                      tokenizer=tokenizer, log=log)
     cfg = hf_model.config
