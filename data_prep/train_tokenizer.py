@@ -147,7 +147,10 @@ def _train(argv: list[str] | None) -> int:
                 read[0] += 1
                 yield text
 
-        train_bytelevel_bpe(counted(), tmp, vocab_size=args.vocab_size)
+        from megaloop.runtime.stop import sigterm_default
+
+        with sigterm_default():  # the merges run in Rust: a handler would wait for them; the next run removes tmp
+            train_bytelevel_bpe(counted(), tmp, vocab_size=args.vocab_size)
         if not read[0]:
             raise DataError(f"--input {args.input}: no documents to train on")
         publish(tmp, out, args.overwrite, args.out)

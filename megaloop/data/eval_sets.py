@@ -14,7 +14,8 @@ neither set overlaps training (exact duplicates included) and the two sets are d
 
 Each set is an MDS directory with ``manifest.json`` (recording the ``settings`` it was built with).
 Both are packed and checked before anything is written, then written into temp directories and
-renamed into place together; a set already there stays until its replacement is complete, and one
+renamed into place one after the other (a kill between those renames is put right by the same command
+run again); a set already there stays until its replacement is complete, and one
 built with other settings is replaced only with ``overwrite`` (see :func:`build_eval_sets`).
 """
 
@@ -113,7 +114,7 @@ def build_eval_sets(cfg: EvalSetsConfig) -> dict[str, dict]:
     Everything is checked before anything is written: flags, ``--train-manifest``, an ``--out`` that
     holds an MDS dataset (training shards) or lies inside the input tree, sets in ``--out`` built with
     other settings (refused, naming each difference, unless ``overwrite``), and that both sets can be
-    filled. Both sets are then written into temporary folders and renamed into place together: an
+    filled. Both sets are then written into temporary folders and renamed into place, one then the other: an
     existing set stays as it was until the new ones are complete (or if the build fails)."""
     t0 = time.time()
     for name, low in (("val_seq_len", 2), ("screen_seq_len", 2), ("val_sequences_per_source", 1),

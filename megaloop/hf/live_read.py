@@ -25,14 +25,17 @@ class _DropDcpFallback(logging.Filter):
 
 
 def pruned_hint(path: Path) -> str:
-    """`` (…)`` for a ``step_*`` folder that is gone while its ``checkpoints`` folder holds others
-    (a run training there pruned it), else ``""``."""
-    if not path.name.startswith("step_") or path.exists() or not path.parent.is_dir():
+    """`` (…)`` for a ``step_*`` folder that is gone while its ``checkpoints`` folder holds a newer one
+    (a run training there pruned it), else ``""`` (a typo, or a step not written yet)."""
+    from megaloop.train.checkpoint import step_of
+
+    if path.exists() or not path.parent.is_dir() or path.name != f"step_{step_of(path):08d}":
         return ""
-    steps = sorted(p.name for p in path.parent.glob("step_*"))
-    if not steps:
+    newer = [p for p in path.parent.glob("step_*") if step_of(p) > step_of(path)]
+    if not newer:
         return ""
-    return (f" (removed: {path.parent} now holds {steps[-1]}; a run training there prunes its older checkpoints, "
+    newest = max(newer, key=step_of)
+    return (f" (removed: {path.parent} now holds {newest.name}; a run training there prunes its older checkpoints, "
             f"train.keep_checkpoints; pass {path.parent} for its newest)")
 
 
@@ -40,8 +43,9 @@ def load_newest(checkpoint: Union[str, Path], tries: int = 3):
     """:func:`megaloop.hf.convert.load_native` of ``checkpoint`` (a step folder, ``RUN/checkpoints``
     or ``RUN``) resolved once to one step folder, which is read; when that folder is removed during
     the read (pruned by a training run) and ``checkpoint`` named a folder of checkpoints, the newest
-    one is read instead (up to ``tries`` times, a note on stderr each time). CheckpointError naming
-    the step otherwise (a real defect of a folder still there keeps the load's own message)."""
+    one is read instead (up to ``tries`` times, a note on stderr each time; one process only: the
+    ranks of a launch, which read together, would not retry together). CheckpointError naming the
+    step otherwise (a real defect of a folder still there keeps the load's own message)."""
     from megaloop.hf.convert import load_native
     from megaloop.train.checkpoint import CheckpointError, find_checkpoint
 
@@ -58,7 +62,7 @@ def load_newest(checkpoint: Union[str, Path], tries: int = 3):
         except (CheckpointError, OSError):
             if chosen.is_dir():  # still there: the checkpoint itself is at fault
                 raise
-            if chosen.resolve() == given.resolve():
+            if chosen.resolve() == given.resolve() or _several_ranks():  # ranks would not retry together
                 raise CheckpointError(f"checkpoint {chosen} was removed while it was read{pruned_hint(chosen)}") \
                     from None
             if attempt == tries:
@@ -70,6 +74,13 @@ def load_newest(checkpoint: Union[str, Path], tries: int = 3):
         finally:
             root.removeFilter(drop)
     raise AssertionError("unreachable")
+
+
+def _several_ranks() -> bool:
+    import torch
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
 
 
 __all__ = ["load_newest", "pruned_hint"]

@@ -281,11 +281,11 @@ def build_engine(args: argparse.Namespace, *, cache_mode: str = "terminal", dtyp
     if src.get("kind") == "checkpoint" and Path(src["path"]).resolve() != Path(args.checkpoint).resolve():
         print(f"checkpoint: {src['path']} (step {src.get('step')}, the newest in {args.checkpoint})", file=sys.stderr,
               flush=True)  # a run training there saves newer ones: which step a result is of (it was in --json only)
-    cmd, cache = getattr(args, "eval_cmd", None) or getattr(args, "cmd", None), getattr(args, "cache", None)
-    if cmd in ("generate", "ppl", "harness") and cache != "none":  # the commands that prefill and decode
-        keys = ["prefill_recurrences"] * (getattr(args, "student", None) is None)  # a student prefills
+    cmd = getattr(args, "eval_cmd", None) or getattr(args, "cmd", None)
+    if cmd in ("generate", "ppl", "harness"):  # the commands that prefill and decode (harness: generate_until
+        keys = ["prefill_recurrences"] * (getattr(args, "student", None) is None)  # requests, any --cache)
         keys += ["decode_recurrences"] * (cmd != "ppl" or args.exit is not None)  # ppl: one parallel pass
-        keys += ["kv_cache_mode"] * (cmd != "ppl" and cache in ("terminal", "per_visit"))  # ppl: its protocols
+        keys += ["kv_cache_mode"] * (cmd != "ppl")  # ppl scores the protocols --cache names
         note_folder_generation_settings(engine, keys)
     return engine
 

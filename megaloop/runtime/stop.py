@@ -132,6 +132,21 @@ def sigterm_raises():
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+@contextlib.contextmanager
+def sigterm_default():
+    """Inside :func:`sigterm_raises`: SIGTERM ends the process at once again, for a call into native code
+    that does not return to Python for minutes (the tokenizers library's BPE merges), where a Python
+    handler would wait for it to finish; callers leave nothing there a later run cannot clean up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def interrupt_exit(err: KeyboardInterrupt) -> tuple[str, int]:
     """``("terminated" | "interrupted", exit status)`` of an interrupt: 143 for :class:`Terminated`, else 130."""
     return ("terminated", 143) if isinstance(err, Terminated) else ("interrupted", EXIT_INTERRUPTED)

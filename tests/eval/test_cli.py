@@ -30,9 +30,11 @@ def cli(megatron_world, monkeypatch, capsys):
 def test_eval_commands_write_tables_and_json(cli, trained_run, tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")  # rich wraps the tables' headers at 80
     ck = str(trained_run)
-    code, out, _ = cli("eval", "ppl", "--checkpoint", ck, "--max-seqs", "2", "--json", str(tmp_path / "ppl.json"))
+    code, out, err = cli("eval", "ppl", "--checkpoint", ck, "--max-seqs", "2", "--json", str(tmp_path / "ppl.json"))
     assert code == 0 and "sharing penalty" in out and "terminal cache" in out
     res = json.loads((tmp_path / "ppl.json").read_text())
+    # which step a folder resolved to (a run training there saves newer ones; it was in --json only)
+    assert f"checkpoint: {res['engine']['source']['path']} (step 30, the newest in {ck})" in err, err
     assert res["num_seqs"] == 2 and res["terminal_ppl"] != res["per_visit_ppl"]
     assert (res["seq_len"], res["prefix_len"], res["rope_extrapolated"]) == (128, 64, False)
     assert res["engine"]["kv_bytes_per_token"]["terminal"] * 2 == res["engine"]["kv_bytes_per_token"]["per_visit"]

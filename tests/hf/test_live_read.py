@@ -87,6 +87,10 @@ def test_a_step_folder_given_by_path_and_pruned_is_named_with_its_checkpoints_fo
     with pytest.raises(CheckpointError) as err:  # gone before the command reached it (it only said "does not exist")
         load_newest(step)
     assert str(err.value).startswith(f"checkpoint {step} does not exist (removed: {root} now holds step_00000005")
+    for never in ("step_4", "step_00000009"):  # a typo, a step not written yet: no "removed"
+        with pytest.raises(CheckpointError) as err:
+            load_newest(root / never)
+        assert str(err.value) == f"checkpoint {root / never} does not exist", err.value
 
 
 def test_a_checkpoint_still_there_keeps_its_own_error(tmp_path, monkeypatch):
