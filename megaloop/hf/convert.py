@@ -546,7 +546,7 @@ def convert_to_hf(checkpoint: str | Path, out: str | Path, *, dtype: str = "fp32
         raise ConversionError(f"--dtype {dtype}: one of {sorted(DTYPES)}")
     tokenizer = explicit_tokenizer(tokenizer) if tokenizer else None
     out = Path(os.path.abspath(out))
-    native, mcfg, run_cfg, ckpt, common = load_newest(checkpoint)  # a run training there may prune it
+    native, mcfg, run_cfg, ckpt, common = load_newest(checkpoint, load_native)  # a training run may prune it
     hf_model, tok_path = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences,
                                      tokenizer=tokenizer, log=log)
     cfg = hf_model.config

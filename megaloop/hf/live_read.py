@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Union
+from typing import Callable, TypeVar, Union
+
+T = TypeVar("T")
 
 # torch.distributed.checkpoint's loader logs these on the root logger, with exc_info
 _DCP_FALLBACK = ("Global metadata is not found", "Rank local metadata is not found")
@@ -39,14 +41,13 @@ def pruned_hint(path: Path) -> str:
             f"train.keep_checkpoints; pass {path.parent} for its newest)")
 
 
-def load_newest(checkpoint: Union[str, Path], tries: int = 3):
-    """:func:`megaloop.hf.convert.load_native` of ``checkpoint`` (a step folder, ``RUN/checkpoints``
-    or ``RUN``) resolved once to one step folder, which is read; when that folder is removed during
+def load_newest(checkpoint: Union[str, Path], load: Callable[[Path], T], tries: int = 3) -> T:
+    """``load(step folder)`` (:func:`megaloop.hf.convert.load_native`) of ``checkpoint`` (a step folder,
+    ``RUN/checkpoints`` or ``RUN``) resolved once to one step folder; when that folder is removed during
     the read (pruned by a training run) and ``checkpoint`` named a folder of checkpoints, the newest
     one is read instead (up to ``tries`` times, a note on stderr each time; one process only: the
     ranks of a launch, which read together, would not retry together). CheckpointError naming the
     step otherwise (a real defect of a folder still there keeps the load's own message)."""
-    from megaloop.hf.convert import load_native
     from megaloop.train.checkpoint import CheckpointError, find_checkpoint
 
     given = Path(checkpoint)
@@ -58,7 +59,7 @@ def load_newest(checkpoint: Union[str, Path], tries: int = 3):
             raise CheckpointError(f"{err}{pruned_hint(given)}") from None
         root.addFilter(drop)
         try:
-            return load_native(chosen)
+            return load(chosen)
         except (CheckpointError, OSError):
             if chosen.is_dir():  # still there: the checkpoint itself is at fault
                 raise

@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from megaloop.config_utils import ConfigError
-from megaloop.hf.convert import DTYPES, ConversionError, to_hf_model
+from megaloop.hf.convert import DTYPES, ConversionError, load_native, to_hf_model
 from megaloop.hf.live_read import load_newest
 from megaloop.hf.validate import check_conversion
 from megaloop.hf.modeling_megaloop import MegaloopForCausalLM
@@ -326,7 +326,7 @@ def _from_checkpoint(path, num_recurrences: Optional[int], validate: bool, token
     try:
         with _callers_rng():
             _join_launched_world(path)
-            native, mcfg, run_cfg, ckpt, common = load_newest(path)  # a run training there may prune it
+            native, mcfg, run_cfg, ckpt, common = load_newest(path, load_native)  # a training run may prune it
             model, tok = to_hf_model(native, mcfg, run_cfg, ckpt, num_recurrences=num_recurrences, tokenizer=tokenizer)
             check = check_conversion(native, model, seq_len=min(mcfg.seq_len, 64)) if validate else None
     finally:  # also after a failed load (the CPU layer stayed on, redirecting the caller's "cuda" tensors)

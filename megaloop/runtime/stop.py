@@ -11,6 +11,9 @@ command prints one line (:func:`stop_line`) and exits :func:`exit_code`: 75 (``E
 SIGTERM/SIGUSR1: resume me; slurm/common.sh requeues on it) or 130 (``EXIT_INTERRUPTED``, Ctrl-C).
 A second Ctrl-C raises :class:`KeyboardInterrupt` at once (no checkpoint). A signal during the last
 step (or the final writes) lets the run complete: it exits 0. The previous handlers come back on exit.
+
+The one-shot data-preparation tools use :func:`sigterm_raises` instead: SIGTERM raises
+:class:`Terminated` (a ``KeyboardInterrupt``), so their interrupt path cleans up; exit 143.
 """
 
 from __future__ import annotations
@@ -144,7 +147,7 @@ def sigterm_default():
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def interrupt_exit(err: KeyboardInterrupt) -> tuple[str, int]:

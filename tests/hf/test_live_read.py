@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-import megaloop.hf.convert as convert
 from megaloop.hf.live_read import load_newest
 from megaloop.train.checkpoint import CheckpointError
 
@@ -49,17 +48,17 @@ class _Records(logging.Handler):
         self.text += record.getMessage() + "\n"
 
 
-def test_a_newest_checkpoint_pruned_under_the_read_is_read_again(tmp_path, monkeypatch, capsys):
+def test_a_newest_checkpoint_pruned_under_the_read_is_read_again(tmp_path, capsys):
     """--checkpoint RUN while the run trains: its newest step pruned during the read was called "damaged or
     truncated" (exit 2; 1 try in 6 at keep_checkpoints=1); the now-newest one is read, with a note."""
     root = tmp_path / "run" / "checkpoints"
     _step(root, 4)
     calls: list = []
-    monkeypatch.setattr(convert, "load_native", _pruning_load(root, calls, prune=1))
+    load = _pruning_load(root, calls, prune=1)
     caplog = _Records()
     logging.getLogger().addHandler(caplog)
     try:
-        assert load_newest(tmp_path / "run") == ("model", root / "step_00000005")
+        assert load_newest(tmp_path / "run", load) == ("model", root / "step_00000005")
         logging.getLogger().warning("after the read")
     finally:
         logging.getLogger().removeHandler(caplog)
@@ -70,36 +69,34 @@ def test_a_newest_checkpoint_pruned_under_the_read_is_read_again(tmp_path, monke
     assert "after the read" in caplog.text  # ... and only then
 
     calls.clear()  # pruned every time: one line after `tries` reads
-    monkeypatch.setattr(convert, "load_native", _pruning_load(root, calls, prune=9))
     with pytest.raises(CheckpointError, match="its newest checkpoint was removed while it was read, 3 times in a row"):
-        load_newest(root)
+        load_newest(root, _pruning_load(root, calls, prune=9))
 
 
-def test_a_step_folder_given_by_path_and_pruned_is_named_with_its_checkpoints_folder(tmp_path, monkeypatch):
+def test_a_step_folder_given_by_path_and_pruned_is_named_with_its_checkpoints_folder(tmp_path):
     root = tmp_path / "checkpoints"
     step = _step(root, 4)
-    monkeypatch.setattr(convert, "load_native", _pruning_load(root, [], prune=1))
+    load = _pruning_load(root, [], prune=1)
     with pytest.raises(CheckpointError) as err:
-        load_newest(step)
+        load_newest(step, load)
     assert str(err.value) == (f"checkpoint {step} was removed while it was read (removed: {root} now holds "
                               "step_00000005; a run training there prunes its older checkpoints, "
                               f"train.keep_checkpoints; pass {root} for its newest)")
     with pytest.raises(CheckpointError) as err:  # gone before the command reached it (it only said "does not exist")
-        load_newest(step)
+        load_newest(step, load)
     assert str(err.value).startswith(f"checkpoint {step} does not exist (removed: {root} now holds step_00000005")
     for never in ("step_4", "step_00000009"):  # a typo, a step not written yet: no "removed"
         with pytest.raises(CheckpointError) as err:
-            load_newest(root / never)
+            load_newest(root / never, load)
         assert str(err.value) == f"checkpoint {root / never} does not exist", err.value
 
 
-def test_a_checkpoint_still_there_keeps_its_own_error(tmp_path, monkeypatch):
+def test_a_checkpoint_still_there_keeps_its_own_error(tmp_path):
     root = tmp_path / "checkpoints"
     _step(root, 4)
 
     def damaged(ckpt):
         raise CheckpointError("checkpoint X: common.pt is damaged or truncated")
 
-    monkeypatch.setattr(convert, "load_native", damaged)
     with pytest.raises(CheckpointError, match="^checkpoint X: common.pt is damaged or truncated$"):
-        load_newest(root)
+        load_newest(root, damaged)
