@@ -83,10 +83,10 @@ def _remove_created(created: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megaloop.runtime.stop import sigterm_raises
+    from megaloop.runtime.stop import run_interruptible
 
-    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path: it killed the build without a word
-        return _build(argv)
+    # SIGTERM (slurm, timeout) takes the interrupt path, as Ctrl-C does (it killed the build without a word)
+    return run_interruptible(_build, argv, "build_eval_sets")
 
 
 def _build(argv: list[str] | None) -> int:

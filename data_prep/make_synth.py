@@ -117,10 +117,10 @@ def _link_default_corpus(root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megaloop.runtime.stop import sigterm_raises
+    from megaloop.runtime.stop import run_interruptible
 
-    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path, which removes the partial tree
-        return _make(argv)
+    # SIGTERM (slurm, timeout) takes the interrupt path, as Ctrl-C does, which removes the partial tree
+    return run_interruptible(_make, argv, "make_synth")
 
 
 def _make(argv: list[str] | None) -> int:

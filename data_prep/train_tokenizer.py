@@ -110,10 +110,10 @@ _END = object()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megaloop.runtime.stop import sigterm_raises
+    from megaloop.runtime.stop import run_interruptible
 
-    with sigterm_raises():  # SIGTERM (slurm, timeout) takes the interrupt path: it killed the run without a word
-        return _train(argv)
+    # SIGTERM (slurm, timeout) takes the interrupt path, as Ctrl-C does (it killed the run without a word)
+    return run_interruptible(_train, argv, "train_tokenizer")
 
 
 def _train(argv: list[str] | None) -> int:

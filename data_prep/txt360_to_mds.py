@@ -85,10 +85,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megaloop.runtime.stop import sigterm_raises
+    from megaloop.runtime.stop import run_interruptible
 
-    with sigterm_raises():  # SIGTERM stops the worker pool and removes the temporary files, as Ctrl-C does
-        return _convert(argv)
+    # SIGTERM (slurm, timeout) stops the worker pool and removes the temporary files, as Ctrl-C does
+    return run_interruptible(_convert, argv, "txt360_to_mds")
 
 
 def _convert(argv: list[str] | None) -> int:

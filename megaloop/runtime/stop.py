@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -148,6 +149,19 @@ def sigterm_default():
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def run_interruptible(main, argv, prog: str) -> int:
+    """``main(argv)`` inside :func:`sigterm_raises`: an interrupt that escapes it (Ctrl-C or SIGTERM during
+    its imports and argument checks, before its own interrupt path; a second one during its clean-up)
+    is one line ``prog: terminated|interrupted`` and exit 143 / 130, not a traceback."""
+    with sigterm_raises():
+        try:
+            return main(argv)
+        except KeyboardInterrupt as err:
+            how, code = interrupt_exit(err)
+            print(f"{prog}: {how}", file=sys.stderr, flush=True)
+            return code
 
 
 def interrupt_exit(err: KeyboardInterrupt) -> tuple[str, int]:

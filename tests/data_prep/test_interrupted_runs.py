@@ -220,3 +220,24 @@ def test_ctrl_c_stops_the_workers_with_one_line(tmp_path, fixture_tokenizer, too
     err = _kill_main_process(proc, signal.SIGINT, out, tool, group=True)
     assert err.decode().strip() == line
     assert proc.returncode == 130
+
+
+@pytest.mark.parametrize("tool", ["txt360_to_mds", "build_eval_sets", "train_tokenizer", "make_synth"])
+def test_sigterm_before_a_tools_own_interrupt_path_is_one_line(tool):
+    """SIGTERM while a tool still parses its arguments or imports (seconds, before its try): a
+    KeyboardInterrupt traceback and exit 130; now one line and 143."""
+    script = ("import importlib.util, os, sys, time\n"
+              f"spec = importlib.util.spec_from_file_location('t', 'data_prep/{tool}.py')\n"
+              "cli = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(cli)\n"
+              "def slow(argv):\n    os.write(1, b'ready\\n')\n    time.sleep(120)\n"
+              "cli.parse_args = slow\nsys.exit(cli.main([]))")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and err.decode().strip() == f"{tool}: terminated", err
