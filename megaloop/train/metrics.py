@@ -189,7 +189,8 @@ def prior_metrics(sampler, m: dict) -> dict:
     """A step's depth-prior fields: the sampler's mean, entropy and probabilities, and what its
     update ``m`` reports (PopArt scale and baseline, advantages, per-depth CE)."""
     out = {"prior_mean_depth": sampler.mean_depth(), "prior_entropy": sampler.entropy(),
-           "prior_probs": [round(float(p), 6) for p in sampler.probs()]}
+           "prior_probs": [float(f"{float(p):.6g}") for p in sampler.probs()]}  # 6 significant digits: a
+    # tail mass below 5e-7 (r_max 64) showed as 0 at 6 decimals, hiding its moves (plot_prior.py --log)
     for k in ("scale", "baseline", "adv_mean", "adv_abs_mean"):
         if k in m:
             out[f"prior_{k}"] = float(m[k])
