@@ -166,6 +166,21 @@ def test_eval_set_workers_end_with_the_builder(tmp_path, fixture_tokenizer, sig)
         assert not out.exists()  # the folder this build created is removed again
 
 
+def _sigterm_when_ready(cmd: list[str]) -> tuple[subprocess.Popen, bytes]:
+    """Run ``cmd`` (a tool whose patched step prints ``ready`` and sleeps), SIGTERM it once it is ready;
+    (the ended process, its stderr). Nothing is left running, also when an assertion fails."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc, err
+
+
 @pytest.mark.parametrize("phase", ["training", "publishing"])
 def test_sigterm_stops_the_tokenizer_trainer_with_one_line(tmp_path, phase):
     """train_tokenizer.py on SIGTERM while it publishes: --out as it was, one line, exit 143 (it died at
@@ -181,16 +196,7 @@ def test_sigterm_stops_the_tokenizer_trainer_with_one_line(tmp_path, phase):
         + ("t.train_bytelevel_bpe = slow\n" if phase == "training" else "cli.publish = slow\n")
         + "sys.exit(cli.main(sys.argv[1:]))")
     argv = ["--input", str(tree), "--out", str(out), "--vocab-size", "300"]
-    proc = subprocess.Popen([sys.executable, "-c", script, *argv], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline() == b"ready\n"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, err = _sigterm_when_ready([sys.executable, "-c", script, *argv])
     assert not out.exists()
     if phase == "publishing":
         assert proc.returncode == 143 and err.decode().strip() == f"terminated: --out {out} is as it was", err
@@ -231,13 +237,5 @@ def test_sigterm_before_a_tools_own_interrupt_path_is_one_line(tool):
               "cli = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(cli)\n"
               "def slow(argv):\n    os.write(1, b'ready\\n')\n    time.sleep(120)\n"
               "cli.parse_args = slow\nsys.exit(cli.main([]))")
-    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        assert proc.stdout.readline() == b"ready\n"
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    proc, err = _sigterm_when_ready([sys.executable, "-c", script])
     assert proc.returncode == 143 and err.decode().strip() == f"{tool}: terminated", err
