@@ -298,11 +298,10 @@ def note_folder_generation_settings(engine, keys: list[str]) -> None:
     folder used the folder's."""
     if engine.source.get("kind") != "hf":
         return
-    cfg = engine.config
-    used = {k: v for k, v in (("prefill_recurrences", engine.prefill_depth), ("decode_recurrences",
-                                                                                engine.decode_depth),
-                              ("kv_cache_mode", engine.cache_mode)) if k in keys}
-    differ = {k: (getattr(cfg, k, None), v) for k, v in used.items() if getattr(cfg, k, None) not in (None, v)}
+    runs_at = {"prefill_recurrences": engine.prefill_depth, "decode_recurrences": engine.decode_depth,
+               "kv_cache_mode": engine.cache_mode}
+    folder = {k: getattr(engine.config, k, None) for k in keys}
+    differ = {k: (folder[k], runs_at[k]) for k in keys if folder[k] not in (None, runs_at[k])}
     if differ:
         flags = {"prefill_recurrences": "--prefill-depth", "decode_recurrences": "--decode-depth",
                  "kv_cache_mode": "--cache"}
