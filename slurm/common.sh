@@ -57,7 +57,11 @@
 #   MASTER_PORT      1-65535; default: 20000 + SLURM_JOB_ID % 20000
 #   LOG_DIR          default logs/ (in MEGALOOP_START_DIR, beside slurm-*.out); per job:
 #                    $LOG_DIR/$SLURM_JOB_ID/ (node<i>.log, launch.txt, exit_code, trainer_exit)
-#   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH)
+#   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH; one that
+#                    is named must exist)
+#   IDLE_REQUEUES    requeues in a row that may end without a new checkpoint (default 2; 0 = none): a
+#                    stop before the first step (the USR1 warning during set-up, every start) requeued
+#                    the job for ever
 #   SHUTDOWN_TIMEOUT seconds torchrun waits for workers to checkpoint after a signal (default 110)
 #   TORCHRUN_SIGNALS signals torchrun forwards (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1;
 #                    empty = torchrun's default, for torch < 2.8 which lacks --signals-to-handle)
@@ -146,10 +150,16 @@ megaloop_setup() {
   trap '_megaloop_outside_launch' USR1
   [ -n "${SLURM_JOB_NODELIST:-}" ] || megaloop_die "SLURM_JOB_NODELIST is not set (not inside an allocation?)"
   LOG_DIR="$(megaloop_abspath "${LOG_DIR:-logs}")"
+  local venv_named="${VENV:+1}"
   VENV="${VENV:-$ROOT/.venv}"
   if [ "$VENV" != none ]; then
     VENV="$(megaloop_abspath "$VENV")"
+    [ -z "$venv_named" ] || [ -f "$VENV/bin/activate" ] ||
+      megaloop_die "VENV=$VENV is not a virtual environment (no bin/activate); VENV=none uses the PATH's python"
   fi
+  IDLE_REQUEUES="${IDLE_REQUEUES:-2}"
+  case "$IDLE_REQUEUES" in '' | *[!0-9]*) megaloop_die "IDLE_REQUEUES must be a non-negative integer, got '$IDLE_REQUEUES'" ;; esac
+  IDLE_REQUEUES="$((10#$IDLE_REQUEUES))"
   cd "$ROOT" || megaloop_die "cannot cd to $ROOT"
 
   if [ "$VENV" != none ] && [ -f "$VENV/bin/activate" ]; then
@@ -196,7 +206,8 @@ megaloop_setup() {
   export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 
   JOB_LOG_DIR="$LOG_DIR/$SLURM_JOB_ID"
-  mkdir -p "$JOB_LOG_DIR"
+  mkdir -p "$JOB_LOG_DIR" 2>/dev/null && [ -w "$JOB_LOG_DIR" ] ||
+    megaloop_die "LOG_DIR=$LOG_DIR: cannot create the writable folder $JOB_LOG_DIR (the job's logs)"
   megaloop_log "job $SLURM_JOB_ID${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)}: $NODES node(s) [$NODE_LIST]" \
     "x $GPUS_PER_NODE proc(s), rendezvous $RDZV at $MASTER_ADDR:$MASTER_PORT, logs in $JOB_LOG_DIR/"
 }
@@ -224,10 +235,30 @@ _megaloop_outside_launch() {
   megaloop_log "received SIGUSR1 outside a training launch: a launch that has not started requeues the job instead"
 }
 
+_megaloop_idle_requeue_ok() {
+  # $1: the run's latest checkpoint before the launch. Counts the requeues in a row whose launch wrote no
+  # new one ($JOB_LOG_DIR/idle_requeues: the job's folder outlives its requeues); false past IDLE_REQUEUES.
+  local file="$JOB_LOG_DIR/idle_requeues" now="" idle=0
+  [ -n "${MEGALOOP_LATEST:-}" ] || return 0
+  now="$(cat "$MEGALOOP_LATEST" 2>/dev/null || true)"
+  if [ -n "$now" ] && [ "$now" != "$1" ]; then
+    echo 0 >"$file"
+    return 0
+  fi
+  idle="$(tr -dc '0-9' <"$file" 2>/dev/null || true)"
+  idle="$((10#${idle:-0} + 1))"
+  echo "$idle" >"$file"
+  [ "$idle" -gt "$IDLE_REQUEUES" ] || return 0
+  megaloop_log "not requeued: the last $idle start(s) in a row stopped without a new checkpoint in $(dirname "$MEGALOOP_LATEST")" \
+    "(IDLE_REQUEUES=$IDLE_REQUEUES; e.g. the time-limit warning arrives during set-up: give the job a longer --time); sbatch again to resume"
+  return 1
+}
+
 megaloop_train() {
   [ "$#" -ge 2 ] || megaloop_die "megaloop_train CONFIG RUN_DIR [KEY=VALUE ...]"
   local config="$1" run_dir="$2"
   shift 2
+  MEGALOOP_LATEST="$run_dir/checkpoints/latest"
   megaloop_launch -m megaloop.cli train --config "$config" --run-dir "$run_dir" --resume auto "$@"
 }
 
@@ -264,7 +295,11 @@ megaloop_post_main() {
     POST_EXTRA=("${kept[@]}")
   fi
   cmd+=("${POST_EXTRA[@]}")
+  MEGALOOP_LATEST="$OUT/checkpoints/latest"
   megaloop_launch "${cmd[@]}" || rc=$?
+  if [ "$rc" -eq 2 ] && [ -f "$OUT/checkpoints/latest" ]; then  # e.g. changed settings on --resume
+    megaloop_log "under this script a new OUT starts afresh (EXTRA_ARGS' --overwrite is not passed while $OUT holds a checkpoint)"
+  fi
   exit "$rc"
 }
 
@@ -338,6 +373,8 @@ megaloop_launch() {
   MEGALOOP_REQUEUE=0
   MEGALOOP_STOPPED=0
   MEGALOOP_SRUN_PID=""
+  local latest_before=""  # the run's newest checkpoint now: a requeue after none was written counts as idle
+  [ -z "${MEGALOOP_LATEST:-}" ] || latest_before="$(cat "$MEGALOOP_LATEST" 2>/dev/null || true)"
   trap '_megaloop_on_signal USR1' USR1
   trap '_megaloop_on_signal TERM' TERM
   if [ "${MEGALOOP_EARLY_USR1:-0}" = 1 ]; then  # the warning came during set-up: no time left to train
@@ -375,6 +412,7 @@ megaloop_launch() {
   if [ "$MEGALOOP_STOPPED" = 1 ]; then
     [ "$rc" -ne 75 ] || megaloop_log "stopped by SIGTERM: not requeued (sbatch again to resume)"
   elif [ "$rc" -eq 75 ] || { [ "$MEGALOOP_REQUEUE" = 1 ] && [ "$rc" -ne 0 ] && [ "$rc" -ne 2 ]; }; then
+    _megaloop_idle_requeue_ok "$latest_before" || return 75
     megaloop_log "requeueing job $SLURM_JOB_ID (the next start resumes from the latest checkpoint)"
     scontrol requeue "$SLURM_JOB_ID" || megaloop_log "scontrol requeue failed (is the job --requeue-able?)"
     return 75

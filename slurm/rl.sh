@@ -47,6 +47,7 @@ ROOT="$(cd "$ROOT" && pwd)"
 # shellcheck source=slurm/common.sh
 source "$ROOT/slurm/common.sh"
 
+[ "$#" -eq 0 ] || megaloop_die "unknown argument '$1' (settings are environment knobs: EXTRA_ARGS=\"...\" passes options to megaloop rl)"
 [ -n "${MODEL:-}" ] || megaloop_die "MODEL is not set (an HF folder or a megaloop checkpoint)"
 OUT="${OUT:-runs/rl}"
 TASK="${TASK:-arithmetic}"

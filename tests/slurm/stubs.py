@@ -10,7 +10,8 @@ Each stub appends one JSON line ``{"name", "argv", "env", ...}`` to ``$STUB_LOG`
   does) and every node exits 1 (as torchrun does when a worker exits non-zero); or with ``wait`` writes ``$STUB_DIR/ready.<node>`` and waits for SIGUSR1/SIGTERM (then
   records ``got_signal`` and exits 1, as torchrun does when its workers stop on a signal; ``wait:N``: node 0
   first writes the trainer's status N, as with ``worker:N``; ``$STUB_LINGER`` seconds pass between the first
-  signal and the exit).
+  signal and the exit). With ``$STUB_CHECKPOINT`` (a run's ``checkpoints/latest``) node 0 first writes a new
+  step name there, as a run that saved a checkpoint does.
 * ``scontrol``: ``show hostnames`` prints ``$STUB_HOSTS`` (space separated); ``show job ID`` prints a
   job record whose ``Command=`` is ``$STUB_JOB_COMMAND`` (the script sbatch was given), nothing when unset;
   anything else is only recorded (``requeue`` included).
@@ -83,6 +84,10 @@ def handler(signum, _frame):
 signal.signal(signal.SIGUSR1, handler)
 signal.signal(signal.SIGTERM, handler)
 record("torchrun", node=node)
+if os.environ.get("STUB_CHECKPOINT") and node == "0":
+    os.makedirs(os.path.dirname(os.environ["STUB_CHECKPOINT"]), exist_ok=True)
+    with open(os.environ["STUB_CHECKPOINT"], "w") as f:
+        f.write(f"step_{time.time_ns()}\n")
 if mode == "wait" or mode.startswith("wait:"):
     open(os.path.join(os.environ["STUB_DIR"], f"ready.{node}"), "w").close()
     t0 = time.time()
@@ -144,7 +149,8 @@ def stub_env(directory: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "MEGALOOP_ROOT", "STUB_"))
            and k not in ("MASTER_ADDR", "MASTER_PORT", "NODES", "TP", "PP", "VPP", "RUN_DIR",
-                         "DATA_PATH", "VAL_PATH", "EXTRA_ARGS", "GPUS_PER_NODE", "VENV", "LOG_DIR")}
+                         "DATA_PATH", "VAL_PATH", "EXTRA_ARGS", "GPUS_PER_NODE", "VENV", "LOG_DIR",
+                         "IDLE_REQUEUES")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", STUB_LOG=str(directory / "calls.jsonl"),
                STUB_DIR=str(directory))
     env.update(extra)
@@ -171,13 +177,13 @@ def calls(directory: Path, name: str | None = None) -> list[dict]:
     return [r for r in rows if name is None or r["name"] == name]
 
 
-def run_script(script: str, env: dict, expect: int, timeout: int = 60):
-    """``bash slurm/SCRIPT`` in ``env`` (from :func:`stub_env`), run in its STUB_DIR; asserts the exit status."""
+def run_script(script: str, env: dict, expect: int, timeout: int = 60, args: tuple = ()):
+    """``bash slurm/SCRIPT ARGS`` in ``env`` (from :func:`stub_env`), run in its STUB_DIR; asserts the exit status."""
     import subprocess
 
     from tests.conftest import ROOT
 
-    proc = subprocess.run(["bash", str(ROOT / "slurm" / script)], env=env, cwd=env["STUB_DIR"],
+    proc = subprocess.run(["bash", str(ROOT / "slurm" / script), *args], env=env, cwd=env["STUB_DIR"],
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == expect, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc

@@ -152,3 +152,65 @@ def test_preemption_signal_and_requeue(tmp_path: Path, script: str) -> None:
     env = _env(tmp_path / "int", **knob, GPUS_PER_NODE="4", STUB_TORCHRUN="worker:130")  # Ctrl-C: no requeue
     run_script(script, env, expect=130)
     assert not [c for c in calls(tmp_path / "int", "scontrol") if c["argv"][:1] == ["requeue"]]
+
+
+def test_script_arguments_are_refused(tmp_path: Path) -> None:
+    """`sbatch slurm/rl.sh --steps 500` ran the default arm for the default steps without a word (exit 0);
+    options go in EXTRA_ARGS, as the refusal says, and nothing starts."""
+    for script, knob in (("rl.sh", {"MODEL": "/ckpt/hf/S"}), ("distill.sh", {"TEACHER": "/ckpt/hf/L"})):
+        proc = run_script(script, _env(tmp_path, **knob), expect=2, args=("--steps", "5"))
+        assert proc.stderr.strip().splitlines()[-1].startswith("megaloop-slurm: error: unknown argument '--steps' "
+                                                                "(settings are environment knobs: EXTRA_ARGS=")
+    assert not calls(tmp_path, "srun")
+
+
+def test_a_job_that_never_checkpoints_stops_requeueing(tmp_path: Path) -> None:
+    """Every start stopped in set-up (the USR1 warning before the first step: exit 75, no checkpoint) was
+    requeued for ever; IDLE_REQUEUES (2) requeues in a row may write none, the next one is not requeued,
+    and a start that writes a checkpoint starts the count again."""
+    latest = tmp_path / "out" / "checkpoints" / "latest"
+
+    def start(expect_requeue: bool, **extra: str) -> str:
+        before = len([c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]])
+        proc = run_script("rl.sh", _env(tmp_path, MODEL="/ckpt/hf/S", GPUS_PER_NODE="4",
+                                        STUB_TORCHRUN="worker:75", **extra), expect=75)
+        after = len([c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]])
+        assert after == before + expect_requeue, proc.stdout + proc.stderr
+        return proc.stdout + proc.stderr
+
+    start(True)
+    start(True)
+    out = start(False)
+    assert "not requeued: the last 3 start(s) in a row stopped without a new checkpoint in " + str(latest.parent) in out
+    assert "IDLE_REQUEUES=2" in out
+    start(True, STUB_CHECKPOINT=str(latest))  # progress: requeued, and the count starts again
+    start(True)
+    start(True)
+    start(False)
+    (tmp_path / "z").mkdir()
+    env = _env(tmp_path / "z", MODEL="/ckpt/hf/S", STUB_TORCHRUN="worker:75", IDLE_REQUEUES="0")
+    assert "not requeued: the last 1 start(s)" in run_script("rl.sh", env, expect=75).stdout
+    proc = run_script("rl.sh", dict(env, IDLE_REQUEUES="-1"), expect=2)
+    assert "IDLE_REQUEUES must be a non-negative integer, got '-1'" in proc.stderr
+
+
+def test_venv_and_log_dir_that_cannot_be_used_are_named(tmp_path: Path) -> None:
+    """A VENV that is not there ran the job with whatever python came first on PATH (exit 0, no word); a
+    LOG_DIR that cannot be made was mkdir's own message and exit 1. Both are one line naming the knob."""
+    proc = run_script("rl.sh", _env(tmp_path, MODEL="m", VENV=str(tmp_path / "typo")), expect=2)
+    assert proc.stderr.strip() == (f"megaloop-slurm: error: VENV={tmp_path / 'typo'} is not a virtual environment "
+                                   "(no bin/activate); VENV=none uses the PATH's python")
+    (tmp_path / "afile").write_text("")
+    proc = run_script("distill.sh", _env(tmp_path, TEACHER="t", LOG_DIR=str(tmp_path / "afile")), expect=2)
+    assert proc.stderr.strip() == (f"megaloop-slurm: error: LOG_DIR={tmp_path / 'afile'}: cannot create the writable "
+                                   f"folder {tmp_path / 'afile' / '4242'} (the job's logs)")
+    assert not calls(tmp_path, "srun")
+
+
+def test_a_refused_resume_says_how_to_start_afresh_under_the_script(tmp_path: Path) -> None:
+    """The command's refusal of changed settings on --resume suggests --overwrite, which the script drops
+    while OUT holds a checkpoint; the job's log says what works under it."""
+    (tmp_path / "out" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "out" / "checkpoints" / "latest").write_text("step000050")
+    proc = run_script("rl.sh", _env(tmp_path, MODEL="m", STUB_TORCHRUN="worker:2"), expect=2)
+    assert "under this script a new OUT starts afresh" in proc.stdout + proc.stderr

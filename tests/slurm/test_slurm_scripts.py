@@ -154,6 +154,19 @@ def test_the_trainers_exit_75_through_torchrun_requeues(tmp_path: Path) -> None:
     assert not [c for c in calls(tmp_path / "refused", "scontrol") if c["argv"][:1] == ["requeue"]]
 
 
+def test_a_training_job_that_writes_no_checkpoint_stops_requeueing(tmp_path: Path) -> None:
+    """IDLE_REQUEUES counts the requeues whose start wrote no RUN_DIR/checkpoints/latest (the job's own log
+    folder keeps the count across its requeues)."""
+    env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:75", IDLE_REQUEUES="0")
+    proc = run_script("train_L.sh", env, expect=75)
+    assert f"not requeued: the last 1 start(s) in a row stopped without a new checkpoint in {tmp_path / 'run'}" \
+        f"/checkpoints" in proc.stdout
+    assert not [c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]]
+    run_script("train_L.sh", dict(env, STUB_CHECKPOINT=str(tmp_path / "run" / "checkpoints" / "latest")), expect=75)
+    assert ["requeue", "4242"] in [c["argv"] for c in calls(tmp_path, "scontrol")]
+    assert (tmp_path / "logs" / "4242" / "idle_requeues").read_text().strip() == "0"
+
+
 def test_failure_does_not_requeue(tmp_path: Path) -> None:
     env = _slurm_env(tmp_path, STUB_TORCHRUN="exit:1")
     run_script("train_L.sh", env, expect=1)
