@@ -531,10 +531,11 @@ def cmd_eval_fixed_point(args: argparse.Namespace) -> int:
 
 def cmd_eval_harness(args: argparse.Namespace) -> int:
     from megaloop.eval.decode_score import check_scoring
-    from megaloop.eval.harness import MegaloopLM, resolve_tasks, run_harness
+    from megaloop.eval.harness import MegaloopLM, check_task_inputs, resolve_tasks, run_harness
 
-    if args.limit is not None and not (args.limit >= 1 or 0 < args.limit < 1):
-        raise ConfigError(f"--limit: must be >= 1 (examples per task) or a fraction in (0, 1), got {args.limit:g}")
+    if args.limit is not None and not (args.limit.is_integer() and args.limit >= 1 or 0 < args.limit < 1):
+        raise ConfigError(f"--limit: must be a whole number >= 1 (examples per task) or a fraction in (0, 1), "
+                          f"got {args.limit:g}")
     if args.num_fewshot is not None and args.num_fewshot < 0:
         raise ConfigError(f"--num-fewshot: must be >= 0, got {args.num_fewshot}")
     if args.batch_size < 1:
@@ -544,13 +545,12 @@ def cmd_eval_harness(args: argparse.Namespace) -> int:
     _warn_generate_only_options(args, scoring)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     resolved = resolve_tasks(tasks, args.include_path, args.include_defaults)  # before loading the model
+    check_task_inputs(resolved[1], args.include_path, {"--json": args.json})
     engine = build_engine(args, cache_mode="per_visit" if args.cache == "per_visit" else "terminal")
     lm = MegaloopLM(engine, depth=args.depth, prefill_depth=args.prefill_depth, decode_depth=args.decode_depth,
                     cache_mode=args.cache, scoring=args.scoring, batch_size=args.batch_size,
                     memory_check=not args.no_memory_check)
-    limit = args.limit
-    if limit is not None and limit >= 1:
-        limit = int(limit)
+    limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
     res = run_harness(lm, tasks, limit=limit, num_fewshot=args.num_fewshot, resolved=resolved)
     rows = []
     for task, metrics in res["results"].items():

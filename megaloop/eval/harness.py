@@ -148,8 +148,11 @@ class MegaloopLM(LM):
 
     # ------------------------------------------------------------ scoring
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Context / continuation ids; trailing context spaces move to the continuation, and
-        the continuation is the tail of the joint encoding (BPE merges across the boundary)."""
+        """Context / continuation ids as lm-eval's causal models take them: trailing context spaces move to
+        the continuation, the context is encoded alone and the continuation is the joint encoding's tail past
+        that many tokens, also where BPE merges across the boundary (scores then equal ``lm_eval --model hf``
+        on the export; encoding the parts separately there differed from it). A tail merged away entirely
+        (a one-token joint encoding) falls back to the continuation's own encoding."""
         n_space = len(context) - len(context.rstrip())
         if n_space:
             continuation = context[-n_space:] + continuation
@@ -158,9 +161,7 @@ class MegaloopLM(LM):
             return [self.eot_token_id], self.tok_encode(continuation)
         whole = self.tok_encode(context + continuation)
         ctx = self.tok_encode(context)
-        if whole[:len(ctx)] != ctx:  # boundary merged: fall back to separate encodings
-            return ctx, self.tok_encode(continuation)
-        return ctx, whole[len(ctx):]
+        return ctx, whole[len(ctx):] or self.tok_encode(continuation)
 
     def _truncate(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
         """Keep at most ``max_length`` input tokens (context + continuation[:-1]), cutting the
@@ -332,9 +333,9 @@ class _FunctionTag(str):
     """A ``!function module.name`` value of an lm-eval YAML (kept as text)."""
 
 
-def _read_task_yaml(path: Path):
+def _read_task_yaml(path: Path, errors: Optional[list] = None):
     """A task YAML as a dict; lm-eval's ``!function`` tags become :class:`_FunctionTag`; None
-    when unreadable."""
+    when unreadable (``errors`` gets ``"FILE: first line of the YAML error"``)."""
     import yaml
 
     class Loader(yaml.SafeLoader):
@@ -343,18 +344,61 @@ def _read_task_yaml(path: Path):
     Loader.add_multi_constructor("!", lambda loader, tag, node: _FunctionTag(loader.construct_scalar(node)))
     try:
         return yaml.load(path.read_text(), Loader=Loader)  # noqa: S506 - SafeLoader subclass
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        if errors is not None:
+            errors.append(f"{path}: {' '.join(str(err).split())[:200]}")
         return None
 
 
-def _local_task_files(include_path: Sequence[Path]) -> dict[str, Path]:
+def _local_task_files(include_path: Sequence[Path], errors: Optional[list] = None) -> dict[str, Path]:
     out = {}
     for root in include_path:
         for f in sorted(Path(root).rglob("*.yaml")):
-            cfg = _read_task_yaml(f)
+            cfg = _read_task_yaml(f, errors)
             if isinstance(cfg, dict) and isinstance(cfg.get("task"), str):
                 out[cfg["task"]] = f
     return out
+
+
+def _local_data_files(spec: dict) -> list[str]:
+    """The local (not ``scheme://``) paths or glob patterns of an inline spec's ``data_files``."""
+    files = (spec.get("dataset_kwargs") or {}).get("data_files")
+    flat = [files] if isinstance(files, str) else list(files.values()) if isinstance(files, dict) else files or []
+    out: list[str] = []
+    for x in flat:
+        out += [str(y) for y in (x if isinstance(x, list) else [x]) if "://" not in str(y)]
+    return out
+
+
+def check_task_inputs(specs: Sequence, include_path: Optional[Sequence[str | Path]], outputs: dict) -> None:
+    """Before the model loads: every local data file of an inline task exists (a missing one was a
+    ``FileNotFoundError`` traceback from ``datasets`` after the load), and no output path (``outputs``:
+    flag → path) is a file the tasks are read from: a task YAML or ``!function`` module under a task
+    folder, one of their data files, or anything in the shipped task folder (``--json`` overwrote them)."""
+    import glob
+
+    data = {}
+    for spec in specs:
+        if not isinstance(spec, dict):
+            continue
+        for pattern in _local_data_files(spec):
+            found = glob.glob(pattern) if glob.has_magic(pattern) else [pattern] if Path(pattern).is_file() else []
+            if not found:
+                raise ConfigError(f"--tasks {spec.get('task')}: its data file {pattern} does not exist "
+                                  "(data_files of its YAML, relative to the YAML's folder)")
+            data.update({Path(f).resolve(): spec.get("task") for f in found})
+    for flag, out in outputs.items():
+        if not out:
+            continue
+        o = Path(out).expanduser().resolve()
+        what = f"the data file of task {data[o]}" if o in data else None
+        for root in [TASKS_DIR, *(include_path or [])]:
+            r = Path(root).resolve()
+            if r in o.parents and (r == TASKS_DIR.resolve() or o.suffix in (".yaml", ".yml", ".py")):
+                what = f"a file of the task folder {root}"
+        if what:
+            raise ConfigError(f"{flag} {out}: is {what}, which the tasks read; writing it would overwrite the "
+                              "command's own input, choose another path")
 
 
 def task_specs(tasks: Sequence[str], include_path: Sequence[Path]) -> list:
@@ -407,9 +451,11 @@ def resolve_tasks(tasks: Sequence[str], include_path: Optional[Sequence[str | Pa
     specs = task_specs(list(tasks), paths)
     unknown = [s for s in specs if isinstance(s, str) and s not in manager.all_tasks]
     if unknown:
-        shipped = sorted(_local_task_files(paths))
+        errors: list = []
+        shipped = sorted(_local_task_files(paths, errors))
         raise ConfigError(f"--tasks: unknown task(s) {unknown}; local tasks: {shipped}"
-                          + ("" if include_defaults else " (add --include-defaults for lm-eval's own tasks)"))
+                          + ("" if include_defaults else " (add --include-defaults for lm-eval's own tasks)")
+                          + (f"; task files that are not valid YAML: {'; '.join(errors)}" if errors else ""))
     return manager, specs
 
 
@@ -478,6 +524,9 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
                               f"({', '.join(tasks)}) has; lower --num-fewshot") from None
         raise
     except Exception as err:  # noqa: BLE001 - a dataset lm-eval could not download
+        if type(err).__name__ == "UndefinedError":  # jinja2's: a template field the task's data lacks
+            raise ConfigError(f"--tasks {','.join(tasks)}: a task's prompt template names a field its data does "
+                              f"not have ({err})") from None
         if not _is_dataset_load_error(err):
             raise
         raise ConfigError(f"--tasks {','.join(tasks)}: the dataset of a task could not be loaded "
@@ -488,11 +537,15 @@ def run_harness(lm: MegaloopLM, tasks: Sequence[str], *, limit: Optional[float] 
                           f"{os.environ.get('LOCAL_RANK')}): it runs as one process; unset LOCAL_RANK (left by a "
                           "launcher) or run it without torchrun")
     results = {}
-    for task, metrics in (out or {}).get("results", {}).items():
-        results[task] = {k.split(",")[0]: v for k, v in metrics.items()
+    for task, metrics in (out or {}).get("results", {}).items():  # lm-eval's "metric,filter": ",none" dropped
+        results[task] = {k[:-len(",none")] if k.endswith(",none") else k: v for k, v in metrics.items()
                          if k not in ("alias", "name") and "stderr" not in k}
+    from importlib.metadata import version
+
     return {"results": results, "n_samples": (out or {}).get("n-samples", {}),
-            "config": {"depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
+            "versions": (out or {}).get("versions", {}), "n_shot": (out or {}).get("n-shot", {}),
+            "lm_eval_version": version("lm_eval"),
+            "config": {"seed": seed, "batch_size": lm.batch_size, "depth": lm.depth, "prefill_depth": lm.prefill_depth, "decode_depth": lm.decode_depth,
                        "cache_mode": lm.cache_mode, "scoring": lm.scoring, "limit": limit, "num_fewshot": num_fewshot,
                        "exit": describe_policy(getattr(lm, "policy", None)),
                        "rope_extrapolated": getattr(lm, "rope_extrapolated", False),
