@@ -208,6 +208,7 @@ megaloop_setup() {
   JOB_LOG_DIR="$LOG_DIR/$SLURM_JOB_ID"
   mkdir -p "$JOB_LOG_DIR" 2>/dev/null && [ -w "$JOB_LOG_DIR" ] ||
     megaloop_die "LOG_DIR=$LOG_DIR: cannot create the writable folder $JOB_LOG_DIR (the job's logs)"
+  [ "${SLURM_RESTART_COUNT:-0}" != 0 ] || rm -f "$JOB_LOG_DIR/idle_requeues"  # a first start: no count carried over
   megaloop_log "job $SLURM_JOB_ID${SLURM_RESTART_COUNT:+ (restart $SLURM_RESTART_COUNT)}: $NODES node(s) [$NODE_LIST]" \
     "x $GPUS_PER_NODE proc(s), rendezvous $RDZV at $MASTER_ADDR:$MASTER_PORT, logs in $JOB_LOG_DIR/"
 }
@@ -245,12 +246,12 @@ _megaloop_idle_requeue_ok() {
     echo 0 >"$file"
     return 0
   fi
-  idle="$(tr -dc '0-9' <"$file" 2>/dev/null || true)"
+  [ ! -f "$file" ] || idle="$(tr -dc '0-9' <"$file" || true)"
   idle="$((10#${idle:-0} + 1))"
   echo "$idle" >"$file"
   [ "$idle" -gt "$IDLE_REQUEUES" ] || return 0
   megaloop_log "not requeued: the last $idle start(s) in a row stopped without a new checkpoint in $(dirname "$MEGALOOP_LATEST")" \
-    "(IDLE_REQUEUES=$IDLE_REQUEUES; e.g. the time-limit warning arrives during set-up: give the job a longer --time); sbatch again to resume"
+    "(IDLE_REQUEUES=$IDLE_REQUEUES; e.g. the time-limit warning arrives during set-up: give the job a longer --time); submit it again to resume"
   return 1
 }
 
@@ -298,7 +299,7 @@ megaloop_post_main() {
   MEGALOOP_LATEST="$OUT/checkpoints/latest"
   megaloop_launch "${cmd[@]}" || rc=$?
   if [ "$rc" -eq 2 ] && [ -f "$OUT/checkpoints/latest" ]; then  # e.g. changed settings on --resume
-    megaloop_log "under this script a new OUT starts afresh (EXTRA_ARGS' --overwrite is not passed while $OUT holds a checkpoint)"
+    megaloop_log "if it refused changed settings: under this script a new OUT starts afresh (EXTRA_ARGS' --overwrite is not passed while $OUT holds a checkpoint)"
   fi
   exit "$rc"
 }

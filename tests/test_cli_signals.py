@@ -19,13 +19,13 @@ import pytest
 from tests.conftest import ROOT, clean_env
 
 # where the process signals itself: in the imports (megaloop.cli._quiet) or once the trainer is built
-AT_IMPORT = "megaloop.cli._quiet = (lambda q: lambda: (q(), os.kill(os.getpid(), SIG)))(megaloop.cli._quiet)"
+AT_IMPORT = "megaloop.cli._quiet = (lambda q: lambda: (q(), signal.raise_signal(SIG)))(megaloop.cli._quiet)"
 AT_TRAINER = textwrap.dedent("""
     import megaloop.train.trainer as tr
     _init = tr.Trainer.__init__
     def _init_then_signal(self, *a, **k):
         _init(self, *a, **k)
-        os.kill(os.getpid(), SIG)
+        signal.raise_signal(SIG)
     tr.Trainer.__init__ = _init_then_signal
 """)
 
@@ -64,7 +64,7 @@ AT_TRAINER_IMPORT = textwrap.dedent("""
         def find_spec(self, name, path=None, target=None):
             if name == "megaloop.train.trainer":
                 sys.meta_path.remove(self)
-                os.kill(os.getpid(), SIG)
+                signal.raise_signal(SIG)
             return None
     sys.meta_path.insert(0, _SignalOnImport())
 """)
@@ -89,7 +89,7 @@ def test_a_sigterm_outside_a_sweeps_runs_is_one_line_and_130(tmp_path):
         def _then_signal(f):
             def g(*a, **k):
                 out = f(*a, **k)
-                os.kill(os.getpid(), SIG)
+                signal.raise_signal(SIG)
                 return out
             return g
         sc.build_screen = _then_signal(sc.build_screen)
@@ -129,7 +129,7 @@ def test_after_the_loop_a_stop_signal_has_its_default_action_again(tmp_path):
         import megaloop.train.trainer as tr
         _close = tr.Trainer.close
         def _close_then_signal(self, *a, **k):
-            os.kill(os.getpid(), SIG)
+            signal.raise_signal(SIG)
             return _close(self, *a, **k)
         tr.Trainer.close = _close_then_signal
     """)

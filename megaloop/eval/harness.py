@@ -151,8 +151,8 @@ class MegaloopLM(LM):
         """Context / continuation ids as lm-eval's causal models take them: trailing context spaces move to
         the continuation, the context is encoded alone and the continuation is the joint encoding's tail past
         that many tokens, also where BPE merges across the boundary (scores then equal ``lm_eval --model hf``
-        on the export; encoding the parts separately there differed from it). A tail merged away entirely
-        (a one-token joint encoding) falls back to the continuation's own encoding."""
+        on the export; encoding the parts separately there differed from it). An empty tail (the joint
+        encoding no longer than the context's), which lm-eval cannot score, takes the continuation's own."""
         n_space = len(context) - len(context.rstrip())
         if n_space:
             continuation = context[-n_space:] + continuation
@@ -375,23 +375,27 @@ def check_task_inputs(specs: Sequence, include_path: Optional[Sequence[str | Pat
     ``FileNotFoundError`` traceback from ``datasets`` after the load), and no output path (``outputs``:
     flag → path) is a file the tasks are read from: a task YAML or ``!function`` module under a task
     folder, one of their data files, or anything in the shipped task folder (``--json`` overwrote them)."""
+    import fnmatch
     import glob
 
-    data = {}
+    data, patterns = {}, []
     for spec in specs:
         if not isinstance(spec, dict):
             continue
         for pattern in _local_data_files(spec):
-            found = glob.glob(pattern) if glob.has_magic(pattern) else [pattern] if Path(pattern).is_file() else []
+            found = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else \
+                [pattern] if Path(pattern).is_file() else []
             if not found:
                 raise ConfigError(f"--tasks {spec.get('task')}: its data file {pattern} does not exist "
                                   "(data_files of its YAML, relative to the YAML's folder)")
             data.update({Path(f).resolve(): spec.get("task") for f in found})
+            patterns.append((str(Path(pattern).resolve()), spec.get("task")))  # a file the pattern would match later
     for flag, out in outputs.items():
         if not out:
             continue
         o = Path(out).expanduser().resolve()
-        what = f"the data file of task {data[o]}" if o in data else None
+        task = data.get(o) or next((t for pat, t in patterns if fnmatch.fnmatch(str(o), pat)), None)
+        what = f"the data file of task {task}" if task else None
         for root in [TASKS_DIR, *(include_path or [])]:
             r = Path(root).resolve()
             if r in o.parents and (r == TASKS_DIR.resolve() or o.suffix in (".yaml", ".yml", ".py")):

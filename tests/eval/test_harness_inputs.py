@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megaloop.eval.harness import TASKS_DIR, MegaloopLM, resolve_tasks, run_harness
+from megaloop.config_utils import ConfigError
+from megaloop.eval.harness import TASKS_DIR, MegaloopLM, check_task_inputs, resolve_tasks, run_harness
 
 TWO_FILTERS = """task: two_filters
 dataset_path: json
@@ -126,4 +127,19 @@ def test_a_merge_across_the_boundary_splits_as_lm_evals_causal_models(trained_en
         differs += want[1] != trained_engine.encode(cont)
         assert lm._encode_pair(ctx, cont) == want, (ctx, cont)
     assert differs  # splits where the tail is not the continuation's own encoding (the old fallback's)
-    assert resolve_tasks(["megaloop_toy_mc"])[1] == ["megaloop_toy_mc"]
+
+
+def test_globbed_data_files_and_template_fields(trained_engine, tmp_path):
+    """A `**` pattern matches files at any depth, as datasets reads it (it was refused); an output that the
+    pattern would match is one of the task's data files (the next run would read it); a template field the
+    data lacks is one line, not jinja's traceback."""
+    tasks = _tasks(tmp_path / "tasks")
+    (tasks / "two_filters.yaml").write_text(TWO_FILTERS.replace("data/qa.jsonl", "data/**/*.jsonl"))
+    _, specs = resolve_tasks(["two_filters"], [tasks])
+    check_task_inputs(specs, [tasks], {})
+    with pytest.raises(ConfigError, match="is the data file of task two_filters"):
+        check_task_inputs(specs, [tasks], {"--json": str(tasks / "data" / "new" / "results.jsonl")})
+    (tasks / "two_filters.yaml").write_text(TWO_FILTERS.replace("{{q}}", "{{question}}"))
+    with pytest.raises(ConfigError, match=r"^--tasks two_filters: a task's prompt template names a field its data "
+                                          r"does not have \('question' is undefined\)$"):
+        run_harness(MegaloopLM(trained_engine, cache_mode="none"), ["two_filters"], include_path=[tasks], limit=1)

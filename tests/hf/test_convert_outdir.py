@@ -193,7 +193,7 @@ def test_sigterm_during_an_export_removes_its_staging_folder(run, tmp_path):
     out = tmp_path / "hf"
     code = "\n".join([
         "import os, signal, megaloop.cli, megaloop.hf.convert as c",
-        "c.plain_mode = lambda *a: os.kill(os.getpid(), signal.SIGTERM)  # the weights are in the staging folder",
+        "c.plain_mode = lambda *a: signal.raise_signal(signal.SIGTERM)  # the weights are in the staging folder",
         f"megaloop.cli.main(['convert', '--checkpoint', {str(run)!r}, '--out', {str(out)!r}, '--no-validate'])"])
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**clean_env(), "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)

@@ -36,7 +36,7 @@ def _send(step: int, when: str) -> None:
     rank = int(os.environ.get("RANK", "0"))
     for name, at, w, who in PLAN:
         if at == step and w == when and who in (None, rank):
-            os.kill(os.getpid(), getattr(signal, name))
+            signal.raise_signal(getattr(signal, name))
 
 
 def _install() -> None:

@@ -172,13 +172,14 @@ def test_a_job_that_never_checkpoints_stops_requeueing(tmp_path: Path) -> None:
 
     def start(expect_requeue: bool, **extra: str) -> str:
         before = len([c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]])
+        extra = {"SLURM_RESTART_COUNT": "1", **extra}  # a requeued start (a first one starts the count afresh)
         proc = run_script("rl.sh", _env(tmp_path, MODEL="/ckpt/hf/S", GPUS_PER_NODE="4",
                                         STUB_TORCHRUN="worker:75", **extra), expect=75)
         after = len([c for c in calls(tmp_path, "scontrol") if c["argv"][:1] == ["requeue"]])
         assert after == before + expect_requeue, proc.stdout + proc.stderr
         return proc.stdout + proc.stderr
 
-    start(True)
+    assert "idle_requeues" not in start(True)  # no stray line about the count's file, which is not there yet
     start(True)
     out = start(False)
     assert "not requeued: the last 3 start(s) in a row stopped without a new checkpoint in " + str(latest.parent) in out
@@ -187,6 +188,7 @@ def test_a_job_that_never_checkpoints_stops_requeueing(tmp_path: Path) -> None:
     start(True)
     start(True)
     start(False)
+    start(True, SLURM_RESTART_COUNT="0")  # a first start (a job id used again) carries no count over
     (tmp_path / "z").mkdir()
     env = _env(tmp_path / "z", MODEL="/ckpt/hf/S", STUB_TORCHRUN="worker:75", IDLE_REQUEUES="0")
     assert "not requeued: the last 1 start(s)" in run_script("rl.sh", env, expect=75).stdout
@@ -213,4 +215,4 @@ def test_a_refused_resume_says_how_to_start_afresh_under_the_script(tmp_path: Pa
     (tmp_path / "out" / "checkpoints").mkdir(parents=True)
     (tmp_path / "out" / "checkpoints" / "latest").write_text("step000050")
     proc = run_script("rl.sh", _env(tmp_path, MODEL="m", STUB_TORCHRUN="worker:2"), expect=2)
-    assert "under this script a new OUT starts afresh" in proc.stdout + proc.stderr
+    assert "if it refused changed settings: under this script a new OUT starts afresh" in proc.stdout + proc.stderr

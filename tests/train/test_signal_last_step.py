@@ -4,7 +4,6 @@ because there is nothing left to resume."""
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -30,7 +29,7 @@ def test_signal_during_the_last_step_completes_the_run(tmp_path, capsys, sig, ea
         def train_step():
             rec = step_fn()
             if t.step == step:
-                os.kill(os.getpid(), sig)  # delivered to run()'s handler while this step finishes
+                signal.raise_signal(sig)  # delivered to run()'s handler while this step finishes
             return rec
 
         t.train_step = train_step
