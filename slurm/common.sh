@@ -57,11 +57,8 @@
 #   MASTER_PORT      1-65535; default: 20000 + SLURM_JOB_ID % 20000
 #   LOG_DIR          default logs/ (in MEGALOOP_START_DIR, beside slurm-*.out); per job:
 #                    $LOG_DIR/$SLURM_JOB_ID/ (node<i>.log, launch.txt, exit_code, trainer_exit)
-#   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH; one that
-#                    is named must exist)
-#   IDLE_REQUEUES    requeues in a row that may end without a new checkpoint (default 2; 0 = none): a
-#                    stop before the first step (the USR1 warning during set-up, every start) requeued
-#                    the job for ever
+#   VENV             virtual env to activate (default $ROOT/.venv if present; "none" = use PATH; a named one must exist)
+#   IDLE_REQUEUES    requeues in a row that may end without a new checkpoint (default 2; 0 = none)
 #   SHUTDOWN_TIMEOUT seconds torchrun waits for workers to checkpoint after a signal (default 110)
 #   TORCHRUN_SIGNALS signals torchrun forwards (default SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1;
 #                    empty = torchrun's default, for torch < 2.8 which lacks --signals-to-handle)
@@ -237,8 +234,7 @@ _megaloop_outside_launch() {
 }
 
 _megaloop_idle_requeue_ok() {
-  # $1: the run's latest checkpoint before the launch. Counts the requeues in a row whose launch wrote no
-  # new one ($JOB_LOG_DIR/idle_requeues: the job's folder outlives its requeues); false past IDLE_REQUEUES.
+  # $1: the latest checkpoint before the launch; counts launches in a row that wrote none (false past IDLE_REQUEUES)
   local file="$JOB_LOG_DIR/idle_requeues" now="" idle=0
   [ -n "${MEGALOOP_LATEST:-}" ] || return 0
   now="$(cat "$MEGALOOP_LATEST" 2>/dev/null || true)"
