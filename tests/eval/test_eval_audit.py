@@ -186,8 +186,8 @@ def test_default_plot_never_replaces_an_earlier_one(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv, msg", [
     (["eval", "ppl", "--decode-depth", "50"], "--decode-depth: eval ppl scores the second half in one parallel pass"),
-    (["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "0"], "--limit: must be >= 1"),
-    (["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "-1"], "--limit: must be >= 1"),
+    (["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "0"], "--limit: must be a whole number >= 1"),
+    (["eval", "harness", "--tasks", "megaloop_toy_mc", "--limit", "-1"], "--limit: must be a whole number >= 1"),
     (["eval", "harness", "--tasks", "megaloop_toy_mc", "--num-fewshot", "-1"], "--num-fewshot: must be >= 0"),
     (["eval", "harness", "--tasks", "megaloop_toy_mc", "--batch-size", "0"], "--batch-size: must be >= 1"),
     (["eval", "ppl", "--device", "bogus"], "--device bogus: not a device"),
