@@ -294,9 +294,8 @@ megaloop_post_main() {
   cmd+=("${POST_EXTRA[@]}")
   MEGALOOP_LATEST="$OUT/checkpoints/latest"
   megaloop_launch "${cmd[@]}" || rc=$?
-  if [ "$rc" -eq 2 ] && [ -f "$OUT/checkpoints/latest" ]; then  # e.g. changed settings on --resume
+  [ "$rc" -ne 2 ] || [ ! -f "$OUT/checkpoints/latest" ] ||  # e.g. changed settings refused on --resume
     megaloop_log "if it refused changed settings: under this script a new OUT starts afresh (EXTRA_ARGS' --overwrite is not passed while $OUT holds a checkpoint)"
-  fi
   exit "$rc"
 }
 
